@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Quickstart command 2 (and CI): install what is missing, then run the whole CPU test suite.
+# GPU tests are marked `gpu` and skip themselves where no GPU is present.
+set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
+export TRITON_INTERPRET=1   # Triton kernels run on CPU tensors; must be set before any @triton.jit
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+        || echo "warning: chromium could not be installed; browser tests will be skipped" >&2
+fi
+ruff check .
+set +e
+python -m pytest "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+    echo "error: pytest collected no tests" >&2
+    exit 1
+fi
+exit "$rc"

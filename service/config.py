@@ -1,0 +1,189 @@
+"""Daemon settings: one frozen object built from env vars (``EMBCACHE_*``) and CLI flags.
+
+Sizes accept plain integers or values like ``4GiB``, ``256KiB``, ``1.5GB``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any) -> int:
+    """Parse ``4GiB`` / ``256KiB`` / ``1e6``-free integers into a byte count."""
+    if isinstance(value, bool):
+        raise ValueError("a size must be a number of bytes, not a boolean")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"size {value!r} is not a whole number of bytes")
+        size = int(value)
+    elif isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"cannot parse size {value!r} (expected e.g. 4GiB, 256KiB, 1048576)")
+        number, unit = match.groups()
+        scaled = float(number) * _UNITS[unit.lower()]
+        if not scaled.is_integer():
+            raise ValueError(f"size {value!r} is not a whole number of bytes")
+        size = int(scaled)
+    else:
+        raise ValueError(f"cannot parse size {value!r}")
+    if size < 0:
+        raise ValueError(f"size {value!r} is negative")
+    return size
+
+
+def format_size(nbytes: int) -> str:
+    """Human-readable binary size, e.g. ``256.0 KiB``."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_size)]
+
+_LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+
+
+def is_loopback(host: str) -> bool:
+    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+
+
+class Settings(BaseSettings):
+    """Everything the daemon can be told. Env var ``EMBCACHE_<FIELD>`` or flag ``--<field>``."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="EMBCACHE_", frozen=True, extra="forbid", validate_default=True
+    )
+
+    # Pools
+    host_pool_bytes: ByteSize = Field(
+        1024**3, description="Size of the host page pool (shared memory; pinned on CUDA machines)."
+    )
+    page_bytes: ByteSize = Field(256 * 1024, description="Host page size in bytes.")
+    max_entry_bytes: ByteSize = Field(
+        256 * 1024**2, description="Largest entry accepted; larger puts fail before reserving."
+    )
+    device_pool_bytes: ByteSize = Field(
+        0, description="Device (HBM) pool size per GPU; 0 disables the device tier."
+    )
+    device_page_bytes: ByteSize = Field(256 * 1024, description="Device page size in bytes.")
+    shm_name: str = Field(
+        "",
+        description="Name of the POSIX shared-memory segment of the host pool "
+        "(empty: derived from the gRPC port, 'embcache-<port>').",
+    )
+    # Entries and leases
+    max_key_bytes: int = Field(1024, ge=1, le=65536, description="Longest key, in UTF-8 bytes.")
+    lease_ttl_s: float = Field(
+        60.0, gt=0, description="Lease lifetime unless released or renewed, in seconds."
+    )
+    max_inflight_bytes_per_client: ByteSize = Field(
+        0, description="Bytes one client may have reserved in unfinished puts (0 = pool size)."
+    )
+    # Listeners
+    grpc_host: str = Field("127.0.0.1", description="gRPC TCP bind address.")
+    grpc_port: int = Field(7470, ge=0, le=65535, description="gRPC TCP port (0 = pick a free one).")
+    grpc_socket: Path | None = Field(
+        None, description="gRPC Unix socket path (none: no Unix socket listener)."
+    )
+    http_host: str = Field("127.0.0.1", description="HTTP bind address.")
+    http_port: int = Field(7471, ge=0, le=65535, description="HTTP port (0 = pick a free one).")
+    auth_token: str | None = Field(
+        None, description="Shared secret required on gRPC metadata and HTTP headers."
+    )
+    tls_cert: Path | None = Field(None, description="TLS certificate (PEM) for gRPC and HTTP.")
+    tls_key: Path | None = Field(None, description="TLS private key (PEM).")
+    drain_grace_s: float = Field(
+        10.0, ge=0, description="Seconds SIGTERM waits for in-flight calls."
+    )
+    # Kernels / devices
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="'auto' uses CUDA when present, else CPU mode."
+    )
+    copy_sm_budget: int = Field(
+        16, ge=1, le=1024, description="Most programs the copy kernel may run at once."
+    )
+    copy_backend: str = Field(
+        "auto", description="transfer_ranges backend: auto, kernel, batch, memcpy, torch."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level."
+    )
+
+    @field_validator("page_bytes", "device_page_bytes")
+    @classmethod
+    def _page_size(cls, v: int) -> int:
+        if v < 4096 or v & (v - 1):
+            raise ValueError("must be a power of two of at least 4096 bytes")
+        return v
+
+    @field_validator("host_pool_bytes")
+    @classmethod
+    def _pool_size(cls, v: int) -> int:
+        if v <= 0:
+            raise ValueError("must be positive")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.host_pool_bytes % self.page_bytes:
+            raise ValueError(
+                f"host_pool_bytes ({self.host_pool_bytes}) must be a multiple of "
+                f"page_bytes ({self.page_bytes})"
+            )
+        if self.host_pool_bytes < self.page_bytes:
+            raise ValueError("host_pool_bytes must hold at least one page")
+        if self.device_pool_bytes % self.device_page_bytes:
+            raise ValueError("device_pool_bytes must be a multiple of device_page_bytes")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        exposed = [
+            f"{name}={host}"
+            for name, host in (("grpc_host", self.grpc_host), ("http_host", self.http_host))
+            if not is_loopback(host)
+        ]
+        if exposed and not self.auth_token and self.tls_cert is None:
+            raise ValueError(
+                f"non-loopback bind ({', '.join(exposed)}) needs auth_token or tls_cert/tls_key"
+            )
+        return self
+
+    @property
+    def effective_shm_name(self) -> str:
+        return self.shm_name or f"embcache-{self.grpc_port}"
+
+    @property
+    def num_host_pages(self) -> int:
+        return self.host_pool_bytes // self.page_bytes
+
+    @property
+    def inflight_limit(self) -> int:
+        return self.max_inflight_bytes_per_client or self.host_pool_bytes

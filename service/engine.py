@@ -1,0 +1,499 @@
+"""CacheEngine: the one API every transport uses (see docs/design.md).
+
+One lock guards the tables; byte copies run outside it (a FILLING reservation has one
+writer, a leased entry is never freed). Leases expire lazily inside calls and from the
+daemon's reaper via :meth:`expire_leases`.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import admission
+from .allocator import PageRunAllocator
+from .config import Settings
+from .dtypes import from_torch
+from .entries import Entry, EntryState, EntryTable
+from .errors import (
+    Draining,
+    EntryLeased,
+    InvalidArgument,
+    LeaseExpired,
+    MetadataConflict,
+    NotFound,
+    PoolExhausted,
+    QuotaExceeded,
+)
+from .fill import PutHandle
+from .host_pool import HostPool
+from .leases import Lease, LeaseTable
+from .stats import EngineStats, EntryInfo, PoolStats, run_bucket
+
+log = logging.getLogger(__name__)
+
+PAGE_FREE, PAGE_FILLING, PAGE_READY, PAGE_LEASED = 0, 1, 2, 3
+
+
+class EvictOutcome(enum.Enum):
+    EVICTED = "evicted"
+    NOT_FOUND = "not_found"
+    LEASED = "leased"
+
+
+def cuda_wanted(settings: Settings) -> bool:
+    if settings.device == "cpu":
+        return False
+    available = torch.cuda.is_available()
+    if settings.device == "cuda" and not available:
+        raise RuntimeError("device=cuda but no CUDA device is available")
+    return available
+
+
+class CacheEngine:
+    def __init__(self, settings: Settings, *, clock: Callable[[], float] = time.monotonic):
+        self.settings = settings
+        self._clock = clock
+        self._lock = threading.RLock()
+        self.host_pool = HostPool(
+            settings.effective_shm_name,
+            settings.host_pool_bytes,
+            settings.page_bytes,
+            register_cuda=cuda_wanted(settings),
+        )
+        self._alloc = PageRunAllocator(self.host_pool.num_pages)
+        self._entries = EntryTable()
+        self._filling: dict[int, tuple[Entry, str]] = {}  # put id -> (entry, owner)
+        self._put_ids = itertools.count(1)
+        self._inflight: Counter[str] = Counter()  # owner -> bytes reserved in open puts
+        self._leases = LeaseTable()
+        self._runs_hist: Counter[str] = Counter()
+        self._counters: Counter[str] = Counter()
+        self._draining = False
+        self._closed = False
+
+    # -- puts ----------------------------------------------------------------------------
+    def begin_put(
+        self,
+        key: str,
+        dtype: str,
+        shape: Sequence[int],
+        *,
+        nbytes: int | None = None,
+        checksum: int | None = None,
+        owner: str = "local",
+    ) -> PutHandle:
+        """Validate, then reserve pages for a new entry (evicting LRU entries if needed)."""
+        key = admission.check_key(key, self.settings)
+        meta = admission.check_meta(dtype, shape, nbytes, self.settings)
+        crc = admission.check_checksum(checksum)
+        npages = -(-meta.nbytes // self.settings.page_bytes)
+        with self._lock:
+            self._check_open()
+            existing = self._entries.get(key)
+            if existing is not None:
+                self._check_same_meta(existing, meta.dtype, meta.shape)
+                self._entries.touch(existing)
+                return PutHandle(None, 0, existing, (), crc)
+            if self._inflight[owner] + meta.nbytes > self.settings.inflight_limit:
+                raise QuotaExceeded(
+                    "too many bytes in unfinished puts",
+                    owner=owner,
+                    inflight=self._inflight[owner],
+                    nbytes=meta.nbytes,
+                    limit=self.settings.inflight_limit,
+                )
+            runs = self._reserve(npages, meta.nbytes)
+            entry = Entry(
+                key,
+                meta.dtype,
+                meta.shape,
+                meta.nbytes,
+                tuple(runs),
+                EntryState.FILLING,
+                crc,
+                0,
+                self._clock(),
+            )
+            put_id = next(self._put_ids)
+            self._filling[put_id] = (entry, owner)
+            self._inflight[owner] += meta.nbytes
+        byte_runs = tuple(self.host_pool.byte_runs(entry.runs, meta.nbytes))
+        return PutHandle(self, put_id, entry, byte_runs, crc)
+
+    def put(self, key: str, tensor: torch.Tensor, *, owner: str = "local") -> bool:
+        """Store a CPU tensor in one call. True if created, False if it already existed."""
+        dt = from_torch(tensor.dtype)
+        if dt is None:
+            raise InvalidArgument("unsupported dtype", dtype=str(tensor.dtype))
+        handle = self.begin_put(key, dt.name, tuple(tensor.shape), owner=owner)
+        with handle:
+            handle.write(tensor.detach().cpu().contiguous())
+            return handle.commit()
+
+    def _reserve(self, npages: int, nbytes: int) -> list[tuple[int, int]]:
+        if self._alloc.num_free_pages + self._entries.evictable_pages < npages:
+            raise PoolExhausted(
+                "no room: the pool is full of leased or filling entries",
+                nbytes=nbytes,
+                free_pages=self._alloc.num_free_pages,
+                evictable_pages=self._entries.evictable_pages,
+            )
+        while self._alloc.num_free_pages < npages:
+            victim = self._entries.lru_oldest()
+            assert victim is not None, "evictable page count out of step with the LRU"
+            self._evict_locked(victim)
+        runs = self._alloc.allocate(npages)
+        assert runs is not None, "allocation failed with enough free pages"
+        return runs
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _commit_fill(self, put_id: int) -> bool:
+        with self._lock:
+            if put_id not in self._filling:
+                raise Draining("engine closed before the put committed")
+            entry, _ = self._end_fill(put_id)
+            existing = self._entries.get(entry.key)
+            if existing is not None:  # a concurrent put of the same key committed first
+                self._alloc.free(entry.runs)
+                self._check_same_meta(existing, entry.dtype, entry.shape)
+                return False
+            entry.state = EntryState.READY
+            entry.last_access = self._clock()
+            self._entries.add_ready(entry)
+            self._runs_hist[run_bucket(len(entry.runs))] += 1
+            self._counters["puts_committed"] += 1
+            self._counters["put_bytes"] += entry.nbytes
+            return True
+
+    def _abort_fill(self, put_id: int) -> None:
+        with self._lock:
+            if put_id not in self._filling:
+                return  # already dropped by close()
+            entry, _ = self._end_fill(put_id)
+            self._alloc.free(entry.runs)
+            entry.state = EntryState.FREED
+            self._counters["puts_aborted"] += 1
+
+    def _end_fill(self, put_id: int) -> tuple[Entry, str]:
+        entry, owner = self._filling.pop(put_id)
+        self._inflight[owner] -= entry.nbytes
+        if not self._inflight[owner]:
+            del self._inflight[owner]
+        return entry, owner
+
+    @staticmethod
+    def _check_same_meta(existing: Entry, dtype: Any, shape: tuple[int, ...]) -> None:
+        if not existing.same_meta(dtype, shape):
+            raise MetadataConflict(
+                "key exists with different metadata",
+                key=existing.key,
+                existing_dtype=existing.dtype.name,
+                existing_shape=list(existing.shape),
+                dtype=dtype.name,
+                shape=list(shape),
+            )
+
+    # -- gets and leases -----------------------------------------------------------------
+    def get(
+        self, keys: Sequence[str], owner: str, *, ttl_s: float | None = None
+    ) -> list[Lease | None]:
+        """One lease per key found (None for a miss). Leased entries are never evicted."""
+        ttl = self._ttl(ttl_s)
+        with self._lock:
+            self._check_open()
+            now = self._clock()
+            self._expire_locked(now)
+            out: list[Lease | None] = []
+            for key in keys:
+                entry = self._entries.get(key) if isinstance(key, str) else None
+                if entry is None:
+                    self._counters["misses"] += 1
+                    out.append(None)
+                    continue
+                self._counters["hits"] += 1
+                self._entries.acquire(entry)
+                entry.last_access = now
+                byte_runs = tuple(self.host_pool.byte_runs(entry.runs, entry.nbytes))
+                out.append(self._leases.add(entry, owner, now + ttl, byte_runs))
+            return out
+
+    def _ttl(self, ttl_s: float | None) -> float:
+        if ttl_s is None:
+            return self.settings.lease_ttl_s
+        if not ttl_s > 0:
+            raise InvalidArgument("ttl_s must be positive", ttl_s=ttl_s)
+        return float(ttl_s)
+
+    def release(self, lease_ids: Iterable[int]) -> int:
+        """End leases; unknown or already-ended ids are skipped. Returns how many ended."""
+        with self._lock:
+            return sum(self._end_lease(i) for i in lease_ids)
+
+    def _end_lease(self, lease_id: int) -> bool:
+        lease = self._leases.pop(lease_id)
+        if lease is None:
+            return False
+        self._entries.release(lease.entry)
+        return True
+
+    def renew(self, lease_ids: Iterable[int], ttl_s: float | None = None) -> int:
+        ttl = self._ttl(ttl_s)
+        with self._lock:
+            now = self._clock()
+            self._expire_locked(now)
+            renewed = 0
+            for lease_id in lease_ids:
+                lease = self._leases.get(lease_id)
+                if lease is not None:
+                    self._leases.renew(lease, now + ttl)
+                    renewed += 1
+            return renewed
+
+    def lease_alive(self, lease: Lease) -> bool:
+        with self._lock:
+            return self._leases.get(lease.lease_id) is lease and lease.expires_at > self._clock()
+
+    def drop_owner(self, owner: str) -> int:
+        """A client went away: end every lease it holds."""
+        with self._lock:
+            return sum(self._end_lease(i) for i in self._leases.owned_by(owner))
+
+    def expire_leases(self) -> int:
+        with self._lock:
+            return self._expire_locked(self._clock())
+
+    def _expire_locked(self, now: float) -> int:
+        expired = self._leases.pop_expired(now)
+        for lease in expired:
+            self._entries.release(lease.entry)
+        self._counters["leases_expired"] += len(expired)
+        return len(expired)
+
+    # -- reading bytes -------------------------------------------------------------------
+    def tensor(self, lease: Lease) -> torch.Tensor:
+        """The entry as a tensor: a zero-copy view of the pool when it is one run."""
+        self._require(lease)
+        entry = lease.entry
+        pool = self.host_pool.tensor
+        if lease.contiguous:
+            off = lease.byte_runs[0][0] if lease.byte_runs else 0
+            flat = pool[off : off + entry.nbytes]
+        else:
+            flat = torch.empty(entry.nbytes, dtype=torch.uint8)
+            pos = 0
+            for off, length in lease.byte_runs:
+                flat[pos : pos + length].copy_(pool[off : off + length])
+                pos += length
+            self._require(lease)  # copied while the lease lived, so no page was reused
+        return flat.view(entry.dtype.torch_dtype).view(entry.shape)
+
+    def iter_bytes(
+        self, lease: Lease, offset: int = 0, length: int | None = None, chunk_bytes: int = 1 << 20
+    ) -> Iterator[bytes]:
+        """The entry's bytes ``[offset, offset+length)`` in chunks, copied under the lease."""
+        if length is None:
+            length = lease.nbytes - offset
+        if offset < 0 or length < 0 or offset + length > lease.nbytes or chunk_bytes <= 0:
+            raise InvalidArgument(
+                "byte range outside the entry", offset=offset, length=length, nbytes=lease.nbytes
+            )
+        pool = self.host_pool.array
+        end = offset + length
+        base = 0
+        for off, run_len in lease.byte_runs:
+            lo, hi = max(offset, base), min(end, base + run_len)
+            pos = lo
+            while pos < hi:
+                take = min(chunk_bytes, hi - pos)
+                self._require(lease)
+                data = pool[off + pos - base : off + pos - base + take].tobytes()
+                self._require(lease)  # still leased after the copy: the bytes are the entry's
+                yield data
+                pos += take
+            base += run_len
+
+    def _require(self, lease: Lease) -> None:
+        if not self.lease_alive(lease):
+            raise LeaseExpired("lease has ended", lease_id=lease.lease_id, key=lease.key)
+
+    # -- exists / evict ------------------------------------------------------------------
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        with self._lock:
+            return [isinstance(k, str) and self._entries.get(k) is not None for k in keys]
+
+    def evict(self, keys: Sequence[str]) -> list[EvictOutcome]:
+        """Evict each key unless it is leased (never forced)."""
+        with self._lock:
+            self._expire_locked(self._clock())
+            out = []
+            for key in keys:
+                entry = self._entries.get(key) if isinstance(key, str) else None
+                if entry is None:
+                    out.append(EvictOutcome.NOT_FOUND)
+                elif entry.ref_cnt:
+                    out.append(EvictOutcome.LEASED)
+                else:
+                    self._evict_locked(entry)
+                    out.append(EvictOutcome.EVICTED)
+            return out
+
+    def evict_one(self, key: str) -> None:
+        outcome = self.evict([key])[0]
+        if outcome is EvictOutcome.NOT_FOUND:
+            raise NotFound("no such entry", key=key)
+        if outcome is EvictOutcome.LEASED:
+            raise EntryLeased("entry is leased; it is evicted only once released", key=key)
+
+    def evict_bytes(self, nbytes: int) -> tuple[int, int]:
+        """Evict LRU entries until ``nbytes`` are freed or none is left. (entries, bytes)."""
+        if nbytes < 0:
+            raise InvalidArgument("nbytes must be >= 0", nbytes=nbytes)
+        with self._lock:
+            self._expire_locked(self._clock())
+            count = freed = 0
+            while freed < nbytes and (victim := self._entries.lru_oldest()) is not None:
+                freed += victim.num_pages * self.settings.page_bytes
+                self._evict_locked(victim)
+                count += 1
+            return count, freed
+
+    def _evict_locked(self, entry: Entry) -> None:
+        self._entries.remove(entry)
+        self._alloc.free(entry.runs)
+        self._runs_hist[run_bucket(len(entry.runs))] -= 1
+        self._counters["evictions"] += 1
+        self._counters["evicted_bytes"] += entry.nbytes
+
+    # -- introspection -------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        with self._lock:
+            s = self.settings
+            a = self._alloc
+            used_pages = a.num_pages - a.num_free_pages
+            host = PoolStats(
+                "host",
+                s.host_pool_bytes,
+                used_pages * s.page_bytes,
+                a.num_free_pages * s.page_bytes,
+                s.page_bytes,
+                a.num_pages,
+                used_pages,
+                a.num_free_pages,
+                a.largest_free_run,
+                a.num_free_runs,
+            )
+            c = self._counters
+            return EngineStats(
+                host=host,
+                device=[],
+                entries_ready=len(self._entries),
+                entries_filling=len(self._filling),
+                reserved_filling_bytes=sum(e.num_pages for e, _ in self._filling.values())
+                * s.page_bytes,
+                hits=c["hits"],
+                misses=c["misses"],
+                evictions=c["evictions"],
+                evicted_bytes=c["evicted_bytes"],
+                puts_committed=c["puts_committed"],
+                puts_aborted=c["puts_aborted"],
+                put_bytes=c["put_bytes"],
+                leases_active=len(self._leases),
+                leases_expired=c["leases_expired"],
+                lease_owners=self._leases.owners(),
+                runs_per_entry={k: v for k, v in self._runs_hist.items() if v},
+                bytes_copied={},
+                draining=self._draining,
+            )
+
+    def entry_info(self, key: str) -> EntryInfo | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            return None if entry is None else self._info(entry, self._clock())
+
+    def list_entries(
+        self, offset: int = 0, limit: int = 100, state: str | None = None
+    ) -> tuple[int, list[EntryInfo]]:
+        """Entries in LRU-agnostic key order of insertion; ``state`` filters ready/filling."""
+        with self._lock:
+            now = self._clock()
+            pool: list[Entry] = []
+            if state in (None, "ready"):
+                pool.extend(self._entries.by_key.values())
+            if state in (None, "filling"):
+                pool.extend(e for e, _ in self._filling.values())
+            page = pool[max(offset, 0) : max(offset, 0) + max(limit, 0)]
+            return len(pool), [self._info(e, now) for e in page]
+
+    def _info(self, entry: Entry, now: float) -> EntryInfo:
+        return EntryInfo(
+            entry.key,
+            entry.state.name.lower(),
+            entry.dtype.name,
+            entry.shape,
+            entry.nbytes,
+            entry.runs,
+            entry.ref_cnt,
+            max(0.0, now - entry.last_access),
+            ("host",),
+        )
+
+    def page_states(self) -> np.ndarray:
+        """One uint8 per host page: 0 free, 1 filling, 2 ready, 3 leased."""
+        states = np.zeros(self.host_pool.num_pages, dtype=np.uint8)
+        with self._lock:
+            for entry, _ in self._filling.values():
+                for start, n in entry.runs:
+                    states[start : start + n] = PAGE_FILLING
+            for entry in self._entries.by_key.values():
+                value = PAGE_LEASED if entry.ref_cnt else PAGE_READY
+                for start, n in entry.runs:
+                    states[start : start + n] = value
+        return states
+
+    # -- life cycle ----------------------------------------------------------------------
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def begin_drain(self) -> None:
+        """Refuse new puts and gets; in-flight puts may still commit."""
+        with self._lock:
+            self._draining = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Draining("engine is closed")
+        if self._draining:
+            raise Draining("daemon is draining")
+
+    def close(self) -> None:
+        """Drop every lease and reservation and remove the shared-memory segment."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._draining = True
+            for lease_id in self._leases.all_ids():
+                self._end_lease(lease_id)
+            self._filling.clear()
+            self._inflight.clear()
+        self.host_pool.close()
+
+    def __enter__(self) -> CacheEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,93 @@
+"""Entries and the LRU of evictable ones.
+
+An entry is READY in ``EntryTable.by_key``; FILLING entries live only in the engine's
+reservation map, so no reader can see them. The LRU holds exactly the READY entries with
+no lease: taking the first lease removes an entry from it, dropping the last puts it back
+at the most-recently-used end. Eviction therefore never has to skip leased entries.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from .dtypes import DType
+
+
+class EntryState(enum.IntEnum):
+    FILLING = 1
+    READY = 2
+    FREED = 3
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    key: str
+    dtype: DType
+    shape: tuple[int, ...]
+    nbytes: int
+    runs: tuple[tuple[int, int], ...]  # page runs (first page, number of pages)
+    state: EntryState
+    checksum: int | None = None
+    ref_cnt: int = 0
+    last_access: float = 0.0
+
+    @property
+    def num_pages(self) -> int:
+        return sum(n for _, n in self.runs)
+
+    def same_meta(self, dtype: DType, shape: tuple[int, ...]) -> bool:
+        return self.dtype is dtype and self.shape == shape
+
+
+class EntryTable:
+    def __init__(self) -> None:
+        self.by_key: dict[str, Entry] = {}
+        self._lru: OrderedDict[str, Entry] = OrderedDict()
+        self.evictable_pages = 0
+
+    def __len__(self) -> int:
+        return len(self.by_key)
+
+    def get(self, key: str) -> Entry | None:
+        return self.by_key.get(key)
+
+    def add_ready(self, entry: Entry) -> None:
+        assert entry.state is EntryState.READY and entry.key not in self.by_key, entry.key
+        self.by_key[entry.key] = entry
+        self._lru_push(entry)
+
+    def remove(self, entry: Entry) -> None:
+        """Forget an unleased entry (evicted or freed)."""
+        assert entry.ref_cnt == 0, f"removing leased entry {entry.key!r}"
+        del self.by_key[entry.key]
+        if self._lru.pop(entry.key, None) is not None:
+            self.evictable_pages -= entry.num_pages
+        entry.state = EntryState.FREED
+
+    def touch(self, entry: Entry) -> None:
+        if entry.key in self._lru:
+            self._lru.move_to_end(entry.key)
+
+    def acquire(self, entry: Entry) -> None:
+        entry.ref_cnt += 1
+        if entry.ref_cnt == 1:
+            self._lru.pop(entry.key)
+            self.evictable_pages -= entry.num_pages
+
+    def release(self, entry: Entry) -> None:
+        assert entry.ref_cnt > 0, f"release of unleased entry {entry.key!r}"
+        entry.ref_cnt -= 1
+        if entry.ref_cnt == 0 and entry.state is EntryState.READY:
+            self._lru_push(entry)
+
+    def _lru_push(self, entry: Entry) -> None:
+        self._lru[entry.key] = entry
+        self.evictable_pages += entry.num_pages
+
+    def lru_oldest(self) -> Entry | None:
+        """The least recently used unleased entry, or None when every entry is leased."""
+        if not self._lru:
+            return None
+        return next(iter(self._lru.values()))

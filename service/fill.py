@@ -1,0 +1,156 @@
+"""Streaming fill of one reserved entry: write chunks in order, then commit or abort.
+
+A handle owns its FILLING reservation, so chunk copies run without the engine lock; the
+handle's own lock only orders a copy against a concurrent abort (a dropped client, a
+closing engine), so an aborted reservation is never written after its pages are freed.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .errors import ChecksumMismatch, Draining, InvalidArgument, LeaseExpired
+
+if TYPE_CHECKING:
+    from .engine import CacheEngine
+    from .entries import Entry
+
+
+def as_byte_array(data: Any) -> np.ndarray:
+    """A flat uint8 view of a bytes-like object, numpy array or CPU tensor (no copy)."""
+    if isinstance(data, torch.Tensor):
+        if data.device.type != "cpu":
+            raise InvalidArgument("chunk tensors must be on the CPU", device=str(data.device))
+        data = data.detach().contiguous().view(-1).view(torch.uint8).numpy()
+    if isinstance(data, np.ndarray):
+        if not data.flags.c_contiguous:
+            data = np.ascontiguousarray(data)
+        return data.reshape(-1).view(np.uint8)
+    try:
+        return np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+    except TypeError as exc:
+        raise InvalidArgument("chunk is not bytes-like", type=type(data).__name__) from exc
+
+
+class PutHandle:
+    """Returned by :meth:`CacheEngine.begin_put`. Use as a context manager to abort on error."""
+
+    def __init__(
+        self,
+        engine: CacheEngine | None,
+        put_id: int,
+        entry: Entry,
+        byte_runs: tuple[tuple[int, int], ...],
+        checksum: int | None,
+    ) -> None:
+        self._engine = engine  # None: the key already exists; bytes are checked, then dropped
+        self._put_id = put_id
+        self.entry = entry
+        self._byte_runs = byte_runs
+        self._checksum = checksum
+        self._crc = 0
+        self._lock = threading.Lock()
+        self._run = 0  # index of the byte run the next byte goes to
+        self._run_off = 0  # offset inside that run
+        self.written = 0
+        self.done = False
+
+    @property
+    def key(self) -> str:
+        return self.entry.key
+
+    @property
+    def nbytes(self) -> int:
+        return self.entry.nbytes
+
+    @property
+    def exists_already(self) -> bool:
+        return self._engine is None
+
+    def write(self, data: Any) -> None:
+        """Append ``data`` to the entry; raises InvalidArgument past the declared size."""
+        chunk = as_byte_array(data)
+        n = chunk.size
+        with self._lock:
+            if self.done:
+                raise LeaseExpired("put is no longer in progress", key=self.key)
+            if self.written + n > self.nbytes:
+                raise InvalidArgument(
+                    "more bytes than declared",
+                    key=self.key,
+                    nbytes=self.nbytes,
+                    received=self.written + n,
+                )
+            if self._checksum is not None:
+                self._crc = zlib.crc32(chunk, self._crc)
+            if self._engine is not None:
+                if self._engine.closed:
+                    raise Draining("engine closed during the put", key=self.key)
+                self._copy_in(chunk)
+            self.written += n
+
+    def _copy_in(self, chunk: np.ndarray) -> None:
+        assert self._engine is not None
+        pool = self._engine.host_pool.array
+        pos = 0
+        n = chunk.size
+        while pos < n:
+            off, length = self._byte_runs[self._run]
+            take = min(length - self._run_off, n - pos)
+            start = off + self._run_off
+            pool[start : start + take] = chunk[pos : pos + take]
+            pos += take
+            self._run_off += take
+            if self._run_off == length:
+                self._run += 1
+                self._run_off = 0
+
+    def commit(self) -> bool:
+        """Make the entry visible. True if created, False if an identical one existed."""
+        with self._lock:
+            if self.done:
+                raise LeaseExpired("put is no longer in progress", key=self.key)
+            self.done = True
+        if self.written != self.nbytes:
+            self._discard()
+            raise InvalidArgument(
+                "put ended before all bytes arrived",
+                key=self.key,
+                nbytes=self.nbytes,
+                received=self.written,
+            )
+        if self._checksum is not None and self._crc != self._checksum:
+            self._discard()
+            raise ChecksumMismatch(
+                "payload does not match its checksum",
+                key=self.key,
+                expected=self._checksum,
+                actual=self._crc,
+            )
+        if self._engine is None:
+            return False
+        return self._engine._commit_fill(self._put_id)
+
+    def abort(self) -> None:
+        """Drop the reservation; nothing becomes visible. Idempotent."""
+        with self._lock:
+            if self.done:
+                return
+            self.done = True
+        self._discard()
+
+    def _discard(self) -> None:
+        if self._engine is not None:
+            self._engine._abort_fill(self._put_id)
+
+    def __enter__(self) -> PutHandle:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if not self.done:  # an exception, or no commit: nothing becomes visible
+            self.abort()

@@ -1,0 +1,104 @@
+"""Lease table: who holds which entry, until when.
+
+Ids are random 63-bit integers so one client cannot guess another's lease. Expiry uses a
+heap of ``(expires_at, lease_id)``; renewing pushes a new item and stale items are
+skipped when popped, so every operation is O(log n).
+"""
+
+from __future__ import annotations
+
+import heapq
+import secrets
+from dataclasses import dataclass
+
+from .entries import Entry
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    lease_id: int
+    entry: Entry
+    owner: str
+    expires_at: float
+    byte_runs: tuple[tuple[int, int], ...]  # (offset, length) in the host pool
+
+    @property
+    def key(self) -> str:
+        return self.entry.key
+
+    @property
+    def dtype(self) -> str:
+        return self.entry.dtype.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.entry.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.entry.nbytes
+
+    @property
+    def contiguous(self) -> bool:
+        return len(self.byte_runs) <= 1
+
+
+class LeaseTable:
+    def __init__(self) -> None:
+        self._leases: dict[int, Lease] = {}
+        self._by_owner: dict[str, set[int]] = {}
+        self._heap: list[tuple[float, int]] = []
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def get(self, lease_id: int) -> Lease | None:
+        return self._leases.get(lease_id)
+
+    def add(
+        self, entry: Entry, owner: str, expires_at: float, byte_runs: tuple[tuple[int, int], ...]
+    ) -> Lease:
+        lease_id = secrets.randbits(63)
+        while lease_id == 0 or lease_id in self._leases:
+            lease_id = secrets.randbits(63)
+        lease = Lease(lease_id, entry, owner, expires_at, byte_runs)
+        self._leases[lease_id] = lease
+        self._by_owner.setdefault(owner, set()).add(lease_id)
+        heapq.heappush(self._heap, (expires_at, lease_id))
+        return lease
+
+    def pop(self, lease_id: int) -> Lease | None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            ids = self._by_owner[lease.owner]
+            ids.discard(lease_id)
+            if not ids:
+                del self._by_owner[lease.owner]
+        return lease
+
+    def renew(self, lease: Lease, expires_at: float) -> None:
+        lease.expires_at = expires_at
+        heapq.heappush(self._heap, (expires_at, lease.lease_id))
+
+    def all_ids(self) -> list[int]:
+        return list(self._leases)
+
+    def owned_by(self, owner: str) -> list[int]:
+        return list(self._by_owner.get(owner, ()))
+
+    def owners(self) -> int:
+        return len(self._by_owner)
+
+    def pop_expired(self, now: float) -> list[Lease]:
+        expired: list[Lease] = []
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            expires_at, lease_id = heapq.heappop(heap)
+            lease = self._leases.get(lease_id)
+            if lease is not None and lease.expires_at == expires_at:
+                expired.append(self.pop(lease_id))  # type: ignore[arg-type]
+        if len(heap) > 64 and len(heap) > 4 * len(self._leases):
+            # Renewals and releases leave stale items behind; rebuild now and then.
+            self._heap = [(lease.expires_at, i) for i, lease in self._leases.items()]
+            heapq.heapify(self._heap)
+        return expired
