@@ -1,0 +1,38 @@
+"""GPU ops of embcache, each with a pure-torch reference that is its spec.
+
+Importing this package never imports triton; the Triton kernels load on first use.
+"""
+
+from embcache.kernels.host_memory import HostRegistration, register_host_memory
+from embcache.kernels.page_table import (
+    alloc_bind_inplace,
+    alloc_bind_inplace_reference,
+    bind_inplace,
+    bind_inplace_reference,
+    free_unbind_inplace,
+    free_unbind_inplace_reference,
+)
+from embcache.kernels.read_table import build_read_table, build_read_table_reference
+from embcache.kernels.transfer import (
+    TransferConfig,
+    choose_backend,
+    transfer_ranges,
+    transfer_ranges_reference,
+)
+
+__all__ = [
+    "HostRegistration",
+    "TransferConfig",
+    "alloc_bind_inplace",
+    "alloc_bind_inplace_reference",
+    "bind_inplace",
+    "bind_inplace_reference",
+    "build_read_table",
+    "build_read_table_reference",
+    "choose_backend",
+    "free_unbind_inplace",
+    "free_unbind_inplace_reference",
+    "register_host_memory",
+    "transfer_ranges",
+    "transfer_ranges_reference",
+]

@@ -1,0 +1,182 @@
+"""The few CUDA runtime calls torch does not expose, through ctypes on the loaded libcudart.
+
+The library is the one torch already loaded (found in ``/proc/self/maps``), so streams and
+pointers are shared with torch. Every return code is checked. ``cudaMemcpyBatchAsync`` is looked
+up at run time: its signature changed between CUDA 12.8 (with a ``failIdx`` out-argument) and
+13.0 (without), so the runtime version picks the prototype; when it is absent the batch backend
+falls back to per-range copies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+
+_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from the pointers (UVA)
+_SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream
+HOST_REGISTER_PORTABLE = 0x1
+HOST_REGISTER_MAPPED = 0x2
+
+
+class CudaRuntimeError(RuntimeError):
+    """A CUDA runtime call returned an error code."""
+
+    def __init__(self, call: str, code: int, message: str) -> None:
+        super().__init__(f"{call} failed: error {code} ({message})")
+        self.call = call
+        self.code = code
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = (("type", ctypes.c_int), ("id", ctypes.c_int))
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = (
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcLocHint", _MemLocation),
+        ("dstLocHint", _MemLocation),
+        ("flags", ctypes.c_uint),
+    )
+
+
+def _find_libcudart_path() -> str | None:
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(" ", 1)[-1].strip()
+                if "/libcudart.so" in path:
+                    return path
+    except OSError:
+        return None
+    return None
+
+
+class CudaRuntime:
+    """Thin checked wrappers over the loaded CUDA runtime."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        lib.cudaGetErrorString.restype = ctypes.c_char_p
+        lib.cudaGetErrorString.argtypes = (ctypes.c_int,)
+        version = ctypes.c_int(0)
+        self._check("cudaRuntimeGetVersion", lib.cudaRuntimeGetVersion(ctypes.byref(version)))
+        self.version = version.value
+        lib.cudaMemcpyAsync.argtypes = (
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        )
+        lib.cudaHostGetDevicePointer.argtypes = (
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.c_void_p,
+            ctypes.c_uint,
+        )
+        lib.cudaHostRegister.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint)
+        lib.cudaHostUnregister.argtypes = (ctypes.c_void_p,)
+        self._batch = self._bind_batch(lib)
+
+    def _bind_batch(self, lib: ctypes.CDLL) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+        if self.version < 12080:
+            return None
+        try:
+            fn = lib.cudaMemcpyBatchAsync
+        except AttributeError:
+            return None
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        if self.version >= 13000:
+            fn.argtypes = (vp, vp, vp, sz, vp, vp, sz, vp)
+        else:  # 12.8/12.9: ... numAttrs, size_t* failIdx, stream
+            fn.argtypes = (vp, vp, vp, sz, vp, vp, sz, vp, vp)
+        fn.restype = ctypes.c_int
+        return fn
+
+    @property
+    def has_batch(self) -> bool:
+        return self._batch is not None
+
+    def _check(self, call: str, code: int) -> None:
+        if code != 0:
+            message = self._lib.cudaGetErrorString(code).decode(errors="replace")
+            raise CudaRuntimeError(call, code, message)
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._check(
+            "cudaMemcpyAsync",
+            self._lib.cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream),
+        )
+
+    def memcpy_batch_async(
+        self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int
+    ) -> None:
+        """One ``cudaMemcpyBatchAsync`` over uint64 address arrays; stream must not be 0."""
+        assert self._batch is not None, "cudaMemcpyBatchAsync is not available"
+        assert stream != 0, "cudaMemcpyBatchAsync does not take the legacy default stream"
+        count = len(sizes)
+        dsts = np.ascontiguousarray(dsts, dtype=np.uint64)
+        srcs = np.ascontiguousarray(srcs, dtype=np.uint64)
+        sizes = np.ascontiguousarray(sizes, dtype=np.uint64)
+        attrs = _MemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM)
+        attr_idx = ctypes.c_size_t(0)
+        args: list[object] = [
+            dsts.ctypes.data,
+            srcs.ctypes.data,
+            sizes.ctypes.data,
+            count,
+            ctypes.addressof(attrs),
+            ctypes.addressof(attr_idx),
+            1,
+        ]
+        fail_idx = ctypes.c_size_t(0)
+        if self.version < 13000:
+            args.append(ctypes.addressof(fail_idx))
+        args.append(stream)
+        self._check("cudaMemcpyBatchAsync", self._batch(*args))
+
+    def host_device_pointer(self, host_ptr: int) -> int:
+        """Device address of page-locked (allocated or registered) host memory; raises if not."""
+        out = ctypes.c_void_p(0)
+        self._check(
+            "cudaHostGetDevicePointer",
+            self._lib.cudaHostGetDevicePointer(ctypes.byref(out), host_ptr, 0),
+        )
+        return int(out.value or 0)
+
+    def host_register(self, ptr: int, nbytes: int, flags: int) -> None:
+        self._check("cudaHostRegister", self._lib.cudaHostRegister(ptr, nbytes, flags))
+
+    def host_unregister(self, ptr: int) -> None:
+        self._check("cudaHostUnregister", self._lib.cudaHostUnregister(ptr))
+
+
+@functools.cache
+def _load() -> CudaRuntime | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.init()  # loads libcudart into the process
+    candidates: Sequence[str | None] = (
+        _find_libcudart_path(),
+        "libcudart.so.13",
+        "libcudart.so.12",
+        "libcudart.so",
+    )
+    for name in candidates:
+        if name is None:
+            continue
+        try:
+            return CudaRuntime(ctypes.CDLL(name))
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def runtime() -> CudaRuntime | None:
+    """The process's CUDA runtime, or ``None`` on a machine without CUDA."""
+    return _load()

@@ -1,0 +1,19 @@
+"""Where a kernel can run: CUDA tensors, or CPU tensors under the Triton interpreter."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the interpreter (``TRITON_INTERPRET=1``) on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_kernel(*tensors: torch.Tensor) -> bool:
+    """Run the Triton kernel (CUDA tensors, or CPU ones when interpreting), else the reference."""
+    if all(t.device.type == "cuda" for t in tensors):
+        return True
+    return all(t.device.type == "cpu" for t in tensors) and interpreting()

@@ -1,0 +1,195 @@
+"""Validation of a row-range copy plan: everything is checked before any byte moves."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+IndexLike = torch.Tensor | np.ndarray | list[int] | tuple[int, ...]
+Direction = Literal["h2d", "d2h", "cpu"]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferPlan:
+    """A validated plan; the index arrays hold only the non-empty ranges (int64, rows)."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    src_starts: np.ndarray
+    dst_starts: np.ndarray
+    lengths: np.ndarray
+    row_bytes: int
+    direction: Direction
+
+    @property
+    def num_ranges(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.lengths.sum()) * self.row_bytes
+
+    @property
+    def device(self) -> torch.device:
+        """The CUDA device of the plan (the CPU for CPU-only plans)."""
+        return self.dst.device if self.direction == "h2d" else self.src.device
+
+    @property
+    def host(self) -> torch.Tensor:
+        return self.src if self.direction == "h2d" else self.dst
+
+    def element_bytes(self, *pointers: int) -> int:
+        """Widest access (8, 4, 2 or 1 bytes) dividing the row size and every base pointer."""
+        g = math.gcd(self.row_bytes, *pointers)
+        return next(w for w in (8, 4, 2, 1) if g % w == 0)
+
+    def select(self, index: np.ndarray | slice) -> TransferPlan:
+        """The sub-plan made of some of the ranges."""
+        return TransferPlan(
+            self.src,
+            self.dst,
+            self.src_starts[index],
+            self.dst_starts[index],
+            self.lengths[index],
+            self.row_bytes,
+            self.direction,
+        )
+
+
+def as_index_array(name: str, value: object) -> np.ndarray:
+    """A 1-D int64 numpy copy of a list, numpy array or integer tensor of row indices."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"{name}: must be an int64 or int32 tensor, got {value.dtype}")
+        if value.dim() != 1:
+            raise ValueError(f"{name}: must be 1-D, got shape {tuple(value.shape)}")
+        return value.detach().cpu().numpy().astype(np.int64)
+    if isinstance(value, np.ndarray):
+        arr = value
+    elif isinstance(value, list | tuple):
+        if len(value) == 0:
+            return np.zeros(0, dtype=np.int64)
+        if any(isinstance(v, bool) for v in value):
+            raise ValueError(f"{name}: must hold integers, got a bool")
+        try:
+            arr = np.asarray(value)
+        except (OverflowError, ValueError) as exc:
+            raise ValueError(f"{name}: must hold integers ({exc})") from None
+    else:
+        raise ValueError(f"{name}: must be a list, numpy array or tensor, got {type(value)}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: must be 1-D, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"{name}: must hold integers, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{name}: value {int(arr.max())} is out of range")
+    return arr.astype(np.int64)
+
+
+def _check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: must be a torch.Tensor, got {type(t)}")
+    if t.dim() != 2:
+        raise ValueError(f"{name}: must be 2-D [rows, width], got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous")
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: must be on the CPU or a CUDA device, got {t.device}")
+    return t
+
+
+def _direction(
+    src: torch.Tensor, dst: torch.Tensor, host_registered: bool, stream: object
+) -> Direction:
+    kinds = (src.device.type, dst.device.type)
+    if kinds == ("cpu", "cpu"):
+        if stream is not None:
+            raise ValueError("stream: must be None when src and dst are both on the CPU")
+        return "cpu"
+    if kinds == ("cuda", "cuda"):
+        raise ValueError("dst: one of src and dst must be in host memory, both are on CUDA")
+    direction: Direction = "h2d" if kinds[0] == "cpu" else "d2h"
+    host_name, host = ("src", src) if direction == "h2d" else ("dst", dst)
+    if not (host_registered or host.is_pinned()):
+        raise ValueError(
+            f"{host_name}: is pageable host memory; pin it, or register it and pass "
+            "host_registered=True"
+        )
+    device = dst.device if direction == "h2d" else src.device
+    if stream is not None:
+        if not isinstance(stream, torch.cuda.Stream):
+            raise ValueError(f"stream: must be a torch.cuda.Stream or None, got {type(stream)}")
+        if stream.device != device:
+            raise ValueError(f"stream: is on {stream.device}, the copy on {device}")
+    return direction
+
+
+def _check_overlap(src: torch.Tensor, dst: torch.Tensor) -> None:
+    s0, d0 = src.data_ptr(), dst.data_ptr()
+    s1 = s0 + src.numel() * src.element_size()
+    d1 = d0 + dst.numel() * dst.element_size()
+    if s0 < d1 and d0 < s1:
+        raise ValueError("dst: shares memory with src")
+
+
+def validate_plan(
+    src: object,
+    dst: object,
+    src_starts: object,
+    dst_starts: object,
+    lengths: object,
+    *,
+    host_registered: bool = False,
+    stream: object = None,
+) -> TransferPlan:
+    """Check every argument of :func:`transfer_ranges`; ``ValueError`` names the first bad one."""
+    src = _check_tensor("src", src)
+    dst = _check_tensor("dst", dst)
+    if src.dtype != dst.dtype:
+        raise ValueError(f"dst: dtype {dst.dtype} differs from src dtype {src.dtype}")
+    if src.shape[1] != dst.shape[1]:
+        raise ValueError(f"dst: row width {dst.shape[1]} differs from src width {src.shape[1]}")
+    direction = _direction(src, dst, host_registered, stream)
+    if direction == "cpu":
+        _check_overlap(src, dst)
+    s = as_index_array("src_starts", src_starts)
+    d = as_index_array("dst_starts", dst_starts)
+    n = as_index_array("lengths", lengths)
+    if not len(s) == len(d) == len(n):
+        raise ValueError(
+            f"lengths: src_starts, dst_starts and lengths differ in length "
+            f"({len(s)}, {len(d)}, {len(n)})"
+        )
+    for name, arr in (("src_starts", s), ("dst_starts", d), ("lengths", n)):
+        if arr.size and int(arr.min()) < 0:
+            raise ValueError(f"{name}: holds a negative value {int(arr.min())}")
+    for name, starts, rows in (("src_starts", s, src.shape[0]), ("dst_starts", d, dst.shape[0])):
+        # starts <= rows and lengths <= rows first, so the sum cannot overflow int64
+        if starts.size and (int(starts.max()) > rows or int(n.max()) > rows):
+            raise ValueError(f"{name}: a range runs past the {rows} rows")
+        ends = starts + n
+        if ends.size and int(ends.max()) > rows:
+            i = int(np.argmax(ends))
+            raise ValueError(
+                f"{name}: range {i} [{int(starts[i])}, {int(ends[i])}) runs past the {rows} rows"
+            )
+    keep = n > 0
+    s, d, n = s[keep], d[keep], n[keep]
+    if len(d) > 1:
+        order = np.argsort(d, kind="stable")
+        ds, de = d[order], d[order] + n[order]
+        bad = np.flatnonzero(de[:-1] > ds[1:])
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"dst_starts: destination ranges overlap: [{int(ds[i])}, {int(de[i])}) and "
+                f"[{int(ds[i + 1])}, {int(de[i + 1])})"
+            )
+    row_bytes = src.shape[1] * src.element_size()
+    if row_bytes == 0:
+        s, d, n = s[:0], d[:0], n[:0]
+    return TransferPlan(src, dst, s, d, n, row_bytes, direction)

@@ -1,0 +1,186 @@
+"""Fused page-table updates over ``v2p`` / ``p2v`` (int64, ``-1`` = tombstone), one launch each.
+
+``v2p[vpage]`` is the physical page bound to a virtual page and ``p2v[page]`` the reverse.
+Ids in one call must be unique. On CUDA the ops never sync with the host (capturable in a CUDA
+graph); ids outside a table are skipped by the kernel. On CPU tensors the Triton kernel runs
+under the interpreter when ``TRITON_INTERPRET=1``, else the reference; there, ids are checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from embcache.kernels._env import use_kernel
+
+_BLOCK = 1024
+
+
+def _check_table(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 1:
+        raise ValueError(f"{name}: must be a 1-D int64 tensor")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous")
+    return t
+
+
+def _check_ids(name: str, ids: object, table: torch.Tensor, table_name: str) -> torch.Tensor:
+    ids = _check_table(name, ids)
+    if ids.device != table.device:
+        raise ValueError(f"{name}: is on {ids.device}, {table_name} on {table.device}")
+    if ids.device.type == "cpu" and ids.numel():  # values are checked where it costs no sync
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= table.numel():
+            raise ValueError(f"{name}: ids must lie in [0, {table.numel()}), got [{lo}, {hi}]")
+        if torch.unique(ids).numel() != ids.numel():
+            raise ValueError(f"{name}: ids must be unique")
+    return ids
+
+
+def _check_tables(v2p: object, p2v: object) -> tuple[torch.Tensor, torch.Tensor]:
+    v2p = _check_table("v2p", v2p)
+    p2v = _check_table("p2v", p2v)
+    if v2p.device != p2v.device:
+        raise ValueError(f"p2v: is on {p2v.device}, v2p on {v2p.device}")
+    return v2p, p2v
+
+
+def _grid(n: int) -> tuple[int]:
+    return (-(-n // _BLOCK),)
+
+
+def alloc_bind_inplace_reference(
+    vpages: torch.Tensor, first_page: int | torch.Tensor, v2p: torch.Tensor, p2v: torch.Tensor
+) -> None:
+    """Bind ``vpages[i]`` to page ``first_page + i``. Mutates ``v2p[vpages]`` and
+    ``p2v[first_page : first_page + len(vpages)]``."""
+    base = int(first_page)
+    pages = torch.arange(base, base + vpages.numel(), dtype=torch.int64, device=vpages.device)
+    v2p[vpages] = pages
+    p2v[pages] = vpages
+
+
+def bind_inplace_reference(
+    vpages: torch.Tensor, pages: torch.Tensor, v2p: torch.Tensor, p2v: torch.Tensor
+) -> None:
+    """Bind ``vpages[i]`` to ``pages[i]``. Mutates ``v2p[vpages]`` and ``p2v[pages]``."""
+    v2p[vpages] = pages
+    p2v[pages] = vpages
+
+
+def free_unbind_inplace_reference(
+    vpages: torch.Tensor, v2p: torch.Tensor, p2v: torch.Tensor
+) -> torch.Tensor:
+    """Return ``v2p[vpages]`` (the freed pages, ``-1`` where unbound) and tombstone both tables.
+
+    Mutates ``v2p[vpages] = -1`` and ``p2v[page] = -1`` for every bound page.
+    """
+    pages = v2p[vpages].clone()
+    v2p.index_fill_(0, vpages, -1)
+    p2v.index_fill_(0, pages[pages >= 0], -1)
+    return pages
+
+
+def alloc_bind_inplace(
+    vpages: torch.Tensor, first_page: int | torch.Tensor, v2p: torch.Tensor, p2v: torch.Tensor
+) -> None:
+    """Bind ``vpages[i]`` to the consecutive physical page ``first_page + i``, one launch.
+
+    ``first_page`` is an int, or a one-element int64 tensor on the tables' device (read by the
+    kernel, so no host sync).
+    """
+    v2p, p2v = _check_tables(v2p, p2v)
+    vpages = _check_ids("vpages", vpages, v2p, "v2p")
+    n = vpages.numel()
+    if isinstance(first_page, torch.Tensor):
+        if first_page.dtype != torch.int64 or first_page.numel() != 1:
+            raise ValueError("first_page: must be an int or a one-element int64 tensor")
+        if first_page.device != v2p.device:
+            raise ValueError(f"first_page: is on {first_page.device}, v2p on {v2p.device}")
+        from_ptr = True
+        first_int = 0
+        if first_page.device.type == "cpu":
+            first_int = int(first_page)
+    elif isinstance(first_page, int) and not isinstance(first_page, bool):
+        from_ptr = False
+        first_int = first_page
+    else:
+        raise ValueError(f"first_page: must be an int or a tensor, got {type(first_page)}")
+    if (not from_ptr or first_page.device.type == "cpu") and not (
+        first_int >= 0 and first_int + n <= p2v.numel()
+    ):
+        raise ValueError(
+            f"first_page: pages [{first_int}, {first_int + n}) exceed the {p2v.numel()} pages"
+        )
+    if n == 0:
+        return
+    if not use_kernel(vpages, v2p, p2v):
+        alloc_bind_inplace_reference(vpages, first_page, v2p, p2v)
+        return
+    from embcache.kernels import _triton_tables as tt
+
+    ptr = first_page if from_ptr else v2p  # unused pointer when the int is passed
+    with _on_device(v2p):
+        tt.alloc_bind_kernel[_grid(n)](
+            vpages, ptr, first_int, v2p, p2v, n, v2p.numel(), p2v.numel(),
+            FIRST_FROM_PTR=from_ptr, BLOCK=_BLOCK,
+        )  # fmt: skip
+
+
+def bind_inplace(
+    vpages: torch.Tensor, pages: torch.Tensor, v2p: torch.Tensor, p2v: torch.Tensor
+) -> None:
+    """Bind ``vpages[i]`` to ``pages[i]`` in one launch."""
+    v2p, p2v = _check_tables(v2p, p2v)
+    vpages = _check_ids("vpages", vpages, v2p, "v2p")
+    pages = _check_ids("pages", pages, p2v, "p2v")
+    if pages.numel() != vpages.numel():
+        raise ValueError(f"pages: has {pages.numel()} ids, vpages {vpages.numel()}")
+    n = vpages.numel()
+    if n == 0:
+        return
+    if not use_kernel(vpages, pages, v2p, p2v):
+        bind_inplace_reference(vpages, pages, v2p, p2v)
+        return
+    from embcache.kernels import _triton_tables as tt
+
+    with _on_device(v2p):
+        tt.bind_kernel[_grid(n)](vpages, pages, v2p, p2v, n, v2p.numel(), p2v.numel(), BLOCK=_BLOCK)
+
+
+def free_unbind_inplace(
+    vpages: torch.Tensor, v2p: torch.Tensor, p2v: torch.Tensor, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Tombstone ``vpages`` and their pages in both tables; return the freed page ids.
+
+    One launch, no host sync. A vpage that was unbound yields ``-1``. ``out`` (1-D int64, as
+    long as ``vpages``) receives the ids when given.
+    """
+    v2p, p2v = _check_tables(v2p, p2v)
+    vpages = _check_ids("vpages", vpages, v2p, "v2p")
+    n = vpages.numel()
+    if out is None:
+        out = torch.empty(n, dtype=torch.int64, device=v2p.device)
+    else:
+        out = _check_table("out", out)
+        if out.numel() != n or out.device != v2p.device:
+            raise ValueError(f"out: must hold {n} ids on {v2p.device}")
+    if n == 0:
+        return out
+    if not use_kernel(vpages, v2p, p2v, out):
+        out.copy_(free_unbind_inplace_reference(vpages, v2p, p2v))
+        return out
+    from embcache.kernels import _triton_tables as tt
+
+    with _on_device(v2p):
+        tt.free_unbind_kernel[_grid(n)](
+            vpages, v2p, p2v, out, n, v2p.numel(), p2v.numel(), BLOCK=_BLOCK
+        )
+    return out
+
+
+def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager[object]:
+    """Launch on the tensor's GPU (Triton launches on the current device)."""
+    if t.device.type == "cuda":
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
