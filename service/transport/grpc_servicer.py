@@ -1,0 +1,282 @@
+"""The ``embcache.v1.EmbeddingCache`` servicer: protobuf in, engine API calls, protobuf out.
+
+Handlers run on the daemon's event loop and call the engine directly: its calls are short
+(table updates under one lock, or one <= 1 MiB memcpy per chunk), so a thread hop would
+cost more than it saves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf import struct_pb2
+
+from ...proto.embcache.v1 import embcache_pb2 as pb
+from ...proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from ..config import Settings
+from ..engine import CacheEngine, EvictOutcome
+from ..errors import DeviceUnavailable, InvalidArgument, NotFound
+from ..leases import Lease
+from .grpc_errors import RpcMetrics, rpc
+from .grpc_sessions import SessionRegistry, UnknownSession
+
+log = logging.getLogger("embcache.grpc")
+
+CHUNK_BYTES = 1 << 20
+_EVICT_OUTCOMES = {
+    EvictOutcome.EVICTED: pb.EVICTED,
+    EvictOutcome.NOT_FOUND: pb.NOT_FOUND,
+    EvictOutcome.LEASED: pb.LEASED,
+}
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def host_pool_handle(engine: CacheEngine) -> pb.PoolHandle:
+    """Description of the host pool a same-node client maps once (and how to check it)."""
+    pool = engine.host_pool
+    st = os.stat(pool.path)
+    return pb.PoolHandle(
+        # A fresh id per server start: a client that cached the previous daemon's segment
+        # sees a new id and maps the segment again.
+        pool_id=f"host-{secrets.token_hex(8)}",
+        host_shm=pb.HostShmPool(
+            segment_name=pool.name,
+            size=pool.nbytes,
+            page_bytes=pool.page_bytes,
+            boot_id=_boot_id(),
+            st_dev=st.st_dev,
+            st_ino=st.st_ino,
+        ),
+    )
+
+
+def _meta(lease: Lease) -> pb.TensorMeta:
+    return pb.TensorMeta(dtype=lease.dtype, shape=lease.shape, nbytes=lease.nbytes)
+
+
+class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
+    def __init__(
+        self, engine: CacheEngine, settings: Settings, metrics: RpcMetrics | None = None
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.sessions = SessionRegistry()
+        self.host_pool = host_pool_handle(engine)
+
+    # -- puts ----------------------------------------------------------------------------
+    @rpc("Put")
+    async def Put(
+        self, request_iterator: AsyncIterator[pb.PutRequest], context: grpc.aio.ServicerContext
+    ) -> pb.PutResponse:
+        owner = self.sessions.owner_for(context)
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("kind") != "header":
+            raise InvalidArgument("the first message of a Put must be a header")
+        head = first.header
+        handle = self.engine.begin_put(
+            head.key,
+            head.dtype,
+            tuple(head.shape),
+            nbytes=head.nbytes if head.HasField("nbytes") else None,
+            checksum=head.checksum if head.HasField("checksum") else None,
+            owner=owner,
+        )
+        # Any way out but commit (a bad chunk, the client cancelling or vanishing, the
+        # deadline passing: all raise here) aborts: nothing is visible, the pages are free.
+        with handle:
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("kind")
+                if kind != "chunk":
+                    raise InvalidArgument("after the header a Put carries only chunks", got=kind)
+                if len(msg.chunk) > CHUNK_BYTES:
+                    raise InvalidArgument(
+                        "chunk too large", chunk_bytes=len(msg.chunk), limit=CHUNK_BYTES
+                    )
+                handle.write(msg.chunk)
+            created = handle.commit()
+        return pb.PutResponse(created=created, nbytes=handle.nbytes)
+
+    @rpc("PutFromDevice")
+    async def PutFromDevice(
+        self, request: pb.PutFromDeviceRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PutResponse:
+        raise DeviceUnavailable(
+            "PutFromDevice needs the device pool, which this daemon does not have; "
+            "stream the bytes with Put",
+            gpu_uuid=request.tensor.gpu_uuid,
+        )
+
+    # -- gets ----------------------------------------------------------------------------
+    @rpc("Get")
+    async def Get(
+        self, request: pb.GetRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetResponse:
+        if request.gpu_uuid:
+            raise DeviceUnavailable(
+                "device locations need the device pool, which this daemon does not have",
+                gpu_uuid=request.gpu_uuid,
+            )
+        owner = self.sessions.owner_for(context)
+        ttl = request.ttl_s if request.HasField("ttl_s") else None
+        leases = self.engine.get(list(request.keys), owner, ttl_s=ttl)
+        if not self.sessions.alive(owner):
+            # The session ended while we were taking leases: they would outlive it.
+            self.engine.release(lease.lease_id for lease in leases if lease is not None)
+            raise UnknownSession("session ended during the call", session=owner)
+        pool_id = self.host_pool.pool_id
+        reply = pb.GetResponse()
+        for key, lease in zip(request.keys, leases, strict=True):
+            if lease is None:
+                reply.results.append(pb.GetResult(key=key, found=False))
+                continue
+            runs = [pb.ByteRun(offset=off, length=n) for off, n in lease.byte_runs]
+            reply.results.append(
+                pb.GetResult(
+                    key=key,
+                    found=True,
+                    meta=_meta(lease),
+                    lease_id=lease.lease_id,
+                    host=pb.HostLocation(pool_id=pool_id, runs=runs),
+                )
+            )
+        if any(lease is not None for lease in leases):
+            reply.pools.append(self.host_pool)
+        return reply
+
+    @rpc("GetInto")
+    async def GetInto(
+        self, request: pb.GetIntoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetIntoResponse:
+        raise DeviceUnavailable(
+            "GetInto copies into a registered device buffer and needs the device pool; "
+            "CPU clients copy from a Get instead",
+            gpu_uuid=request.destination.buffer.gpu_uuid,
+        )
+
+    @rpc("GetBytes")
+    async def GetBytes(
+        self, request: pb.GetBytesRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        chunk_bytes = request.chunk_bytes if request.HasField("chunk_bytes") else CHUNK_BYTES
+        if not 0 < chunk_bytes <= CHUNK_BYTES:
+            raise InvalidArgument(
+                "chunk_bytes must be in (0, 1 MiB]", chunk_bytes=chunk_bytes, limit=CHUNK_BYTES
+            )
+        owner = self.sessions.owner_for(context)
+        lease = self.engine.get([request.key], owner)[0]
+        if lease is None:
+            raise NotFound("no such entry", key=request.key)
+        try:
+            length = request.length if request.HasField("length") else None
+            chunks = self.engine.iter_bytes(lease, request.offset, length, chunk_bytes)
+            first = next(chunks, None)  # validates the range before anything is sent
+            await context.write(pb.GetBytesResponse(meta=_meta(lease)))
+            if first is not None:
+                await context.write(pb.GetBytesResponse(chunk=first))
+            for chunk in chunks:
+                await context.write(pb.GetBytesResponse(chunk=chunk))
+        finally:
+            self.engine.release([lease.lease_id])
+
+    # -- leases --------------------------------------------------------------------------
+    @rpc("Release")
+    async def Release(
+        self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseResponse:
+        return pb.ReleaseResponse(released=self.engine.release(request.lease_ids))
+
+    @rpc("Renew")
+    async def Renew(
+        self, request: pb.RenewRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RenewResponse:
+        ttl = request.ttl_s if request.HasField("ttl_s") else None
+        return pb.RenewResponse(renewed=self.engine.renew(request.lease_ids, ttl))
+
+    # -- exists / evict / stats ----------------------------------------------------------
+    @rpc("Exists")
+    async def Exists(
+        self, request: pb.ExistsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ExistsResponse:
+        return pb.ExistsResponse(exists=self.engine.exists(list(request.keys)))
+
+    @rpc("Evict")
+    async def Evict(
+        self, request: pb.EvictRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EvictResponse:
+        keys = list(request.keys)
+        if len(keys) == 1:  # a single key fails loudly: NOT_FOUND / FAILED_PRECONDITION
+            self.engine.evict_one(keys[0])
+            outcomes = [EvictOutcome.EVICTED]
+        else:
+            outcomes = self.engine.evict(keys)
+        return pb.EvictResponse(
+            results=[
+                pb.EvictResult(key=k, outcome=_EVICT_OUTCOMES[o])
+                for k, o in zip(keys, outcomes, strict=True)
+            ]
+        )
+
+    @rpc("Stats")
+    async def Stats(
+        self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatsResponse:
+        stats = struct_pb2.Struct()
+        stats.update(_jsonable(self.engine.stats().to_dict()))
+        return pb.StatsResponse(stats=stats, sessions=len(self.sessions))
+
+    # -- sessions ------------------------------------------------------------------------
+    @rpc("Session")
+    async def Session(
+        self,
+        request_iterator: AsyncIterator[pb.SessionRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        session_id = self.sessions.open()
+        hello = ""
+        try:
+            opened = pb.SessionOpened(
+                session_id=session_id,
+                lease_ttl_s=self.settings.lease_ttl_s,
+                daemon_version=_version(),
+            )
+            await context.write(pb.SessionResponse(opened=opened))
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("kind")
+                if kind == "ping":
+                    await context.write(pb.SessionResponse(pong=msg.ping))
+                elif kind == "hello":
+                    hello = f"{msg.hello.client_name} pid {msg.hello.pid}"
+                    log.debug("session %s is %s (%s)", session_id, hello, context.peer())
+        finally:
+            # Ended for any reason: closed, cancelled, connection lost, server stopping.
+            self.sessions.close(session_id)
+            dropped = self.engine.drop_owner(session_id)
+            if dropped:
+                log.info("session %s (%s) ended; released %d leases", session_id, hello, dropped)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _version() -> str:
+    from ... import __version__
+
+    return __version__

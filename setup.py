@@ -1,0 +1,46 @@
+"""Build hook: generate the gRPC stubs from the .proto before packages are collected.
+
+All metadata lives in pyproject.toml. This file only swaps in a ``build_py`` that runs
+grpcio-tools (a build requirement) first, so a wheel, an sdist build and ``pip install -e .``
+all get ``embcache_pb2.py``, ``embcache_pb2.pyi`` and ``embcache_pb2_grpc.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _load_codegen():
+    # The package is not importable yet: load the generator by path (it imports nothing
+    # from embcache).
+    spec = importlib.util.spec_from_file_location(
+        "_embcache_codegen", _HERE / "proto" / "codegen.py"
+    )
+    assert spec is not None and spec.loader is not None, "proto/codegen.py is missing"
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class BuildPyWithStubs(build_py):
+    """``build_py`` that generates the protobuf/gRPC stubs first."""
+
+    def run(self) -> None:
+        for path in _load_codegen().generate():
+            self.announce(f"generated {path.relative_to(_HERE)}", level=2)
+        super().run()
+
+    def find_package_modules(self, package: str, package_dir: str) -> list[tuple[str, str, str]]:
+        # The repository root is the package root, so this file would ship as
+        # ``embcache.setup``; it is a build script, not a module.
+        modules = super().find_package_modules(package, package_dir)
+        return [m for m in modules if (m[0], m[1]) != ("embcache", "setup")]
+
+
+setup(cmdclass={"build_py": BuildPyWithStubs})
