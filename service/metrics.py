@@ -1,0 +1,207 @@
+"""Prometheus metrics: a collector over ``engine.stats()`` plus histograms transports feed.
+
+Gauges and counters that the engine already keeps are read at scrape time (one
+``engine.stats()`` call per scrape), so nothing is double-booked and a scrape always sees
+one consistent snapshot. Latency and bandwidth are distributions only the callers can
+time, so transports feed them through :meth:`Metrics.observe_rpc` and
+:meth:`Metrics.observe_copy`. Every metric lives in the instance's own registry; no keys
+ever appear in labels.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "embcache"
+
+# RPCs range from a sub-millisecond exists() to multi-second streams of large entries.
+RPC_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+# Bytes per second, from a slow small copy (~10 MB/s) to a saturated PCIe Gen5 link.
+BANDWIDTH_BUCKETS = tuple(
+    float(x) * 1e9
+    for x in (
+        0.01,
+        0.05,
+        0.1,
+        0.25,
+        0.5,
+        1,
+        2,
+        5,
+        10,
+        20,
+        30,
+        40,
+        50,
+        60,
+        80,
+    )
+)
+
+
+class _StatsSource(Protocol):
+    def stats(self) -> Any: ...
+
+
+class EngineCollector(Collector):
+    """Reads one stats snapshot per scrape and turns it into metric families."""
+
+    def __init__(self, engine: _StatsSource, metrics: Metrics) -> None:
+        self._engine = engine
+        self._metrics = metrics
+
+    def describe(self) -> Iterator[Metric]:
+        # Names only: lets the registry catch clashes without calling the engine.
+        return iter(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        families = self._families()
+        self._fill(families, self._engine.stats())
+        return iter(families)
+
+    @staticmethod
+    def _families() -> list[Metric]:
+        def gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=labels)
+
+        def counter(name: str, doc: str, labels: list[str] | None = None) -> CounterMetricFamily:
+            return CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=labels)
+
+        return [
+            gauge("pool_capacity_bytes", "Pool size in bytes.", ["tier", "device"]),
+            gauge(
+                "pool_used_bytes",
+                "Bytes of the pool held by entries or reservations.",
+                ["tier", "device"],
+            ),
+            gauge(
+                "pool_pages",
+                "Pages of the pool by state (used or free).",
+                ["tier", "device", "state"],
+            ),
+            gauge("pool_largest_free_run_pages", "Longest run of free pages.", ["tier", "device"]),
+            gauge(
+                "pool_free_runs", "Number of free page runs (fragmentation).", ["tier", "device"]
+            ),
+            gauge("entries", "Entries by state.", ["state"]),
+            gauge("entries_by_runs", "READY entries by number of page runs.", ["runs"]),
+            gauge("reserved_filling_bytes", "Bytes reserved by puts still filling."),
+            gauge("leases_active", "Leases currently held."),
+            gauge("lease_owners", "Distinct owners holding leases."),
+            gauge("draining", "1 while the daemon drains for shutdown."),
+            counter("hits", "Keys found by get."),
+            counter("misses", "Keys not found by get."),
+            counter("evictions", "Entries evicted (LRU or explicit)."),
+            counter("evicted_bytes", "Bytes freed by evictions."),
+            counter("puts", "Puts by outcome.", ["outcome"]),
+            counter("put_bytes", "Bytes committed by puts."),
+            counter("leases_expired", "Leases ended by their TTL."),
+            counter("copy_bytes", "Bytes copied, by direction.", ["direction"]),
+        ]
+
+    def _fill(self, families: list[Metric], s: Any) -> None:
+        by_name = {f.name: f for f in families}
+
+        def add(name: str, labels: list[str], value: float) -> None:
+            by_name[f"{PREFIX}_{name}"].add_metric(labels, value)  # type: ignore[attr-defined]
+
+        pools = [(s.host, "")] + [(p, str(i)) for i, p in enumerate(s.device)]
+        for pool, device in pools:
+            tier = [pool.tier, device]
+            add("pool_capacity_bytes", tier, pool.capacity_bytes)
+            add("pool_used_bytes", tier, pool.used_bytes)
+            add("pool_pages", [*tier, "used"], pool.used_pages)
+            add("pool_pages", [*tier, "free"], pool.free_pages)
+            add("pool_largest_free_run_pages", tier, pool.largest_free_run_pages)
+            add("pool_free_runs", tier, pool.free_runs)
+        add("entries", ["ready"], s.entries_ready)
+        add("entries", ["filling"], s.entries_filling)
+        for bucket, count in sorted(s.runs_per_entry.items()):
+            add("entries_by_runs", [bucket], count)
+        add("reserved_filling_bytes", [], s.reserved_filling_bytes)
+        add("leases_active", [], s.leases_active)
+        add("lease_owners", [], s.lease_owners)
+        add("draining", [], 1.0 if s.draining else 0.0)
+        add("hits", [], s.hits)
+        add("misses", [], s.misses)
+        add("evictions", [], s.evictions)
+        add("evicted_bytes", [], s.evicted_bytes)
+        add("puts", ["committed"], s.puts_committed)
+        add("puts", ["aborted"], s.puts_aborted)
+        add("put_bytes", [], s.put_bytes)
+        add("leases_expired", [], s.leases_expired)
+        for direction, nbytes in sorted(self._metrics.copied_bytes(s).items()):
+            add("copy_bytes", [direction], nbytes)
+
+
+class Metrics:
+    """All daemon metrics, in one registry of their own.
+
+    ``embcache_copy_bytes_total`` adds the engine's own per-direction counters
+    (``stats().bytes_copied``) to the bytes passed to :meth:`observe_copy`, which is meant
+    for copies the engine does not count itself (a transport's own data path).
+    """
+
+    def __init__(self, engine: _StatsSource) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._lock = threading.Lock()
+        self._observed_copy: dict[str, float] = {}
+        self.rpc_duration = Histogram(
+            f"{PREFIX}_rpc_duration_seconds",
+            "Time to serve one RPC or HTTP request, by transport, method and result code.",
+            ["transport", "method", "code"],
+            buckets=RPC_BUCKETS,
+            registry=self.registry,
+        )
+        self.copy_bandwidth = Histogram(
+            f"{PREFIX}_copy_bandwidth_bytes_per_second",
+            "Bandwidth of individual copies, by direction.",
+            ["direction"],
+            buckets=BANDWIDTH_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(EngineCollector(engine, self))
+
+    def observe_rpc(self, transport: str, method: str, code: str, seconds: float) -> None:
+        """One finished call. ``method`` is a route template or RPC name, never a key."""
+        self.rpc_duration.labels(transport, method, str(code)).observe(max(seconds, 0.0))
+
+    def observe_copy(self, direction: str, nbytes: int, seconds: float) -> None:
+        """One finished copy of ``nbytes`` in ``direction`` that took ``seconds``."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        with self._lock:
+            self._observed_copy[direction] = self._observed_copy.get(direction, 0.0) + nbytes
+        if seconds > 0 and nbytes > 0:
+            self.copy_bandwidth.labels(direction).observe(nbytes / seconds)
+
+    def copied_bytes(self, stats: Any) -> dict[str, float]:
+        """Cumulative bytes per direction: the engine's counters plus observed copies."""
+        with self._lock:
+            total = dict(self._observed_copy)
+        for direction, nbytes in stats.bytes_copied.items():
+            total[direction] = total.get(direction, 0.0) + nbytes
+        return total

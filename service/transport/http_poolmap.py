@@ -1,0 +1,135 @@
+"""What the pool-map page draws: downsampled page states and a short history of rates.
+
+A pool has up to hundreds of thousands of pages; the page draws at most a few thousand
+cells, so pages are grouped into equal cells and each cell shows its most telling state.
+The history is a small ring of cumulative counters sampled by the app; rates are the
+differences between neighbouring samples, so a missed sample only widens one interval.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+HOST_STATES = ("free", "filling", "ready", "leased")
+DEVICE_STATES = ("free", "resident", "leased")
+# When a cell mixes states, the one drawn is the most frequent; ties go to the state an
+# operator most needs to see (leased pins memory, filling is transient, free is background).
+_PRIORITY = {"leased": 3, "filling": 2, "ready": 1, "resident": 1, "free": 0}
+
+
+@dataclass(frozen=True, slots=True)
+class DownsampledPool:
+    num_pages: int
+    pages_per_cell: int
+    cells: str  # one digit per cell: the index into ``states`` of the state drawn
+    counts: dict[str, int]
+
+
+def downsample(states: np.ndarray, names: Sequence[str], max_cells: int) -> DownsampledPool:
+    """Group ``states`` (one small int per page) into at most ``max_cells`` cells."""
+    if max_cells < 1:
+        raise ValueError(f"max_cells must be positive, got {max_cells}")
+    if len(names) > 10:
+        raise ValueError("at most 10 states fit the one-digit cell encoding")
+    flat = np.asarray(states).reshape(-1).astype(np.int64, copy=False)
+    num_pages = int(flat.size)
+    n_states = len(names)
+    # Unknown values count as the last state rather than being dropped silently.
+    flat = np.clip(flat, 0, n_states - 1)
+    counts = np.bincount(flat, minlength=n_states)
+    if num_pages == 0:
+        return DownsampledPool(0, 1, "", {n: 0 for n in names})
+    per_cell = max(1, math.ceil(num_pages / max_cells))
+    num_cells = math.ceil(num_pages / per_cell)
+    # Pad the last cell with a sentinel (n_states) that bincount per row ignores below.
+    padded = np.full(num_cells * per_cell, n_states, dtype=np.int64)
+    padded[:num_pages] = flat
+    rows = padded.reshape(num_cells, per_cell)
+    offsets = (np.arange(num_cells, dtype=np.int64) * (n_states + 1))[:, None]
+    per = np.bincount((rows + offsets).ravel(), minlength=num_cells * (n_states + 1))
+    per = per.reshape(num_cells, n_states + 1)[:, :n_states]
+    # Count dominates (priorities are < 16); priority only breaks ties.
+    priority = np.array([_PRIORITY.get(n, 0) for n in names], dtype=np.int64)
+    score = per * 16 + priority[None, :]
+    drawn = np.argmax(score, axis=1)
+    cells = "".join(map(str, drawn.tolist()))
+    return DownsampledPool(
+        num_pages=num_pages,
+        pages_per_cell=per_cell,
+        cells=cells,
+        counts={name: int(c) for name, c in zip(names, counts.tolist(), strict=True)},
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    t: float  # monotonic seconds
+    wall: float  # unix seconds, for the page's time axis
+    hits: int
+    misses: int
+    copied: dict[str, float]  # cumulative bytes per direction
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    t: list[float]  # unix seconds at the end of each interval
+    hit_rate: list[float | None]  # None: no lookups in that interval
+    bandwidth: dict[str, list[float]]  # bytes per second per direction
+
+
+class History:
+    """Ring of cumulative samples; ``series()`` turns neighbours into rates."""
+
+    def __init__(
+        self,
+        read: Callable[[], tuple[int, int, dict[str, float]]],
+        *,
+        interval_s: float = 2.0,
+        window_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        if interval_s <= 0 or window_s < interval_s:
+            raise ValueError(f"need 0 < interval_s <= window_s, got {interval_s}, {window_s}")
+        self._read = read
+        self.interval_s = interval_s
+        self.window_s = window_s
+        self._clock = clock
+        self._wall = wall_clock
+        self._samples: deque[Sample] = deque(maxlen=int(window_s / interval_s) + 1)
+
+    def sample(self) -> None:
+        hits, misses, copied = self._read()
+        self._samples.append(
+            Sample(self._clock(), self._wall(), int(hits), int(misses), dict(copied))
+        )
+
+    def maybe_sample(self) -> None:
+        """Sample if the newest sample is at least one interval old (or there is none)."""
+        if not self._samples or self._clock() - self._samples[-1].t >= self.interval_s * 0.95:
+            self.sample()
+
+    def series(self) -> Series:
+        samples = list(self._samples)
+        directions = sorted({d for s in samples for d in s.copied})
+        out = Series(t=[], hit_rate=[], bandwidth={d: [] for d in directions})
+        for prev, cur in itertools.pairwise(samples):
+            dt = cur.t - prev.t
+            if dt <= 0:
+                continue
+            lookups = (cur.hits - prev.hits) + (cur.misses - prev.misses)
+            out.t.append(round(cur.wall, 3))
+            out.hit_rate.append(
+                None if lookups <= 0 else round((cur.hits - prev.hits) / lookups, 4)
+            )
+            for d in directions:
+                delta = cur.copied.get(d, 0.0) - prev.copied.get(d, 0.0)
+                out.bandwidth[d].append(round(max(delta, 0.0) / dt, 1))
+        return out

@@ -1,0 +1,325 @@
+// embcache pool map: polls the daemon's REST API and redraws without reloading.
+// No build step and no third-party code: plain DOM and canvas.
+"use strict";
+
+(function () {
+  const POLL_MS = 1000;
+  const TABLE_EVERY = 2; // refresh the entry tables every N polls
+  const TOKEN_KEY = "embcache.token";
+  const COLORS = {
+    free: cssVar("--free"),
+    filling: cssVar("--filling"),
+    ready: cssVar("--ready"),
+    leased: cssVar("--leased"),
+    resident: cssVar("--resident"),
+  };
+
+  let token = takeToken();
+  let paused = false;
+  let inFlight = false;
+  let polls = 0;
+  let lastMap = null;
+
+  function cssVar(name) {
+    return getComputedStyle(document.documentElement).getPropertyValue(name).trim() || "#888";
+  }
+
+  // A token may come in the URL fragment (#token=...) once; it is kept in localStorage
+  // and removed from the address bar so it does not end up in screenshots or history.
+  function takeToken() {
+    const params = new URLSearchParams(window.location.hash.replace(/^#/, ""));
+    const fromHash = params.get("token");
+    if (fromHash) {
+      try { window.localStorage.setItem(TOKEN_KEY, fromHash); } catch (e) { /* private mode */ }
+      history.replaceState(null, "", window.location.pathname + window.location.search);
+      return fromHash;
+    }
+    try { return window.localStorage.getItem(TOKEN_KEY); } catch (e) { return null; }
+  }
+
+  class AuthError extends Error {}
+
+  async function api(path) {
+    const headers = { Accept: "application/json" };
+    if (token) headers.Authorization = "Bearer " + token;
+    const resp = await fetch(path, { headers, cache: "no-store" });
+    if (resp.status === 401) throw new AuthError("unauthorized");
+    if (!resp.ok) {
+      let detail = resp.statusText;
+      try { detail = (await resp.json()).message || detail; } catch (e) { /* not json */ }
+      throw new Error(resp.status + " " + detail);
+    }
+    return resp.json();
+  }
+
+  // ---- formatting -------------------------------------------------------------------
+  function fmtBytes(n) {
+    if (n === null || n === undefined) return "–";
+    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let v = Number(n);
+    let i = 0;
+    while (Math.abs(v) >= 1024 && i < units.length - 1) { v /= 1024; i += 1; }
+    return (i === 0 ? v.toFixed(0) : v.toFixed(v < 10 ? 2 : 1)) + " " + units[i];
+  }
+  function fmtRate(bps) { return fmtBytes(bps) + "/s"; }
+  function fmtPct(x) { return x === null || x === undefined ? "–" : (100 * x).toFixed(1) + "%"; }
+  function fmtInt(n) { return Number(n || 0).toLocaleString("en-US"); }
+  function fmtAge(seconds) {
+    if (seconds === null || seconds === undefined) return "–";
+    if (seconds < 60) return seconds.toFixed(0) + " s";
+    if (seconds < 3600) return (seconds / 60).toFixed(0) + " min";
+    return (seconds / 3600).toFixed(1) + " h";
+  }
+  function setText(id, text) { document.getElementById(id).textContent = text; }
+
+  // ---- canvas helpers ---------------------------------------------------------------
+  function sizeCanvas(canvas) {
+    const dpr = window.devicePixelRatio || 1;
+    const w = Math.max(1, Math.round(canvas.clientWidth * dpr));
+    const h = Math.max(1, Math.round(canvas.clientHeight * dpr));
+    if (canvas.width !== w || canvas.height !== h) { canvas.width = w; canvas.height = h; }
+    return { ctx: canvas.getContext("2d"), w, h, dpr };
+  }
+
+  function drawGrid(canvas, pool) {
+    const { ctx, w, h, dpr } = sizeCanvas(canvas);
+    ctx.clearRect(0, 0, w, h);
+    const n = pool.cells.length;
+    if (n === 0) return;
+    // Largest square cell (capped, so a small pool is not drawn with huge tiles) for which
+    // the grid fits the canvas; shrinking by 3% a step ends within a few hundred steps.
+    let cell = Math.min(28 * dpr, Math.sqrt((w * h) / n));
+    let cols = 1;
+    let rows = n;
+    for (;;) {
+      cols = Math.max(1, Math.floor(w / cell));
+      rows = Math.ceil(n / cols);
+      if (rows * cell <= h || cell <= 1) break;
+      cell *= 0.97;
+    }
+    const gap = cell >= 6 * dpr ? Math.max(1, Math.round(dpr)) : 0;
+    const offX = (w - cols * cell) / 2;
+    for (let i = 0; i < n; i += 1) {
+      const name = pool.states[pool.cells.charCodeAt(i) - 48] || "free";
+      ctx.fillStyle = COLORS[name] || COLORS.free;
+      const x = offX + (i % cols) * cell;
+      const y = Math.floor(i / cols) * cell;
+      ctx.fillRect(x, y, cell - gap, cell - gap);
+    }
+  }
+
+  function drawSpark(canvas, values, color, maxHint) {
+    const { ctx, w, h, dpr } = sizeCanvas(canvas);
+    ctx.clearRect(0, 0, w, h);
+    const pts = values.map((v, i) => [i, v]).filter((p) => p[1] !== null && p[1] !== undefined);
+    ctx.strokeStyle = cssVar("--line");
+    ctx.lineWidth = dpr;
+    ctx.beginPath();
+    ctx.moveTo(0, h - dpr / 2);
+    ctx.lineTo(w, h - dpr / 2);
+    ctx.stroke();
+    if (pts.length < 2) return;
+    const maxV = Math.max(maxHint || 0, ...pts.map((p) => p[1])) || 1;
+    const x = (i) => (values.length <= 1 ? w : (i / (values.length - 1)) * (w - 2 * dpr) + dpr);
+    const y = (v) => h - 2 * dpr - (v / maxV) * (h - 4 * dpr);
+    ctx.beginPath();
+    pts.forEach((p, k) => (k === 0 ? ctx.moveTo(x(p[0]), y(p[1])) : ctx.lineTo(x(p[0]), y(p[1]))));
+    ctx.strokeStyle = color;
+    ctx.lineWidth = 1.5 * dpr;
+    ctx.stroke();
+    ctx.lineTo(x(pts[pts.length - 1][0]), h);
+    ctx.lineTo(x(pts[0][0]), h);
+    ctx.closePath();
+    ctx.globalAlpha = 0.15;
+    ctx.fillStyle = color;
+    ctx.fill();
+    ctx.globalAlpha = 1;
+  }
+
+  function drawLegend(id, pool) {
+    const ul = document.getElementById(id);
+    ul.replaceChildren();
+    const total = pool.num_pages || 1;
+    for (const name of pool.states) {
+      const li = document.createElement("li");
+      const sw = document.createElement("span");
+      sw.className = "swatch";
+      sw.style.background = COLORS[name] || COLORS.free;
+      const count = pool.counts[name] || 0;
+      li.append(sw, `${name} ${fmtInt(count)} (${((100 * count) / total).toFixed(1)}%)`);
+      ul.append(li);
+    }
+  }
+
+  // ---- rendering --------------------------------------------------------------------
+  function renderPool(kind, pool) {
+    const section = document.getElementById(kind + "-pool");
+    if (!pool) { section.hidden = true; return; }
+    section.hidden = false;
+    const per = pool.pages_per_cell > 1 ? ` · ${fmtInt(pool.pages_per_cell)} pages per cell` : "";
+    setText(kind + "-geom",
+      `${fmtInt(pool.num_pages)} pages of ${fmtBytes(pool.page_bytes)}${per}`);
+    drawGrid(document.getElementById("grid-" + kind), pool);
+    drawLegend("legend-" + kind, pool);
+  }
+
+  function renderCards(map) {
+    const s = map.summary;
+    const hostFrac = s.host_capacity_bytes ? s.host_used_bytes / s.host_capacity_bytes : 0;
+    setText("host-used", fmtBytes(s.host_used_bytes));
+    setText("host-cap", `of ${fmtBytes(s.host_capacity_bytes)} · ${fmtPct(hostFrac)} used`);
+    document.getElementById("host-meter").style.width = (100 * hostFrac).toFixed(1) + "%";
+    const dev = document.getElementById("device-card");
+    if (s.device_capacity_bytes) {
+      dev.hidden = false;
+      const f = s.device_used_bytes / s.device_capacity_bytes;
+      setText("device-used", fmtBytes(s.device_used_bytes));
+      setText("device-cap", `of ${fmtBytes(s.device_capacity_bytes)} · ${fmtPct(f)} used`);
+      document.getElementById("device-meter").style.width = (100 * f).toFixed(1) + "%";
+    } else {
+      dev.hidden = true;
+    }
+    setText("entries", fmtInt(s.entries));
+    setText("entries-foot", `${fmtInt(s.filling)} filling · ${fmtInt(s.evictions)} evicted`);
+    setText("leases", fmtInt(s.leases_active));
+    setText("evictions", `${fmtInt(s.hits)} hits · ${fmtInt(s.misses)} misses`);
+
+    const hist = map.history;
+    const rates = hist.hit_rate.filter((v) => v !== null);
+    const lifetime = s.hits + s.misses > 0 ? s.hits / (s.hits + s.misses) : null;
+    setText("hit-rate", fmtPct(rates.length ? rates[rates.length - 1] : lifetime));
+    setText("hit-foot", `lifetime ${fmtPct(lifetime)} · last ${Math.round(hist.window_s / 60)} min`);
+    drawSpark(document.getElementById("spark-hit"), hist.hit_rate, COLORS.ready, 1);
+
+    const dirs = Object.keys(hist.bandwidth);
+    const total = hist.t.map((_, i) => dirs.reduce((acc, d) => acc + (hist.bandwidth[d][i] || 0), 0));
+    setText("bandwidth", fmtRate(total.length ? total[total.length - 1] : 0));
+    const peak = total.length ? Math.max(...total) : 0;
+    const parts = dirs.map((d) => {
+      const series = hist.bandwidth[d];
+      return `${d} ${fmtRate(series.length ? series[series.length - 1] : 0)}`;
+    });
+    setText("bw-foot", (parts.length ? parts.join(" · ") + " · " : "") + `peak ${fmtRate(peak)}`);
+    drawSpark(document.getElementById("spark-bw"), total, COLORS.resident, 0);
+  }
+
+  function renderHealth(map) {
+    const pill = document.getElementById("health");
+    if (map.draining) { pill.className = "pill pill-warn"; pill.textContent = "draining"; }
+    else if (map.ready) { pill.className = "pill pill-ok"; pill.textContent = "ready"; }
+    else { pill.className = "pill pill-warn"; pill.textContent = "starting"; }
+    setText("updated", "updated " + new Date(map.time * 1000).toLocaleTimeString());
+  }
+
+  function stateCell(state) {
+    const td = document.createElement("td");
+    const span = document.createElement("span");
+    span.className = "state";
+    const sw = document.createElement("span");
+    sw.className = "swatch";
+    sw.style.background = COLORS[state] || COLORS.free;
+    span.append(sw, state);
+    td.append(span);
+    return td;
+  }
+
+  function cell(text, cls) {
+    const td = document.createElement("td");
+    td.textContent = text;
+    if (cls) td.className = cls;
+    return td;
+  }
+
+  function renderTable(id, items, last) {
+    const tbody = document.querySelector(`#${id} tbody`);
+    const rows = items.map((e) => {
+      const tr = document.createElement("tr");
+      const key = cell(e.key, "key");
+      key.title = e.key;
+      const onDevice = e.residency.some((r) => r !== "host");
+      const state = e.leases > 0 ? "leased" : onDevice ? "resident" : e.state;
+      const lastCol = last === "idle" ? cell(fmtAge(e.idle_s), "num") : cell(fmtInt(e.leases), "num");
+      tr.append(key, cell(e.dtype), cell("[" + e.shape.join(", ") + "]"),
+        cell(fmtBytes(e.nbytes), "num"), stateCell(state), lastCol);
+      return tr;
+    });
+    if (rows.length === 0) {
+      const tr = document.createElement("tr");
+      const td = cell("no entries yet", "empty");
+      td.colSpan = 6;
+      tr.append(td);
+      rows.push(tr);
+    }
+    tbody.replaceChildren(...rows);
+  }
+
+  // ---- polling ----------------------------------------------------------------------
+  function showError(message) {
+    const el = document.getElementById("error");
+    el.hidden = !message;
+    el.textContent = message || "";
+  }
+
+  async function tick() {
+    if (paused || inFlight) return;
+    inFlight = true;
+    try {
+      const map = await api("v1/pool-map");
+      lastMap = map;
+      renderHealth(map);
+      renderCards(map);
+      renderPool("host", map.host);
+      renderPool("device", map.device);
+      if (polls % TABLE_EVERY === 0) {
+        const [big, recent] = await Promise.all([
+          api("v1/entries?sort=size&limit=8"),
+          api("v1/entries?sort=recent&limit=8"),
+        ]);
+        renderTable("table-size", big.items, "leases");
+        renderTable("table-recent", recent.items, "idle");
+      }
+      polls += 1;
+      document.getElementById("auth").hidden = true;
+      showError(null);
+    } catch (err) {
+      if (err instanceof AuthError) {
+        document.getElementById("auth").hidden = false;
+        showError(null);
+      } else {
+        showError("Cannot reach the daemon: " + err.message);
+      }
+      const pill = document.getElementById("health");
+      pill.className = "pill pill-bad";
+      pill.textContent = err instanceof AuthError ? "token needed" : "unreachable";
+    } finally {
+      inFlight = false;
+    }
+  }
+
+  document.getElementById("auth-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    token = document.getElementById("auth-token").value.trim() || null;
+    try {
+      if (token) window.localStorage.setItem(TOKEN_KEY, token);
+    } catch (e) { /* private mode */ }
+    polls = 0;
+    tick();
+  });
+
+  document.getElementById("pause").addEventListener("click", (ev) => {
+    paused = !paused;
+    ev.target.textContent = paused ? "Resume" : "Pause";
+    ev.target.setAttribute("aria-pressed", String(paused));
+    if (!paused) tick();
+  });
+
+  window.addEventListener("resize", () => {
+    if (!lastMap) return;
+    renderPool("host", lastMap.host);
+    renderPool("device", lastMap.device);
+    renderCards(lastMap);
+  });
+
+  tick();
+  window.setInterval(tick, POLL_MS);
+})();
