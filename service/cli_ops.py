@@ -1,0 +1,391 @@
+"""Operator commands of the ``embcache`` CLI: stats, ls, evict, put, get, bench.
+
+Each command talks to a running daemon found through the same settings as ``serve``
+(``--http-port``, ``--grpc-port``, ``--grpc-socket``, ``--auth-token``, env ``EMBCACHE_*``):
+the operator commands use the REST API, ``put``/``get`` the gRPC client library.
+"""
+
+# No ``from __future__ import annotations`` here: typer reads the Annotated[...] metadata
+# through the signature that ``with_settings`` rebuilds, which must hold real objects.
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .cli_settings import with_settings
+from .config import Settings, format_size, parse_size
+
+console = Console()
+err_console = Console(stderr=True)
+_WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
+
+
+# -- talking to the daemon -----------------------------------------------------------------
+def http_base_url(settings: Settings) -> str:
+    host = settings.http_host
+    host = "127.0.0.1" if host in _WILDCARD_HOSTS else host
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    scheme = "https" if settings.tls_cert else "http"
+    return f"{scheme}://{host}:{settings.http_port}"
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    return typer.Exit(code)
+
+
+def _request(settings: Settings, method: str, path: str, **kwargs: Any) -> Any:
+    """One REST call; exits with a readable message on connection or API errors."""
+    headers = {"Authorization": f"Bearer {settings.auth_token}"} if settings.auth_token else {}
+    verify: bool | str = str(settings.tls_cert) if settings.tls_cert else True
+    url = http_base_url(settings)
+    try:
+        with httpx.Client(base_url=url, headers=headers, verify=verify, timeout=30) as client:
+            resp = client.request(method, path, **kwargs)
+    except httpx.HTTPError as exc:
+        raise _fail(f"cannot reach the daemon at {url}: {exc}") from None
+    if resp.status_code >= 400:
+        try:
+            body = resp.json()
+            detail = f"{body.get('error', 'error')}: {body.get('message', resp.text)}"
+        except ValueError:
+            detail = resp.text
+        raise _fail(f"{method} {path} -> {resp.status_code} {detail}")
+    return resp.json()
+
+
+def _grpc_client(settings: Settings) -> Any:
+    try:
+        from ..clients import EmbCacheClient  # type: ignore[attr-defined]
+    except ImportError:
+        raise _fail(
+            "put/get use the gRPC client (embcache.clients.EmbCacheClient), which this build "
+            "does not have yet; the REST data plane for put/get is a later release",
+            code=2,
+        ) from None
+    if settings.grpc_socket is not None:
+        target = f"unix://{settings.grpc_socket}"
+    else:
+        host = "127.0.0.1" if settings.grpc_host in _WILDCARD_HOSTS else settings.grpc_host
+        target = f"{host}:{settings.grpc_port}"
+    return EmbCacheClient(target, token=settings.auth_token)
+
+
+# -- stats / ls / evict ------------------------------------------------------------------
+def _pct(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
+def stats_table(s: dict[str, Any]) -> Table:
+    table = Table(title="embcache", show_header=False, title_justify="left", box=None)
+    table.add_column(style="bold cyan")
+    table.add_column(justify="right")
+    table.add_column(style="dim")
+    for pool in [s["host"], *s["device"]]:
+        name = f"{pool['tier']} pool"
+        used, cap = pool["used_bytes"], pool["capacity_bytes"]
+        table.add_row(name, f"{format_size(used)} / {format_size(cap)}", _pct(used, cap))
+        table.add_row(
+            "",
+            f"{pool['total_pages']:,} pages of {format_size(pool['page_bytes'])}",
+            f"{pool['free_runs']} free runs, largest {pool['largest_free_run_pages']:,}",
+        )
+    table.add_row("entries", f"{s['entries_ready']:,} ready", f"{s['entries_filling']} filling")
+    runs = ", ".join(f"{k}: {v}" for k, v in sorted(s["runs_per_entry"].items()))
+    table.add_row("runs per entry", runs or "-", "")
+    lookups = s["hits"] + s["misses"]
+    table.add_row(
+        "hit rate", _pct(s["hits"], lookups), f"{s['hits']:,} hits, {s['misses']:,} misses"
+    )
+    table.add_row("evictions", f"{s['evictions']:,}", format_size(s["evicted_bytes"]))
+    table.add_row(
+        "puts",
+        f"{s['puts_committed']:,}",
+        f"{format_size(s['put_bytes'])}, {s['puts_aborted']} aborted",
+    )
+    table.add_row(
+        "leases",
+        f"{s['leases_active']:,} active",
+        f"{s['lease_owners']} owners, {s['leases_expired']:,} expired",
+    )
+    for direction, nbytes in sorted(s["bytes_copied"].items()):
+        table.add_row(f"copied {direction}", format_size(int(nbytes)), "")
+    table.add_row("state", "draining" if s["draining"] else "serving", "")
+    return table
+
+
+@with_settings
+def stats(
+    settings: Settings,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the raw JSON.")] = False,
+) -> None:
+    """Show pool usage, hit rate, evictions and leases of a running daemon."""
+    body = _request(settings, "GET", "/v1/stats")
+    if as_json:
+        console.print_json(data=body)
+    else:
+        console.print(stats_table(body))
+
+
+@with_settings
+def ls(
+    settings: Settings,
+    state: Annotated[str | None, typer.Option(help="ready, filling or leased.")] = None,
+    tier: Annotated[str | None, typer.Option(help="host or device.")] = None,
+    sort: Annotated[str, typer.Option(help="none, size, recent or idle.")] = "none",
+    limit: Annotated[int, typer.Option(min=1, max=1000)] = 50,
+    offset: Annotated[int, typer.Option(min=0)] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the raw JSON.")] = False,
+) -> None:
+    """List cached entries (paged)."""
+    params: dict[str, Any] = {"limit": limit, "offset": offset, "sort": sort}
+    params.update({k: v for k, v in (("state", state), ("tier", tier)) if v})
+    page = _request(settings, "GET", "/v1/entries", params=params)
+    if as_json:
+        console.print_json(data=page)
+        return
+    table = Table(
+        caption=f"{len(page['items'])} shown of {page['total']:,} (offset {page['offset']})",
+        caption_justify="left",
+    )
+    for name, justify in (
+        ("key", "left"),
+        ("state", "left"),
+        ("dtype", "left"),
+        ("shape", "left"),
+        ("size", "right"),
+        ("runs", "right"),
+        ("leases", "right"),
+        ("idle", "right"),
+        ("tiers", "left"),
+    ):
+        table.add_column(name, justify=justify, overflow="fold" if name == "key" else "ellipsis")
+    for e in page["items"]:
+        table.add_row(
+            e["key"],
+            e["state"],
+            e["dtype"],
+            "x".join(map(str, e["shape"])),
+            format_size(e["nbytes"]),
+            str(e["num_runs"]),
+            str(e["leases"]),
+            f"{e['idle_s']:.0f}s",
+            ",".join(e["residency"]),
+        )
+    console.print(table)
+
+
+@with_settings
+def evict(
+    settings: Settings,
+    keys: Annotated[list[str] | None, typer.Argument(help="Keys to evict.")] = None,
+    free: Annotated[
+        str | None,
+        typer.Option("--free", help="Instead of keys: free this many bytes by LRU (e.g. 1GiB)."),
+    ] = None,
+) -> None:
+    """Evict entries by key (leased ones are refused), or free bytes by LRU."""
+    if bool(keys) == (free is not None):
+        raise _fail("give keys or --free SIZE (not both)", code=2)
+    if free is not None:
+        try:
+            body = {"bytes": parse_size(free)}
+        except ValueError as exc:
+            raise _fail(str(exc), code=2) from None
+    else:
+        body = {"keys": keys}
+    out = _request(settings, "POST", "/v1/evict", json=body)
+    for key in out["evicted"]:
+        console.print(f"[green]evicted[/]   {key}", highlight=False)
+    for key in out["leased"]:
+        console.print(f"[yellow]leased[/]    {key} (not evicted)", highlight=False)
+    for key in out["not_found"]:
+        console.print(f"[red]not found[/] {key}", highlight=False)
+    console.print(f"freed {out['freed_entries']} entries, {format_size(out['freed_bytes'])}")
+    if out["leased"] or out["not_found"]:
+        raise typer.Exit(1)
+
+
+# -- put / get ----------------------------------------------------------------------------
+def load_tensor(path: Path, name: str | None) -> Any:
+    """A CPU tensor from ``.npy`` or ``.safetensors`` (``name`` picks one of several)."""
+    import numpy as np
+    import torch
+
+    suffix = path.suffix.lower()
+    if suffix == ".npy":
+        return torch.from_numpy(np.load(path, allow_pickle=False))
+    if suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(path))
+        if name is None and len(tensors) == 1:
+            return next(iter(tensors.values()))
+        if name not in tensors:
+            raise ValueError(f"{path} holds tensors {sorted(tensors)}; pick one with --tensor")
+        return tensors[name]
+    raise ValueError(f"unsupported file type {suffix!r}: use .npy or .safetensors")
+
+
+def save_tensor(tensor: Any, path: Path, name: str) -> None:
+    suffix = path.suffix.lower()
+    if suffix == ".npy":
+        import numpy as np
+
+        try:
+            np.save(path, tensor.cpu().numpy(), allow_pickle=False)
+        except TypeError as exc:  # e.g. bfloat16 has no numpy equivalent
+            raise ValueError(f"{exc}; save as .safetensors instead") from None
+    elif suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file({name: tensor.cpu().contiguous()}, str(path))
+    else:
+        raise ValueError(f"unsupported file type {suffix!r}: use .npy or .safetensors")
+
+
+TensorOpt = Annotated[str | None, typer.Option("--tensor", help="Tensor name in a .safetensors.")]
+
+
+@with_settings
+def put(
+    settings: Settings,
+    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help=".npy/.safetensors")],
+    key: Annotated[str, typer.Argument(help="Cache key.")],
+    tensor: TensorOpt = None,
+) -> None:
+    """Store a tensor from a file under KEY (for debugging)."""
+    try:
+        value = load_tensor(file, tensor)
+    except (ValueError, OSError) as exc:
+        raise _fail(str(exc), code=2) from None
+    with _grpc_client(settings) as client:
+        created = client.put(key, value)
+    verb = "stored" if created else "already present:"
+    console.print(
+        f"{verb} {key} {str(value.dtype).removeprefix('torch.')} "
+        f"{list(value.shape)} ({format_size(value.numel() * value.element_size())})",
+        highlight=False,
+    )
+
+
+@with_settings
+def get(
+    settings: Settings,
+    key: Annotated[str, typer.Argument(help="Cache key.")],
+    file: Annotated[Path, typer.Argument(dir_okay=False, help="Output .npy/.safetensors")],
+    tensor: TensorOpt = None,
+) -> None:
+    """Fetch the entry KEY into a file (for debugging)."""
+    if file.suffix.lower() not in (".npy", ".safetensors"):
+        raise _fail(f"unsupported file type {file.suffix!r}: use .npy or .safetensors", code=2)
+    with _grpc_client(settings) as client:
+        value = client.get_tensor(key)
+    if value is None:
+        raise _fail(f"no entry {key!r}")
+    try:
+        save_tensor(value, file, tensor or "embedding")
+    except (ValueError, OSError) as exc:
+        raise _fail(str(exc)) from None
+    console.print(f"wrote {file} {list(value.shape)}", highlight=False)
+
+
+# -- bench --------------------------------------------------------------------------------
+def default_bench_dir() -> Path:
+    """``bench/`` beside the package root (present in a source checkout)."""
+    return Path(__file__).resolve().parent.parent / "bench"
+
+
+def find_benchmarks(bench_dir: Path, only: list[str] | None) -> list[Path]:
+    scripts = sorted(p for p in bench_dir.glob("*.py") if not p.name.startswith("_"))
+    if only:
+        wanted = {n.removesuffix(".py") for n in only}
+        scripts = [p for p in scripts if p.stem in wanted]
+    return scripts
+
+
+def _bench_env(settings: Settings) -> dict[str, str]:
+    env = dict(os.environ)
+    for field in ("grpc_host", "grpc_port", "grpc_socket", "http_host", "http_port", "auth_token"):
+        value = getattr(settings, field)
+        if value is not None:
+            env[f"EMBCACHE_{field.upper()}"] = str(value)
+    return env
+
+
+@with_settings
+def bench(
+    settings: Settings,
+    only: Annotated[list[str] | None, typer.Option("--only", help="Run this script.")] = None,
+    bench_dir: Annotated[Path | None, typer.Option(help="Folder of bench scripts.")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds each script may run.")] = 1800.0,
+    list_only: Annotated[bool, typer.Option("--list", help="List the scripts only.")] = False,
+) -> None:
+    """Run the benchmarks in bench/ with progress bars and print their tables."""
+    folder = bench_dir or default_bench_dir()
+    scripts = find_benchmarks(folder, only) if folder.is_dir() else []
+    if not scripts:
+        raise _fail(f"no benchmark scripts found in {folder}", code=2)
+    if list_only:
+        for script in scripts:
+            console.print(script.stem)
+        return
+    failed: list[str] = []
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as progress:
+        overall = progress.add_task("benchmarks", total=len(scripts))
+        for script in scripts:
+            progress.update(overall, description=f"running [bold]{script.stem}[/]")
+            started = time.monotonic()
+            try:
+                proc = subprocess.run(
+                    [sys.executable, str(script)],
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout,
+                    env=_bench_env(settings),
+                    cwd=folder.parent,
+                    check=False,
+                )
+                rc, out, err = proc.returncode, proc.stdout, proc.stderr
+            except subprocess.TimeoutExpired as exc:
+                rc, out, err = -1, _text(exc.stdout), f"timed out after {timeout:.0f}s"
+            seconds = time.monotonic() - started
+            status = "[green]ok[/]" if rc == 0 else f"[red]failed ({rc})[/]"
+            progress.console.rule(f"{script.stem} · {status} · {seconds:.1f}s")
+            progress.console.out(out.rstrip() or "(no output)", highlight=False)
+            if rc != 0:
+                failed.append(script.stem)
+                progress.console.out(err.strip()[-2000:], highlight=False)
+            progress.advance(overall)
+        progress.update(overall, description="benchmarks done")
+    if failed:
+        raise _fail(f"failed: {', '.join(failed)}")
+
+
+def _text(data: str | bytes | None) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
+def register(app: typer.Typer) -> None:
+    """Add the operator commands to the ``embcache`` typer app."""
+    for func in (stats, ls, evict, put, get, bench):
+        app.command(func.__name__)(func)
+
+
+__all__ = ["http_base_url", "load_tensor", "register", "save_tensor"]
