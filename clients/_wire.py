@@ -1,0 +1,170 @@
+"""What both clients share: channel options, tensor <-> wire encoding, Put framing.
+
+Put chunks are framed by hand: protobuf would copy each 1 MiB chunk twice (into a bytes
+object, then into the serialized message); writing the two header bytes of the ``chunk``
+field next to the payload copies it once. The bytes on the wire are the same.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..proto.embcache.v1 import embcache_pb2 as pb
+
+CHUNK_BYTES = 1 << 20
+MAX_MESSAGE_BYTES = CHUNK_BYTES + 128 * 1024
+SESSION_KEY = "x-embcache-session"
+ERROR_TYPE_KEY = "embcache-error"
+SERVICE = "/embcache.v1.EmbeddingCache/"
+
+CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Notice a dead daemon (or a cut link) on an idle Session stream within ~15 s.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+
+
+def normalize_target(target: str) -> str:
+    """``unix:/path`` and ``host:port`` pass through; a bare absolute path is a Unix socket."""
+    if target.startswith("/"):
+        return f"unix:{target}"
+    return target
+
+
+@dataclass(frozen=True, slots=True)
+class Payload:
+    """A tensor flattened for a Put: wire dtype name, shape, and its bytes (no copy)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: memoryview
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def header(self, key: str, *, checksum: bool = True) -> pb.PutHeader:
+        header = pb.PutHeader(key=key, dtype=self.dtype, shape=self.shape, nbytes=self.nbytes)
+        if checksum:
+            header.checksum = zlib.crc32(self.data)
+        return header
+
+    def messages(self, key: str, *, checksum: bool = True) -> Iterator[Any]:
+        """The Put stream: a header message, then 1 MiB memoryview chunks (see encode_put)."""
+        yield pb.PutRequest(header=self.header(key, checksum=checksum))
+        for start in range(0, self.nbytes, CHUNK_BYTES):
+            yield self.data[start : start + CHUNK_BYTES]
+
+
+def payload_of(tensor: Any) -> Payload:
+    """Flatten a torch tensor or numpy array (any device; CUDA is copied to the host)."""
+    if isinstance(tensor, torch.Tensor):
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            # PutFromDevice (the daemon reading the CUDA tensor over IPC) needs the device
+            # pool; until then device tensors travel as bytes like any other.
+            t = t.cpu()
+        t = t.contiguous()
+        dtype = str(t.dtype).removeprefix("torch.")
+        flat = t.reshape(-1).view(torch.uint8).numpy()
+        return Payload(dtype, tuple(t.shape), memoryview(flat))
+    if isinstance(tensor, np.ndarray):
+        arr = np.ascontiguousarray(tensor)
+        flat = arr.reshape(-1).view(np.uint8)
+        return Payload(arr.dtype.name, tuple(arr.shape), memoryview(flat))
+    raise TypeError(f"put takes a torch.Tensor or numpy.ndarray, not {type(tensor).__name__}")
+
+
+def encode_put(message: Any) -> bytes:
+    """Request serializer of Put: protobuf for the header, hand-framed ``chunk`` fields."""
+    if isinstance(message, pb.PutRequest):
+        return message.SerializeToString()
+    data = memoryview(message).cast("B")
+    return b"".join((_CHUNK_TAG, _varint(data.nbytes), data))
+
+
+_CHUNK_TAG = bytes([(2 << 3) | 2])  # field 2 (chunk), wire type 2 (length-delimited)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"the daemon sent an unknown dtype {name!r}")
+    return dtype
+
+
+def as_keys(keys: str | Sequence[str]) -> tuple[list[str], bool]:
+    """(list of keys, whether a single key was given)."""
+    if isinstance(keys, str):
+        return [keys], True
+    keys = list(keys)
+    for key in keys:
+        if not isinstance(key, str):
+            raise TypeError(f"keys must be strings, not {type(key).__name__}")
+    return keys, False
+
+
+@dataclass(slots=True)
+class EntryBytes:
+    """An entry fetched as bytes (``get_bytes``): works from any machine."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytearray
+
+    def tensor(self) -> torch.Tensor:
+        """The bytes as a tensor (shares memory with ``data``)."""
+        flat = (
+            torch.frombuffer(self.data, dtype=torch.uint8)
+            if self.data
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        return flat.view(torch_dtype(self.dtype)).view(self.shape)
+
+
+class BytesCollector:
+    """Assembles a GetBytes stream into one preallocated buffer."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.meta: pb.TensorMeta | None = None
+        self.buf = bytearray()
+        self.pos = 0
+
+    def add(self, message: pb.GetBytesResponse, length: int | None, offset: int) -> None:
+        kind = message.WhichOneof("kind")
+        if kind == "meta":
+            self.meta = message.meta
+            want = message.meta.nbytes - offset if length is None else length
+            self.buf = bytearray(max(want, 0))
+        elif kind == "chunk":
+            chunk = message.chunk
+            if self.meta is None or self.pos + len(chunk) > len(self.buf):
+                raise ValueError("GetBytes stream out of order or longer than announced")
+            self.buf[self.pos : self.pos + len(chunk)] = chunk
+            self.pos += len(chunk)
+
+    def result(self) -> EntryBytes:
+        if self.meta is None or self.pos != len(self.buf):
+            raise ValueError("GetBytes stream ended early")
+        return EntryBytes(self.key, self.meta.dtype, tuple(self.meta.shape), self.buf)

@@ -1,0 +1,329 @@
+"""``AsyncEmbCacheClient``: the asyncio twin of :class:`EmbCacheClient` (same semantics).
+
+async with AsyncEmbCacheClient("unix:/run/embcache.sock") as client:
+    await client.put("img-1", embedding)
+    async with client.get(["img-1"]) as (a,):
+        ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
+from typing import Any, TypeVar, overload
+
+import grpc
+import torch
+
+from ..proto.embcache.v1 import embcache_pb2 as pb
+from ..proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from ..service.errors import EmbCacheError
+from ._wire import (
+    CHANNEL_OPTIONS,
+    SERVICE,
+    SESSION_KEY,
+    BytesCollector,
+    EntryBytes,
+    as_keys,
+    encode_put,
+    normalize_target,
+    payload_of,
+)
+from .errors import RpcFailed, backoff_s, is_unknown_session, should_retry, translate
+from .results import AsyncLeasedTensors, copy_into, decode_get
+from .shm import process_pool_maps
+from .stats import EVICT_NAMES, stats_dict
+from .sync_client import _outcome_of
+
+T = TypeVar("T")
+
+
+class _AsyncSession:
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self.session_id: str | None = None
+        self._reader: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def open(
+        cls, stub: pb_grpc.EmbeddingCacheStub, metadata: Any, name: str, timeout: float
+    ) -> _AsyncSession:
+        hello = pb.SessionRequest(hello=pb.SessionHello(client_name=name, pid=os.getpid()))
+        session = cls(stub.Session(metadata=metadata))
+        try:
+            await asyncio.wait_for(session._call.write(hello), timeout)
+            first = await asyncio.wait_for(session._call.read(), timeout)
+        except BaseException:
+            session._call.cancel()
+            raise
+        if first is grpc.aio.EOF or first.WhichOneof("kind") != "opened":
+            session._call.cancel()
+            raise RpcFailed("the Session stream ended at once", "UNAVAILABLE")
+        session.session_id = first.opened.session_id
+        session._reader = asyncio.get_running_loop().create_task(session._drain())
+        return session
+
+    async def _drain(self) -> None:
+        with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
+            while await self._call.read() is not grpc.aio.EOF:
+                pass
+
+    @property
+    def alive(self) -> bool:
+        return self._reader is not None and not self._reader.done()
+
+    async def close(self) -> None:
+        self._call.cancel()
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+
+
+class _GetCall:
+    """``await client.get(keys)`` or ``async with client.get(keys) as tensors:``."""
+
+    def __init__(self, run: Callable[[], Awaitable[AsyncLeasedTensors]]) -> None:
+        self._run = run
+        self._leased: AsyncLeasedTensors | None = None
+
+    def __await__(self) -> Generator[Any, None, AsyncLeasedTensors]:
+        return self._run().__await__()
+
+    async def __aenter__(self) -> list[torch.Tensor | None]:
+        self._leased = await self._run()
+        return self._leased.tensors
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._leased is not None:
+            await self._leased.release()
+
+
+class AsyncEmbCacheClient:
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        timeout: float = 30.0,
+        retries: int = 4,
+        root_certificates: bytes | None = None,
+        tls: bool = False,
+        client_name: str = "",
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        target = normalize_target(target)
+        opts = [*CHANNEL_OPTIONS, *options]
+        if tls or root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates)
+            self._channel = grpc.aio.secure_channel(target, creds, options=opts)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=opts)
+        self._stub = pb_grpc.EmbeddingCacheStub(self._channel)
+        self._put = self._channel.stream_unary(
+            SERVICE + "Put",
+            request_serializer=encode_put,
+            response_deserializer=pb.PutResponse.FromString,
+        )
+        self.target = target
+        self.timeout = timeout
+        self.retries = retries
+        self._auth: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {token}"),) if token else ()
+        )
+        self._client_name = client_name
+        self._session: _AsyncSession | None = None
+        self._session_lock = asyncio.Lock()
+        self._maps = process_pool_maps()
+        self._pool_local: bool | None = None
+
+    # -- plumbing ------------------------------------------------------------------------
+    async def _session_id(self) -> str:
+        async with self._session_lock:
+            if self._session is None or not self._session.alive:
+                self._session = await self._call(
+                    lambda md, to: _AsyncSession.open(self._stub, md, self._client_name, to)
+                )
+            assert self._session.session_id is not None
+            return self._session.session_id
+
+    async def _drop_session(self) -> None:
+        async with self._session_lock:
+            if self._session is not None:
+                await self._session.close()
+                self._session = None
+
+    async def _call(self, fn: Callable[[Any, float], Awaitable[T]], *, session: bool = False) -> T:
+        reopened = False
+        attempt = 0
+        while True:
+            metadata = self._auth
+            if session:
+                metadata = (*metadata, (SESSION_KEY, await self._session_id()))
+            try:
+                return await fn(metadata, self.timeout)
+            except grpc.RpcError as err:
+                if session and not reopened and is_unknown_session(err):
+                    reopened = True
+                    await self._drop_session()
+                    continue
+                if should_retry(err) and attempt < self.retries:
+                    await asyncio.sleep(backoff_s(attempt))
+                    attempt += 1
+                    continue
+                raise translate(err) from err
+
+    # -- puts ----------------------------------------------------------------------------
+    async def put(self, key: str, tensor: Any, *, checksum: bool = True) -> bool:
+        payload = payload_of(tensor)
+
+        async def send(md: Any, to: float) -> pb.PutResponse:
+            return await self._put(
+                _aiter(payload.messages(key, checksum=checksum)), timeout=to, metadata=md
+            )
+
+        return bool((await self._call(send)).created)
+
+    # -- gets ----------------------------------------------------------------------------
+    def get(
+        self,
+        keys: str | Sequence[str],
+        device: str | torch.device | None = None,
+        *,
+        ttl_s: float | None = None,
+    ) -> _GetCall:
+        return _GetCall(lambda: self._get(keys, device, ttl_s))
+
+    async def _get(
+        self, keys: str | Sequence[str], device: str | torch.device | None, ttl_s: float | None
+    ) -> AsyncLeasedTensors:
+        names, _ = as_keys(keys)
+        if self._pool_local is False:
+            tensors = [await self._fetch_tensor(k) for k in names]
+            return await self._placed(AsyncLeasedTensors(tensors, [], self.release), device)
+        request = pb.GetRequest(keys=names, ttl_s=ttl_s) if ttl_s else pb.GetRequest(keys=names)
+        reply = await self._call(
+            lambda md, to: self._stub.Get(request, timeout=to, metadata=md), session=True
+        )
+        try:
+            decoded = decode_get(reply, self._maps)
+        except BaseException:
+            await self.release([r.lease_id for r in reply.results if r.found])
+            raise
+        if decoded.lease_ids:
+            self._pool_local = not decoded.remote
+        if decoded.remote:
+            await self.release(decoded.lease_ids)
+            for i in decoded.remote:
+                decoded.tensors[i] = await self._fetch_tensor(names[i])
+            decoded.lease_ids = []
+        leased = AsyncLeasedTensors(decoded.tensors, decoded.lease_ids, self.release)
+        return await self._placed(leased, device)
+
+    async def _placed(
+        self, leased: AsyncLeasedTensors, device: str | torch.device | None
+    ) -> AsyncLeasedTensors:
+        if device is None or torch.device(device).type == "cpu":
+            return leased
+        async with leased as tensors:
+            moved = [None if t is None else t.to(device) for t in tensors]
+        return AsyncLeasedTensors(moved, [], self.release)
+
+    async def _fetch_tensor(self, key: str) -> torch.Tensor | None:
+        entry = await self.get_bytes(key)
+        return None if entry is None else entry.tensor()
+
+    async def get_into(self, keys: Sequence[str], out: Sequence[torch.Tensor]) -> list[bool]:
+        async with self.get(keys) as tensors:
+            return copy_into(tensors, out)
+
+    async def get_bytes(
+        self, key: str, offset: int = 0, length: int | None = None
+    ) -> EntryBytes | None:
+        request = pb.GetBytesRequest(key=key, offset=offset)
+        if length is not None:
+            request.length = length
+
+        async def fetch(md: Any, to: float) -> EntryBytes:
+            collector = BytesCollector(key)
+            async for msg in self._stub.GetBytes(request, timeout=to, metadata=md):
+                collector.add(msg, length, offset)
+            return collector.result()
+
+        try:
+            return await self._call(fetch)
+        except EmbCacheError as exc:
+            if getattr(exc, "grpc_status", None) == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise
+
+    # -- leases --------------------------------------------------------------------------
+    async def release(self, lease_ids: Sequence[int]) -> int:
+        if not lease_ids:
+            return 0
+        request = pb.ReleaseRequest(lease_ids=lease_ids)
+        reply = await self._call(
+            lambda md, to: self._stub.Release(request, timeout=to, metadata=md)
+        )
+        return int(reply.released)
+
+    async def renew(self, lease_ids: Sequence[int], ttl_s: float | None = None) -> int:
+        request = pb.RenewRequest(lease_ids=lease_ids)
+        if ttl_s is not None:
+            request.ttl_s = ttl_s
+        reply = await self._call(lambda md, to: self._stub.Renew(request, timeout=to, metadata=md))
+        return int(reply.renewed)
+
+    # -- exists / evict / stats ----------------------------------------------------------
+    @overload
+    async def exists(self, keys: str) -> bool: ...
+    @overload
+    async def exists(self, keys: Sequence[str]) -> list[bool]: ...
+    async def exists(self, keys: str | Sequence[str]) -> bool | list[bool]:
+        names, single = as_keys(keys)
+        request = pb.ExistsRequest(keys=names)
+        reply = await self._call(lambda md, to: self._stub.Exists(request, timeout=to, metadata=md))
+        found = list(reply.exists)
+        return found[0] if single else found
+
+    @overload
+    async def evict(self, keys: str) -> str: ...
+    @overload
+    async def evict(self, keys: Sequence[str]) -> list[str]: ...
+    async def evict(self, keys: str | Sequence[str]) -> str | list[str]:
+        names, single = as_keys(keys)
+        request = pb.EvictRequest(keys=names)
+        try:
+            reply = await self._call(
+                lambda md, to: self._stub.Evict(request, timeout=to, metadata=md)
+            )
+        except Exception as exc:
+            if single or len(names) != 1:
+                raise
+            return [_outcome_of(exc)]
+        outcomes = [EVICT_NAMES[r.outcome] for r in reply.results]
+        return outcomes[0] if single else outcomes
+
+    async def stats(self) -> dict[str, Any]:
+        reply = await self._call(
+            lambda md, to: self._stub.Stats(pb.StatsRequest(), timeout=to, metadata=md)
+        )
+        return stats_dict(reply)
+
+    # -- life cycle ----------------------------------------------------------------------
+    async def close(self) -> None:
+        await self._drop_session()
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncEmbCacheClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def _aiter(items: Any) -> AsyncIterator[Any]:
+    for item in items:
+        yield item

@@ -1,0 +1,64 @@
+"""Client-side errors: the daemon's typed errors, rebuilt from the status it sent.
+
+The daemon names the error type in the trailing metadata ``embcache-error``; the client
+raises the same class from ``embcache.service.errors`` (so ``except EntryLeased`` works on
+both sides), with ``grpc_status`` set. Failures without a type (the daemon unreachable, a
+deadline passed) raise :class:`RpcFailed`.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import grpc
+
+from ..service import errors as _errors
+from ..service.errors import EmbCacheError
+from ._wire import ERROR_TYPE_KEY
+
+RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+
+
+class RpcFailed(EmbCacheError):
+    """A call failed with a status the daemon did not attach a typed error to."""
+
+    def __init__(self, message: str, code: str, **details: Any) -> None:
+        super().__init__(message, **details)
+        self.code = code
+
+
+def error_type(err: grpc.RpcError) -> str | None:
+    trailing = getattr(err, "trailing_metadata", None)
+    for key, value in (trailing() if callable(trailing) else None) or ():
+        if key == ERROR_TYPE_KEY:
+            return str(value)
+    return None
+
+
+def translate(err: grpc.RpcError) -> EmbCacheError:
+    """The exception to raise for a failed call."""
+    code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = (err.details() if callable(getattr(err, "details", None)) else None) or ""
+    name = error_type(err)
+    cls = getattr(_errors, name, None) if name else None
+    exc: EmbCacheError
+    if isinstance(cls, type) and issubclass(cls, EmbCacheError):
+        exc = cls(details)
+    else:
+        exc = RpcFailed(details or code.name, code.name, error_type=name)
+    exc.grpc_status = code  # type: ignore[attr-defined]
+    return exc
+
+
+def is_unknown_session(err: grpc.RpcError) -> bool:
+    return error_type(err) == "UnknownSession"
+
+
+def should_retry(err: grpc.RpcError) -> bool:
+    return callable(getattr(err, "code", None)) and err.code() in RETRY_CODES
+
+
+def backoff_s(attempt: int, base: float = 0.05, cap: float = 1.0) -> float:
+    """Exponential backoff with full jitter: attempt 0 waits up to ``base`` seconds."""
+    return random.uniform(0.0, min(cap, base * (2**attempt)))

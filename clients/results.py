@@ -1,0 +1,154 @@
+"""Get replies turned into tensors, and the leases that keep them valid.
+
+A same-node client maps the host pool once (``shm.PoolMaps``); an entry stored as one run
+becomes a zero-copy view of the pool, an entry spread over several runs is gathered into
+a new tensor. Views stay valid while their lease lives: ``with client.get(keys) as ts:``
+releases the leases on exit, after which the pages may be reused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..proto.embcache.v1 import embcache_pb2 as pb
+from ._wire import torch_dtype
+from .shm import PoolMaps
+
+
+@dataclass(slots=True)
+class Decoded:
+    tensors: list[torch.Tensor | None]
+    lease_ids: list[int]
+    # Indexes of hits whose pool this process cannot map: fetch their bytes instead.
+    remote: list[int] = field(default_factory=list)
+
+
+def decode_get(reply: pb.GetResponse, maps: PoolMaps) -> Decoded:
+    pools = {p.pool_id: p for p in reply.pools}
+    out = Decoded([], [])
+    for index, result in enumerate(reply.results):
+        if not result.found:
+            out.tensors.append(None)
+            continue
+        out.lease_ids.append(result.lease_id)
+        if result.WhichOneof("location") != "host" or result.host.pool_id not in pools:
+            raise ValueError(f"reply for {result.key!r} names no host pool this client knows")
+        mapping = maps.get(pools[result.host.pool_id])
+        if mapping is None:
+            out.tensors.append(None)
+            out.remote.append(index)
+            continue
+        out.tensors.append(_tensor(result, mapping.tensor))
+    return out
+
+
+def _tensor(result: pb.GetResult, pool: torch.Tensor) -> torch.Tensor:
+    meta = result.meta
+    runs = [(r.offset, r.length) for r in result.host.runs]
+    if sum(n for _, n in runs) != meta.nbytes or any(o + n > pool.numel() for o, n in runs):
+        raise ValueError(f"reply for {result.key!r} has byte runs outside the pool")
+    if len(runs) == 1:
+        offset, length = runs[0]
+        flat = pool[offset : offset + length]
+    else:  # several runs (or none, for an empty tensor): gather into fresh memory
+        flat = torch.empty(meta.nbytes, dtype=torch.uint8)
+        pos = 0
+        for offset, length in runs:
+            flat[pos : pos + length].copy_(pool[offset : offset + length])
+            pos += length
+    return flat.view(torch_dtype(meta.dtype)).view(tuple(meta.shape))
+
+
+class LeasedTensors(Sequence[torch.Tensor | None]):
+    """Result of ``EmbCacheClient.get``: tensors (None for misses) plus their leases.
+
+    ``with client.get(keys) as tensors:`` gives the list and releases the leases on exit;
+    ``release()`` does it by hand. Views must not be used after the release.
+    """
+
+    def __init__(
+        self,
+        tensors: list[torch.Tensor | None],
+        lease_ids: list[int],
+        release: Callable[[list[int]], object],
+    ) -> None:
+        self.tensors = tensors
+        self.lease_ids = lease_ids
+        self._release = release
+        self.released = not lease_ids
+
+    def __getitem__(self, index: int) -> torch.Tensor | None:  # type: ignore[override]
+        return self.tensors[index]
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __iter__(self) -> Iterator[torch.Tensor | None]:
+        return iter(self.tensors)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._release(self.lease_ids)
+
+    def __enter__(self) -> list[torch.Tensor | None]:
+        return self.tensors
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class AsyncLeasedTensors(Sequence[torch.Tensor | None]):
+    """The asyncio twin of :class:`LeasedTensors` (``async with``)."""
+
+    def __init__(
+        self,
+        tensors: list[torch.Tensor | None],
+        lease_ids: list[int],
+        release: Callable[[list[int]], Awaitable[object]],
+    ) -> None:
+        self.tensors = tensors
+        self.lease_ids = lease_ids
+        self._release = release
+        self.released = not lease_ids
+
+    def __getitem__(self, index: int) -> torch.Tensor | None:  # type: ignore[override]
+        return self.tensors[index]
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __iter__(self) -> Iterator[torch.Tensor | None]:
+        return iter(self.tensors)
+
+    async def release(self) -> None:
+        if not self.released:
+            self.released = True
+            await self._release(self.lease_ids)
+
+    async def __aenter__(self) -> list[torch.Tensor | None]:
+        return self.tensors
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()
+
+
+def copy_into(tensors: Sequence[torch.Tensor | None], out: Sequence[torch.Tensor]) -> list[bool]:
+    """``get_into`` on the host: copy each hit into its destination (same dtype and size)."""
+    if len(out) != len(tensors):
+        raise ValueError(f"get_into needs one destination per key ({len(tensors)}), got {len(out)}")
+    found = []
+    for i, (src, dst) in enumerate(zip(tensors, out, strict=True)):
+        if src is None:
+            found.append(False)
+            continue
+        if dst.dtype != src.dtype or dst.numel() != src.numel():
+            raise ValueError(
+                f"out[{i}] is {dst.dtype} x {dst.numel()}, the entry is {src.dtype} x {src.numel()}"
+            )
+        dst.copy_(src.view(dst.shape))
+        found.append(True)
+    return found
