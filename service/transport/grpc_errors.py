@@ -17,7 +17,8 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from ..errors import EmbCacheError, status_for
+from ..errors import EmbCacheError, InvalidArgument, status_for
+from .grpc_handlers import Undecodable
 
 log = logging.getLogger("embcache.grpc")
 
@@ -57,6 +58,8 @@ def rpc(name: str) -> Callable[[Handler[S]], Handler[S]]:
             start = time.perf_counter()
             code = "OK"
             try:
+                if isinstance(request, Undecodable):
+                    raise InvalidArgument("request is not a valid message", reason=request.reason)
                 return await method(self, request, context)
             except EmbCacheError as err:
                 code = status_for(err).grpc_code

@@ -24,11 +24,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ...proto.embcache.v1 import embcache_pb2 as pb
-from ...proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
 from ..config import Settings
 from ..engine import CacheEngine
 from .grpc_auth import TokenAuthInterceptor
 from .grpc_errors import RpcMetrics
+from .grpc_handlers import add_servicer
 from .grpc_servicer import CHUNK_BYTES, EmbeddingCacheServicer
 
 log = logging.getLogger("embcache.grpc")
@@ -109,7 +109,7 @@ async def start_grpc(
         interceptors.append(TokenAuthInterceptor(settings.auth_token, metrics))
     server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
     servicer = EmbeddingCacheServicer(engine, settings, metrics)
-    pb_grpc.add_EmbeddingCacheServicer_to_server(servicer, server)
+    add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -83,7 +83,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
     ) -> pb.PutResponse:
         owner = self.sessions.owner_for(context)
         first = await anext(aiter(request_iterator), None)
-        if first is None or first.WhichOneof("kind") != "header":
+        if not isinstance(first, pb.PutRequest) or first.WhichOneof("kind") != "header":
             raise InvalidArgument("the first message of a Put must be a header")
         head = first.header
         handle = self.engine.begin_put(
@@ -98,14 +98,12 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         # deadline passing: all raise here) aborts: nothing is visible, the pages are free.
         with handle:
             async for msg in request_iterator:
-                kind = msg.WhichOneof("kind")
-                if kind != "chunk":
-                    raise InvalidArgument("after the header a Put carries only chunks", got=kind)
-                if len(msg.chunk) > CHUNK_BYTES:
+                chunk = _chunk_of(msg)
+                if len(chunk) > CHUNK_BYTES:
                     raise InvalidArgument(
-                        "chunk too large", chunk_bytes=len(msg.chunk), limit=CHUNK_BYTES
+                        "chunk too large", chunk_bytes=len(chunk), limit=CHUNK_BYTES
                     )
-                handle.write(msg.chunk)
+                handle.write(chunk)
             created = handle.commit()
         return pb.PutResponse(created=created, nbytes=handle.nbytes)
 
@@ -254,6 +252,8 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
             )
             await context.write(pb.SessionResponse(opened=opened))
             async for msg in request_iterator:
+                if not isinstance(msg, pb.SessionRequest):
+                    raise InvalidArgument("undecodable Session message")
                 kind = msg.WhichOneof("kind")
                 if kind == "ping":
                     await context.write(pb.SessionResponse(pong=msg.ping))
@@ -266,6 +266,15 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
             dropped = self.engine.drop_owner(session_id)
             if dropped:
                 log.info("session %s (%s) ended; released %d leases", session_id, hello, dropped)
+
+
+def _chunk_of(msg: Any) -> memoryview | bytes:
+    if isinstance(msg, memoryview):  # the fast path of grpc_handlers.decode_put_request
+        return msg
+    if isinstance(msg, pb.PutRequest) and msg.WhichOneof("kind") == "chunk":
+        return msg.chunk
+    got = msg.WhichOneof("kind") if isinstance(msg, pb.PutRequest) else "undecodable"
+    raise InvalidArgument("after the header a Put carries only chunks", got=got)
 
 
 def _jsonable(value: Any) -> Any:

@@ -7,7 +7,9 @@ plane next to synchronous code). The daemon does not use this: it awaits ``start
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from ..config import Settings
@@ -55,3 +57,20 @@ class GrpcServerThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def serving(
+    settings: Settings, metrics: RpcMetrics | None = None
+) -> Iterator[tuple[CacheEngine, GrpcServerThread]]:
+    """An engine and a gRPC server for it on a background loop; both closed on exit."""
+    engine = CacheEngine(settings)
+    try:
+        thread = GrpcServerThread(engine, settings, metrics)
+        thread.start()
+        try:
+            yield engine, thread
+        finally:
+            thread.stop()
+    finally:
+        engine.close()

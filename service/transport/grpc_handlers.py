@@ -1,0 +1,89 @@
+"""Method handlers of ``embcache.v1.EmbeddingCache`` with forgiving request parsing.
+
+The generated ``add_EmbeddingCacheServicer_to_server`` parses requests with ``FromString``;
+bytes that are not a valid message then fail inside gRPC as INTERNAL. Here a parse failure
+becomes an :class:`Undecodable` value that the servicer rejects with INVALID_ARGUMENT, like
+any other malformed request.
+
+Put chunks skip protobuf: a message that is exactly one ``chunk`` field is handed to the
+servicer as a memoryview of the received bytes, so each chunk is copied once, into the pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from ...proto.embcache.v1 import embcache_pb2 as pb
+
+SERVICE = pb.DESCRIPTOR.services_by_name["EmbeddingCache"]
+_CHUNK_TAG = (2 << 3) | 2  # PutRequest.chunk: field 2, length-delimited
+
+_MAKERS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    """A request whose bytes are not a valid message of the method's type."""
+
+    nbytes: int
+    reason: str
+
+
+def _parser(message_cls: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message_cls.FromString(data)
+        except (DecodeError, ValueError) as exc:
+            return Undecodable(len(data), str(exc) or type(exc).__name__)
+
+    return parse
+
+
+_parse_put = _parser(pb.PutRequest)
+
+
+def decode_put_request(data: bytes) -> pb.PutRequest | memoryview | Undecodable:
+    """A chunk-only message as a memoryview of its payload; anything else parsed."""
+    if data[:1] == bytes((_CHUNK_TAG,)):
+        length, pos, shift = 0, 1, 0
+        while pos < len(data) and pos <= 10:
+            byte = data[pos]
+            length |= (byte & 0x7F) << shift
+            pos += 1
+            shift += 7
+            if not byte & 0x80:
+                if pos + length == len(data):
+                    return memoryview(data)[pos:]
+                break
+    return _parse_put(data)
+
+
+def add_servicer(servicer: Any, server: grpc.aio.Server) -> None:
+    """Register ``servicer`` (an EmbeddingCacheServicer) on ``server``."""
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    for method in SERVICE.methods:
+        request_cls = getattr(pb, method.input_type.name)
+        response_cls = getattr(pb, method.output_type.name)
+        parse = decode_put_request if method.name == "Put" else _parser(request_cls)
+        make = _MAKERS[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=parse,
+            response_serializer=response_cls.SerializeToString,
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),)
+    )
+    register = getattr(server, "add_registered_method_handlers", None)
+    if register is not None:  # grpcio >= 1.63: skips a lookup per call
+        register(SERVICE.full_name, handlers)
