@@ -102,6 +102,9 @@ class CudaRuntime:
 
     def _check(self, call: str, code: int) -> None:
         if code != 0:
+            # Reset the thread's last-error state (for non-sticky errors), or torch's next
+            # launch check would report this error as its own.
+            self._lib.cudaGetLastError()
             message = self._lib.cudaGetErrorString(code).decode(errors="replace")
             raise CudaRuntimeError(call, code, message)
 

@@ -78,7 +78,7 @@ def read_table_kernel(
     row = tl.load(rows + b).to(tl.int64)
     length = tl.load(lengths + b).to(tl.int64)
     n_pages = tl.minimum((length + page_size - 1) // page_size, max_cols)
-    n_pages = tl.where((row >= 0) & (row < num_rows) & (length > 0), n_pages, 0)
+    n_pages = tl.where((row >= 0) & (row < num_rows) & (length > 0), n_pages, 0).to(tl.int32)
     cols = tl.arange(0, BLOCK_COLS)
     # The bound is device-side, so one graph replays for any lengths; short entries exit early.
     for j0 in range(col_block * BLOCK_COLS, n_pages, num_col_blocks * BLOCK_COLS):

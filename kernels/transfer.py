@@ -190,15 +190,17 @@ def _split(
     from embcache.kernels import _copy_engine
 
     cum = np.cumsum(plan.lengths)
-    k = int(np.searchsorted(cum, config.split_kernel_fraction * cum[-1]))
-    k = min(max(k, 1), plan.num_ranges - 1) if plan.num_ranges > 1 else plan.num_ranges
+    k = int(np.searchsorted(cum, config.split_kernel_fraction * cum[-1], side="right"))
+    if k == plan.num_ranges:
+        _kernel(plan, host_ptr, stream, config)
+        return
+    # Fork before the kernel is queued, or the side stream would wait for the kernel too.
+    side = torch.cuda.Stream(plan.device)
+    side.wait_stream(stream)
     if k > 0:
         _kernel(plan.select(slice(0, k)), host_ptr, stream, config)
-    if k < plan.num_ranges:
-        side = torch.cuda.Stream(plan.device)
-        side.wait_stream(stream)
-        _copy_engine.batch_ranges(rt, plan.select(slice(k, None)), side)
-        stream.wait_stream(side)
+    _copy_engine.batch_ranges(rt, plan.select(slice(k, None)), side)
+    stream.wait_stream(side)
 
 
 def transfer_ranges(

@@ -1,0 +1,120 @@
+"""Shared benchmark helpers: environment facts, timing, tables and JSON results."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def driver_version() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+        return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "unknown"
+
+
+def git_commit() -> str:
+    """The commit benchmarked: ``EMBCACHE_GIT_COMMIT`` (set where the tree has no .git), or git."""
+    if env := os.environ.get("EMBCACHE_GIT_COMMIT"):
+        return env
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+            cwd=Path(__file__).resolve().parent,
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def environment() -> dict[str, Any]:
+    import triton
+
+    return {
+        "gpu": gpu_name(),
+        "driver": driver_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "commit": git_commit(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def print_environment(env: dict[str, Any]) -> None:
+    print(" | ".join(f"{k} {v}" for k, v in env.items()), flush=True)
+
+
+def time_gpu_ms(
+    fn: Callable[[], object], stream: torch.cuda.Stream, *, reps: int = 10, warmup: int = 2
+) -> float:
+    """Median milliseconds of ``fn`` measured with events on ``stream`` (host enqueue included).
+
+    Fewer repeats for slow calls: the total is kept near a second.
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times: list[float] = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+        if sum(times) > 1000.0 and len(times) >= 3:
+            break
+    return statistics.median(times)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain fixed-width table."""
+    cells = [[str(h) for h in headers]] + [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
+    return str(value)
+
+
+def save_json(name: str, data: dict[str, Any], out_dir: Path | None = None) -> Path:
+    """Write ``<name>_<gpu>.json`` under ``out_dir`` (default ``bench/results``)."""
+    out_dir = out_dir or RESULTS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    slug = re.sub(r"[^a-z0-9]+", "_", gpu_name().lower()).strip("_")
+    path = out_dir / f"{name}_{slug}.json"
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    print(f"saved {path}", flush=True)
+    return path
