@@ -7,10 +7,12 @@ the operator commands use the REST API, ``put``/``get`` the gRPC client library.
 
 # No ``from __future__ import annotations`` here: typer reads the Annotated[...] metadata
 # through the signature that ``with_settings`` rebuilds, which must hold real objects.
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,6 +24,7 @@ from rich.table import Table
 
 from .cli_settings import with_settings
 from .config import Settings, format_size, parse_size
+from .errors import EmbCacheError
 
 console = Console()
 err_console = Console(stderr=True)
@@ -65,19 +68,34 @@ def _request(settings: Settings, method: str, path: str, **kwargs: Any) -> Any:
 
 def _grpc_client(settings: Settings) -> Any:
     try:
-        from ..clients import EmbCacheClient  # type: ignore[attr-defined]
-    except ImportError:
+        from ..clients import EmbCacheClient
+    except ImportError as exc:
         raise _fail(
-            "put/get use the gRPC client (embcache.clients.EmbCacheClient), which this build "
-            "does not have yet; the REST data plane for put/get is a later release",
-            code=2,
+            f"put/get need the gRPC client (embcache.clients.EmbCacheClient): {exc}", code=2
         ) from None
     if settings.grpc_socket is not None:
-        target = f"unix://{settings.grpc_socket}"
+        target = f"unix:{settings.grpc_socket}"
     else:
         host = "127.0.0.1" if settings.grpc_host in _WILDCARD_HOSTS else settings.grpc_host
         target = f"{host}:{settings.grpc_port}"
-    return EmbCacheClient(target, token=settings.auth_token)
+    roots = settings.tls_cert.read_bytes() if settings.tls_cert else None
+    return EmbCacheClient(
+        target,
+        token=settings.auth_token,
+        timeout=30.0,
+        retries=1,
+        root_certificates=roots,
+        client_name="embcache-cli",
+    )
+
+
+@contextlib.contextmanager
+def _rpc_errors(what: str) -> Iterator[None]:
+    """Turn client errors (typed engine errors, failed RPCs) into one readable line."""
+    try:
+        yield
+    except EmbCacheError as exc:
+        raise _fail(f"{what}: {type(exc).__name__}: {exc}") from None
 
 
 # -- stats / ls / evict ------------------------------------------------------------------
@@ -90,36 +108,30 @@ def stats_table(s: dict[str, Any]) -> Table:
     table.add_column(style="bold cyan")
     table.add_column(justify="right")
     table.add_column(style="dim")
+    rows: list[tuple[str, str, str]] = []
     for pool in [s["host"], *s["device"]]:
-        name = f"{pool['tier']} pool"
         used, cap = pool["used_bytes"], pool["capacity_bytes"]
-        table.add_row(name, f"{format_size(used)} / {format_size(cap)}", _pct(used, cap))
-        table.add_row(
-            "",
-            f"{pool['total_pages']:,} pages of {format_size(pool['page_bytes'])}",
-            f"{pool['free_runs']} free runs, largest {pool['largest_free_run_pages']:,}",
-        )
-    table.add_row("entries", f"{s['entries_ready']:,} ready", f"{s['entries_filling']} filling")
+        rows += [
+            (f"{pool['tier']} pool", f"{format_size(used)} / {format_size(cap)}", _pct(used, cap)),
+            ("", f"{pool['total_pages']:,} pages of {format_size(pool['page_bytes'])}",
+             f"{pool['free_runs']} free runs, largest {pool['largest_free_run_pages']:,}"),
+        ]  # fmt: skip
     runs = ", ".join(f"{k}: {v}" for k, v in sorted(s["runs_per_entry"].items()))
-    table.add_row("runs per entry", runs or "-", "")
-    lookups = s["hits"] + s["misses"]
-    table.add_row(
-        "hit rate", _pct(s["hits"], lookups), f"{s['hits']:,} hits, {s['misses']:,} misses"
-    )
-    table.add_row("evictions", f"{s['evictions']:,}", format_size(s["evicted_bytes"]))
-    table.add_row(
-        "puts",
-        f"{s['puts_committed']:,}",
-        f"{format_size(s['put_bytes'])}, {s['puts_aborted']} aborted",
-    )
-    table.add_row(
-        "leases",
-        f"{s['leases_active']:,} active",
-        f"{s['lease_owners']} owners, {s['leases_expired']:,} expired",
-    )
-    for direction, nbytes in sorted(s["bytes_copied"].items()):
-        table.add_row(f"copied {direction}", format_size(int(nbytes)), "")
-    table.add_row("state", "draining" if s["draining"] else "serving", "")
+    hits, misses = s["hits"], s["misses"]
+    rows += [
+        ("entries", f"{s['entries_ready']:,} ready", f"{s['entries_filling']} filling"),
+        ("runs per entry", runs or "-", ""),
+        ("hit rate", _pct(hits, hits + misses), f"{hits:,} hits, {misses:,} misses"),
+        ("evictions", f"{s['evictions']:,}", format_size(s["evicted_bytes"])),
+        ("puts", f"{s['puts_committed']:,}",
+         f"{format_size(s['put_bytes'])}, {s['puts_aborted']} aborted"),
+        ("leases", f"{s['leases_active']:,} active",
+         f"{s['lease_owners']} owners, {s['leases_expired']:,} expired"),
+    ]  # fmt: skip
+    rows += [(f"copied {d}", format_size(int(n)), "") for d, n in sorted(s["bytes_copied"].items())]
+    rows.append(("state", "draining" if s["draining"] else "serving", ""))
+    for row in rows:
+        table.add_row(*row)
     return table
 
 
@@ -268,7 +280,7 @@ def put(
         value = load_tensor(file, tensor)
     except (ValueError, OSError) as exc:
         raise _fail(str(exc), code=2) from None
-    with _grpc_client(settings) as client:
+    with _grpc_client(settings) as client, _rpc_errors(f"put {key!r}"):
         created = client.put(key, value)
     verb = "stored" if created else "already present:"
     console.print(
@@ -288,10 +300,11 @@ def get(
     """Fetch the entry KEY into a file (for debugging)."""
     if file.suffix.lower() not in (".npy", ".safetensors"):
         raise _fail(f"unsupported file type {file.suffix!r}: use .npy or .safetensors", code=2)
-    with _grpc_client(settings) as client:
-        value = client.get_tensor(key)
-    if value is None:
+    with _grpc_client(settings) as client, _rpc_errors(f"get {key!r}"):
+        entry = client.get_bytes(key)
+    if entry is None:
         raise _fail(f"no entry {key!r}")
+    value = entry.tensor()
     try:
         save_tensor(value, file, tensor or "embedding")
     except (ValueError, OSError) as exc:
@@ -352,19 +365,7 @@ def bench(
         for script in scripts:
             progress.update(overall, description=f"running [bold]{script.stem}[/]")
             started = time.monotonic()
-            try:
-                proc = subprocess.run(
-                    [sys.executable, str(script)],
-                    capture_output=True,
-                    text=True,
-                    timeout=timeout,
-                    env=_bench_env(settings),
-                    cwd=folder.parent,
-                    check=False,
-                )
-                rc, out, err = proc.returncode, proc.stdout, proc.stderr
-            except subprocess.TimeoutExpired as exc:
-                rc, out, err = -1, _text(exc.stdout), f"timed out after {timeout:.0f}s"
+            rc, out, err = _run_script(script, _bench_env(settings), timeout)
             seconds = time.monotonic() - started
             status = "[green]ok[/]" if rc == 0 else f"[red]failed ({rc})[/]"
             progress.console.rule(f"{script.stem} · {status} · {seconds:.1f}s")
@@ -378,8 +379,16 @@ def bench(
         raise _fail(f"failed: {', '.join(failed)}")
 
 
-def _text(data: str | bytes | None) -> str:
-    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+def _run_script(script: Path, env: dict[str, str], timeout: float) -> tuple[int, str, str]:
+    """Run one bench script from the repository root: (exit code, stdout, stderr)."""
+    cmd = [sys.executable, str(script)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                              cwd=script.parent.parent, check=False)  # fmt: skip
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else ""
+        return -1, out, f"timed out after {timeout:.0f}s"
+    return proc.returncode, proc.stdout, proc.stderr
 
 
 def register(app: typer.Typer) -> None:
