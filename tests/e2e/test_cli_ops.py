@@ -195,6 +195,6 @@ def test_serve_subprocess_cli_stats(daemon: dict[str, Any]) -> None:
     """The installed entry point, end to end in its own process."""
     env = {**os.environ, "EMBCACHE_HTTP_PORT": str(daemon["http_port"]),
            "EMBCACHE_AUTH_TOKEN": TOKEN}  # fmt: skip
-    out = subprocess.run([sys.executable, "-m", "embcache.service.cli", "stats", "--json"],
-                         capture_output=True, text=True, env=env, timeout=60, check=True)  # fmt: skip
+    cmd = [sys.executable, "-m", "embcache.service.cli", "stats", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60, check=True)
     assert json.loads(out.stdout)["host"]["tier"] == "host"
