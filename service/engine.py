@@ -380,6 +380,7 @@ class CacheEngine:
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> EngineStats:
         with self._lock:
+            self._expire_locked(self._clock())
             s = self.settings
             a = self._alloc
             used_pages = a.num_pages - a.num_free_pages

@@ -6,12 +6,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
 from embcache.service.metrics import Metrics
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 PAGE = 4096
 

@@ -1,0 +1,66 @@
+"""Every Settings field as a CLI flag (``host_pool_bytes`` -> ``--host-pool-bytes``).
+
+Flags override ``EMBCACHE_*`` env vars, which override defaults. Commands decorated with
+:func:`with_settings` receive a validated, frozen ``settings`` argument.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import typer
+from pydantic import ValidationError
+
+from .config import Settings
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def build_settings(overrides: dict[str, Any]) -> Settings:
+    """Settings from env + the flags that were given; exit 2 naming the bad fields."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return Settings(**given)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            field = ".".join(str(p) for p in err["loc"]) or "settings"
+            lines.append(
+                f"  {flag_name(field) if field in Settings.model_fields else field}: {err['msg']}"
+            )
+        typer.echo("invalid settings:\n" + "\n".join(lines), err=True)
+        raise typer.Exit(2) from None
+
+
+def with_settings(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Add one option per Settings field to a typer command; pass ``settings=`` instead."""
+    sig = inspect.signature(func)
+    own = [p for name, p in sig.parameters.items() if name != "settings"]
+    extra = []
+    for name, field in Settings.model_fields.items():
+        extra.append(
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=str | None,
+                default=typer.Option(
+                    None,
+                    flag_name(name),
+                    help=field.description,
+                    rich_help_panel="Settings (env EMBCACHE_<NAME>)",
+                ),
+            )
+        )
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        overrides = {name: kwargs.pop(name) for name in Settings.model_fields}
+        return func(*args, settings=build_settings(overrides), **kwargs)
+
+    wrapper.__signature__ = sig.replace(parameters=own + extra)  # type: ignore[attr-defined]
+    return wrapper

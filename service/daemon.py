@@ -1,0 +1,133 @@
+"""The daemon process: engine + gRPC + HTTP on one asyncio loop, a lease reaper, drain.
+
+Start-up order: host pool (may take a while to pin), then listeners, then one JSON line
+``{"event": "ready", ...}`` on stdout. SIGTERM/SIGINT: health NOT_SERVING, the engine
+refuses new work, in-flight calls get ``drain_grace_s`` to finish, every lease is
+released, the shared-memory segment is removed, exit code 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+from .config import Settings
+from .engine import CacheEngine
+
+log = logging.getLogger("embcache.daemon")
+
+
+class _QuietSignalsServer(uvicorn.Server):
+    """uvicorn server that leaves signal handling to the daemon."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:  # uvicorn >= 0.29
+        yield
+
+    def install_signal_handlers(self) -> None:  # older uvicorn
+        return None
+
+
+def _bind_http(settings: Settings) -> socket.socket:
+    family = socket.AF_INET6 if ":" in settings.http_host.strip("[]") else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((settings.http_host.strip("[]"), settings.http_port))
+    sock.listen(512)
+    sock.setblocking(False)
+    return sock
+
+
+class Daemon:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._stop = asyncio.Event()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> int:
+        from .metrics import Metrics
+        from .transport.grpc_server import start_grpc
+        from .transport.http_app import create_app
+
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        engine = await asyncio.to_thread(CacheEngine, s)
+        try:
+            metrics = Metrics(engine)
+            grpc_service = await start_grpc(engine, s, metrics)
+            http_sock = _bind_http(s)
+            config = uvicorn.Config(
+                create_app(engine, s, metrics),
+                log_level=s.log_level,
+                access_log=False,
+                ssl_certfile=str(s.tls_cert) if s.tls_cert else None,
+                ssl_keyfile=str(s.tls_key) if s.tls_key else None,
+                timeout_graceful_shutdown=max(1, int(s.drain_grace_s)),
+            )
+            http = _QuietSignalsServer(config)
+            http_task = asyncio.create_task(http.serve(sockets=[http_sock]))
+            reaper = asyncio.create_task(self._reap(engine))
+            while not http.started:
+                if http_task.done():
+                    await http_task  # raises the start-up error
+                    raise RuntimeError("HTTP server exited during start-up")
+                await asyncio.sleep(0.01)
+            self._announce(grpc_service, http_sock.getsockname()[1], engine)
+            await self._stop.wait()
+            log.info("draining: refusing new work, %.1fs grace", s.drain_grace_s)
+            grpc_service.set_serving(False)
+            engine.begin_drain()
+            await grpc_service.stop(s.drain_grace_s)
+            http.should_exit = True
+            await http_task
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+        finally:
+            engine.close()
+        log.info("stopped cleanly")
+        return 0
+
+    async def _reap(self, engine: CacheEngine) -> None:
+        period = min(1.0, self.settings.lease_ttl_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            expired = engine.expire_leases()
+            if expired:
+                log.info("expired %d leases", expired)
+
+    def _announce(self, grpc_service: Any, http_port: int, engine: CacheEngine) -> None:
+        ports = list(getattr(grpc_service, "ports", []) or [])
+        ready = {
+            "event": "ready",
+            "grpc_port": ports[0] if ports else None,
+            "grpc_socket": str(grpc_service.socket_path) if grpc_service.socket_path else None,
+            "http_port": http_port,
+            "shm_name": engine.host_pool.name,
+            "cuda": engine.host_pool.registered,
+        }
+        sys.stdout.write(json.dumps(ready) + "\n")
+        sys.stdout.flush()
+        log.info("ready: %s", ready)
+
+
+def serve(settings: Settings) -> int:
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return asyncio.run(Daemon(settings).run())

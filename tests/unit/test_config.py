@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+import pytest
+from embcache.service.config import Settings, format_size, parse_size
+from pydantic import ValidationError
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("4GiB", 4 * 1024**3),
+        ("256KiB", 262144),
+        ("1.5MiB", 1572864),
+        ("1GB", 10**9),
+        ("4096", 4096),
+        (" 8 kib ", 8192),
+        (12, 12),
+    ],
+)
+def test_parse_size(text: object, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "4XB", "-1", "1.3B", True, None, "1e6"])
+def test_parse_size_rejects(text: object) -> None:
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+def test_format_size() -> None:
+    assert format_size(512) == "512 B"
+    assert format_size(3 * 1024**3) == "3.0 GiB"
+
+
+def test_defaults() -> None:
+    s = Settings()
+    assert s.page_bytes == 256 * 1024
+    assert (s.grpc_host, s.grpc_port, s.http_host, s.http_port) == (
+        "127.0.0.1",
+        7470,
+        "127.0.0.1",
+        7471,
+    )
+    assert s.effective_shm_name == "embcache-7470"
+    assert s.num_host_pages * s.page_bytes == s.host_pool_bytes
+
+
+def test_env_vars(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EMBCACHE_HOST_POOL_BYTES", "64MiB")
+    monkeypatch.setenv("EMBCACHE_PAGE_BYTES", "64KiB")
+    monkeypatch.setenv("EMBCACHE_LEASE_TTL_S", "2.5")
+    s = Settings()
+    assert (s.host_pool_bytes, s.page_bytes, s.lease_ttl_s) == (64 * 1024**2, 65536, 2.5)
+    # explicit values win over the environment
+    assert Settings(page_bytes="4KiB").page_bytes == 4096
+
+
+def test_frozen() -> None:
+    with pytest.raises(ValidationError):
+        Settings().page_bytes = 4096  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"page_bytes": "3000"}, "page_bytes"),
+        ({"host_pool_bytes": "junk"}, "host_pool_bytes"),
+        ({"grpc_port": 70000}, "grpc_port"),
+        ({"lease_ttl_s": 0}, "lease_ttl_s"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
+def test_errors_name_the_field(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        Settings(**kwargs)
+    assert field in str(info.value)
+
+
+def test_pool_must_be_whole_pages() -> None:
+    with pytest.raises(ValidationError, match="multiple of page_bytes"):
+        Settings(host_pool_bytes=1024**2 + 4096, page_bytes="64KiB")
+
+
+def test_non_loopback_needs_token() -> None:
+    with pytest.raises(ValidationError, match="auth_token"):
+        Settings(grpc_host="0.0.0.0")
+    with pytest.raises(ValidationError, match="auth_token"):
+        Settings(http_host="10.1.2.3")
+    assert Settings(grpc_host="0.0.0.0", auth_token="s3cret").grpc_host == "0.0.0.0"
+    assert Settings(grpc_host="::1").grpc_host == "::1"
