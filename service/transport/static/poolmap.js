@@ -99,6 +99,7 @@
     }
     const gap = cell >= 6 * dpr ? Math.max(1, Math.round(dpr)) : 0;
     const offX = (w - cols * cell) / 2;
+    layouts[canvas.id.replace("grid-", "")] = { cols, cell, offX, pool };
     for (let i = 0; i < n; i += 1) {
       const name = pool.states[pool.cells.charCodeAt(i) - 48] || "free";
       ctx.fillStyle = COLORS[name] || COLORS.free;
@@ -106,6 +107,27 @@
       const y = Math.floor(i / cols) * cell;
       ctx.fillRect(x, y, cell - gap, cell - gap);
     }
+  }
+
+  // Remember each grid's geometry so a hover can name the pages under the pointer.
+  const layouts = {};
+
+  function describeCell(kind, ev) {
+    const lay = layouts[kind];
+    if (!lay) return "";
+    const canvas = ev.target;
+    const dpr = window.devicePixelRatio || 1;
+    const rect = canvas.getBoundingClientRect();
+    const col = Math.floor(((ev.clientX - rect.left) * dpr - lay.offX) / lay.cell);
+    const row = Math.floor(((ev.clientY - rect.top) * dpr) / lay.cell);
+    const i = row * lay.cols + col;
+    if (col < 0 || col >= lay.cols || i < 0 || i >= lay.pool.cells.length) return "";
+    const per = lay.pool.pages_per_cell;
+    const first = i * per;
+    const last = Math.min(first + per, lay.pool.num_pages) - 1;
+    const state = lay.pool.states[lay.pool.cells.charCodeAt(i) - 48];
+    const pages = first === last ? `page ${first}` : `pages ${first}–${last}`;
+    return `${pages}: ${per > 1 ? "mostly " : ""}${state}`;
   }
 
   function drawSpark(canvas, values, color, maxHint) {
@@ -182,13 +204,15 @@
     setText("entries", fmtInt(s.entries));
     setText("entries-foot", `${fmtInt(s.filling)} filling · ${fmtInt(s.evictions)} evicted`);
     setText("leases", fmtInt(s.leases_active));
-    setText("evictions", `${fmtInt(s.hits)} hits · ${fmtInt(s.misses)} misses`);
+    const pinned = (map.host.counts.leased || 0) * map.host.page_bytes;
+    setText("evictions", `pinning ${fmtBytes(pinned)} of host pages`);
 
     const hist = map.history;
     const rates = hist.hit_rate.filter((v) => v !== null);
     const lifetime = s.hits + s.misses > 0 ? s.hits / (s.hits + s.misses) : null;
     setText("hit-rate", fmtPct(rates.length ? rates[rates.length - 1] : lifetime));
-    setText("hit-foot", `lifetime ${fmtPct(lifetime)} · last ${Math.round(hist.window_s / 60)} min`);
+    setText("hit-foot", `lifetime ${fmtPct(lifetime)} · ${fmtInt(s.hits)} hits · ` +
+      `${fmtInt(s.misses)} misses`);
     drawSpark(document.getElementById("spark-hit"), hist.hit_rate, COLORS.ready, 1);
 
     const dirs = Object.keys(hist.bandwidth);
@@ -312,6 +336,17 @@
     ev.target.setAttribute("aria-pressed", String(paused));
     if (!paused) tick();
   });
+
+  // A token pasted into the fragment of an open page (#token=...) takes effect at once.
+  window.addEventListener("hashchange", () => {
+    const fresh = takeToken();
+    if (fresh) { token = fresh; polls = 0; tick(); }
+  });
+
+  for (const kind of ["host", "device"]) {
+    const canvas = document.getElementById("grid-" + kind);
+    canvas.addEventListener("mousemove", (ev) => { canvas.title = describeCell(kind, ev); });
+  }
 
   window.addEventListener("resize", () => {
     if (!lastMap) return;

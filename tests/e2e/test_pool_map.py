@@ -1,0 +1,193 @@
+"""The pool-map page in headless Chromium, driven over the DevTools protocol.
+
+Checks that the page renders the pools and the entries a test put, keeps itself up to date
+without reloading, honours a token given in the URL fragment, and logs no console errors.
+Skipped where Debian's ``chromium`` is not installed.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from embcache.service.config import Settings
+from embcache.service.engine import CacheEngine
+from embcache.service.metrics import Metrics
+from embcache.service.transport.http_app import create_app
+from embcache.service.transport.http_testing import serve_in_thread
+
+CHROMIUM = Path("/usr/bin/chromium")
+TOKEN = "page-token"
+pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium")
+ws_client = pytest.importorskip("websockets.sync.client")
+
+
+class DevTools:
+    """Just enough of the Chrome DevTools protocol: commands, and events kept for later."""
+
+    def __init__(self, ws: Any) -> None:
+        self._ws = ws
+        self._next_id = 0
+        self.events: list[dict[str, Any]] = []
+
+    def call(self, method: str, timeout: float = 15.0, **params: Any) -> dict[str, Any]:
+        self._next_id += 1
+        self._ws.send(json.dumps({"id": self._next_id, "method": method, "params": params}))
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(method)
+            msg = json.loads(self._ws.recv(timeout=left))
+            if msg.get("id") == self._next_id:
+                if "error" in msg:
+                    raise RuntimeError(f"{method}: {msg['error']}")
+                return msg.get("result", {})
+            if "method" in msg:
+                self.events.append(msg)
+
+    def evaluate(self, expression: str) -> Any:
+        out = self.call("Runtime.evaluate", expression=expression, returnByValue=True)
+        if "exceptionDetails" in out:
+            raise RuntimeError(out["exceptionDetails"])
+        return out["result"].get("value")
+
+    def wait_for(self, expression: str, timeout: float = 20.0) -> Any:
+        deadline = time.monotonic() + timeout
+        guarded = f"(() => {{ try {{ return ({expression}); }} catch (e) {{ return null; }} }})()"
+        while time.monotonic() < deadline:
+            value = self.evaluate(guarded)  # null while the page is still loading
+            if value:
+                return value
+            time.sleep(0.2)
+        raise AssertionError(f"timed out waiting for: {expression}")
+
+    def errors(self) -> list[str]:
+        found = []
+        for ev in self.events:
+            method, params = ev["method"], ev.get("params", {})
+            if method == "Runtime.exceptionThrown":
+                found.append(json.dumps(params["exceptionDetails"])[:500])
+            elif method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
+                found.append(json.dumps(params.get("args"))[:500])
+            elif method == "Log.entryAdded" and params["entry"]["level"] == "error":
+                found.append(params["entry"].get("text", "")[:500])
+        return found
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[DevTools]:
+    profile = tmp_path / "profile"
+    cmd = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+           "--no-first-run", "--disable-background-networking", "--disable-component-update",
+           "--disable-sync", "--disable-extensions", f"--user-data-dir={profile}",
+           "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
+           "--window-size=1400,1000", "about:blank"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    found = threading.Event()
+
+    def read_stderr() -> None:  # keeps draining so Chromium never blocks on a full pipe
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if "DevTools listening on" in line:
+                found.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    try:
+        if not found.wait(30):
+            raise RuntimeError("chromium did not start:\n" + "".join(lines[-20:]))
+        endpoint = re.search(r"ws://127\.0\.0\.1:(\d+)/", "".join(lines))
+        assert endpoint is not None
+        with urllib.request.urlopen(f"http://127.0.0.1:{endpoint.group(1)}/json/list") as r:
+            pages = [t for t in json.load(r) if t["type"] == "page"]
+        ws_url = pages[0]["webSocketDebuggerUrl"]
+        with ws_client.connect(ws_url, max_size=64 * 1024 * 1024, open_timeout=10) as ws:
+            tools = DevTools(ws)
+            for domain in ("Runtime", "Log", "Page"):
+                tools.call(f"{domain}.enable")
+            tools.call("Emulation.setDeviceMetricsOverride", width=1400, height=1000,
+                       deviceScaleFactor=1, mobile=False)  # fmt: skip
+            yield tools
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+        reader.join(timeout=5)
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+@pytest.fixture
+def site(shm_name: str) -> Iterator[tuple[str, CacheEngine]]:
+    settings = Settings(host_pool_bytes="16MiB", page_bytes="16KiB", shm_name=shm_name,
+                        device="cpu", auth_token=TOKEN)  # fmt: skip
+    with CacheEngine(settings) as engine:
+        engine.put("video/clip-0042.mp4#frames", torch.ones(512, 1024, dtype=torch.bfloat16))
+        for i in range(12):
+            engine.put(f"img/{i:03d}.jpg", torch.ones(4 * (i + 1), 1024, dtype=torch.float32))
+        engine.put("audio/podcast-ep7.wav", torch.ones(300, 1024, dtype=torch.float16))
+        engine.evict(["img/003.jpg", "img/007.jpg"])  # holes: free runs between entries
+        engine.get(["img/011.jpg", "img/010.jpg", "missing"], owner="decoder-0")
+        with serve_in_thread(create_app(engine, settings, Metrics(engine))) as url:
+            yield url, engine
+
+
+def test_pool_map_page(browser: DevTools, site: tuple[str, CacheEngine], tmp_path: Path) -> None:
+    url, engine = site
+    # Without a token the page asks for one instead of failing silently.
+    browser.call("Page.navigate", url=url + "/")
+    browser.wait_for("!document.getElementById('auth').hidden")
+    assert browser.evaluate("document.getElementById('health').textContent") == "token needed"
+    browser.events.clear()  # the refused requests are logged by Chromium as network errors
+
+    browser.call("Page.navigate", url=f"{url}/#token={TOKEN}")
+    keys = "[...document.querySelectorAll('#table-size td.key')].map(td => td.textContent)"
+    shown = browser.wait_for(f"(() => {{ const k = {keys}; return k.length >= 8 && k; }})()")
+    assert shown[0] == "video/clip-0042.mp4#frames"  # the largest entry tops the list
+    assert "audio/podcast-ep7.wav" in shown
+    assert browser.evaluate("location.hash") == ""  # the token left the address bar
+    assert browser.evaluate("localStorage.getItem('embcache.token')") == TOKEN
+    assert browser.evaluate("document.getElementById('health').textContent") == "ready"
+    legend = browser.evaluate("document.getElementById('legend-host').textContent")
+    assert "leased" in legend and "ready" in legend and "free" in legend
+    painted = browser.evaluate(
+        "(() => { const c = document.getElementById('grid-host');"
+        " const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
+        " let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i]) n++; return n; })()"
+    )
+    assert painted > 1000  # the host grid is drawn
+    assert browser.evaluate("document.getElementById('device-pool').hidden") is True
+
+    # Live update without reloading: a marker set on window survives the refresh.
+    browser.evaluate("window.__noReload = 1")
+    engine.put("fresh/after-load", torch.ones(700, 1024, dtype=torch.float32))
+    recent = "[...document.querySelectorAll('#table-recent td.key')].map(td => td.textContent)"
+    browser.wait_for(f"{recent}[0] === 'fresh/after-load'")
+    browser.wait_for(f"{keys}[0] === 'fresh/after-load'")
+    assert browser.evaluate("window.__noReload") == 1
+
+    shot = base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"])
+    (tmp_path / "pool-map.png").write_bytes(shot)
+    if out_dir := os.environ.get("EMBCACHE_SCREENSHOT_DIR"):
+        shutil.copy(tmp_path / "pool-map.png", Path(out_dir) / "pool-map.png")
+    assert shot.startswith(b"\x89PNG") and len(shot) > 10_000
+    assert browser.errors() == []
