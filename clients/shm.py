@@ -54,6 +54,7 @@ class PoolMaps:
         self._lock = threading.Lock()
         self._by_pool_id: dict[str, PoolMapping | None] = {}
         self._by_identity: dict[tuple[int, int, int], PoolMapping] = {}
+        self._by_name: dict[str, tuple[int, int, int]] = {}
 
     def get(self, handle: pb.PoolHandle) -> PoolMapping | None:
         with self._lock:
@@ -93,8 +94,19 @@ class PoolMaps:
             warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
             tensor = torch.frombuffer(mm, dtype=torch.uint8)
         mapping = PoolMapping(desc.segment_name, desc.size, tensor, mm)
+        self._forget(desc.segment_name)
         self._by_identity[identity] = mapping
+        self._by_name[desc.segment_name] = identity
         return mapping
+
+    def _forget(self, name: str) -> None:
+        """Drop the mapping of an older segment of this name (its daemon is gone): the
+        memory is unmapped once the last tensor viewing it is freed."""
+        old = self._by_identity.pop(self._by_name.pop(name, (-1, -1, -1)), None)
+        if old is not None:
+            for pool_id, mapping in list(self._by_pool_id.items()):
+                if mapping is old:
+                    del self._by_pool_id[pool_id]
 
 
 _process_maps = PoolMaps()

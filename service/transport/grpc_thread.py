@@ -1,7 +1,9 @@
-"""Run the gRPC server on a private event loop in a background thread.
+"""Run gRPC servers on a background event loop, for programs without a loop of their own.
 
-For programs without an asyncio loop of their own (tests, notebooks, embedding the data
-plane next to synchronous code). The daemon does not use this: it awaits ``start_grpc``.
+Tests, notebooks and synchronous programs use this; the daemon does not (it awaits
+``start_grpc`` on its own loop). All servers share one process-wide loop thread: grpc.aio
+binds its completion-queue poller to a loop, and creating and closing a loop per server
+leaves callbacks aimed at closed loops.
 """
 
 from __future__ import annotations
@@ -17,6 +19,20 @@ from ..engine import CacheEngine
 from .grpc_errors import RpcMetrics
 from .grpc_server import GrpcService, start_grpc
 
+_shared: asyncio.AbstractEventLoop | None = None
+_shared_lock = threading.Lock()
+
+
+def background_loop() -> asyncio.AbstractEventLoop:
+    """The process-wide loop thread (started on first use, a daemon thread)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="embcache-grpc", daemon=True).start()
+            _shared = loop
+        return _shared
+
 
 class GrpcServerThread:
     def __init__(
@@ -25,32 +41,21 @@ class GrpcServerThread:
         self._engine = engine
         self._settings = settings
         self._metrics = metrics
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self.loop = background_loop()
         self.service: GrpcService | None = None
 
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        return self._loop
-
     def start(self, timeout: float = 30.0) -> GrpcService:
-        self._thread.start()
         self.service = self.call(start_grpc(self._engine, self._settings, self._metrics), timeout)
         return self.service
 
     def call(self, coro: Any, timeout: float = 30.0) -> Any:
         """Run a coroutine on the server's loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self, grace: float = 0.5) -> None:
         if self.service is not None:
-            self.call(self.service.stop(grace), grace + 30.0)
-            self.service = None
-        if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10.0)
-        if not self._loop.is_closed() and not self._loop.is_running():
-            self._loop.close()
+            service, self.service = self.service, None
+            self.call(service.stop(grace), grace + 30.0)
 
     def __enter__(self) -> GrpcService:
         return self.start()
@@ -63,7 +68,7 @@ class GrpcServerThread:
 def serving(
     settings: Settings, metrics: RpcMetrics | None = None
 ) -> Iterator[tuple[CacheEngine, GrpcServerThread]]:
-    """An engine and a gRPC server for it on a background loop; both closed on exit."""
+    """An engine and a gRPC server for it on the background loop; both closed on exit."""
     engine = CacheEngine(settings)
     try:
         thread = GrpcServerThread(engine, settings, metrics)
