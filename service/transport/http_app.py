@@ -101,8 +101,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
     async def sample_forever() -> None:
         while True:
-            try:
-                history.sample()
+            try:  # off the loop: stats() takes the engine lock, which gRPC calls share
+                await asyncio.to_thread(history.sample)
             except Exception:  # a failed sample must not end the history
                 log.exception("pool-map sample failed")
             await asyncio.sleep(history.interval_s)

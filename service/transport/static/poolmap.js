@@ -258,8 +258,11 @@
     const tbody = document.querySelector(`#${id} tbody`);
     const rows = items.map((e) => {
       const tr = document.createElement("tr");
-      const key = cell(e.key, "key");
-      key.title = e.key;
+      const key = cell("", "key");
+      const label = document.createElement("span");
+      label.textContent = e.key;
+      label.title = e.key;
+      key.append(label);
       const onDevice = e.residency.some((r) => r !== "host");
       const state = e.leases > 0 ? "leased" : onDevice ? "resident" : e.state;
       const lastCol = last === "idle" ? cell(fmtAge(e.idle_s), "num") : cell(fmtInt(e.leases), "num");
