@@ -104,17 +104,20 @@ class Bench:
         return start.elapsed_time(end) / reps
 
     def gemm_slowdown(self, fn, copy_ms: float) -> float:
-        """GEMM time while ``fn`` copies run back to back on another stream, over GEMM alone."""
+        """GEMM time while ``fn`` copies run back to back on another stream, over GEMM alone
+        (alone measured right before and after, to cancel clock drift)."""
         window = self.gemm_alone_ms * self.args.gemm_reps
         n_copies = math.ceil(1.5 * window / copy_ms) + 2
         ratios = []
         for _ in range(2):
             torch.cuda.synchronize()
+            before = self.gemm_ms()
             with torch.cuda.stream(self.stream):
                 for _ in range(n_copies):
                     fn()
-            ratios.append(self.gemm_ms() / self.gemm_alone_ms)
+            contested = self.gemm_ms()
             torch.cuda.synchronize()
+            ratios.append(contested / ((before + self.gemm_ms()) / 2))
         return statistics.median(ratios)
 
 
@@ -169,12 +172,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         budgets = budget_sweep(bench, direction)
         splits = split_sweep(bench, direction)
+        variants = variant_sweep(bench, direction) if args.sweep else []
         result["directions"][direction] = {
             "baseline_contiguous_copy_engine_gbps": base,
             "baseline_gemm_slowdown": base_slow,
             "runs": entries,
             "kernel_budgets": budgets,
             "split_fractions": splits,
+            "variants": variants,
         }
         print(f"contiguous copy engine: {base:.1f} GB/s, GEMM slowdown {base_slow:.3f}x")
     result["launch_latency_us"] = launch_latency(bench)
@@ -182,26 +187,63 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def budget_sweep(bench: Bench, direction: str) -> list[dict[str, Any]]:
-    """The kernel at several SM budgets and tile sizes, with the GEMM slowdown each causes."""
+    """The kernel at several SM budgets, with the GEMM slowdown each causes (8 KiB runs)."""
     out, rows = [], []
     nbytes = bench.rows * ROW_BYTES
     for size in (8 * KIB, 128 * KIB):
         plan = bench.plan(size, direction)
         for budget in bench.args.budgets:
-            for tile in bench.args.tiles:
-                cfg = TransferConfig(sm_budget=budget, tile_bytes=tile * KIB)
-                fn = bench.copy_fn(direction, plan, "kernel", cfg)
-                gbps = bench.gbps(fn)
-                slow = None
-                if size == 8 * KIB and tile == bench.config.tile_bytes // KIB:
-                    slow = bench.gemm_slowdown(fn, nbytes / gbps / 1e6)
+            cfg = dataclasses.replace(bench.config, sm_budget=budget)
+            fn = bench.copy_fn(direction, plan, "kernel", cfg)
+            gbps = bench.gbps(fn)
+            slow = bench.gemm_slowdown(fn, nbytes / gbps / 1e6) if size == 8 * KIB else None
+            entry = {"run": _label(size), "programs": budget, "gbps": gbps, "gemm_slowdown": slow}
+            out.append(entry)
+            rows.append([_label(size), budget, gbps, "" if slow is None else slow])
+    print(f"\n{direction.upper()} kernel by SM budget (programs)")
+    print(table(["run", "programs", "GB/s", "GEMM slowdown"], rows), flush=True)
+    return out
+
+
+VARIANTS = {
+    "scalar": {"vector_device": False, "vector_host_loads": False, "vector_host_stores": False},
+    "vec-device": {"vector_device": True, "vector_host_loads": False, "vector_host_stores": False},
+    "vec-all": {"vector_device": True, "vector_host_loads": True, "vector_host_stores": True},
+}
+
+
+def variant_sweep(bench: Bench, direction: str) -> list[dict[str, Any]]:
+    """Kernel variants (16-byte accesses per side, programs, tile, warps) and batch streams."""
+    out, rows = [], []
+    for size in (8 * KIB, 32 * KIB, 128 * KIB):
+        plan = bench.plan(size, direction)
+        for name, flags in VARIANTS.items():
+            for budget, tile, warps in ((8, 32, 8), (16, 32, 8), (8, 64, 8), (8, 32, 4)):
+                cfg = dataclasses.replace(
+                    bench.config, sm_budget=budget, tile_bytes=tile * KIB, num_warps=warps, **flags
+                )
+                gbps = bench.gbps(bench.copy_fn(direction, plan, "kernel", cfg))
                 out.append(
-                    {"run": _label(size), "programs": budget, "tile_kib": tile, "gbps": gbps,
-                     "gemm_slowdown": slow}
-                )  # fmt: skip
-                rows.append([_label(size), budget, tile, gbps, "" if slow is None else slow])
-    print(f"\n{direction.upper()} kernel by SM budget (programs) and tile (KiB in flight/program)")
-    print(table(["run", "programs", "tile KiB", "GB/s", "GEMM slowdown"], rows), flush=True)
+                    {
+                        "run": _label(size),
+                        "backend": "kernel",
+                        "variant": name,
+                        "programs": budget,
+                        "tile_kib": tile,
+                        "warps": warps,
+                        "gbps": gbps,
+                    }
+                )
+                rows.append([_label(size), f"kernel {name}", f"{budget}x{tile}K/{warps}w", gbps])
+    for size in (32 * KIB, 128 * KIB, 512 * KIB):
+        plan = bench.plan(size, direction)
+        for streams in (1, 2, 4):
+            cfg = dataclasses.replace(bench.config, copy_engine_streams=streams)
+            gbps = bench.gbps(bench.copy_fn(direction, plan, "batch", cfg))
+            out.append({"run": _label(size), "backend": "batch", "streams": streams, "gbps": gbps})
+            rows.append([_label(size), "batch", f"{streams} streams", gbps])
+    print(f"\n{direction.upper()} variants")
+    print(table(["run", "backend", "setting", "GB/s"], rows), flush=True)
     return out
 
 
@@ -264,7 +306,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10, help="repeats (median)")
     parser.add_argument("--gemm-reps", type=int, default=10, help="GEMMs per timing")
     parser.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32])
-    parser.add_argument("--tiles", type=int, nargs="+", default=[32], help="tile sizes, KiB")
+    parser.add_argument("--sweep", action="store_true", help="also time kernel/batch variants")
     parser.add_argument("--out-dir", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -24,18 +24,25 @@ def memcpy_ranges(rt: CudaRuntime, plan: TransferPlan, stream: torch.cuda.Stream
             rt.memcpy_async(dst, src, size, handle)
 
 
-def batch_ranges(rt: CudaRuntime, plan: TransferPlan, stream: torch.cuda.Stream) -> None:
-    """All ranges in one ``cudaMemcpyBatchAsync`` on ``stream``.
+def batch_ranges(
+    rt: CudaRuntime, plan: TransferPlan, stream: torch.cuda.Stream, num_streams: int = 1
+) -> None:
+    """The ranges in ``cudaMemcpyBatchAsync`` calls: one on ``stream``, or one on each of
+    ``num_streams`` side streams (ranges dealt round-robin), joined back with events.
 
-    The call refuses the legacy default stream, so on it the batch runs on a side stream joined
-    back with events: ordering on ``stream`` is as if the copy were issued there.
+    The call refuses the legacy default stream, so there it always runs on a side stream;
+    ordering on ``stream`` is as if the copy were issued there.
     """
     dsts, srcs, sizes = _addresses(plan)
+    num_streams = max(1, min(num_streams, plan.num_ranges))
     with torch.cuda.device(plan.device):
-        if stream.cuda_stream != 0:
+        if num_streams == 1 and stream.cuda_stream != 0:
             rt.memcpy_batch_async(dsts, srcs, sizes, stream.cuda_stream)
             return
-        side = torch.cuda.Stream(plan.device)
-        side.wait_stream(stream)
-        rt.memcpy_batch_async(dsts, srcs, sizes, side.cuda_stream)
-        stream.wait_stream(side)
+        sides = [torch.cuda.Stream(plan.device) for _ in range(num_streams)]
+        for i, side in enumerate(sides):
+            side.wait_stream(stream)
+            part = slice(i, None, num_streams)
+            rt.memcpy_batch_async(dsts[part], srcs[part], sizes[part], side.cuda_stream)
+        for side in sides:
+            stream.wait_stream(side)

@@ -42,10 +42,13 @@ class TransferPlan:
     def host(self) -> torch.Tensor:
         return self.src if self.direction == "h2d" else self.dst
 
-    def element_bytes(self, *pointers: int) -> int:
-        """Widest access (8, 4, 2 or 1 bytes) dividing the row size and every base pointer."""
+    def element_bytes(self, *pointers: int, widest: int = 8) -> int:
+        """Widest power of two up to ``widest`` dividing the row size and every base pointer."""
         g = math.gcd(self.row_bytes, *pointers)
-        return next(w for w in (8, 4, 2, 1) if g % w == 0)
+        w = widest
+        while g % w:
+            w //= 2
+        return w
 
     def select(self, index: np.ndarray | slice) -> TransferPlan:
         """The sub-plan made of some of the ranges."""
@@ -87,7 +90,7 @@ def as_index_array(name: str, value: object) -> np.ndarray:
         raise ValueError(f"{name}: must hold integers, got dtype {arr.dtype}")
     if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
         raise ValueError(f"{name}: value {int(arr.max())} is out of range")
-    return arr.astype(np.int64)
+    return arr.astype(np.int64, copy=False)
 
 
 def _check_tensor(name: str, t: object) -> torch.Tensor:
@@ -180,8 +183,11 @@ def validate_plan(
     keep = n > 0
     s, d, n = s[keep], d[keep], n[keep]
     if len(d) > 1:
-        order = np.argsort(d, kind="stable")
-        ds, de = d[order], d[order] + n[order]
+        if bool(np.all(d[1:] >= d[:-1])):  # already in order (e.g. a contiguous entry)
+            ds, de = d, d + n
+        else:
+            order = np.argsort(d, kind="stable")
+            ds, de = d[order], d[order] + n[order]
         bad = np.flatnonzero(de[:-1] > ds[1:])
         if bad.size:
             i = int(bad[0])

@@ -11,11 +11,16 @@ slower, and an unmasked variant faulted.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 from embcache.kernels._plan import TransferPlan
+
+if TYPE_CHECKING:
+    from embcache.kernels.transfer import TransferConfig
 
 _ELEM_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 # Registers bound the tile: one 64-bit address per element, 8 warps -> 32 elements a thread.
@@ -36,8 +41,20 @@ class _Pointer:
 
 
 @triton.jit
-def _copy_chunks_kernel(src, dst, desc, num_chunks, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _copy_chunks_kernel(
+    src,
+    dst,
+    desc,
+    num_chunks,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    VEC: tl.constexpr,
+    HINT_SRC: tl.constexpr,
+    HINT_DST: tl.constexpr,
+):
     # desc is int64 [3, num_chunks]: source offset, destination offset, length (elements).
+    # HINT_*: every offset and length is a multiple of VEC elements (16 bytes), which lets the
+    # compiler issue 16-byte accesses on that side (and keeps the mask uniform over a vector).
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     num_tiles = tl.cdiv(num_chunks, BLOCK_R)
@@ -49,6 +66,12 @@ def _copy_chunks_kernel(src, dst, desc, num_chunks, BLOCK_R: tl.constexpr, BLOCK
         s = tl.load(desc + r, mask=rmask, other=0)
         d = tl.load(desc + num_chunks + r, mask=rmask, other=0)
         n = tl.load(desc + 2 * num_chunks + r, mask=rmask, other=0)
+        if HINT_SRC:
+            s = tl.multiple_of(s, VEC)
+        if HINT_DST:
+            d = tl.multiple_of(d, VEC)
+        if HINT_SRC or HINT_DST:
+            n = tl.multiple_of(n, VEC)
         mask = cols[None, :] < n[:, None]
         vals = tl.load(src + (s[:, None] + cols[None, :]), mask=mask)
         tl.store(dst + (d[:, None] + cols[None, :]), vals, mask=mask)
@@ -59,6 +82,8 @@ def chunk_descriptors(
 ) -> np.ndarray:
     """Cut ranges (in elements) into chunks of at most ``chunk``: int64 [3, num_chunks]."""
     counts = -(-lengths // chunk)
+    if int(counts.max(initial=0)) <= 1:  # no range needs cutting (e.g. 8 KiB runs)
+        return np.stack([src_off, dst_off, lengths])
     idx = np.repeat(np.arange(len(lengths)), counts)
     first = np.repeat(np.cumsum(counts) - counts, counts)
     within = (np.arange(len(idx), dtype=np.int64) - first) * chunk
@@ -77,51 +102,49 @@ def launch_copy(
     plan: TransferPlan,
     src_ptr: int,
     dst_ptr: int,
-    *,
     stream: torch.cuda.Stream | None,
-    max_programs: int,
-    num_warps: int,
-    tile_bytes: int,
-    chunk_bytes: int,
+    config: TransferConfig,
 ) -> None:
     """Copy all ranges of ``plan`` with one kernel launch.
 
     ``src_ptr``/``dst_ptr`` are device-visible addresses of the tensors' first bytes; on the CPU
     (Triton interpreter) they are the tensors' own addresses.
     """
-    w = plan.element_bytes(src_ptr, dst_ptr)
+    align = plan.element_bytes(src_ptr, dst_ptr, widest=16)
+    w = min(align, 8)
+    vec = align // w  # 2 when everything is 16-byte aligned
     elem = _ELEM_DTYPES[w]
     row_elems = plan.row_bytes // w
     lengths = plan.lengths * row_elems
-    chunk_cap = max(1, chunk_bytes // w)
-    block_c = min(_next_pow2(int(lengths.max())), _next_pow2(chunk_cap))
+    chunk_cap = max(1, config.chunk_bytes // w)
+    block_c = max(min(_next_pow2(int(lengths.max())), _next_pow2(chunk_cap)), vec)
     desc_np = chunk_descriptors(
         plan.src_starts * row_elems, plan.dst_starts * row_elems, lengths, block_c
     )
     num_chunks = desc_np.shape[1]
-    tile_elems = min(max(tile_bytes // w, block_c), _MAX_TILE_ELEMS)
+    tile_elems = min(max(config.tile_bytes // w, block_c), _MAX_TILE_ELEMS)
     block_r = max(1, min(tile_elems // block_c, _next_pow2(num_chunks)))
     num_tiles = -(-num_chunks // block_r)
-    grid = (max(1, min(max_programs, num_tiles)),)
+    grid = (max(1, min(config.sm_budget, num_tiles)),)
+    h2d = plan.direction == "h2d"
+    hint_src = vec > 1 and (config.vector_host_loads if h2d else config.vector_device)
+    hint_dst = vec > 1 and (config.vector_device if h2d else config.vector_host_stores)
+    meta = {
+        "BLOCK_R": block_r,
+        "BLOCK_C": block_c,
+        "VEC": vec,
+        "HINT_SRC": hint_src,
+        "HINT_DST": hint_dst,
+        "num_warps": config.num_warps,
+    }
     if plan.direction == "cpu":  # Triton interpreter: real CPU tensors
         src = plan.src.view(-1).view(elem)
         dst = plan.dst.view(-1).view(elem)
-        desc = torch.from_numpy(desc_np)
-        _copy_chunks_kernel[grid](
-            src, dst, desc, num_chunks, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps
-        )
+        _copy_chunks_kernel[grid](src, dst, torch.from_numpy(desc_np), num_chunks, **meta)
         return
-    device = plan.device
     assert stream is not None, "a CUDA launch needs a stream"
-    with torch.cuda.device(device), torch.cuda.stream(stream):
-        staged = torch.from_numpy(desc_np).pin_memory()
-        desc = staged.to(device, non_blocking=True)
+    with torch.cuda.device(plan.device), torch.cuda.stream(stream):
+        desc = torch.from_numpy(desc_np).pin_memory().to(plan.device, non_blocking=True)
         _copy_chunks_kernel[grid](
-            _Pointer(src_ptr, elem),
-            _Pointer(dst_ptr, elem),
-            desc,
-            num_chunks,
-            BLOCK_R=block_r,
-            BLOCK_C=block_c,
-            num_warps=num_warps,
+            _Pointer(src_ptr, elem), _Pointer(dst_ptr, elem), desc, num_chunks, **meta
         )

@@ -45,9 +45,17 @@ class TransferConfig:
     """``auto``: plans whose mean run is at least this long go to the copy engine alone."""
     split_kernel_fraction: float = 0.35
     """``auto``, in between: the share of bytes the kernel copies while the copy engine runs."""
+    copy_engine_streams: int = 1
+    """``batch``: streams the ranges are spread over (several copy engines can run at once)."""
+    vector_device: bool = True
+    """Kernel: 16-byte accesses to device memory when the plan is 16-byte aligned."""
+    vector_host_loads: bool = True
+    """Kernel: 16-byte loads from pinned host memory (host to device) when aligned."""
+    vector_host_stores: bool = False
+    """Kernel: 16-byte stores to pinned host memory (device to host); FACTS.md saw them slow."""
 
     def __post_init__(self) -> None:
-        for name in ("sm_budget", "num_warps", "tile_bytes", "chunk_bytes"):
+        for name in ("sm_budget", "num_warps", "tile_bytes", "chunk_bytes", "copy_engine_streams"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.num_warps & (self.num_warps - 1):
@@ -125,16 +133,7 @@ def _kernel(
         src_ptr, dst_ptr = host_ptr, plan.dst.data_ptr()
     else:
         src_ptr, dst_ptr = plan.src.data_ptr(), host_ptr
-    _triton_copy.launch_copy(
-        plan,
-        src_ptr,
-        dst_ptr,
-        stream=stream,
-        max_programs=config.sm_budget,
-        num_warps=config.num_warps,
-        tile_bytes=config.tile_bytes,
-        chunk_bytes=config.chunk_bytes,
-    )
+    _triton_copy.launch_copy(plan, src_ptr, dst_ptr, stream, config)
 
 
 def _run_cpu(plan: TransferPlan, backend: str, config: TransferConfig) -> str:
@@ -169,7 +168,7 @@ def _run_cuda(
         _copy_engine.memcpy_ranges(rt, plan, stream)
     elif backend == "batch":
         assert rt is not None
-        _copy_engine.batch_ranges(rt, plan, stream)
+        _copy_engine.batch_ranges(rt, plan, stream, config.copy_engine_streams)
     elif backend == "kernel":
         _kernel(plan, host_ptr, stream, config)
     else:
@@ -199,7 +198,7 @@ def _split(
     side.wait_stream(stream)
     if k > 0:
         _kernel(plan.select(slice(0, k)), host_ptr, stream, config)
-    _copy_engine.batch_ranges(rt, plan.select(slice(k, None)), side)
+    _copy_engine.batch_ranges(rt, plan.select(slice(k, None)), side, config.copy_engine_streams)
     stream.wait_stream(side)
 
 

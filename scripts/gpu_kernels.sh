@@ -9,6 +9,8 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/bench/results}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# Compile the kernels for the GPU (tests/conftest.py defaults TRITON_INTERPRET to 1 when unset).
+export TRITON_INTERPRET=0
 pp="$(mktemp -d)"
 ln -s "$PWD" "$pp/embcache"
 export PYTHONPATH="$pp${PYTHONPATH:+:$PYTHONPATH}"

@@ -93,14 +93,16 @@ def test_large_fragmented_plans(direction: str, backend: str, run_rows: int) -> 
         TransferConfig(sm_budget=16, tile_bytes=64 * 1024, num_warps=4),
         TransferConfig(split_kernel_fraction=1.0),
         TransferConfig(split_kernel_fraction=0.0),
+        TransferConfig(vector_host_stores=True, copy_engine_streams=3),
+        TransferConfig(vector_device=False, vector_host_loads=False, copy_engine_streams=2),
     ],
 )
 def test_kernel_configs(direction: str, config: TransferConfig) -> None:
     rng = np.random.default_rng(7)
     src, dst = _pair(direction, 1024, 1024, 512, torch.float16, 7)
     plan = random_plan(rng, 1024, 1024, 50, 15)
-    _run_and_check(src, dst, plan, backend="kernel", config=config)
-    _run_and_check(src, dst, plan, backend="auto", config=config)
+    for backend in ("kernel", "auto", "batch"):
+        _run_and_check(src, dst, plan, backend=backend, config=config)
 
 
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])

@@ -156,3 +156,24 @@ def test_auto_rules(num_ranges: int, total: int, has_batch: bool, expected: str)
 def test_auto_rules_are_overridable() -> None:
     config = TransferConfig(kernel_below_bytes=0, copy_engine_from_bytes=0)
     assert choose_backend(100, 100 * 8 * KIB, config, has_batch=True) == "batch"
+
+
+@pytest.mark.parametrize(
+    ("row_bytes", "pointers", "widest", "expected"),
+    [(8192, (4096, 64), 16, 16), (8192, (4096, 64), 8, 8), (74, (64,), 16, 2), (96, (8,), 16, 8)],
+)
+def test_element_bytes(row_bytes: int, pointers: tuple, widest: int, expected: int) -> None:
+    from embcache.kernels._plan import TransferPlan
+
+    empty = np.zeros(0, dtype=np.int64)
+    plan = TransferPlan(torch.empty(0, 1), torch.empty(0, 1), empty, empty, empty, row_bytes, "cpu")
+    assert plan.element_bytes(*pointers, widest=widest) == expected
+
+
+def test_chunk_descriptors_cut_long_runs() -> None:
+    from embcache.kernels._triton_copy import chunk_descriptors
+
+    desc = chunk_descriptors(np.array([0, 100]), np.array([50, 0]), np.array([10, 3]), 4)
+    assert desc.tolist() == [[0, 4, 8, 100], [50, 54, 58, 0], [4, 4, 2, 3]]
+    short = chunk_descriptors(np.array([7]), np.array([9]), np.array([3]), 4)
+    assert short.tolist() == [[7], [9], [3]]
