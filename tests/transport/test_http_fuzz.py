@@ -142,7 +142,7 @@ def test_openapi_covers_every_v1_route(server: tuple[httpx.Client, dict]) -> Non
 
 
 @settings(
-    max_examples=150,
+    max_examples=300,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
