@@ -169,18 +169,9 @@ def ls(
         caption=f"{len(page['items'])} shown of {page['total']:,} (offset {page['offset']})",
         caption_justify="left",
     )
-    for name, justify in (
-        ("key", "left"),
-        ("state", "left"),
-        ("dtype", "left"),
-        ("shape", "left"),
-        ("size", "right"),
-        ("runs", "right"),
-        ("leases", "right"),
-        ("idle", "right"),
-        ("tiers", "left"),
-    ):
-        table.add_column(name, justify=justify, overflow="fold" if name == "key" else "ellipsis")
+    for name in ("key", "state", "dtype", "shape", "size", "runs", "leases", "idle", "tiers"):
+        right = name in ("size", "runs", "leases", "idle")
+        table.add_column(name, justify="right" if right else "left", overflow="fold")
     for e in page["items"]:
         table.add_row(
             e["key"],
@@ -208,13 +199,12 @@ def evict(
     """Evict entries by key (leased ones are refused), or free bytes by LRU."""
     if bool(keys) == (free is not None):
         raise _fail("give keys or --free SIZE (not both)", code=2)
+    body: dict[str, Any] = {"keys": keys}
     if free is not None:
         try:
             body = {"bytes": parse_size(free)}
         except ValueError as exc:
             raise _fail(str(exc), code=2) from None
-    else:
-        body = {"keys": keys}
     out = _request(settings, "POST", "/v1/evict", json=body)
     for key in out["evicted"]:
         console.print(f"[green]evicted[/]   {key}", highlight=False)
