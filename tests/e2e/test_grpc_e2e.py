@@ -1,0 +1,304 @@
+"""End to end: ``embcache serve`` as a subprocess, encoder and decoder worker processes.
+
+Only 127.0.0.1 and temporary Unix sockets are bound; every process started here is
+stopped by its pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from embcache.clients import EmbCacheClient
+from embcache.service.errors import Unauthenticated
+from google.protobuf import descriptor_pool
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+LEASE_TTL_S = 3.0
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen[str]
+    grpc_port: int
+    socket: str
+    shm_name: str
+
+    @property
+    def unix(self) -> str:
+        return f"unix:{self.socket}"
+
+
+def embcache_command() -> list[str]:
+    script = Path(sys.executable).with_name("embcache")
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-c", "from embcache.service.cli import app; app()"]
+
+
+def read_ready(proc: subprocess.Popen[str], timeout: float = 60.0) -> dict:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith("{"):
+                event = json.loads(line)
+                if event.get("event") == "ready":
+                    return event
+        elif proc.poll() is not None:
+            break
+    raise AssertionError(f"daemon not ready (exit code {proc.poll()})")
+
+
+@pytest.fixture(scope="module")
+def start_daemon() -> Iterator[Callable[..., Daemon]]:
+    started: list[Daemon] = []
+    tmp = tempfile.TemporaryDirectory(prefix="ece-")
+
+    def start(*extra: str) -> Daemon:
+        sock = os.path.join(tmp.name, f"{len(started)}.sock")
+        shm = f"embcache-test-e2e-{uuid.uuid4().hex[:10]}"
+        args = [
+            *embcache_command(),
+            "serve",
+            "--grpc-port",
+            "0",
+            "--http-port",
+            "0",
+            "--grpc-socket",
+            sock,
+            "--shm-name",
+            shm,
+            "--host-pool-bytes",
+            "64MiB",
+            "--lease-ttl-s",
+            str(LEASE_TTL_S),
+            "--drain-grace-s",
+            "1",
+            *extra,
+        ]
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+        try:
+            ready = read_ready(proc)
+        except BaseException:
+            reap(proc)
+            raise
+        daemon = Daemon(proc, ready["grpc_port"], ready["grpc_socket"], ready["shm_name"])
+        started.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in started:  # SIGTERM drains: exit 0, segment and socket removed
+        daemon.proc.send_signal(signal.SIGTERM)
+        try:
+            assert daemon.proc.wait(20) == 0
+        finally:
+            reap(daemon.proc)
+        assert not Path("/dev/shm", daemon.shm_name).exists()
+        assert not Path(daemon.socket).exists()
+    tmp.cleanup()
+
+
+@pytest.fixture(scope="module")
+def daemon(start_daemon) -> Daemon:
+    return start_daemon()
+
+
+def reap(proc: subprocess.Popen[str]) -> None:
+    """Kill a process started here (by its pid) if it still runs; close its pipe."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def run_worker(code: str, *args: str, timeout: float = 60) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def wait_stats(client: EmbCacheClient, pred: Callable[[dict], bool], timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = client.stats()
+        if pred(stats) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+TENSORS = """
+import torch
+def tensors():
+    g = torch.Generator().manual_seed(7)
+    return {
+        f"emb-{dt}": (torch.randn(577, 1024, generator=g) * 3).to(getattr(torch, dt))
+        for dt in ("bfloat16", "float16", "float32")
+    }
+"""
+
+ENCODER = (
+    TENSORS
+    + """
+import sys
+from embcache.clients import EmbCacheClient
+with EmbCacheClient(sys.argv[1]) as client:
+    for key, t in tensors().items():
+        assert client.put(key, t) is True
+print("encoded")
+"""
+)
+
+DECODER = (
+    TENSORS
+    + """
+import sys
+from embcache.clients import EmbCacheClient
+want = tensors()
+with EmbCacheClient(sys.argv[1]) as client:
+    with client.get(list(want)) as got:
+        for (key, t), g in zip(want.items(), got):
+            assert g is not None and g.dtype == t.dtype and torch.equal(g, t), key
+            (mapping,) = [m for m in client._maps._by_pool_id.values() if m]
+            base = mapping.tensor.data_ptr()
+            assert base <= g.data_ptr() < base + mapping.size, "not zero-copy"
+print("decoded")
+"""
+)
+
+
+def test_encoder_and_decoder_processes(daemon: Daemon) -> None:
+    assert "encoded" in run_worker(ENCODER, f"127.0.0.1:{daemon.grpc_port}")
+    assert "decoded" in run_worker(DECODER, daemon.unix)
+    # The decoder mapped the segment and exited: the segment must still be there.
+    assert Path("/dev/shm", daemon.shm_name).exists()
+    with EmbCacheClient(daemon.unix) as client:
+        with client.get("emb-float32") as (t,):
+            assert t is not None and t.shape == (577, 1024)
+        stats = client.stats()
+        assert stats["leases_active"] == 0 and stats["entries_ready"] >= 3
+
+
+HOLDER = """
+import sys, time, torch
+from embcache.clients import EmbCacheClient
+client = EmbCacheClient(sys.argv[1])
+client.put("held", torch.ones(1000))
+leased = client.get(["held"] * 5)
+if sys.argv[2] == "anon":  # also hold leases outside any session: they end by TTL
+    from embcache.proto.embcache.v1 import embcache_pb2 as pb
+    client._stub.Get(pb.GetRequest(keys=["held"] * 3))
+print("holding", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("mode", ["session", "anon"])
+def test_sigkilled_decoder_loses_its_leases(daemon: Daemon, mode: str) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, daemon.unix, mode], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and "holding" in proc.stdout.readline()
+        with EmbCacheClient(daemon.unix) as client:
+            held = 5 + (3 if mode == "anon" else 0)
+            assert (
+                wait_stats(client, lambda s: s["leases_active"] >= held, 5)["leases_active"] == held
+            )
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+            # Session leases end when the connection drops; anonymous ones by TTL.
+            bound = 5.0 if mode == "session" else LEASE_TTL_S + 3.0
+            started = time.monotonic()
+            stats = wait_stats(client, lambda s: s["leases_active"] == 0, bound)
+            assert stats["leases_active"] == 0, stats
+            if mode == "session":
+                assert time.monotonic() - started < 2.0
+    finally:
+        reap(proc)
+
+
+STALLED_ENCODER = """
+import sys, time
+import grpc
+from embcache.proto.embcache.v1 import embcache_pb2 as pb, embcache_pb2_grpc as rpc
+stub = rpc.EmbeddingCacheStub(grpc.insecure_channel(sys.argv[1]))
+def messages():
+    yield pb.PutRequest(header=pb.PutHeader(key="stalled", dtype="uint8", shape=[32 << 20]))
+    for _ in range(3):
+        yield pb.PutRequest(chunk=b"\\1" * (1 << 20))
+    print("streaming", flush=True)
+    time.sleep(60)
+stub.Put(messages())
+"""
+
+
+def test_killed_encoder_mid_put_leaves_nothing(daemon: Daemon) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STALLED_ENCODER, daemon.unix], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and "streaming" in proc.stdout.readline()
+        with EmbCacheClient(daemon.unix) as client:
+            stats = wait_stats(client, lambda s: s["entries_filling"] == 1, 5)
+            assert stats["reserved_filling_bytes"] == 32 << 20
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+            stats = wait_stats(client, lambda s: s["entries_filling"] == 0, 5)
+            assert stats["reserved_filling_bytes"] == 0 and stats["puts_aborted"] >= 1
+            assert client.exists("stalled") is False
+            assert client.get_bytes("stalled") is None
+    finally:
+        reap(proc)
+
+
+def test_health_and_reflection(daemon: Daemon) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{daemon.grpc_port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = health.Check(health_pb2.HealthCheckRequest(service="embcache.v1.EmbeddingCache"))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        db = ProtoReflectionDescriptorDatabase(channel)
+        services = set(db.get_services())
+        assert {"embcache.v1.EmbeddingCache", "grpc.health.v1.Health"} <= services
+        pool = descriptor_pool.DescriptorPool(db)
+        methods = {m.name for m in pool.FindServiceByName("embcache.v1.EmbeddingCache").methods}
+        assert {"Put", "PutFromDevice", "Get", "GetInto", "GetBytes", "Session"} <= methods
+
+
+def test_auth_token(start_daemon) -> None:
+    secured = start_daemon("--auth-token", "e2e-secret")
+    for target in (secured.unix, f"127.0.0.1:{secured.grpc_port}"):
+        with EmbCacheClient(target, retries=0) as anonymous, pytest.raises(Unauthenticated):
+            anonymous.stats()
+        with EmbCacheClient(target, token="e2e-secret") as client:
+            import torch
+
+            client.put("k", torch.ones(3))
+            with client.get("k") as (t,):
+                assert t.sum().item() == 3
