@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
 

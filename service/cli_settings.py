@@ -39,7 +39,7 @@ def build_settings(overrides: dict[str, Any]) -> Settings:
 
 def with_settings(func: Callable[..., Any]) -> Callable[..., Any]:
     """Add one option per Settings field to a typer command; pass ``settings=`` instead."""
-    sig = inspect.signature(func)
+    sig = inspect.signature(func, eval_str=True)  # real annotations, even under PEP 563
     own = [p for name, p in sig.parameters.items() if name != "settings"]
     extra = []
     for name, field in Settings.model_fields.items():

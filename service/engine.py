@@ -7,6 +7,7 @@ daemon's reaper via :meth:`expire_leases`.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import logging
@@ -420,9 +421,17 @@ class CacheEngine:
             )
 
     def entry_info(self, key: str) -> EntryInfo | None:
+        """Metadata, page runs, residency and lease holders of one READY entry."""
         with self._lock:
             entry = self._entries.get(key)
-            return None if entry is None else self._info(entry, self._clock())
+            if entry is None:
+                return None
+            now = self._clock()
+            info = self._info(entry, now)
+            if entry.ref_cnt:
+                holders = tuple(self._leases.holders(entry, now))
+                info = dataclasses.replace(info, lease_holders=holders)
+            return info
 
     def list_entries(
         self, offset: int = 0, limit: int = 100, state: str | None = None
@@ -465,6 +474,17 @@ class CacheEngine:
         return states
 
     # -- life cycle ----------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """Pools allocated (and registered with CUDA where CUDA is used), not draining."""
+        pool = self.host_pool
+        return (
+            not self._closed
+            and not self._draining
+            and not pool.closed
+            and (pool.registered or not cuda_wanted(self.settings))
+        )
+
     @property
     def draining(self) -> bool:
         return self._draining

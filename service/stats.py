@@ -63,12 +63,14 @@ class EntryInfo:
     leases: int
     idle_s: float
     residency: tuple[str, ...]
+    lease_holders: tuple[tuple[str, float], ...] = ()  # (owner, expires_in_s); ids stay secret
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["shape"] = list(self.shape)
         d["page_runs"] = [list(r) for r in self.page_runs]
         d["residency"] = list(self.residency)
+        d["lease_holders"] = [{"owner": o, "expires_in_s": t} for o, t in self.lease_holders]
         return d
 
 

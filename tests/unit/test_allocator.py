@@ -3,8 +3,9 @@ from __future__ import annotations
 import itertools
 
 import hypothesis.strategies as st
-from embcache.service.allocator import PageRunAllocator
 from hypothesis import given, settings
+
+from embcache.service.allocator import PageRunAllocator
 
 
 def covered(runs: list[tuple[int, int]]) -> set[int]:

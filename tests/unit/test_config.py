@@ -1,8 +1,9 @@
 from __future__ import annotations
 
 import pytest
-from embcache.service.config import Settings, format_size, parse_size
 from pydantic import ValidationError
+
+from embcache.service.config import Settings, format_size, parse_size
 
 
 @pytest.mark.parametrize(

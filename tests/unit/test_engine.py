@@ -6,6 +6,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
+
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine, EvictOutcome
 from embcache.service.errors import (
@@ -378,3 +379,16 @@ def test_threads_hammering(engine: CacheEngine) -> None:
     s = engine.stats()
     assert s.leases_active == 0 and s.entries_filling == 0
     assert s.host.used_pages == s.entries_ready
+
+
+def test_entry_info_lease_holders_and_ready(engine: CacheEngine, clock: FakeClock) -> None:
+    assert engine.ready
+    engine.put("a", rand((10,)))
+    engine.get(["a"], "decoder-7", ttl_s=30)
+    clock.now += 10
+    info = engine.entry_info("a")
+    assert info is not None and info.lease_holders == (("decoder-7", 20.0),)
+    assert info.to_dict()["lease_holders"] == [{"owner": "decoder-7", "expires_in_s": 20.0}]
+    assert engine.entry_info("missing") is None
+    engine.begin_drain()
+    assert not engine.ready

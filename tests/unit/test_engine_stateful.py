@@ -7,11 +7,12 @@ import uuid
 import hypothesis.strategies as st
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine, EvictOutcome
 from embcache.service.errors import MetadataConflict, PoolExhausted, QuotaExceeded
-from hypothesis import HealthCheck, settings
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 PAGE = 4096
 NUM_PAGES = 32

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from embcache.service.host_pool import SHM_DIR, HostPool, PoolInUseError
 
 READER = """
