@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from embcache.kernels._cudart import CudaRuntime
 from embcache.kernels._plan import TransferPlan
 

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+
 from embcache.kernels._plan import TransferPlan
 
 if TYPE_CHECKING:

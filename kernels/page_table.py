@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
 from embcache.kernels._env import use_kernel
 
 _BLOCK = 1024

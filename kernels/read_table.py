@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
 from embcache.kernels._env import use_kernel
 
 _INDEX_DTYPES = (torch.int32, torch.int64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from embcache.kernels import (
     alloc_bind_inplace,
     alloc_bind_inplace_reference,

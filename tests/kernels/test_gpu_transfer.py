@@ -8,6 +8,7 @@ from multiprocessing import shared_memory
 import numpy as np
 import pytest
 import torch
+
 from embcache.kernels import (
     TransferConfig,
     register_host_memory,
@@ -81,7 +82,7 @@ def test_large_fragmented_plans(direction: str, backend: str, run_rows: int) -> 
     plan = random_plan(rng, 4096, 4096, num_ranges, run_rows, short_last=True)
     used = _run_and_check(src, dst, plan, backend=backend)
     if backend == "auto" and runtime() is not None and runtime().has_batch:  # type: ignore[union-attr]
-        assert used == ("kernel" if run_rows == 1 else "split")
+        assert used == ("kernel" if run_rows == 1 else "batch")
 
 
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
@@ -91,9 +92,10 @@ def test_large_fragmented_plans(direction: str, backend: str, run_rows: int) -> 
         TransferConfig(sm_budget=1),
         TransferConfig(sm_budget=132, tile_bytes=8192),
         TransferConfig(sm_budget=16, tile_bytes=64 * 1024, num_warps=4),
-        TransferConfig(split_kernel_fraction=1.0),
-        TransferConfig(split_kernel_fraction=0.0),
-        TransferConfig(vector_host_stores=True, copy_engine_streams=3),
+        TransferConfig(kernel_below_bytes=0, split_kernel_fraction=1.0),
+        TransferConfig(kernel_below_bytes=0, copy_engine_from_bytes=1 << 30),
+        TransferConfig(kernel_below_bytes=0, split_kernel_fraction=0.0),
+        TransferConfig(vector_host_stores=False, copy_engine_streams=3),
         TransferConfig(vector_device=False, vector_host_loads=False, copy_engine_streams=2),
     ],
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from embcache.kernels import build_read_table, build_read_table_reference
 
 

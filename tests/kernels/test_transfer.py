@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from embcache.kernels import TransferConfig, transfer_ranges, transfer_ranges_reference
 from embcache.kernels.testing import bits, random_plan, random_rows
 from embcache.kernels.transfer import choose_backend
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 DTYPE_WIDTHS = [
     (torch.bfloat16, 64),  # 128-byte rows: 8-byte accesses
@@ -142,8 +143,10 @@ KIB = 1024
     [
         (1, 64 * KIB * KIB, True, "memcpy"),
         (8192, 8192 * 8 * KIB, True, "kernel"),
-        (512, 512 * 128 * KIB, True, "split"),
-        (512, 512 * 128 * KIB, False, "kernel"),
+        (2048, 2048 * 32 * KIB, True, "kernel"),
+        (512, 512 * 128 * KIB, True, "batch"),
+        (512, 512 * 127 * KIB, True, "kernel"),
+        (512, 512 * 127 * KIB, False, "kernel"),
         (32, 32 * 2 * KIB * KIB, True, "batch"),
         (32, 32 * 2 * KIB * KIB, False, "memcpy"),
     ],
@@ -156,6 +159,9 @@ def test_auto_rules(num_ranges: int, total: int, has_batch: bool, expected: str)
 def test_auto_rules_are_overridable() -> None:
     config = TransferConfig(kernel_below_bytes=0, copy_engine_from_bytes=0)
     assert choose_backend(100, 100 * 8 * KIB, config, has_batch=True) == "batch"
+    split = TransferConfig(kernel_below_bytes=32 * KIB, copy_engine_from_bytes=512 * KIB)
+    assert choose_backend(100, 100 * 128 * KIB, split, has_batch=True) == "split"
+    assert choose_backend(100, 100 * 128 * KIB, split, has_batch=False) == "kernel"
 
 
 @pytest.mark.parametrize(

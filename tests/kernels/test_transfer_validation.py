@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from embcache.kernels import TransferConfig, transfer_ranges
 from embcache.kernels.testing import bits, random_rows
 
