@@ -77,11 +77,11 @@ def payload_of(tensor: Any) -> Payload:
         t = t.contiguous()
         dtype = str(t.dtype).removeprefix("torch.")
         flat = t.reshape(-1).view(torch.uint8).numpy()
-        return Payload(dtype, tuple(t.shape), memoryview(flat))
+        return Payload(dtype, tuple(t.shape), flat.data)
     if isinstance(tensor, np.ndarray):
         arr = np.ascontiguousarray(tensor)
         flat = arr.reshape(-1).view(np.uint8)
-        return Payload(arr.dtype.name, tuple(arr.shape), memoryview(flat))
+        return Payload(arr.dtype.name, tuple(arr.shape), flat.data)
     raise TypeError(f"put takes a torch.Tensor or numpy.ndarray, not {type(tensor).__name__}")
 
 

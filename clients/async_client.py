@@ -278,7 +278,7 @@ class AsyncEmbCacheClient:
 
     # -- exists / evict / stats ----------------------------------------------------------
     @overload
-    async def exists(self, keys: str) -> bool: ...
+    async def exists(self, keys: str) -> bool: ...  # type: ignore[overload-overlap]
     @overload
     async def exists(self, keys: Sequence[str]) -> list[bool]: ...
     async def exists(self, keys: str | Sequence[str]) -> bool | list[bool]:
@@ -289,7 +289,7 @@ class AsyncEmbCacheClient:
         return found[0] if single else found
 
     @overload
-    async def evict(self, keys: str) -> str: ...
+    async def evict(self, keys: str) -> str: ...  # type: ignore[overload-overlap]
     @overload
     async def evict(self, keys: Sequence[str]) -> list[str]: ...
     async def evict(self, keys: str | Sequence[str]) -> str | list[str]:

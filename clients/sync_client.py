@@ -266,7 +266,7 @@ class EmbCacheClient:
 
     # -- exists / evict / stats ----------------------------------------------------------
     @overload
-    def exists(self, keys: str) -> bool: ...
+    def exists(self, keys: str) -> bool: ...  # type: ignore[overload-overlap]
     @overload
     def exists(self, keys: Sequence[str]) -> list[bool]: ...
     def exists(self, keys: str | Sequence[str]) -> bool | list[bool]:
@@ -277,7 +277,7 @@ class EmbCacheClient:
         return found[0] if single else found
 
     @overload
-    def evict(self, keys: str) -> str: ...
+    def evict(self, keys: str) -> str: ...  # type: ignore[overload-overlap]
     @overload
     def evict(self, keys: Sequence[str]) -> list[str]: ...
     def evict(self, keys: str | Sequence[str]) -> str | list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import errno
+import functools
 import logging
 import socket
 import stat
@@ -72,16 +73,7 @@ class GrpcService:
         Safe to call from the loop (returns a task, awaiting it is optional) or from another
         thread (returns a concurrent future).
         """
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-
-        async def apply() -> None:
-            for name in ("", SERVICE_NAME):
-                await self.health.set(name, status)
-
+        apply = functools.partial(self.apply_serving, serving)
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
@@ -89,6 +81,16 @@ class GrpcService:
         if running is self.loop:
             return self.loop.create_task(apply())
         return asyncio.run_coroutine_threadsafe(apply(), self.loop)
+
+    async def apply_serving(self, serving: bool) -> None:
+        """The awaitable form of :meth:`set_serving`, on the server's loop."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
 
     async def stop(self, grace: float) -> None:
         """NOT_SERVING, stop accepting, give in-flight calls ``grace`` seconds, then cancel.
@@ -126,7 +128,7 @@ async def start_grpc(
     service = GrpcService(
         server, servicer, health_servicer, asyncio.get_running_loop(), ports, socket_path
     )
-    await service.set_serving(True)
+    await service.apply_serving(True)
     log.info(
         "gRPC listening on %s:%s%s",
         settings.grpc_host,
