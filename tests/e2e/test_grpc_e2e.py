@@ -22,13 +22,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-from embcache.clients import EmbCacheClient
-from embcache.service.errors import Unauthenticated
 from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+
+from embcache.clients import EmbCacheClient
+from embcache.service.errors import Unauthenticated
 
 LEASE_TTL_S = 3.0
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from embcache.clients import AsyncEmbCacheClient, EmbCacheClient, RpcFailed
 from embcache.clients.shm import PoolMaps
 from embcache.service.config import Settings

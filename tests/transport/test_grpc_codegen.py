@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from embcache.proto import codegen
 from embcache.service.config import Settings
 from embcache.service.transport.grpc_thread import GrpcServerThread, serving

@@ -13,16 +13,17 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
-from embcache.service.config import Settings
-from embcache.service.engine import CacheEngine
-from embcache.service.transport.grpc_thread import GrpcServerThread, serving
 from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.service.config import Settings
+from embcache.service.engine import CacheEngine
+from embcache.service.transport.grpc_thread import GrpcServerThread, serving
 
 MiB = 1 << 20
 
