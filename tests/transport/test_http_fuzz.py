@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
@@ -29,7 +30,13 @@ PAGE = 4096
 TOKEN = "fuzz-token"
 KEYS = ["a", "b/c", "d e", "ünï", "x" * 200]
 
-json_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text()
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text()
+)
 any_json = st.recursive(
     json_scalars,
     lambda inner: (
@@ -106,8 +113,14 @@ def requests(draw: st.DrawFn, spec: dict[str, Any]) -> tuple[str, str, dict, Any
     return method, path, query, body
 
 
+@dataclass
+class Served:
+    client: httpx.Client
+    spec: dict[str, Any] = field(repr=False)  # keeps failure reports short
+
+
 @pytest.fixture(params=[None, TOKEN], ids=["open", "token"])
-def server(request: pytest.FixtureRequest, shm_name: str) -> Iterator[tuple[httpx.Client, dict]]:
+def server(request: pytest.FixtureRequest, shm_name: str) -> Iterator[Served]:
     settings_ = Settings(
         host_pool_bytes=32 * PAGE,
         page_bytes=PAGE,
@@ -125,11 +138,11 @@ def server(request: pytest.FixtureRequest, shm_name: str) -> Iterator[tuple[http
             serve_in_thread(app) as url,
             httpx.Client(base_url=url, headers=headers, timeout=10) as client,
         ):
-            yield client, client.get("/openapi.json").json()
+            yield Served(client, client.get("/openapi.json").json())
 
 
-def test_openapi_covers_every_v1_route(server: tuple[httpx.Client, dict]) -> None:
-    _, spec = server
+def test_openapi_covers_every_v1_route(server: Served) -> None:
+    spec = server.spec
     ops = {(m, p) for m, p, _ in operations(spec)}
     assert {
         ("GET", "/v1/stats"),
@@ -147,8 +160,8 @@ def test_openapi_covers_every_v1_route(server: tuple[httpx.Client, dict]) -> Non
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(data=st.data())
-def test_fuzz_no_server_errors(server: tuple[httpx.Client, dict], data: st.DataObject) -> None:
-    client, spec = server
+def test_fuzz_no_server_errors(server: Served, data: st.DataObject) -> None:
+    client, spec = server.client, server.spec
     method, path, query, body = data.draw(requests(spec))
     kwargs: dict[str, Any] = {"params": query}
     if body is not None:
