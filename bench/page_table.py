@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from _common import environment, print_environment, save_json, table
+
 from embcache.kernels import (
     alloc_bind_inplace,
     bind_inplace,

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 from _common import environment, print_environment, save_json, table, time_gpu_ms
+
 from embcache.kernels import TransferConfig, transfer_ranges
 from embcache.kernels.testing import random_plan, swap_plan
 
