@@ -100,10 +100,25 @@ class Settings(BaseSettings):
         description="Name of the POSIX shared-memory segment of the host pool "
         "(empty: derived from the gRPC port, 'embcache-<port>').",
     )
+    gpu: int = Field(0, ge=0, description="CUDA device index of the device pool.")
+    ipc_mode: Literal["fd", "legacy"] = Field(
+        "fd",
+        description="How device pools are shared: 'fd' (VMM, POSIX fd over a Unix socket; "
+        "containers share only the socket directory) or 'legacy' (cudaIpcMemHandle; "
+        "containers must share IPC and PID namespaces).",
+    )
+    ipc_socket: Path | None = Field(
+        None,
+        description="Unix socket that hands device-pool file descriptors to clients "
+        "(empty: '<grpc_socket>.fds', or /tmp/embcache-<port>.fds).",
+    )
     # Entries and leases
     max_key_bytes: int = Field(1024, ge=1, le=65536, description="Longest key, in UTF-8 bytes.")
     lease_ttl_s: float = Field(
         60.0, gt=0, description="Lease lifetime unless released or renewed, in seconds."
+    )
+    max_lease_ttl_s: float = Field(
+        3600.0, gt=0, description="Longest lease lifetime a client may ask for, in seconds."
     )
     max_inflight_bytes_per_client: ByteSize = Field(
         0, description="Bytes one client may have reserved in unfinished puts (0 = pool size)."
@@ -131,7 +146,7 @@ class Settings(BaseSettings):
     copy_sm_budget: int = Field(
         16, ge=1, le=1024, description="Most programs the copy kernel may run at once."
     )
-    copy_backend: str = Field(
+    copy_backend: Literal["auto", "kernel", "batch", "memcpy", "torch"] = Field(
         "auto", description="transfer_ranges backend: auto, kernel, batch, memcpy, torch."
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
@@ -179,6 +194,14 @@ class Settings(BaseSettings):
     @property
     def effective_shm_name(self) -> str:
         return self.shm_name or f"embcache-{self.grpc_port}"
+
+    @property
+    def effective_ipc_socket(self) -> Path:
+        if self.ipc_socket is not None:
+            return self.ipc_socket
+        if self.grpc_socket is not None:
+            return self.grpc_socket.with_name(self.grpc_socket.name + ".fds")
+        return Path(f"/tmp/embcache-{self.grpc_port}.fds")
 
     @property
     def num_host_pages(self) -> int:

@@ -7,10 +7,10 @@ daemon's reaper via :meth:`expire_leases`.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -20,9 +20,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import admission
+from . import admission, introspection
 from .allocator import PageRunAllocator
 from .config import Settings
+from .device_pool import DevicePool
+from .device_tier import CopyObserver, DeviceLease, DeviceTier
 from .dtypes import from_torch
 from .entries import Entry, EntryState, EntryTable
 from .errors import (
@@ -38,17 +40,31 @@ from .errors import (
 from .fill import PutHandle
 from .host_pool import HostPool
 from .leases import Lease, LeaseTable
-from .stats import EngineStats, EntryInfo, PoolStats, run_bucket
+from .stats import EngineStats, EntryInfo, run_bucket
 
 log = logging.getLogger(__name__)
-
-PAGE_FREE, PAGE_FILLING, PAGE_READY, PAGE_LEASED = 0, 1, 2, 3
 
 
 class EvictOutcome(enum.Enum):
     EVICTED = "evicted"
     NOT_FOUND = "not_found"
     LEASED = "leased"
+
+
+def default_device_pools(settings: Settings) -> list[DevicePool]:
+    """One device pool on ``settings.gpu`` when a device pool size is set and CUDA is used."""
+    if settings.device_pool_bytes == 0 or not cuda_wanted(settings):
+        return []
+    device = torch.device("cuda", settings.gpu)
+    return [
+        DevicePool(
+            device,
+            settings.device_pool_bytes,
+            settings.device_page_bytes,
+            ipc_mode=settings.ipc_mode,
+            index=0,
+        )
+    ]
 
 
 def cuda_wanted(settings: Settings) -> bool:
@@ -61,7 +77,13 @@ def cuda_wanted(settings: Settings) -> bool:
 
 
 class CacheEngine:
-    def __init__(self, settings: Settings, *, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        device_pools: Sequence[DevicePool] | None = None,
+    ) -> None:
         self.settings = settings
         self._clock = clock
         self._lock = threading.RLock()
@@ -81,6 +103,15 @@ class CacheEngine:
         self._counters: Counter[str] = Counter()
         self._draining = False
         self._closed = False
+        # Called as (direction, nbytes, seconds) after each finished copy (metrics).
+        self.copy_observer: CopyObserver | None = None
+        try:
+            if device_pools is None:
+                device_pools = default_device_pools(settings)
+        except BaseException:
+            self.host_pool.close()
+            raise
+        self.device_tier = DeviceTier(self, device_pools)
 
     # -- puts ----------------------------------------------------------------------------
     def begin_put(
@@ -234,8 +265,14 @@ class CacheEngine:
     def _ttl(self, ttl_s: float | None) -> float:
         if ttl_s is None:
             return self.settings.lease_ttl_s
-        if not ttl_s > 0:
-            raise InvalidArgument("ttl_s must be positive", ttl_s=ttl_s)
+        if not (isinstance(ttl_s, (int, float)) and math.isfinite(ttl_s) and ttl_s > 0):
+            raise InvalidArgument("ttl_s must be a positive finite number", ttl_s=str(ttl_s))
+        if ttl_s > self.settings.max_lease_ttl_s:
+            raise InvalidArgument(
+                "ttl_s is longer than max_lease_ttl_s",
+                ttl_s=ttl_s,
+                max_lease_ttl_s=self.settings.max_lease_ttl_s,
+            )
         return float(ttl_s)
 
     def release(self, lease_ids: Iterable[int]) -> int:
@@ -372,106 +409,75 @@ class CacheEngine:
             return count, freed
 
     def _evict_locked(self, entry: Entry) -> None:
+        self.device_tier.drop(entry)
         self._entries.remove(entry)
         self._alloc.free(entry.runs)
         self._runs_hist[run_bucket(len(entry.runs))] -= 1
         self._counters["evictions"] += 1
         self._counters["evicted_bytes"] += entry.nbytes
 
-    # -- introspection -------------------------------------------------------------------
-    def stats(self) -> EngineStats:
+    # -- device tier (see device_tier.py) ----------------------------------------------
+    def get_to_device(
+        self,
+        keys: Sequence[str],
+        owner: str,
+        *,
+        ttl_s: float | None = None,
+        device: int = 0,
+        read_table: bool = False,
+    ) -> tuple[list[DeviceLease | None], torch.Tensor | None]:
+        """Lease each key and make it resident in device pool ``device`` (one batched copy).
+
+        Returns per key a DeviceLease (or None for a miss) and, with ``read_table``, the
+        batch's physical page table built on the device by ``build_read_table``.
+        """
+        return self.device_tier.get_to_device(
+            keys, owner, ttl_s=ttl_s, device=device, read_table=read_table
+        )
+
+    def get_into(
+        self,
+        keys: Sequence[str],
+        owner: str,
+        dest: torch.Tensor,
+        offsets: Sequence[int],
+        *,
+        device: int | None = None,
+    ) -> list[Lease | None]:
+        """Copy each found entry into ``dest`` (flat uint8) at its offset; None for misses."""
+        return self.device_tier.get_into(keys, owner, dest, offsets, device=device)
+
+    def put_from_device(
+        self, key: str, src: torch.Tensor, *, owner: str = "local", checksum: int | None = None
+    ) -> bool:
+        """Store a (device) tensor; returns once its bytes are in the host pool."""
+        return self.device_tier.put_from_device(key, src, owner, checksum)
+
+    def _count_copy(self, direction: str, nbytes: int) -> None:
         with self._lock:
-            self._expire_locked(self._clock())
-            s = self.settings
-            a = self._alloc
-            used_pages = a.num_pages - a.num_free_pages
-            host = PoolStats(
-                "host",
-                s.host_pool_bytes,
-                used_pages * s.page_bytes,
-                a.num_free_pages * s.page_bytes,
-                s.page_bytes,
-                a.num_pages,
-                used_pages,
-                a.num_free_pages,
-                a.largest_free_run,
-                a.num_free_runs,
-            )
-            c = self._counters
-            return EngineStats(
-                host=host,
-                device=[],
-                entries_ready=len(self._entries),
-                entries_filling=len(self._filling),
-                reserved_filling_bytes=sum(e.num_pages for e, _ in self._filling.values())
-                * s.page_bytes,
-                hits=c["hits"],
-                misses=c["misses"],
-                evictions=c["evictions"],
-                evicted_bytes=c["evicted_bytes"],
-                puts_committed=c["puts_committed"],
-                puts_aborted=c["puts_aborted"],
-                put_bytes=c["put_bytes"],
-                leases_active=len(self._leases),
-                leases_expired=c["leases_expired"],
-                lease_owners=self._leases.owners(),
-                runs_per_entry={k: v for k, v in self._runs_hist.items() if v},
-                bytes_copied={},
-                draining=self._draining,
-            )
+            self._counters[f"copy_{direction}"] += nbytes
+
+    # -- introspection (introspection.py) -------------------------------------------------
+    def stats(self) -> EngineStats:
+        return introspection.stats(self)
 
     def entry_info(self, key: str) -> EntryInfo | None:
         """Metadata, page runs, residency and lease holders of one READY entry."""
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return None
-            now = self._clock()
-            info = self._info(entry, now)
-            if entry.ref_cnt:
-                holders = tuple(self._leases.holders(entry, now))
-                info = dataclasses.replace(info, lease_holders=holders)
-            return info
+        return introspection.entry_info(self, key)
 
     def list_entries(
         self, offset: int = 0, limit: int = 100, state: str | None = None
     ) -> tuple[int, list[EntryInfo]]:
-        """Entries in LRU-agnostic key order of insertion; ``state`` filters ready/filling."""
-        with self._lock:
-            now = self._clock()
-            pool: list[Entry] = []
-            if state in (None, "ready"):
-                pool.extend(self._entries.by_key.values())
-            if state in (None, "filling"):
-                pool.extend(e for e, _ in self._filling.values())
-            page = pool[max(offset, 0) : max(offset, 0) + max(limit, 0)]
-            return len(pool), [self._info(e, now) for e in page]
-
-    def _info(self, entry: Entry, now: float) -> EntryInfo:
-        return EntryInfo(
-            entry.key,
-            entry.state.name.lower(),
-            entry.dtype.name,
-            entry.shape,
-            entry.nbytes,
-            entry.runs,
-            entry.ref_cnt,
-            max(0.0, now - entry.last_access),
-            ("host",),
-        )
+        """Entries in insertion order; ``state`` filters ``ready`` / ``filling``."""
+        return introspection.list_entries(self, offset, limit, state)
 
     def page_states(self) -> np.ndarray:
         """One uint8 per host page: 0 free, 1 filling, 2 ready, 3 leased."""
-        states = np.zeros(self.host_pool.num_pages, dtype=np.uint8)
-        with self._lock:
-            for entry, _ in self._filling.values():
-                for start, n in entry.runs:
-                    states[start : start + n] = PAGE_FILLING
-            for entry in self._entries.by_key.values():
-                value = PAGE_LEASED if entry.ref_cnt else PAGE_READY
-                for start, n in entry.runs:
-                    states[start : start + n] = value
-        return states
+        return introspection.page_states(self)
+
+    def device_page_states(self, index: int = 0) -> np.ndarray:
+        """One uint8 per page of device pool ``index``: 0 free, 1 resident, 2 leased."""
+        return introspection.device_page_states(self, index)
 
     # -- life cycle ----------------------------------------------------------------------
     @property
@@ -511,6 +517,7 @@ class CacheEngine:
                 self._end_lease(lease_id)
             self._filling.clear()
             self._inflight.clear()
+        self.device_tier.close()
         self.host_pool.close()
 
     def __enter__(self) -> CacheEngine:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import zlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -87,7 +88,7 @@ class PutHandle:
                     received=self.written + n,
                 )
             if self._checksum is not None:
-                self._crc = zlib.crc32(chunk, self._crc)
+                self._crc = zlib.crc32(chunk.data, self._crc)
             if self._engine is not None:
                 if self._engine.closed:
                     raise Draining("engine closed during the put", key=self.key)
@@ -109,6 +110,30 @@ class PutHandle:
             if self._run_off == length:
                 self._run += 1
                 self._run_off = 0
+
+    def fill_with(self, copy: Callable[[tuple[tuple[int, int], ...]], None]) -> None:
+        """Fill every byte at once with ``copy(byte_runs)`` (e.g. a device-to-host copy)."""
+        with self._lock:
+            if self.done:
+                raise LeaseExpired("put is no longer in progress", key=self.key)
+            if self.written:
+                raise InvalidArgument("fill_with needs a handle with nothing written yet")
+            if self._engine is None:
+                raise InvalidArgument("the entry exists already: use skip_bytes()")
+            copy(self._byte_runs)
+            self.written = self.nbytes
+            if self._checksum is not None:
+                pool = self._engine.host_pool.array
+                for off, length in self._byte_runs:
+                    self._crc = zlib.crc32(pool[off : off + length].data, self._crc)
+
+    def skip_bytes(self) -> None:
+        """For a put of an existing identical entry: accept without reading the bytes."""
+        with self._lock:
+            if self._engine is not None:
+                raise InvalidArgument("skip_bytes is only for existing entries")
+            self.written = self.nbytes
+            self._checksum = None
 
     def commit(self) -> bool:
         """Make the entry visible. True if created, False if an identical one existed."""

@@ -39,6 +39,7 @@ class EngineStats:
     lease_owners: int
     runs_per_entry: dict[str, int] = field(default_factory=dict)  # bucket label -> entries
     bytes_copied: dict[str, int] = field(default_factory=dict)  # direction -> bytes
+    device_resident: list[int] = field(default_factory=list)  # entries resident per device
     draining: bool = False
 
     @property

@@ -6,19 +6,16 @@ import os
 import uuid
 
 import pytest
+import torch
 
-# Triton kernels run on CPU tensors in the interpreter; this must precede any @triton.jit.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# Without a GPU, Triton kernels run on CPU tensors in the interpreter; this must precede any
+# @triton.jit. With a GPU they compile for real (an explicit TRITON_INTERPRET always wins).
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    try:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-    except Exception:  # pragma: no cover - torch missing entirely
-        has_cuda = False
-    if has_cuda:
+    if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

@@ -252,8 +252,10 @@ def test_ttl_expiry_and_renew(engine: CacheEngine, clock: FakeClock) -> None:
     with pytest.raises(LeaseExpired):
         list(engine.iter_bytes(lease))
     assert engine.stats().leases_active == 0
-    with pytest.raises(InvalidArgument):
-        engine.get(["a"], "o", ttl_s=0)
+    for bad in (0, -1, float("inf"), float("nan"), 10**9):
+        with pytest.raises(InvalidArgument):
+            engine.get(["a"], "o", ttl_s=bad)
+    assert engine.stats().leases_active == 0
 
 
 def test_drop_owner(engine: CacheEngine) -> None:

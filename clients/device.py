@@ -1,0 +1,105 @@
+"""Client side of get-to-device: open each daemon pool once, turn results into tensors.
+
+A device pool is opened once per process and cached by its pool id (opening costs about
+half a millisecond; FACTS.md). Results carry page ids or one offset; a contiguous entry
+becomes a zero-copy view of the pool, a fragmented one is gathered with one launch into a
+tensor the client owns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def fetch_fd(path: str | Path, pool_id: str, token: int, timeout: float = 5.0) -> int:
+    """Ask the daemon's fd socket for a pool's file descriptor (the caller owns it)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(str(path))
+        sock.sendall(json.dumps({"pool_id": pool_id, "token": token}).encode() + b"\n")
+        msg, fds, _, _ = socket.recv_fds(sock, 256, 1)
+        if not msg.startswith(b"OK") or not fds:
+            for fd in fds:
+                os.close(fd)
+            raise ConnectionError(f"fd server refused: {msg.decode(errors='replace').strip()}")
+        return fds[0]
+
+
+@dataclass(frozen=True, slots=True)
+class DevicePoolHandle:
+    """What a client needs to open a device pool (from a Get reply)."""
+
+    pool_id: str
+    gpu_uuid: str
+    nbytes: int
+    page_bytes: int
+    ipc_handle: bytes | None = None  # legacy cudaIpcMemHandle
+    fd_socket: str | None = None  # POSIX-fd mode: where to fetch the fd
+    fd_token: int | None = None
+
+
+class DevicePoolCache:
+    """Process-wide cache of opened device pools, keyed by pool id."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[str, Any] = {}  # pool id -> kernels.cuda_mem.ImportedMemory
+        self.opens = 0
+
+    def open(self, handle: DevicePoolHandle) -> Any:
+        with self._lock:
+            mem = self._open.get(handle.pool_id)
+            if mem is not None:
+                return mem
+            from embcache.kernels import cuda_mem
+
+            device = cuda_mem.device_by_uuid(handle.gpu_uuid)
+            if device is None:
+                raise RuntimeError(f"GPU {handle.gpu_uuid} is not visible in this process")
+            if handle.ipc_handle is not None:
+                mem = cuda_mem.open_legacy(handle.ipc_handle, device, handle.nbytes)
+            elif handle.fd_socket is not None and handle.fd_token is not None:
+                fd = fetch_fd(handle.fd_socket, handle.pool_id, handle.fd_token)
+                mem = cuda_mem.import_fd(fd, device, handle.nbytes)
+            else:
+                raise ValueError("pool handle carries neither an IPC handle nor an fd socket")
+            self._open[handle.pool_id] = mem
+            self.opens += 1
+            return mem
+
+    def close(self) -> None:
+        with self._lock:
+            for mem in self._open.values():
+                mem.close()
+            self._open.clear()
+
+
+def materialize(
+    pool_bytes: torch.Tensor,
+    *,
+    page_bytes: int,
+    page_ids: list[int] | tuple[int, ...],
+    offset: int | None,
+    nbytes: int,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+) -> torch.Tensor:
+    """The entry as a tensor: a view of the pool when contiguous, else a gathered copy.
+
+    A view is valid only while the lease lives; a gathered copy belongs to the caller.
+    """
+    if offset is not None:
+        flat = pool_bytes[offset : offset + nbytes]
+    else:
+        pages = pool_bytes[: pool_bytes.numel() // page_bytes * page_bytes].view(-1, page_bytes)
+        index = torch.as_tensor(list(page_ids), dtype=torch.int64).to(pool_bytes.device)
+        flat = pages.index_select(0, index).view(-1)[:nbytes]  # one gather launch
+    return flat.view(dtype).view(shape)

@@ -1,0 +1,391 @@
+"""Device memory the daemon owns, and CUDA IPC between processes on one node.
+
+Two ways to share a device allocation (FACTS.md, "CUDA IPC on the same machine"):
+
+- ``legacy``: a plain ``cudaMalloc`` slab exported with ``cudaIpcGetMemHandle`` (64 bytes) and
+  opened with ``cudaIpcOpenMemHandle``. Containers must share IPC and PID namespaces.
+- ``fd``: a VMM allocation (``cuMemCreate`` with POSIX-fd handles) whose file descriptor travels
+  over a Unix socket with ``SCM_RIGHTS``; the importer maps it into its own address space.
+  Containers only need to share the socket's directory.
+
+Never export torch caching-allocator memory as a pool: the daemon allocates its slab itself.
+Everything here is ctypes over the runtime torch loaded and the driver (``libcuda.so.1``), with
+every return code checked. Nothing here runs on a machine without CUDA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from embcache.kernels import _cudart
+
+IPC_HANDLE_BYTES = 64
+_IPC_LAZY_ENABLE_PEER_ACCESS = 1
+_CU_MEM_ALLOCATION_TYPE_PINNED = 1
+_CU_MEM_HANDLE_TYPE_POSIX_FD = 1
+_CU_MEM_LOCATION_TYPE_DEVICE = 1
+_CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
+_CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
+
+
+class CudaMemError(RuntimeError):
+    """A CUDA runtime or driver call failed."""
+
+
+class _IpcMemHandle(ctypes.Structure):
+    _fields_ = (("reserved", ctypes.c_char * IPC_HANDLE_BYTES),)
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = (("type", ctypes.c_int), ("id", ctypes.c_int))
+
+
+class _AllocFlags(ctypes.Structure):
+    _fields_ = (
+        ("compressionType", ctypes.c_ubyte),
+        ("gpuDirectRDMACapable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 4),
+    )
+
+
+class _AllocationProp(ctypes.Structure):
+    _fields_ = (
+        ("type", ctypes.c_int),
+        ("requestedHandleTypes", ctypes.c_int),
+        ("location", _MemLocation),
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("allocFlags", _AllocFlags),
+    )
+
+
+class _AccessDesc(ctypes.Structure):
+    _fields_ = (("location", _MemLocation), ("flags", ctypes.c_int))
+
+
+@functools.cache
+def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
+    if not torch.cuda.is_available():
+        raise CudaMemError("CUDA is not available")
+    torch.cuda.init()
+    path = _cudart._find_libcudart_path()
+    names = [p for p in (path, "libcudart.so.13", "libcudart.so.12", "libcudart.so") if p]
+    for name in names:
+        try:
+            rt = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    else:
+        raise CudaMemError("libcudart not found")
+    rt.cudaGetErrorString.restype = ctypes.c_char_p
+    drv = ctypes.CDLL("libcuda.so.1")
+    drv.cuGetErrorString.argtypes = (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
+    return rt, drv
+
+
+def _rt_check(call: str, code: int) -> None:
+    if code != 0:
+        rt, _ = _libs()
+        rt.cudaGetLastError()
+        raise CudaMemError(f"{call} failed: error {code} ({rt.cudaGetErrorString(code).decode()})")
+
+
+def _drv_check(call: str, code: int) -> None:
+    if code != 0:
+        _, drv = _libs()
+        msg = ctypes.c_char_p()
+        drv.cuGetErrorString(code, ctypes.byref(msg))
+        raise CudaMemError(f"{call} failed: error {code} ({(msg.value or b'?').decode()})")
+
+
+def _make_current(device: int) -> None:
+    """Bind the device's primary context to this thread (driver calls need one)."""
+    rt, _ = _libs()
+    _rt_check("cudaSetDevice", rt.cudaSetDevice(ctypes.c_int(device)))
+    _rt_check("cudaFree(0)", rt.cudaFree(ctypes.c_void_p(0)))
+
+
+def gpu_uuid(device: int) -> str:
+    """``GPU-xxxxxxxx-...``, the name nvidia-smi prints for the device."""
+    return "GPU-" + str(torch.cuda.get_device_properties(device).uuid)
+
+
+def device_by_uuid(uuid: str) -> int | None:
+    for i in range(torch.cuda.device_count()):
+        if gpu_uuid(i) == uuid:
+            return i
+    return None
+
+
+class _CudaArray:
+    """Exposes raw device bytes through ``__cuda_array_interface__`` so torch can wrap them."""
+
+    def __init__(self, ptr: int, nbytes: int, owner: object) -> None:
+        self._owner = owner  # kept alive as long as any tensor over these bytes
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+def wrap_device_bytes(ptr: int, nbytes: int, device: int, owner: object) -> torch.Tensor:
+    """A uint8 tensor over ``nbytes`` of device memory at ``ptr``; keeps ``owner`` alive."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
+    with torch.cuda.device(device):
+        t = torch.as_tensor(_CudaArray(ptr, nbytes, owner), device=f"cuda:{device}")
+    assert t.data_ptr() == ptr, "torch copied instead of wrapping the device memory"
+    return t
+
+
+# ---------------------------------------------------------------------------- slabs
+
+
+class DeviceSlab:
+    """One device allocation owned by this process: ``cudaMalloc`` or VMM (``cuMemCreate``)."""
+
+    def __init__(self, device: int, nbytes: int, mode: str) -> None:
+        if mode not in ("legacy", "fd"):
+            raise ValueError(f"mode: must be 'legacy' or 'fd', got {mode!r}")
+        self.device = device
+        self.mode = mode
+        self._handle = ctypes.c_ulonglong(0)
+        self._closed = False
+        _make_current(device)
+        rt, drv = _libs()
+        if mode == "legacy":
+            self.nbytes = nbytes
+            ptr = ctypes.c_void_p(0)
+            _rt_check("cudaMalloc", rt.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes)))
+            self.ptr = int(ptr.value or 0)
+        else:
+            prop = self._prop(device)
+            gran = ctypes.c_size_t(0)
+            _drv_check(
+                "cuMemGetAllocationGranularity",
+                drv.cuMemGetAllocationGranularity(
+                    ctypes.byref(gran), ctypes.byref(prop), _CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+                ),
+            )
+            g = gran.value
+            self.nbytes = -(-nbytes // g) * g
+            _drv_check(
+                "cuMemCreate",
+                drv.cuMemCreate(
+                    ctypes.byref(self._handle),
+                    ctypes.c_size_t(self.nbytes),
+                    ctypes.byref(prop),
+                    ctypes.c_ulonglong(0),
+                ),
+            )
+            self.ptr = _map_vmm(self._handle, self.nbytes, device, g)
+        self.tensor = wrap_device_bytes(self.ptr, self.nbytes, device, self)
+
+    @staticmethod
+    def _prop(device: int) -> _AllocationProp:
+        prop = _AllocationProp()
+        prop.type = _CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.requestedHandleTypes = _CU_MEM_HANDLE_TYPE_POSIX_FD
+        prop.location = _MemLocation(_CU_MEM_LOCATION_TYPE_DEVICE, device)
+        return prop
+
+    def export_legacy(self) -> bytes:
+        """The 64-byte ``cudaIpcMemHandle_t`` of the slab (legacy mode only)."""
+        if self.mode != "legacy":
+            raise CudaMemError("legacy IPC handles need a cudaMalloc slab (ipc mode 'legacy')")
+        rt, _ = _libs()
+        handle = _IpcMemHandle()
+        _rt_check(
+            "cudaIpcGetMemHandle",
+            rt.cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(self.ptr)),
+        )
+        return bytes(handle.reserved)
+
+    def export_fd(self) -> int:
+        """A new POSIX file descriptor for the allocation (fd mode only); caller closes it."""
+        if self.mode != "fd":
+            raise CudaMemError("POSIX-fd handles need a VMM slab (ipc mode 'fd')")
+        _, drv = _libs()
+        fd = ctypes.c_int(-1)
+        _drv_check(
+            "cuMemExportToShareableHandle",
+            drv.cuMemExportToShareableHandle(
+                ctypes.byref(fd), self._handle, _CU_MEM_HANDLE_TYPE_POSIX_FD, ctypes.c_ulonglong(0)
+            ),
+        )
+        return fd.value
+
+    def close(self) -> None:
+        """Free the slab. Every copy that touches it must have finished."""
+        if self._closed:
+            return
+        self._closed = True
+        torch.cuda.synchronize(self.device)
+        rt, drv = _libs()
+        if self.mode == "legacy":
+            _rt_check("cudaFree", rt.cudaFree(ctypes.c_void_p(self.ptr)))
+        else:
+            _unmap_vmm(self.ptr, self.nbytes)
+            _drv_check("cuMemRelease", drv.cuMemRelease(self._handle))
+
+
+def _map_vmm(handle: ctypes.c_ulonglong, nbytes: int, device: int, align: int) -> int:
+    _, drv = _libs()
+    ptr = ctypes.c_ulonglong(0)
+    _drv_check(
+        "cuMemAddressReserve",
+        drv.cuMemAddressReserve(
+            ctypes.byref(ptr),
+            ctypes.c_size_t(nbytes),
+            ctypes.c_size_t(align),
+            ctypes.c_ulonglong(0),
+            ctypes.c_ulonglong(0),
+        ),
+    )
+    try:
+        _drv_check(
+            "cuMemMap",
+            drv.cuMemMap(
+                ptr, ctypes.c_size_t(nbytes), ctypes.c_size_t(0), handle, ctypes.c_ulonglong(0)
+            ),
+        )
+        access = _AccessDesc(
+            _MemLocation(_CU_MEM_LOCATION_TYPE_DEVICE, device), _CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        )
+        _drv_check(
+            "cuMemSetAccess",
+            drv.cuMemSetAccess(
+                ptr, ctypes.c_size_t(nbytes), ctypes.byref(access), ctypes.c_size_t(1)
+            ),
+        )
+    except CudaMemError:
+        drv.cuMemUnmap(ptr, ctypes.c_size_t(nbytes))
+        drv.cuMemAddressFree(ptr, ctypes.c_size_t(nbytes))
+        raise
+    return ptr.value
+
+
+def _unmap_vmm(ptr: int, nbytes: int) -> None:
+    _, drv = _libs()
+    _drv_check("cuMemUnmap", drv.cuMemUnmap(ctypes.c_ulonglong(ptr), ctypes.c_size_t(nbytes)))
+    _drv_check(
+        "cuMemAddressFree", drv.cuMemAddressFree(ctypes.c_ulonglong(ptr), ctypes.c_size_t(nbytes))
+    )
+
+
+# ---------------------------------------------------------------------------- importing
+
+
+@dataclass(eq=False)
+class ImportedMemory:
+    """Another process's device allocation mapped into this one. ``close()`` unmaps it."""
+
+    device: int
+    ptr: int
+    nbytes: int
+    kind: str  # "legacy" | "fd"
+    _handle: int = 0
+    _closed: bool = False
+
+    def tensor(self, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
+        n = self.nbytes - offset if nbytes is None else nbytes
+        if offset < 0 or n < 0 or offset + n > self.nbytes:
+            raise ValueError(f"offset/nbytes: [{offset}, {offset + n}) outside {self.nbytes}")
+        return wrap_device_bytes(self.ptr + offset, n, self.device, self)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        rt, drv = _libs()
+        if self.kind == "legacy":
+            _rt_check("cudaIpcCloseMemHandle", rt.cudaIpcCloseMemHandle(ctypes.c_void_p(self.ptr)))
+        else:
+            _unmap_vmm(self.ptr, self.nbytes)
+            _drv_check("cuMemRelease", drv.cuMemRelease(ctypes.c_ulonglong(self._handle)))
+
+
+def open_legacy(handle: bytes, device: int, nbytes: int) -> ImportedMemory:
+    """Open a ``cudaIpcMemHandle_t`` exported by another process (not by this one)."""
+    if len(handle) != IPC_HANDLE_BYTES:
+        raise ValueError(f"handle: must be {IPC_HANDLE_BYTES} bytes, got {len(handle)}")
+    _make_current(device)
+    rt, _ = _libs()
+    h = _IpcMemHandle()
+    h.reserved = handle
+    ptr = ctypes.c_void_p(0)
+    rt.cudaIpcOpenMemHandle.argtypes = (
+        ctypes.POINTER(ctypes.c_void_p),
+        _IpcMemHandle,
+        ctypes.c_uint,
+    )
+    _rt_check(
+        "cudaIpcOpenMemHandle",
+        rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), h, _IPC_LAZY_ENABLE_PEER_ACCESS),
+    )
+    return ImportedMemory(device, int(ptr.value or 0), nbytes, "legacy")
+
+
+def import_fd(fd: int, device: int, nbytes: int) -> ImportedMemory:
+    """Map a VMM allocation received as a POSIX fd. The fd is closed here (it was ours)."""
+    _make_current(device)
+    _, drv = _libs()
+    handle = ctypes.c_ulonglong(0)
+    try:
+        _drv_check(
+            "cuMemImportFromShareableHandle",
+            drv.cuMemImportFromShareableHandle(
+                ctypes.byref(handle), ctypes.c_void_p(fd), _CU_MEM_HANDLE_TYPE_POSIX_FD
+            ),
+        )
+    finally:
+        os.close(fd)
+    prop = DeviceSlab._prop(device)
+    gran = ctypes.c_size_t(0)
+    _drv_check(
+        "cuMemGetAllocationGranularity",
+        drv.cuMemGetAllocationGranularity(
+            ctypes.byref(gran), ctypes.byref(prop), _CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+        ),
+    )
+    try:
+        ptr = _map_vmm(handle, nbytes, device, gran.value)
+    except CudaMemError:
+        drv.cuMemRelease(handle)
+        raise
+    return ImportedMemory(device, ptr, nbytes, "fd", handle.value)
+
+
+def export_tensor(t: torch.Tensor) -> tuple[bytes, int, int]:
+    """(legacy IPC handle, byte offset, allocation size) of the allocation holding ``t``.
+
+    Works for torch caching-allocator tensors (each cudaMalloc block is its own allocation);
+    fails cleanly for expandable segments, whose memory cannot take legacy handles.
+    """
+    if t.device.type != "cuda":
+        raise ValueError("t: must be a CUDA tensor")
+    _make_current(t.device.index)
+    rt, drv = _libs()
+    base = ctypes.c_ulonglong(0)
+    size = ctypes.c_size_t(0)
+    _drv_check(
+        "cuMemGetAddressRange",
+        drv.cuMemGetAddressRange_v2(
+            ctypes.byref(base), ctypes.byref(size), ctypes.c_ulonglong(t.data_ptr())
+        ),
+    )
+    handle = _IpcMemHandle()
+    _rt_check(
+        "cudaIpcGetMemHandle",
+        rt.cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(base.value)),
+    )
+    return bytes(handle.reserved), t.data_ptr() - base.value, size.value

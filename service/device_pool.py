@@ -1,0 +1,222 @@
+"""One device pool: a slab of device pages, unified v2p/p2v page tables, residency LRU.
+
+Every resident entry owns one contiguous range of *virtual* pages bound to physical pages
+(one consecutive run when possible: ``alloc_bind_inplace``; otherwise ``bind_inplace``).
+Eviction tombstones both tables with ``free_unbind_inplace``. The tables live on the
+device and are changed only by those kernels; the host keeps allocators that mirror which
+pages and vpages are free, so it never reads the tables back.
+
+All the pool's device work (table kernels, copies in and out) runs on one stream. Stream
+order is what makes reuse safe: a physical page freed after a copy that read it can only be
+written by work queued later on the same stream, so no host sync is needed. Clients read
+pages only under a lease, and leased entries are never evicted.
+
+The pool also runs on a CPU "device" (plain memory, no stream): CI uses that to test the
+residency, eviction and copy-plan logic without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from embcache import kernels
+
+from .allocator import PageRunAllocator
+from .entries import Entry
+from .stats import PoolStats
+
+PAGE_FREE, PAGE_RESIDENT, PAGE_LEASED = 0, 1, 2
+
+
+@dataclass(slots=True, eq=False)
+class Residency:
+    vstart: int
+    npages: int
+    runs: tuple[tuple[int, int], ...]  # physical page runs
+    event: torch.cuda.Event | None = None  # recorded after the copy that filled the pages
+
+    @property
+    def contiguous(self) -> bool:
+        return len(self.runs) <= 1
+
+
+class DevicePool:
+    def __init__(
+        self,
+        device: torch.device,
+        nbytes: int,
+        page_bytes: int,
+        *,
+        ipc_mode: str = "fd",
+        index: int = 0,
+    ) -> None:
+        assert nbytes % page_bytes == 0 and nbytes > 0, (nbytes, page_bytes)
+        self.device = device
+        self.index = index
+        self.page_bytes = page_bytes
+        self.num_pages = nbytes // page_bytes
+        self.num_vpages = 2 * self.num_pages  # room to keep each entry's vpages contiguous
+        self.pool_id = f"dev{index}-{uuid.uuid4().hex[:12]}"
+        # Secret that entitles a client to this pool's fd (handed out only in authenticated
+        # replies); the fd server checks it.
+        self.fd_token = secrets.randbits(63)
+        self.slab: Any = None  # kernels.cuda_mem.DeviceSlab on a GPU
+        if device.type == "cuda":
+            from embcache.kernels import cuda_mem
+
+            self.slab = cuda_mem.DeviceSlab(device.index or 0, nbytes, ipc_mode)
+            self.tensor = self.slab.tensor[:nbytes]
+            self.gpu_uuid = cuda_mem.gpu_uuid(device.index or 0)
+            self.stream: torch.cuda.Stream | None = torch.cuda.Stream(device)
+        else:
+            self.tensor = torch.zeros(nbytes, dtype=torch.uint8)
+            self.gpu_uuid = f"CPU-{index}"
+            self.stream = None
+        self.ipc_mode = ipc_mode if self.slab is not None else "none"
+        self.v2p = torch.full((self.num_vpages,), -1, dtype=torch.int64, device=device)
+        self.p2v = torch.full((self.num_pages,), -1, dtype=torch.int64, device=device)
+        self._pages = PageRunAllocator(self.num_pages)
+        self._vpages = PageRunAllocator(self.num_vpages)
+        self._resident: OrderedDict[Entry, Residency] = OrderedDict()
+        self._legacy_handle: bytes | None = None
+        self.evictions = 0
+        self.hits = 0
+        self.loads = 0
+
+    # -- residency -----------------------------------------------------------------------
+    def lookup(self, entry: Entry) -> Residency | None:
+        res = self._resident.get(entry)
+        if res is not None:
+            self._resident.move_to_end(entry)
+        return res
+
+    def is_resident(self, entry: Entry) -> bool:
+        return entry in self._resident
+
+    def pages_for(self, nbytes: int) -> int:
+        return -(-nbytes // self.page_bytes)
+
+    def reserve(self, entry: Entry) -> Residency | None:
+        """Bind fresh pages for ``entry``, evicting unleased residents LRU; None if no room."""
+        n = self.pages_for(entry.nbytes)
+        if n > self.num_pages:
+            return None
+        while self._pages.num_free_pages < n or self._vpages.largest_free_run < n:
+            if not self._evict_one():
+                return None
+        vruns = self._vpages.allocate(n)
+        runs = self._pages.allocate(n)
+        assert vruns is not None and len(vruns) <= 1 and runs is not None, (vruns, runs)
+        vstart = vruns[0][0] if vruns else 0
+        res = Residency(vstart, n, tuple(runs))
+        if n:
+            self._bind(res)
+        self._resident[entry] = res
+        self.loads += 1
+        return res
+
+    def _bind(self, res: Residency) -> None:
+        with self._on_stream():
+            vpages = torch.arange(res.vstart, res.vstart + res.npages, device=self.device)
+            if res.contiguous:
+                kernels.alloc_bind_inplace(vpages, res.runs[0][0], self.v2p, self.p2v)
+            else:
+                pages = np.concatenate([np.arange(s, s + k) for s, k in res.runs])
+                kernels.bind_inplace(
+                    vpages, torch.from_numpy(pages).to(self.device), self.v2p, self.p2v
+                )
+
+    def _evict_one(self) -> bool:
+        for entry in self._resident:
+            if entry.ref_cnt == 0:
+                self.drop(entry)
+                self.evictions += 1
+                return True
+        return False
+
+    def drop(self, entry: Entry) -> None:
+        """Forget ``entry``'s device copy (the caller knows nobody holds it)."""
+        res = self._resident.pop(entry, None)
+        if res is None:
+            return
+        if res.npages:
+            with self._on_stream():
+                vpages = torch.arange(res.vstart, res.vstart + res.npages, device=self.device)
+                kernels.free_unbind_inplace(vpages, self.v2p, self.p2v)
+            self._vpages.free([(res.vstart, res.npages)])
+            self._pages.free(list(res.runs))
+
+    def evict_unleased(self) -> int:
+        count = 0
+        while self._evict_one():
+            count += 1
+        return count
+
+    def _on_stream(self) -> contextlib.AbstractContextManager[object]:
+        if self.stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.stream)
+
+    # -- export --------------------------------------------------------------------------
+    def export_legacy(self) -> bytes:
+        if self.slab is None:
+            raise RuntimeError("a CPU device pool has no IPC handle")
+        if self._legacy_handle is None:
+            self._legacy_handle = self.slab.export_legacy()
+        return self._legacy_handle
+
+    def export_fd(self) -> int:
+        if self.slab is None:
+            raise RuntimeError("a CPU device pool has no IPC handle")
+        return self.slab.export_fd()
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    # -- views ---------------------------------------------------------------------------
+    def byte_runs(self, res: Residency) -> list[tuple[int, int]]:
+        return [(s * self.page_bytes, k * self.page_bytes) for s, k in res.runs]
+
+    def page_ids(self, res: Residency) -> list[int]:
+        return [p for s, k in res.runs for p in range(s, s + k)]
+
+    def stats(self) -> PoolStats:
+        free = self._pages.num_free_pages
+        used = self.num_pages - free
+        return PoolStats(
+            f"device:{self.index}",
+            self.num_pages * self.page_bytes,
+            used * self.page_bytes,
+            free * self.page_bytes,
+            self.page_bytes,
+            self.num_pages,
+            used,
+            free,
+            self._pages.largest_free_run,
+            self._pages.num_free_runs,
+        )
+
+    @property
+    def resident_entries(self) -> int:
+        return len(self._resident)
+
+    def page_states(self) -> np.ndarray:
+        states = np.zeros(self.num_pages, dtype=np.uint8)
+        for entry, res in self._resident.items():
+            for s, k in res.runs:
+                states[s : s + k] = PAGE_LEASED if entry.ref_cnt else PAGE_RESIDENT
+        return states
+
+    def close(self) -> None:
+        self._resident.clear()
+        if self.slab is not None:
+            self.slab.close()

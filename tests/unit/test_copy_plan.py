@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import numpy as np
+from hypothesis import given, settings
+
+from embcache.service.copy_plan import PlanBuilder, pair_runs, row_bytes_for, truncate_runs
+
+
+def test_row_bytes_for() -> None:
+    assert row_bytes_for(4096, 8192) == 16
+    assert row_bytes_for(4096, 74) == 2
+    assert row_bytes_for(4096, 7) == 1
+    assert row_bytes_for() == 16
+
+
+def test_pair_runs_merges_boundaries() -> None:
+    src = [(0, 100), (1000, 100)]
+    dst = [(5000, 50), (6000, 150)]
+    assert pair_runs(src, dst, 200) == ([0, 50, 1000], [5000, 6000, 6050], [50, 50, 100])
+    # contiguous on both sides: one piece
+    assert pair_runs([(0, 64), (64, 64)], [(128, 128)], 128) == ([0], [128], [128])
+    assert truncate_runs([(0, 10), (20, 10)], 15) == [(0, 10), (20, 5)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.integers(1, 9), min_size=1, max_size=8),
+    st.lists(st.integers(1, 9), min_size=1, max_size=8),
+    st.data(),
+)
+def test_pair_runs_copies_every_byte_once(a: list[int], b: list[int], data) -> None:  # type: ignore[no-untyped-def]
+    total = min(sum(a), sum(b))
+    nbytes = data.draw(st.integers(0, total))
+
+    def runs(lengths: list[int], gap: int) -> list[tuple[int, int]]:
+        out, pos = [], 0
+        for n in lengths:
+            out.append((pos, n))
+            pos += n + gap
+        return out
+
+    src, dst = runs(a, 3), runs(b, 5)
+    so, do, ln = pair_runs(src, dst, nbytes)
+    assert sum(ln) == nbytes
+    src_mem = np.arange(200, dtype=np.int64)
+    dst_mem = np.full(200, -1, dtype=np.int64)
+    for s, d, n in zip(so, do, ln, strict=True):
+        dst_mem[d : d + n] = src_mem[s : s + n]
+    want = np.concatenate([src_mem[o : o + n] for o, n in truncate_runs(src, nbytes)] or [[]])
+    got = np.concatenate([dst_mem[o : o + n] for o, n in truncate_runs(dst, nbytes)] or [[]])
+    assert np.array_equal(want, got)
+
+
+def test_plan_builder_rows_and_padding() -> None:
+    plan = PlanBuilder(16)
+    plan.add([(0, 4096)], [(8192, 4096)], 100)  # padded to 112 bytes = 7 rows
+    plan.add([(4096, 4096)], [(0, 4096)], 32)
+    s, d, n = plan.rows()
+    assert s.tolist() == [0, 256] and d.tolist() == [512, 0] and n.tolist() == [7, 2]
+    assert plan.nbytes == 132 and len(plan) == 2

@@ -1,0 +1,186 @@
+"""Device tier logic on a CPU "device": residency, LRU, lease pinning, page tables, copies.
+
+The same code runs on a GPU (tests/gpu); here the device pool is plain memory, so CI tests
+everything but the CUDA calls.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from embcache.service.config import Settings
+from embcache.service.device_pool import DevicePool
+from embcache.service.engine import CacheEngine
+from embcache.service.errors import (
+    ChecksumMismatch,
+    DeviceUnavailable,
+    InvalidArgument,
+    PoolExhausted,
+)
+
+PAGE = 4096
+DEV_PAGE = 8192
+
+
+@pytest.fixture
+def engine(shm_name: str):
+    s = Settings(host_pool_bytes=64 * PAGE, page_bytes=PAGE, shm_name=shm_name, device="cpu")
+    pool = DevicePool(torch.device("cpu"), 8 * DEV_PAGE, DEV_PAGE)
+    with CacheEngine(s, device_pools=[pool]) as e:
+        yield e
+
+
+def blob(nbytes: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+
+def device_bytes(e: CacheEngine, dl) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    pool = e.device_tier.pool(0)
+    pages = pool.tensor.view(-1, pool.page_bytes)[list(dl.page_ids)].reshape(-1)
+    return pages[: dl.lease.nbytes]
+
+
+def check_tables(e: CacheEngine) -> None:
+    pool = e.device_tier.pool(0)
+    v2p, p2v = pool.v2p.tolist(), pool.p2v.tolist()
+    bound = {v: p for v, p in enumerate(v2p) if p >= 0}
+    assert {p: v for v, p in bound.items()} == {p: v for p, v in enumerate(p2v) if v >= 0}
+    for res in pool._resident.values():
+        pages = [p for s, k in res.runs for p in range(s, s + k)]
+        assert [v2p[res.vstart + j] for j in range(res.npages)] == pages
+    assert len(bound) == pool.num_pages - pool.stats().free_pages
+
+
+def test_get_to_device_copies_then_hits(engine: CacheEngine) -> None:
+    a, b = blob(3 * PAGE + 5, 1), blob(100, 2)
+    engine.put("a", a)
+    engine.put("b", b)
+    results, table = engine.get_to_device(["a", "missing", "b"], "dec", read_table=True)
+    da, miss, db = results
+    assert miss is None and da is not None and db is not None
+    assert not da.resident_hit and torch.equal(device_bytes(engine, da), a)
+    assert torch.equal(device_bytes(engine, db), b)
+    assert len(da.page_ids) == 2 and da.offset == da.page_ids[0] * DEV_PAGE
+    assert table is not None and table[0, :2].tolist() == list(da.page_ids)
+    assert table[1, :1].tolist() == list(db.page_ids)
+    copied = engine.stats().bytes_copied["h2d"]
+    assert copied == a.numel() + b.numel()
+    again, _ = engine.get_to_device(["a"], "dec")
+    assert again[0] is not None and again[0].resident_hit
+    assert again[0].page_ids == da.page_ids
+    assert engine.stats().bytes_copied["h2d"] == copied  # a hit costs no copy
+    info = engine.entry_info("a")
+    assert info is not None and info.residency == ("host", "device:0")
+    s = engine.stats()
+    assert s.device[0].used_pages == 3 and s.device_resident == [2] and s.leases_active == 3
+    check_tables(engine)
+
+
+def test_device_lru_and_lease_pinning(engine: CacheEngine) -> None:
+    for i in range(6):
+        engine.put(f"k{i}", blob(2 * DEV_PAGE, i))  # 2 device pages each; the pool has 8
+    first, _ = engine.get_to_device(["k0", "k1", "k2", "k3"], "dec")  # fills the pool, leased
+    with pytest.raises(PoolExhausted):
+        engine.get_to_device(["k4"], "dec")
+    assert engine.stats().leases_active == 4  # the failed call left no lease behind
+    engine.release([first[0].lease.lease_id, first[1].lease.lease_id])  # type: ignore[union-attr]
+    got, _ = engine.get_to_device(["k4", "k5"], "dec")  # evicts k0 and k1 from the device
+    assert all(g is not None and not g.resident_hit for g in got)
+    pool = engine.device_tier.pool(0)
+    assert pool.evictions == 2 and not pool.is_resident(engine._entries.get("k0"))  # type: ignore[arg-type]
+    assert engine.exists(["k0", "k1"]) == [True, True]  # still on the host
+    for g, i in zip(got, (4, 5), strict=True):
+        assert torch.equal(device_bytes(engine, g), blob(2 * DEV_PAGE, i))
+    states = engine.device_page_states()
+    assert sorted(states.tolist()) == [2] * 8  # every page resident and leased
+    check_tables(engine)
+    engine.drop_owner("dec")
+    assert sorted(engine.device_page_states().tolist()) == [1] * 8
+
+
+def test_host_eviction_frees_device_pages(engine: CacheEngine) -> None:
+    engine.put("a", blob(DEV_PAGE, 1))
+    [dl], _ = engine.get_to_device(["a"], "dec")
+    assert dl is not None
+    engine.release([dl.lease.lease_id])
+    engine.evict_one("a")
+    pool = engine.device_tier.pool(0)
+    assert pool.stats().free_pages == pool.num_pages and pool.resident_entries == 0
+    assert set(pool.v2p.tolist()) == {-1} and set(pool.p2v.tolist()) == {-1}
+
+
+def test_entry_larger_than_device_pool(engine: CacheEngine) -> None:
+    engine.put("big", blob(9 * DEV_PAGE, 1))
+    with pytest.raises(PoolExhausted):
+        engine.get_to_device(["big"], "dec")
+    assert engine.stats().leases_active == 0
+    with pytest.raises(DeviceUnavailable):
+        engine.get_to_device(["big"], "dec", device=3)
+
+
+def test_get_into_from_host_and_device(engine: CacheEngine) -> None:
+    a, b = blob(1000, 1), blob(3 * PAGE, 2)
+    engine.put("a", a)
+    engine.put("b", b)
+    engine.get_to_device(["b"], "warm")  # b is resident: its copy comes from the device pool
+    dest = torch.full((4 * PAGE + 64,), 7, dtype=torch.uint8)
+    got = engine.get_into(["a", "nope", "b"], "dec", dest, [16, 0, 1024], device=0)
+    assert [g is not None for g in got] == [True, False, True]
+    assert torch.equal(dest[16:1016], a) and torch.equal(dest[1024 : 1024 + b.numel()], b)
+    assert (dest[:16] == 7).all() and (dest[1016:1024] == 7).all()
+    assert (dest[1024 + b.numel() :] == 7).all()
+    s = engine.stats()
+    assert s.leases_active == 1  # only the warm-up lease: get_into leases end with the call
+    assert s.bytes_copied["d2d"] == b.numel() and s.bytes_copied["h2d"] >= 1000
+    # odd offsets work (narrower rows)
+    dest2 = torch.zeros(2000, dtype=torch.uint8)
+    engine.get_into(["a"], "dec", dest2, [3])
+    assert torch.equal(dest2[3:1003], a)
+
+
+@pytest.mark.parametrize(
+    ("offsets", "size"), [([0, 500], 4096), ([0], 999), ([-1], 4096), ([0, 0, 0], 4096)]
+)
+def test_get_into_rejects_bad_slots(engine: CacheEngine, offsets: list[int], size: int) -> None:
+    engine.put("a", blob(1000, 1))
+    engine.put("b", blob(100, 2))
+    keys = {1: ["a"], 2: ["a", "b"], 3: ["a", "b", "a"]}[len(offsets)]
+    dest = torch.zeros(size, dtype=torch.uint8)
+    with pytest.raises(InvalidArgument):
+        engine.get_into(keys, "dec", dest, offsets)
+    assert engine.stats().leases_active == 0
+    assert (dest == 0).all()
+
+
+def test_put_from_device(engine: CacheEngine) -> None:
+    t = torch.randn(33, 37).to(torch.bfloat16)
+    assert engine.put_from_device("t", t) is True
+    [lease] = engine.get(["t"], "dec")
+    assert lease is not None and torch.equal(engine.tensor(lease), t)
+    assert engine.put_from_device("t", t) is False  # idempotent
+    raw = t.view(-1).view(torch.uint8).numpy().tobytes()
+    assert engine.put_from_device("u", t, checksum=zlib.crc32(raw)) is True
+    with pytest.raises(ChecksumMismatch):
+        engine.put_from_device("v", t, checksum=zlib.crc32(raw) ^ 1)
+    assert engine.exists(["v"]) == [False]
+    assert engine.stats().bytes_copied["d2h"] == 2 * len(raw) + len(raw)
+    with pytest.raises(InvalidArgument):
+        engine.put_from_device("w", t.t())  # not contiguous
+    s = engine.stats()
+    assert s.entries_filling == 0 and s.host.used_pages == 2 * -(-len(raw) // PAGE)
+
+
+def test_no_device_pool(shm_name: str) -> None:
+    s = Settings(host_pool_bytes=16 * PAGE, page_bytes=PAGE, shm_name=shm_name, device="cpu")
+    with CacheEngine(s) as e:
+        e.put("a", blob(10, 1))
+        with pytest.raises(DeviceUnavailable):
+            e.get_to_device(["a"], "dec")
+        assert e.stats().device == [] and e.stats().leases_active == 0
+        dest = torch.zeros(64, dtype=torch.uint8)
+        assert e.get_into(["a"], "dec", dest, [0])[0] is not None  # host-only copy
+        assert torch.equal(dest[:10], blob(10, 1))
