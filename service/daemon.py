@@ -15,13 +15,14 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
 
 from .config import Settings
 from .engine import CacheEngine
+from .fd_server import FdServer
 
 log = logging.getLogger("embcache.daemon")
 
@@ -47,6 +48,19 @@ def _bind_http(settings: Settings) -> socket.socket:
     return sock
 
 
+def _start_fd_server(engine: CacheEngine, settings: Settings) -> FdServer | None:
+    """The Unix socket that hands POSIX fds of the device pools to local clients."""
+    pools = {p.pool_id: p for p in engine.device_tier.pools if p.ipc_mode == "fd"}
+    if not pools:
+        return None
+
+    def lookup(pool_id: str) -> tuple[int, Callable[[], int]] | None:
+        pool = pools.get(pool_id)
+        return None if pool is None else (pool.fd_token, pool.export_fd)
+
+    return FdServer(settings.effective_ipc_socket, lookup)
+
+
 class Daemon:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -65,8 +79,10 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
         engine = await asyncio.to_thread(CacheEngine, s)
+        fd_server = None
         try:
             metrics = Metrics(engine)
+            fd_server = _start_fd_server(engine, s)
             grpc_service = await start_grpc(engine, s, metrics)
             http_sock = _bind_http(s)
             config = uvicorn.Config(
@@ -97,6 +113,8 @@ class Daemon:
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
         finally:
+            if fd_server is not None:
+                fd_server.close()
             engine.close()
         log.info("stopped cleanly")
         return 0
@@ -118,6 +136,10 @@ class Daemon:
             "http_port": http_port,
             "shm_name": engine.host_pool.name,
             "cuda": engine.host_pool.registered,
+            "device_pools": [p.pool_id for p in engine.device_tier.pools],
+            "ipc_socket": str(self.settings.effective_ipc_socket)
+            if any(p.ipc_mode == "fd" for p in engine.device_tier.pools)
+            else None,
         }
         sys.stdout.write(json.dumps(ready) + "\n")
         sys.stdout.flush()
