@@ -130,7 +130,9 @@ class EngineCollector(Collector):
 
         pools = [(s.host, "")] + [(p, str(i)) for i, p in enumerate(s.device)]
         for pool, device in pools:
-            tier = [pool.tier, device]
+            # Device pools name themselves "device:<index>"; the label splits that in two.
+            name, _, index = pool.tier.partition(":")
+            tier = [name, index or device]
             add("pool_capacity_bytes", tier, pool.capacity_bytes)
             add("pool_used_bytes", tier, pool.used_bytes)
             add("pool_pages", [*tier, "used"], pool.used_pages)
@@ -160,9 +162,11 @@ class EngineCollector(Collector):
 class Metrics:
     """All daemon metrics, in one registry of their own.
 
-    ``embcache_copy_bytes_total`` adds the engine's own per-direction counters
-    (``stats().bytes_copied``) to the bytes passed to :meth:`observe_copy`, which is meant
-    for copies the engine does not count itself (a transport's own data path).
+    Building it hooks :meth:`observe_copy` into the engine's ``copy_observer`` (when the
+    engine has one and nobody else took it), so every timed copy lands in the bandwidth
+    histogram. ``embcache_copy_bytes_total`` comes from the engine's counters
+    (``stats().bytes_copied``); bytes passed to :meth:`observe_copy` count there only for
+    directions the engine does not count itself, so no copy is counted twice.
     """
 
     def __init__(self, engine: _StatsSource) -> None:
@@ -184,6 +188,8 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(EngineCollector(engine, self))
+        if getattr(engine, "copy_observer", False) is None:
+            engine.copy_observer = self.observe_copy  # type: ignore[attr-defined]
 
     def observe_rpc(self, transport: str, method: str, code: str, seconds: float) -> None:
         """One finished call. ``method`` is a route template or RPC name, never a key."""
@@ -199,9 +205,8 @@ class Metrics:
             self.copy_bandwidth.labels(direction).observe(nbytes / seconds)
 
     def copied_bytes(self, stats: Any) -> dict[str, float]:
-        """Cumulative bytes per direction: the engine's counters plus observed copies."""
+        """Cumulative bytes per direction: the engine's counters, else observed copies."""
         with self._lock:
             total = dict(self._observed_copy)
-        for direction, nbytes in stats.bytes_copied.items():
-            total[direction] = total.get(direction, 0.0) + nbytes
+        total.update({d: float(n) for d, n in stats.bytes_copied.items()})
         return total

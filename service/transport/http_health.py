@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Request, Response, Security
 from fastapi.responses import JSONResponse
+from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .http_models import Liveness, Readiness
@@ -24,6 +25,7 @@ def readiness(engine: Any) -> Readiness:
         cuda_ready = bool(getattr(pool, "registered", False))
     draining = bool(engine.draining)
     ok = pool_allocated and cuda_ready is not False and not draining
+    ok = bool(getattr(engine, "ready", ok)) and ok  # the engine's own verdict where it has one
     return Readiness(
         status="ready" if ok else "not_ready",
         pool_allocated=pool_allocated,
@@ -55,6 +57,7 @@ def readyz(request: Request) -> Any:
     response_class=Response,
     responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text."}},
     summary="Prometheus metrics",
+    dependencies=[Security(HTTPBearer(auto_error=False))],
 )
 def metrics(request: Request) -> Response:
     registry = request.app.state.metrics.registry

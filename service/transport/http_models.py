@@ -26,7 +26,13 @@ class ErrorBody(_Model):
     details: dict[str, Any] = Field(default_factory=dict)
 
 
-class PoolStatsModel(_Model):
+class _OpenModel(BaseModel):
+    """Responses that mirror engine snapshots: fields the engine adds later pass through."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class PoolStatsModel(_OpenModel):
     tier: str
     capacity_bytes: int
     used_bytes: int
@@ -39,7 +45,7 @@ class PoolStatsModel(_Model):
     free_runs: int
 
 
-class StatsResponse(_Model):
+class StatsResponse(_OpenModel):
     host: PoolStatsModel
     device: list[PoolStatsModel]
     entries_ready: int
@@ -58,6 +64,9 @@ class StatsResponse(_Model):
     lease_owners: int
     runs_per_entry: dict[str, int]
     bytes_copied: dict[str, float]
+    device_resident: list[int] = Field(
+        default_factory=list, description="Entries resident on each device pool."
+    )
     draining: bool
 
 
@@ -81,8 +90,16 @@ class PageRun(_Model):
     byte_length: int
 
 
+class LeaseHolder(_Model):
+    owner: str = Field(description="Who holds the lease: a gRPC session, a REST client...")
+    expires_in_s: float
+
+
 class EntryDetail(EntrySummary):
     page_runs: list[PageRun]
+    lease_holders: list[LeaseHolder] = Field(
+        description="Owner and time left of each live lease (lease ids are not shown)."
+    )
 
 
 class EntryPage(_Model):

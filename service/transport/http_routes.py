@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Security
+from fastapi.security import HTTPBearer
 
 from ..engine import EvictOutcome
 from ..errors import NotFound
@@ -25,6 +26,7 @@ from .http_models import (
     ErrorBody,
     EvictRequest,
     EvictResponse,
+    LeaseHolder,
     PageRun,
     PoolMapHistory,
     PoolMapResponse,
@@ -38,7 +40,10 @@ from .http_poolmap import DEVICE_STATES, HOST_STATES, History, downsample
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (400, 401, 404, 409, 422, 503)
 }
-router = APIRouter(prefix="/v1", responses=ERRORS)
+# The token itself is checked by the middleware (before routing); this dependency only
+# declares the scheme in OpenAPI so /docs offers an "Authorize" button.
+BEARER = Security(HTTPBearer(auto_error=False, description="Needed when the daemon has a token."))
+router = APIRouter(prefix="/v1", responses=ERRORS, dependencies=[BEARER])
 
 
 def _engine(request: Request) -> Any:
@@ -129,7 +134,11 @@ def get_entry(request: Request, key: str) -> EntryDetail:
             )
         )
         left -= length
-    return EntryDetail(**_summary(info), page_runs=runs)
+    holders = [
+        LeaseHolder(owner=owner, expires_in_s=round(left, 3))
+        for owner, left in getattr(info, "lease_holders", ())
+    ]
+    return EntryDetail(**_summary(info), page_runs=runs, lease_holders=holders)
 
 
 @router.delete("/entries/{key:path}", response_model=DeleteResponse, summary="Evict one entry")
@@ -178,9 +187,8 @@ def pool_map(
     stats = engine.stats()
     host = downsample(engine.page_states(), HOST_STATES, max_cells)
     device = None
-    device_states = getattr(engine, "device_page_states", None)  # device tier: not yet
-    if device_states is not None and stats.device:
-        dev = downsample(device_states(), DEVICE_STATES, max_cells)
+    if stats.device:  # the map shows the first device pool (GPU 0 of this daemon)
+        dev = downsample(engine.device_page_states(0), DEVICE_STATES, max_cells)
         device = PoolMapTier(
             tier="device",
             states=list(DEVICE_STATES),

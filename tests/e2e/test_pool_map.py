@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from embcache.service.config import Settings
+from embcache.service.device_pool import DevicePool
 from embcache.service.engine import CacheEngine
 from embcache.service.metrics import Metrics
 from embcache.service.transport.http_app import create_app
@@ -140,13 +141,17 @@ def browser(tmp_path: Path) -> Iterator[DevTools]:
 def site(shm_name: str) -> Iterator[tuple[str, CacheEngine]]:
     settings = Settings(host_pool_bytes="16MiB", page_bytes="16KiB", shm_name=shm_name,
                         device="cpu", auth_token=TOKEN)  # fmt: skip
-    with CacheEngine(settings) as engine:
+    # A device pool in plain memory stands in for HBM, so the device grid is drawn too.
+    pool = DevicePool(torch.device("cpu"), 4 * 1024**2, 16 * 1024)
+    with CacheEngine(settings, device_pools=[pool]) as engine:
         engine.put("video/clip-0042.mp4#frames", torch.ones(512, 1024, dtype=torch.bfloat16))
         for i in range(12):
             engine.put(f"img/{i:03d}.jpg", torch.ones(4 * (i + 1), 1024, dtype=torch.float32))
         engine.put("audio/podcast-ep7.wav", torch.ones(300, 1024, dtype=torch.float16))
         engine.evict(["img/003.jpg", "img/007.jpg"])  # holes: free runs between entries
         engine.get(["img/011.jpg", "img/010.jpg", "missing"], owner="decoder-0")
+        on_device, _ = engine.get_to_device(["img/004.jpg", "img/005.jpg", "img/009.jpg"], "d1")
+        engine.release([r.lease.lease_id for r in on_device[:2] if r is not None])
         with serve_in_thread(create_app(engine, settings, Metrics(engine))) as url:
             yield url, engine
 
@@ -181,7 +186,9 @@ def test_pool_map_page(browser: DevTools, site: tuple[str, CacheEngine], tmp_pat
         " let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i]) n++; return n; })()"
     )
     assert painted > 1000  # the host grid is drawn
-    assert browser.evaluate("document.getElementById('device-pool').hidden") is True
+    assert browser.evaluate("document.getElementById('device-pool').hidden") is False
+    device_legend = browser.evaluate("document.getElementById('legend-device').textContent")
+    assert "resident" in device_legend and "leased" in device_legend
 
     # Live update without reloading: a marker set on window survives the refresh.
     browser.evaluate("window.__noReload = 1")

@@ -232,3 +232,33 @@ def test_auth_required_when_token_set(authed: httpx.Client, engine: CacheEngine)
 def test_no_auth_without_token(client: httpx.Client) -> None:
     assert client.get("/v1/stats").status_code == 200
     assert client.get("/v1/stats", headers={"Authorization": "Bearer x"}).status_code == 200
+
+
+def test_device_tier_views(shm_name: str) -> None:
+    """With a device pool (plain memory on CPU): residency, tier filter, device grid."""
+    device_pool = pytest.importorskip("embcache.service.device_pool")
+    settings = Settings(host_pool_bytes=64 * PAGE, page_bytes=PAGE, shm_name=shm_name,
+                        device="cpu")  # fmt: skip
+    pool = device_pool.DevicePool(torch.device("cpu"), 16 * PAGE, PAGE)
+    with CacheEngine(settings, device_pools=[pool]) as engine:
+        engine.put("on-device", torch.ones(2, 1024))  # 2 pages
+        engine.put("host-only", torch.ones(1, 1024))
+        results, _ = engine.get_to_device(["on-device"], "decoder-7")
+        client_gen = _serve(engine, None)
+        client = next(client_gen)
+        try:
+            page = client.get("/v1/entries", params={"tier": "device"}).json()
+            assert [e["key"] for e in page["items"]] == ["on-device"]
+            assert page["items"][0]["residency"] == ["host", "device:0"]
+            detail = client.get("/v1/entries/on-device").json()
+            assert [h["owner"] for h in detail["lease_holders"]] == ["decoder-7"]
+            assert 0 < detail["lease_holders"][0]["expires_in_s"] <= settings.lease_ttl_s
+            body = client.get("/v1/pool-map").json()
+            assert body["device"]["num_pages"] == 16
+            assert body["device"]["counts"] == {"free": 14, "resident": 0, "leased": 2}
+            assert body["summary"]["device_capacity_bytes"] == 16 * PAGE
+            stats = client.get("/v1/stats").json()
+            assert stats["device"][0]["used_pages"] == 2 and stats["device_resident"] == [1]
+        finally:
+            client_gen.close()
+        assert results[0] is not None

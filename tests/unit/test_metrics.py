@@ -6,11 +6,12 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
 from embcache.service.metrics import Metrics
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 PAGE = 4096
 
@@ -47,8 +48,9 @@ def test_known_sequence_of_operations(engine: CacheEngine) -> None:
     engine.get(["missing"], owner="t")
     engine.release([lease.lease_id for lease in leases if lease and lease.key == "beta"])
     engine.evict(["beta"])
-    metrics.observe_copy("h2d", 3 * PAGE, 0.001)
-    metrics.observe_copy("h2d", PAGE, 0.0)  # zero time: counted, kept out of the histogram
+    # A direction the engine does not count itself (e.g. a transport's own copies).
+    metrics.observe_copy("net_in", 3 * PAGE, 0.001)
+    metrics.observe_copy("net_in", PAGE, 0.0)  # zero time: counted, kept out of the histogram
 
     s = scrape(metrics)
     host = {"tier": "host", "device": ""}
@@ -66,9 +68,9 @@ def test_known_sequence_of_operations(engine: CacheEngine) -> None:
     assert value(s, "embcache_leases_active") == 2  # two leases on alpha remain
     assert value(s, "embcache_lease_owners") == 1
     assert value(s, "embcache_draining") == 0
-    assert value(s, "embcache_copy_bytes_total", direction="h2d") == 4 * PAGE
-    assert value(s, "embcache_copy_bandwidth_bytes_per_second_count", direction="h2d") == 1
-    assert value(s, "embcache_copy_bandwidth_bytes_per_second_sum", direction="h2d") == (
+    assert value(s, "embcache_copy_bytes_total", direction="net_in") == 4 * PAGE
+    assert value(s, "embcache_copy_bandwidth_bytes_per_second_count", direction="net_in") == 1
+    assert value(s, "embcache_copy_bandwidth_bytes_per_second_sum", direction="net_in") == (
         pytest.approx(3 * PAGE / 0.001)
     )
     # Keys never become label values.
@@ -114,3 +116,25 @@ def test_every_name_is_prefixed_and_typed(engine: CacheEngine) -> None:
 def test_observe_copy_rejects_negative_bytes(engine: CacheEngine) -> None:
     with pytest.raises(ValueError, match="nbytes"):
         Metrics(engine).observe_copy("d2h", -1, 1.0)
+
+
+def test_device_copies_counted_once(shm_name: str) -> None:
+    """Engine copies: bytes from the engine's counters, bandwidth from its observer hook."""
+    device_pool = pytest.importorskip("embcache.service.device_pool")
+    settings = Settings(host_pool_bytes=64 * PAGE, page_bytes=PAGE, shm_name=shm_name,
+                        device="cpu")  # fmt: skip
+    pool = device_pool.DevicePool(torch.device("cpu"), 16 * PAGE, PAGE)
+    with CacheEngine(settings, device_pools=[pool]) as engine:
+        metrics = Metrics(engine)
+        assert engine.copy_observer == metrics.observe_copy
+        engine.put("a", torch.ones(3, 1024))  # 12 KiB
+        results, _ = engine.get_to_device(["a"], "dec")
+        engine.release([r.lease.lease_id for r in results if r is not None])
+        engine.get_to_device(["a"], "dec")  # resident now: no second copy
+        s = scrape(metrics)
+        assert value(s, "embcache_copy_bytes_total", direction="h2d") == 3 * PAGE
+        device = {"tier": "device", "device": "0"}
+        assert value(s, "embcache_pool_capacity_bytes", **device) == 16 * PAGE
+        assert value(s, "embcache_pool_used_bytes", **device) == 3 * PAGE
+        h2d = value(s, "embcache_copy_bandwidth_bytes_per_second_count", direction="h2d")
+        assert h2d == 1

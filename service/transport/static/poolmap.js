@@ -205,25 +205,27 @@
     setText("entries-foot", `${fmtInt(s.filling)} filling · ${fmtInt(s.evictions)} evicted`);
     setText("leases", fmtInt(s.leases_active));
     const pinned = (map.host.counts.leased || 0) * map.host.page_bytes;
-    setText("evictions", `pinning ${fmtBytes(pinned)} of host pages`);
+    setText("evictions", `pin ${fmtBytes(pinned)} of host pages`);
 
     const hist = map.history;
     const rates = hist.hit_rate.filter((v) => v !== null);
     const lifetime = s.hits + s.misses > 0 ? s.hits / (s.hits + s.misses) : null;
     setText("hit-rate", fmtPct(rates.length ? rates[rates.length - 1] : lifetime));
-    setText("hit-foot", `lifetime ${fmtPct(lifetime)} · ${fmtInt(s.hits)} hits · ` +
-      `${fmtInt(s.misses)} misses`);
+    setText("hit-foot", `lifetime ${fmtPct(lifetime)} of ${fmtInt(s.hits + s.misses)} lookups`);
     drawSpark(document.getElementById("spark-hit"), hist.hit_rate, COLORS.ready, 1);
 
     const dirs = Object.keys(hist.bandwidth);
     const total = hist.t.map((_, i) => dirs.reduce((acc, d) => acc + (hist.bandwidth[d][i] || 0), 0));
     setText("bandwidth", fmtRate(total.length ? total[total.length - 1] : 0));
     const peak = total.length ? Math.max(...total) : 0;
-    const parts = dirs.map((d) => {
-      const series = hist.bandwidth[d];
-      return `${d} ${fmtRate(series.length ? series[series.length - 1] : 0)}`;
-    });
-    setText("bw-foot", (parts.length ? parts.join(" · ") + " · " : "") + `peak ${fmtRate(peak)}`);
+    // Name only the directions that moved bytes in the window, busiest first.
+    const busy = dirs
+      .map((d) => [d, Math.max(0, ...hist.bandwidth[d])])
+      .filter((x) => x[1] > 0)
+      .sort((a, b) => b[1] - a[1])
+      .map((x) => x[0]);
+    const foot = busy.length ? `${busy.join(" · ")} · peak ${fmtRate(peak)}` : "idle";
+    setText("bw-foot", foot);
     drawSpark(document.getElementById("spark-bw"), total, COLORS.resident, 0);
   }
 
