@@ -332,6 +332,9 @@ def bench(
     bench_dir: Annotated[Path | None, typer.Option(help="Folder of bench scripts.")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds each script may run.")] = 1800.0,
     list_only: Annotated[bool, typer.Option("--list", help="List the scripts only.")] = False,
+    script_args: Annotated[
+        list[str] | None, typer.Argument(help="After --: arguments for every script.")
+    ] = None,
 ) -> None:
     """Run the benchmarks in bench/ with progress bars and print their tables."""
     folder = bench_dir or default_bench_dir()
@@ -355,7 +358,9 @@ def bench(
         for script in scripts:
             progress.update(overall, description=f"running [bold]{script.stem}[/]")
             started = time.monotonic()
-            rc, out, err = _run_script(script, _bench_env(settings), timeout)
+            rc, out, err = _run_script(
+                [script, *(script_args or [])], _bench_env(settings), timeout
+            )
             seconds = time.monotonic() - started
             status = "[green]ok[/]" if rc == 0 else f"[red]failed ({rc})[/]"
             progress.console.rule(f"{script.stem} · {status} · {seconds:.1f}s")
@@ -369,9 +374,10 @@ def bench(
         raise _fail(f"failed: {', '.join(failed)}")
 
 
-def _run_script(script: Path, env: dict[str, str], timeout: float) -> tuple[int, str, str]:
+def _run_script(argv: list[Any], env: dict[str, str], timeout: float) -> tuple[int, str, str]:
     """Run one bench script from the repository root: (exit code, stdout, stderr)."""
-    cmd = [sys.executable, str(script)]
+    script: Path = argv[0]
+    cmd = [sys.executable, *map(str, argv)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
                               cwd=script.parent.parent, check=False)  # fmt: skip

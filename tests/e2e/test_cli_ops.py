@@ -178,6 +178,8 @@ def test_bench(cli: Any, tmp_path: Path, daemon: dict[str, Any]) -> None:
         "print('| size | GB/s |')\n"
         "print('| 1 KiB | 1.0 |')\n"
         "print('port', os.environ['EMBCACHE_HTTP_PORT'])\n"
+        "import sys\n"
+        "print('argv', sys.argv[1:])\n"
     )
     (bench / "_helper.py").write_text("raise SystemExit(3)\n")  # not a benchmark
     result = cli("bench", "--bench-dir", str(bench), "--list")
@@ -185,6 +187,8 @@ def test_bench(cli: Any, tmp_path: Path, daemon: dict[str, Any]) -> None:
     result = cli("bench", "--bench-dir", str(bench))
     assert result.exit_code == 0, result.output
     assert "| 1 KiB | 1.0 |" in result.output and f"port {daemon['http_port']}" in result.output
+    result = cli("bench", "--bench-dir", str(bench), "--", "--reps", "2")
+    assert result.exit_code == 0 and "argv ['--reps', '2']" in result.output
     (bench / "broken.py").write_text("raise SystemExit('boom')\n")
     result = cli("bench", "--bench-dir", str(bench), "--only", "broken")
     assert result.exit_code == 1 and "boom" in result.output
