@@ -168,6 +168,8 @@ class DeviceTier:
                 out,
                 pool.page_bytes,
             )
+        if pool.stream is not None:  # the caller reads the table on its own stream
+            torch.cuda.current_stream(pool.device).wait_stream(pool.stream)
         return out
 
     # -- get into a client buffer --------------------------------------------------------
@@ -247,6 +249,8 @@ class DeviceTier:
                 src = [(s * page, k * page) for s, k in lease.entry.runs]
                 host_plan.add(src, [(off, lease.nbytes)], lease.nbytes)
         stream = pool.stream if pool is not None else self._stream_for(dest)
+        if stream is not None:  # in-process callers may still be writing dest on their stream
+            stream.wait_stream(torch.cuda.current_stream(dest.device))
         dview = dest[: dest.numel() // row * row].view(-1, row)
         if len(host_plan):
             s, d, n = host_plan.rows()
@@ -291,6 +295,8 @@ class DeviceTier:
                 if not len(plan):
                     return
                 stream = self._stream_for(src)
+                if stream is not None:  # an in-process producer may still be writing src
+                    stream.wait_stream(torch.cuda.current_stream(src.device))
                 s, d, n = plan.rows()
                 start = time.perf_counter()
                 self._transfer(

@@ -26,8 +26,6 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
-_CUDA_HOST_REGISTER_PORTABLE = 1
-_CUDA_HOST_REGISTER_MAPPED = 2
 
 
 class PoolInUseError(RuntimeError):
@@ -104,18 +102,16 @@ class HostPool:
         return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
 
     def _register_cuda(self) -> None:
-        cudart = torch.cuda.cudart()
-        flags = _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED
-        err = cudart.cudaHostRegister(self.tensor.data_ptr(), self.nbytes, flags)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of the host pool failed with error {int(err)}")
+        from embcache.kernels import register_host_memory
+
+        # Portable + mapped: every GPU can DMA from it and kernels can read it through UVA.
+        self._registration = register_host_memory(self.tensor)
         self.registered = True
 
     def _release_segment(self) -> None:
         if self.registered:
-            err = torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            if int(err) != 0:
-                log.error("cudaHostUnregister failed with error %d", int(err))
+            torch.cuda.synchronize()  # no copy may still read the pages
+            self._registration.unregister()
             self.registered = False
         for attr in ("tensor", "array"):
             if hasattr(self, attr):

@@ -1,0 +1,216 @@
+"""get_to_device / put_from_device on a GPU, next to the contiguous copy engine (same run).
+
+A batch of 16 x 4 MiB entries stored in 256 KiB host pages, fragmented (every page of an
+entry is its own run). Prints GB/s of cold get_to_device per backend, the resident-hit
+latency, put_from_device GB/s, and how much a concurrent 8192^3 bf16 GEMM slows down while
+cold batches stream in. JSON goes to bench/results/get_to_device.json (or --out-dir).
+
+    python bench/get_to_device.py [--reps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import environment, print_environment
+
+from embcache.service.config import Settings
+from embcache.service.engine import CacheEngine
+
+MiB = 1 << 20
+PAGE = 256 * 1024
+ENTRY = 4 * MiB
+BATCH = 16
+
+
+def make_engine(backend: str) -> CacheEngine:
+    s = Settings(
+        host_pool_bytes=1024 * MiB,
+        page_bytes=PAGE,
+        device_pool_bytes=512 * MiB,
+        device_page_bytes=PAGE,
+        shm_name=f"embcache-bench-{uuid.uuid4().hex[:8]}",
+        device="cuda",
+        copy_backend=backend,
+        max_entry_bytes=64 * MiB,
+    )
+    return CacheEngine(s)
+
+
+def fill_fragmented(e: CacheEngine) -> list[str]:
+    """Fill the pool with one-page fillers, free every other one, then put the batch."""
+    n = e.host_pool.num_pages
+    one = torch.zeros(PAGE, dtype=torch.uint8)
+    for i in range(n):
+        e.put(f"filler-{i}", one)
+    e.evict([f"filler-{i}" for i in range(0, 2 * BATCH * ENTRY // PAGE, 2)])
+    keys = []
+    for i in range(BATCH):
+        g = torch.Generator().manual_seed(i)
+        e.put(f"entry-{i}", torch.randn(ENTRY // 2, generator=g).to(torch.bfloat16))
+        keys.append(f"entry-{i}")
+    info = e.entry_info(keys[0])
+    assert info is not None and len(info.page_runs) == ENTRY // PAGE, "batch is not fragmented"
+    return keys
+
+
+def cold_get(e: CacheEngine, keys: list[str]) -> float:
+    """Seconds for one cold batch (device copies evicted first)."""
+    pool = e.device_tier.pool(0)
+    pool.evict_unleased()
+    if pool.stream is not None:
+        pool.stream.synchronize()  # not the whole device: a GEMM may be running beside us
+    t0 = time.perf_counter()
+    results, _ = e.get_to_device(keys, "bench")
+    dt = time.perf_counter() - t0
+    assert all(r is not None and not r.resident_hit for r in results)
+    e.release(r.lease.lease_id for r in results if r is not None)
+    return dt
+
+
+def contiguous_baseline(reps: int) -> dict[str, float]:
+    nbytes = BATCH * ENTRY
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = {}
+    for name, fn in (
+        ("h2d", lambda: dev.copy_(host, non_blocking=True)),
+        ("d2h", lambda: host.copy_(dev, non_blocking=True)),
+    ):
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        out[name] = nbytes / statistics.median(times) / 1e9
+    return out
+
+
+def gemm_slowdown(e: CacheEngine, keys: list[str], seconds: float = 3.0) -> float:
+    """GEMM time while cold batches stream in, over GEMM time alone (same stream setup)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+
+    def gemm_ms(n: int = 20) -> float:
+        with torch.cuda.stream(side):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(n):
+                torch.mm(a, b)
+            end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / n
+
+    gemm_ms(5)
+    alone = statistics.median(gemm_ms() for _ in range(5))
+    stop = threading.Event()
+
+    def loader() -> None:
+        while not stop.is_set():
+            cold_get(e, keys)
+
+    th = threading.Thread(target=loader)
+    th.start()
+    time.sleep(0.2)
+    busy = []
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        busy.append(gemm_ms())
+    stop.set()
+    th.join()
+    return statistics.median(busy) / alone
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = ap.parse_args()
+    env = environment()
+    print_environment(env)
+    base = contiguous_baseline(args.reps)
+    rows: list[tuple[str, float, float]] = [
+        ("contiguous copy engine H2D, 64 MiB (baseline)", base["h2d"], 1.0)
+    ]
+    results: dict[str, object] = {"env": env, "baseline_GBps": base}
+    gets = {}
+    for backend in ("auto", "kernel", "batch", "memcpy"):
+        with make_engine(backend) as e:
+            keys = fill_fragmented(e)
+            cold_get(e, keys)  # warm-up: compile, first touch
+            gbps = BATCH * ENTRY / statistics.median(cold_get(e, keys) for _ in range(args.reps))
+            gbps /= 1e9
+            gets[backend] = gbps
+            rows.append((f"get_to_device 16x4 MiB fragmented, {backend}", gbps, gbps / base["h2d"]))
+            if backend == "auto":
+                e.get_to_device(keys[:1], "warm")
+                hits = []
+                for _ in range(2000):
+                    t0 = time.perf_counter()
+                    [r], _ = e.get_to_device(keys[:1], "bench")
+                    e.release([r.lease.lease_id])  # type: ignore[union-attr]
+                    hits.append(time.perf_counter() - t0)
+                hit_us = statistics.median(hits) * 1e6
+                p99_us = sorted(hits)[int(0.99 * len(hits))] * 1e6
+                results["resident_hit_us"] = {"p50": hit_us, "p99": p99_us}
+                srcs = [
+                    torch.randn(ENTRY // 2, device="cuda").to(torch.bfloat16) for _ in range(BATCH)
+                ]
+                torch.cuda.synchronize()
+                times = []
+                for rep in range(max(3, args.reps // 2)):
+                    e.evict_bytes(BATCH * ENTRY)
+                    t0 = time.perf_counter()
+                    for i, src in enumerate(srcs):
+                        e.put_from_device(f"pfd-{rep}-{i}", src)
+                    times.append(time.perf_counter() - t0)
+                pfd = BATCH * ENTRY / statistics.median(times) / 1e9
+                results["put_from_device_GBps"] = pfd
+                slow = gemm_slowdown(e, keys)
+                results["gemm_slowdown_during_cold_gets"] = slow
+    results["get_to_device_GBps"] = gets
+    rows.append(("contiguous copy engine D2H, 64 MiB (baseline)", base["d2h"], 1.0))
+    rows.append(
+        (
+            "put_from_device 16 x 4 MiB",
+            results["put_from_device_GBps"],  # type: ignore[arg-type]
+            results["put_from_device_GBps"] / base["d2h"],
+        )
+    )  # type: ignore[operator]
+    w = max(len(r[0]) for r in rows)
+    print(f"{'measurement':<{w}}  {'GB/s':>8}  {'vs contiguous':>13}")
+    for name, gbps, ratio in rows:
+        print(f"{name:<{w}}  {gbps:8.2f}  {ratio:12.0%}")
+    hit = results["resident_hit_us"]
+    print(
+        f"resident hit (get_to_device + release, in-process): p50 {hit['p50']:.1f} us, "  # type: ignore[index]
+        f"p99 {hit['p99']:.1f} us"
+    )  # type: ignore[index]
+    print(
+        f"concurrent 8192^3 bf16 GEMM while cold batches load (auto): "
+        f"{results['gemm_slowdown_during_cold_gets']:.3f}x its time alone"
+    )
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    path = args.out_dir / "get_to_device.json"
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"saved {path}")
+    os.sync()
+
+
+if __name__ == "__main__":
+    main()

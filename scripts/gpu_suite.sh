@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The whole GPU suite, for a CUDA machine (the H200 the device tool lends): GPU tests of every
+# part, then the GPU benchmarks. Logs and JSON go to $OUT (default bench/results).
+#   scripts/gpu_suite.sh [PART ...]   parts: kernels device grpc rest reliability
+#                                            bench-kernels bench-device bench-grpc   (default: all)
+# Nothing is installed system-wide: wheels carried in .whl/ go to a private target directory,
+# and embcache is imported from this checkout through a symlink on PYTHONPATH.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/bench/results}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/embcache-site .whl/*.whl || exit 1
+  export PYTHONPATH="/tmp/embcache-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+pp="$(mktemp -d)"
+ln -s "$PWD" "$pp/embcache"
+mkdir -p "$pp/bin"
+printf '#!/bin/sh\nexec python3 -m embcache.service.cli "$@"\n' >"$pp/bin/embcache"
+chmod +x "$pp/bin/embcache"
+export PYTHONPATH="$pp:$PYTHONPATH" PATH="$pp/bin:$PATH"
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(kernels device grpc rest reliability bench-kernels bench-device bench-grpc)
+status=0
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
+python3 -c "import torch, triton, grpc, google.protobuf as pb; print('torch', torch.__version__, 'triton', triton.__version__, 'grpc', grpc.__version__, 'protobuf', pb.__version__)"
+
+run_tests() {  # name, pytest args...
+  local name="$1"; shift
+  python3 -m pytest -m gpu -q -p no:cacheprovider --durations=5 "$@" 2>&1 | tee "$OUT/gpu_$name.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+}
+for part in "${parts[@]}"; do
+  echo "=== $part"
+  case "$part" in
+    kernels) run_tests kernels tests/kernels ;;
+    device) run_tests device tests/gpu/test_device_engine.py ;;
+    grpc) [ -e tests/gpu/test_grpc_device.py ] && run_tests grpc tests/gpu/test_grpc_device.py ;;
+    rest) compgen -G "tests/gpu/test_rest*.py" >/dev/null && run_tests rest tests/gpu/test_rest*.py ;;
+    reliability) compgen -G "tests/gpu/test_soak*.py" >/dev/null && run_tests soak tests/gpu/test_soak*.py ;;
+    bench-kernels)
+      python3 bench/transfer.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench_transfer.log" || status=1
+      python3 bench/page_table.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench_page_table.log" || status=1 ;;
+    bench-device)
+      python3 bench/get_to_device.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench_get_to_device.log" || status=1 ;;
+    bench-grpc)
+      python3 bench/grpc_e2e.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench_grpc.log" || status=1 ;;
+    *) echo "unknown part $part"; status=1 ;;
+  esac
+done
+rm -rf "$pp"
+exit $status
