@@ -99,6 +99,7 @@ class GrpcService:
         """
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        self.servicer.close()
         if self.socket_path is not None:
             _unlink_socket(self.socket_path)
 

@@ -2,7 +2,8 @@
 
 Handlers run on the daemon's event loop and call the engine directly: its calls are short
 (table updates under one lock, or one <= 1 MiB memcpy per chunk), so a thread hop would
-cost more than it saves.
+cost more than it saves. The device RPCs (``grpc_device.py``) may wait on copies and run
+their engine calls in worker threads.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from ...proto.embcache.v1 import embcache_pb2 as pb
 from ...proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
 from ..config import Settings
 from ..engine import CacheEngine, EvictOutcome
-from ..errors import DeviceUnavailable, InvalidArgument, NotFound
-from ..leases import Lease
+from ..errors import InvalidArgument, NotFound
+from ..ipc_cache import IpcCache
+from .grpc_device import DevicePlane, meta_of
 from .grpc_errors import RpcMetrics, rpc
 from .grpc_sessions import SessionRegistry, UnknownSession
 
@@ -62,19 +64,25 @@ def host_pool_handle(engine: CacheEngine) -> pb.PoolHandle:
     )
 
 
-def _meta(lease: Lease) -> pb.TensorMeta:
-    return pb.TensorMeta(dtype=lease.dtype, shape=lease.shape, nbytes=lease.nbytes)
-
-
 class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
     def __init__(
-        self, engine: CacheEngine, settings: Settings, metrics: RpcMetrics | None = None
+        self,
+        engine: CacheEngine,
+        settings: Settings,
+        metrics: RpcMetrics | None = None,
+        *,
+        ipc: IpcCache | None = None,
     ) -> None:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
         self.sessions = SessionRegistry()
         self.host_pool = host_pool_handle(engine)
+        self.device = DevicePlane(engine, settings, ipc)
+
+    def close(self) -> None:
+        """Close the client allocations opened through IPC (after the server stopped)."""
+        self.device.ipc.close()
 
     # -- puts ----------------------------------------------------------------------------
     @rpc("Put")
@@ -111,11 +119,8 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
     async def PutFromDevice(
         self, request: pb.PutFromDeviceRequest, context: grpc.aio.ServicerContext
     ) -> pb.PutResponse:
-        raise DeviceUnavailable(
-            "PutFromDevice needs the device pool, which this daemon does not have; "
-            "stream the bytes with Put",
-            gpu_uuid=request.tensor.gpu_uuid,
-        )
+        owner = self.sessions.owner_for(context)
+        return await self.device.put_from_device(request, owner)
 
     # -- gets ----------------------------------------------------------------------------
     @rpc("Get")
@@ -123,10 +128,9 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetResponse:
         if request.gpu_uuid:
-            raise DeviceUnavailable(
-                "device locations need the device pool, which this daemon does not have",
-                gpu_uuid=request.gpu_uuid,
-            )
+            self.device.pool_for(request.gpu_uuid)  # no such pool: fail before anything else
+            owner = self.sessions.owner_for(context)
+            return await self.device.get(request, owner, self.sessions.alive)
         owner = self.sessions.owner_for(context)
         ttl = request.ttl_s if request.HasField("ttl_s") else None
         leases = self.engine.get(list(request.keys), owner, ttl_s=ttl)
@@ -145,7 +149,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
                 pb.GetResult(
                     key=key,
                     found=True,
-                    meta=_meta(lease),
+                    meta=meta_of(lease),
                     lease_id=lease.lease_id,
                     host=pb.HostLocation(pool_id=pool_id, runs=runs),
                 )
@@ -158,11 +162,8 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
     async def GetInto(
         self, request: pb.GetIntoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetIntoResponse:
-        raise DeviceUnavailable(
-            "GetInto copies into a registered device buffer and needs the device pool; "
-            "CPU clients copy from a Get instead",
-            gpu_uuid=request.destination.buffer.gpu_uuid,
-        )
+        owner = self.sessions.owner_for(context)
+        return await self.device.get_into(request, owner)
 
     @rpc("GetBytes")
     async def GetBytes(
@@ -181,7 +182,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
             length = request.length if request.HasField("length") else None
             chunks = self.engine.iter_bytes(lease, request.offset, length, chunk_bytes)
             first = next(chunks, None)  # validates the range before anything is sent
-            await context.write(pb.GetBytesResponse(meta=_meta(lease)))
+            await context.write(pb.GetBytesResponse(meta=meta_of(lease)))
             if first is not None:
                 await context.write(pb.GetBytesResponse(chunk=first))
             for chunk in chunks:
@@ -264,6 +265,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
             # Ended for any reason: closed, cancelled, connection lost, server stopping.
             self.sessions.close(session_id)
             dropped = self.engine.drop_owner(session_id)
+            self.device.ipc.drop_owner(session_id)
             if dropped:
                 log.info("session %s (%s) ended; released %d leases", session_id, hello, dropped)
 

@@ -1,0 +1,236 @@
+"""Client allocations the daemon opened through CUDA IPC, cached and bounded.
+
+``PutFromDevice`` and ``GetInto`` name a client's CUDA tensor by the legacy IPC handle of
+the allocation holding it. Opening a handle costs about half a millisecond (FACTS.md) and
+CUDA maps one handle at most once per process, so mappings are cached by handle bytes and
+shared by every owner (session, or ``anon:<peer>``) that used them. A mapping is closed when
+the last owner that used it ends (``drop_owner``) or when the cache is over its bound and the
+mapping is the least recently used one; never while a copy is using it (``in_use``).
+
+A handle stays unique for the life of its allocation (CUDA hands out a new one when freed
+memory is allocated again), so a cached mapping never aliases another allocation. Keeping a
+mapping open keeps the client's memory alive after the client frees it, which is why the
+cache is bounded and tied to owners.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from .errors import DeviceUnavailable, InvalidArgument
+
+log = logging.getLogger(__name__)
+
+MAX_MAPPINGS = 64
+IPC_HANDLE_BYTES = 64
+
+
+class Mapping(Protocol):
+    """An opened allocation (``kernels.cuda_mem.ImportedMemory`` on a GPU)."""
+
+    nbytes: int
+
+    def tensor(self, offset: int = 0, nbytes: int | None = None) -> torch.Tensor: ...
+    def close(self) -> None: ...
+
+
+class IpcBackend(Protocol):
+    """How the daemon reaches client memory; the CUDA one below, or a fake in CPU tests."""
+
+    def available(self) -> bool: ...
+    def gpu_index(self, gpu_uuid: str) -> int | None: ...
+    def open(self, handle: bytes, device: int, alloc_size: int) -> Mapping: ...
+    def wait_event(self, handle: bytes, device: int) -> None: ...
+
+
+class CudaIpc:
+    """Legacy CUDA IPC through ``kernels.cuda_mem`` (imported lazily: CPU daemons never load it)."""
+
+    def __init__(self, cuda_in_use: bool) -> None:
+        self._cuda = cuda_in_use
+
+    def available(self) -> bool:
+        return self._cuda and torch.cuda.is_available()
+
+    def gpu_index(self, gpu_uuid: str) -> int | None:
+        from embcache.kernels import cuda_mem
+
+        return cuda_mem.device_by_uuid(gpu_uuid)
+
+    def open(self, handle: bytes, device: int, alloc_size: int) -> Mapping:
+        from embcache.kernels import cuda_mem
+
+        try:
+            mem = cuda_mem.open_legacy(handle, device, alloc_size)
+        except (cuda_mem.CudaMemError, ValueError) as exc:
+            raise DeviceUnavailable(
+                "cannot open the client's CUDA IPC handle in the daemon (another container "
+                "without a shared IPC namespace, a stale handle, or not a handle)",
+                reason=str(exc),
+                device=device,
+            ) from None
+        try:
+            actual = _allocation_bytes(mem.ptr)
+        except Exception as exc:  # the check is a safety net: log, trust the client's size
+            log.warning("cannot query the size of an opened IPC allocation: %s", exc)
+            actual = alloc_size
+        if actual < alloc_size:
+            mem.close()
+            raise InvalidArgument(
+                "alloc_size is larger than the allocation the handle exports",
+                alloc_size=alloc_size,
+                actual=actual,
+            )
+        return mem
+
+    def wait_event(self, handle: bytes, device: int) -> None:
+        try:
+            event = torch.cuda.Event.from_ipc_handle(device, handle)
+            event.synchronize()
+        except RuntimeError as exc:
+            raise InvalidArgument("cannot open or wait on event_handle", reason=str(exc)) from None
+
+
+def _allocation_bytes(ptr: int) -> int:
+    """Bytes from ``ptr`` to the end of its allocation (driver ``cuMemGetAddressRange``)."""
+    import ctypes
+
+    from embcache.kernels import cuda_mem
+
+    _, drv = cuda_mem._libs()
+    base, size = ctypes.c_ulonglong(0), ctypes.c_size_t(0)
+    cuda_mem._drv_check(
+        "cuMemGetAddressRange",
+        drv.cuMemGetAddressRange_v2(
+            ctypes.byref(base), ctypes.byref(size), ctypes.c_ulonglong(ptr)
+        ),
+    )
+    return int(base.value + size.value - ptr)
+
+
+@dataclass(eq=False)
+class _Opened:
+    handle: bytes
+    mapping: Mapping
+    device: int
+    size: int
+    owners: set[str] = field(default_factory=set)
+    in_use: int = 0
+    doomed: bool = False  # close once the last copy using it finishes
+
+
+class IpcCache:
+    def __init__(self, backend: IpcBackend, max_mappings: int = MAX_MAPPINGS) -> None:
+        if max_mappings < 1:
+            raise ValueError(f"max_mappings: must be >= 1, got {max_mappings}")
+        self.backend = backend
+        self.max_mappings = max_mappings
+        self._lock = threading.Lock()
+        self._open: OrderedDict[bytes, _Opened] = OrderedDict()
+        self.opens = 0
+        self.closes = 0
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    @contextlib.contextmanager
+    def tensor(
+        self, owner: str, handle: bytes, device: int, alloc_size: int, offset: int, nbytes: int
+    ) -> Iterator[torch.Tensor]:
+        """A uint8 tensor over ``[offset, offset + nbytes)`` of the client's allocation.
+
+        The mapping is not closed before the ``with`` block ends (the caller's copies must be
+        complete by then)."""
+        opened = self._acquire(owner, bytes(handle), device, alloc_size)
+        try:
+            if offset + nbytes > opened.size:
+                raise InvalidArgument(
+                    "tensor lies outside the allocation",
+                    offset=offset,
+                    nbytes=nbytes,
+                    alloc_size=opened.size,
+                )
+            yield opened.mapping.tensor(offset, nbytes)
+        finally:
+            self._release(opened)
+
+    def _acquire(self, owner: str, handle: bytes, device: int, alloc_size: int) -> _Opened:
+        with self._lock:
+            opened = self._open.get(handle)
+            if opened is not None and not opened.doomed:
+                if opened.device != device:
+                    raise InvalidArgument(
+                        "this handle was opened on another GPU", device=device, was=opened.device
+                    )
+                self._open.move_to_end(handle)
+            else:
+                if opened is not None:  # doomed but still copying: CUDA maps a handle once
+                    raise DeviceUnavailable("the allocation is being closed; retry", device=device)
+                mapping = self.backend.open(handle, device, alloc_size)
+                opened = _Opened(handle, mapping, device, alloc_size)
+                self._open[handle] = opened
+                self.opens += 1
+                self._trim()
+            opened.owners.add(owner)
+            opened.in_use += 1
+            return opened
+
+    def _release(self, opened: _Opened) -> None:
+        with self._lock:
+            opened.in_use -= 1
+            if opened.doomed and opened.in_use == 0:
+                self._close(opened)
+
+    def _trim(self) -> None:
+        for opened in list(self._open.values()):
+            if len(self._open) <= self.max_mappings:
+                return
+            if opened.in_use == 0 and not opened.doomed:
+                self._doom(opened)
+
+    def _doom(self, opened: _Opened) -> None:
+        # One in use stays in the table (so its handle is not opened twice) until released.
+        opened.doomed = True
+        if opened.in_use == 0:
+            self._close(opened)
+
+    def _close(self, opened: _Opened) -> None:
+        if self._open.get(opened.handle) is opened:
+            del self._open[opened.handle]
+        try:
+            opened.mapping.close()
+        except Exception:
+            log.exception("closing an IPC mapping failed")
+        self.closes += 1
+
+    def drop_owner(self, owner: str) -> int:
+        """``owner`` ended: close the mappings no other owner used. Returns how many closed."""
+        with self._lock:
+            before = self.closes
+            for opened in list(self._open.values()):
+                opened.owners.discard(owner)
+                if not opened.owners and not opened.doomed:
+                    self._doom(opened)
+            return self.closes - before
+
+    def close(self) -> None:
+        """Close every mapping not in use; those in use close when their copy ends."""
+        with self._lock:
+            for opened in list(self._open.values()):
+                if not opened.doomed:
+                    self._doom(opened)
+
+
+def check_ipc_handle(handle: Any, what: str) -> bytes:
+    if not isinstance(handle, bytes) or len(handle) != IPC_HANDLE_BYTES:
+        size = len(handle) if isinstance(handle, bytes) else None
+        raise InvalidArgument(f"{what} must be {IPC_HANDLE_BYTES} bytes", got=size)
+    return handle

@@ -1,0 +1,315 @@
+"""The device RPCs of the servicer: ``Get`` with a GPU uuid, ``PutFromDevice``, ``GetInto``.
+
+Every request is validated completely before any IPC handle is opened. Engine calls that
+may wait on a copy run in a worker thread (``asyncio.to_thread``) so the event loop keeps
+serving; a call cancelled while its thread runs gives back the leases the thread took.
+IPC descriptors (pool handles, fd tokens) only reach callers that passed the auth check:
+the interceptor runs before any handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from ...proto.embcache.v1 import embcache_pb2 as pb
+from .. import admission
+from ..config import Settings
+from ..device_pool import DevicePool
+from ..dtypes import DType, lookup
+from ..engine import CacheEngine
+from ..errors import DeviceUnavailable, InvalidArgument
+from ..ipc_cache import CudaIpc, IpcCache, check_ipc_handle
+from ..leases import Lease
+from .grpc_sessions import UnknownSession
+
+log = logging.getLogger("embcache.grpc")
+
+T = TypeVar("T")
+SLOT_ALIGN = 16  # GetInto packs entries at offsets that are multiples of this
+_UINT63 = 2**63
+
+
+def meta_of(lease: Lease) -> pb.TensorMeta:
+    return pb.TensorMeta(dtype=lease.dtype, shape=lease.shape, nbytes=lease.nbytes)
+
+
+async def in_thread(fn: Callable[[], T], undo: Callable[[T], object] | None = None) -> T:
+    """``fn()`` in a worker thread. If the call is cancelled meanwhile, ``undo(result)`` runs
+    when the thread finishes (e.g. to give back leases nobody will receive)."""
+    task = asyncio.ensure_future(asyncio.to_thread(fn))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if undo is not None:
+
+            def done(t: asyncio.Future[T]) -> None:
+                if not t.cancelled() and t.exception() is None:
+                    undo(t.result())
+
+            task.add_done_callback(done)
+        raise
+
+
+@dataclass(frozen=True, slots=True)
+class IpcTensor:
+    """A validated ``CudaIpcTensor``: contiguous bytes in a client allocation."""
+
+    handle: bytes
+    device: int
+    dtype: DType
+    shape: tuple[int, ...]
+    nbytes: int
+    offset: int
+    alloc_size: int
+    event: bytes | None
+
+
+class DevicePlane:
+    def __init__(self, engine: CacheEngine, settings: Settings, ipc: IpcCache | None = None):
+        self.engine = engine
+        self.settings = settings
+        self.ipc = ipc if ipc is not None else IpcCache(CudaIpc(engine.host_pool.registered))
+        self._handles: dict[str, pb.PoolHandle] = {}
+
+    # -- Get with a GPU uuid -------------------------------------------------------------
+    def pool_for(self, gpu_uuid: str) -> tuple[int, DevicePool]:
+        for index, pool in enumerate(self.engine.device_tier.pools):
+            if pool.gpu_uuid == gpu_uuid:
+                return index, pool
+        if not self.engine.device_tier.pools:
+            raise DeviceUnavailable(
+                "device locations need the device pool, which this daemon does not have",
+                gpu_uuid=gpu_uuid,
+            )
+        raise DeviceUnavailable(
+            "this daemon has no device pool on that GPU",
+            gpu_uuid=gpu_uuid,
+            pools=[p.gpu_uuid for p in self.engine.device_tier.pools],
+        )
+
+    async def get(
+        self, request: pb.GetRequest, owner: str, alive: Callable[[str], bool]
+    ) -> pb.GetResponse:
+        index, pool = self.pool_for(request.gpu_uuid)
+        keys = list(request.keys)
+        ttl = request.ttl_s if request.HasField("ttl_s") else None
+
+        def run() -> pb.GetResponse:
+            found, _ = self.engine.get_to_device(keys, owner, ttl_s=ttl, device=index)
+            try:
+                return self._get_reply(keys, found, pool)
+            except BaseException:
+                self.engine.release(d.lease.lease_id for d in found if d is not None)
+                raise
+
+        reply = await in_thread(run, self._release_reply)
+        if not alive(owner):  # the session ended meanwhile: its leases would outlive it
+            self._release_reply(reply)
+            raise UnknownSession("session ended during the call", session=owner)
+        return reply
+
+    def _release_reply(self, reply: pb.GetResponse) -> None:
+        self.engine.release(r.lease_id for r in reply.results if r.found)
+
+    def _get_reply(self, keys: Sequence[str], found: Sequence[Any], pool: DevicePool) -> Any:
+        reply = pb.GetResponse()
+        for key, dl in zip(keys, found, strict=True):
+            if dl is None:
+                reply.results.append(pb.GetResult(key=key, found=False))
+                continue
+            loc = pb.DeviceLocation(pool_id=dl.pool_id, gpu_uuid=dl.gpu_uuid)
+            if dl.offset is not None:
+                loc.offset = dl.offset
+            else:
+                loc.pages.page_ids.extend(dl.page_ids)
+            reply.results.append(
+                pb.GetResult(
+                    key=key, found=True, meta=meta_of(dl.lease), lease_id=dl.lease.lease_id
+                )
+            )
+            reply.results[-1].device.CopyFrom(loc)
+        if any(dl is not None for dl in found):
+            reply.pools.append(self.pool_handle(pool))
+        return reply
+
+    def pool_handle(self, pool: DevicePool) -> pb.PoolHandle:
+        """How a client opens ``pool`` (built once per pool; legacy export is cached)."""
+        handle = self._handles.get(pool.pool_id)
+        if handle is not None:
+            return handle
+        desc = pb.DevicePool(gpu_uuid=pool.gpu_uuid, size=pool.nbytes, page_bytes=pool.page_bytes)
+        if pool.ipc_mode == "legacy":
+            with torch.cuda.device(pool.device):
+                desc.ipc_handle = pool.export_legacy()
+        elif pool.ipc_mode == "fd":
+            alloc = int(getattr(pool.slab, "nbytes", pool.nbytes))
+            desc.posix_fd.CopyFrom(
+                pb.PosixFdHandle(
+                    fd_token=pool.fd_token,
+                    alloc_size=alloc,
+                    fd_socket=str(self.settings.effective_ipc_socket),
+                )
+            )
+        # ipc_mode "none" (a CPU test pool): no handle; nothing outside this process opens it.
+        handle = pb.PoolHandle(pool_id=pool.pool_id, device=desc)
+        self._handles[pool.pool_id] = handle
+        return handle
+
+    # -- PutFromDevice -------------------------------------------------------------------
+    async def put_from_device(self, request: pb.PutFromDeviceRequest, owner: str) -> pb.PutResponse:
+        self._require_cuda("PutFromDevice", request.tensor.gpu_uuid)
+        key = admission.check_key(request.key, self.settings)
+        t = request.tensor
+        meta = admission.check_meta(t.dtype, list(t.shape), None, self.settings)
+        src = self._check_tensor(t, meta.dtype, meta.shape, "tensor")
+        crc = admission.check_checksum(request.checksum if request.HasField("checksum") else None)
+
+        def run() -> bool:
+            if src.nbytes == 0:  # nothing to map
+                empty = torch.empty(src.shape, dtype=src.dtype.torch_dtype)
+                return self.engine.put(key, empty, owner=owner)
+            if src.event is not None:
+                self.ipc.backend.wait_event(src.event, src.device)
+            with self.ipc.tensor(
+                owner, src.handle, src.device, src.alloc_size, src.offset, src.nbytes
+            ) as flat:
+                tensor = flat.view(src.dtype.torch_dtype).view(src.shape)
+                return self.engine.put_from_device(key, tensor, owner=owner, checksum=crc)
+
+        created = await in_thread(run)
+        return pb.PutResponse(created=created, nbytes=src.nbytes)
+
+    # -- GetInto -------------------------------------------------------------------------
+    async def get_into(self, request: pb.GetIntoRequest, owner: str) -> pb.GetIntoResponse:
+        buf = request.destination.buffer
+        self._require_cuda("GetInto", buf.gpu_uuid)
+        if not request.HasField("destination"):
+            raise InvalidArgument("GetInto needs a destination buffer")
+        dtype = lookup(buf.dtype)
+        if dtype is None:
+            raise InvalidArgument("unsupported destination dtype", dtype=buf.dtype)
+        shape = _shape(buf.shape, "destination.shape")
+        dest = self._check_tensor(buf, dtype, shape, "destination")
+        keys = list(request.keys)
+        for key in keys:
+            admission.check_key(key, self.settings)
+        offsets = list(request.offsets)
+        if offsets and len(offsets) != len(keys):
+            raise InvalidArgument("one offset per key", keys=len(keys), offsets=len(offsets))
+        if any(off > dest.nbytes for off in offsets):
+            raise InvalidArgument("offset outside the destination", destination=dest.nbytes)
+        pool_index = next(
+            (i for i, p in enumerate(self.engine.device_tier.pools) if p.gpu_uuid == buf.gpu_uuid),
+            None,
+        )
+
+        def run() -> list[tuple[Lease | None, int]]:
+            slots = offsets or self._pack(keys)
+            if dest.event is not None:
+                self.ipc.backend.wait_event(dest.event, dest.device)
+            if dest.nbytes == 0:
+                flat = torch.empty(0, dtype=torch.uint8)
+                return list(zip(self.engine.get_into(keys, owner, flat, slots), slots, strict=True))
+            with self.ipc.tensor(
+                owner, dest.handle, dest.device, dest.alloc_size, dest.offset, dest.nbytes
+            ) as flat:
+                leases = self.engine.get_into(keys, owner, flat, slots, device=pool_index)
+            return list(zip(leases, slots, strict=True))
+
+        done = await in_thread(run)
+        reply = pb.GetIntoResponse()
+        for key, (lease, off) in zip(keys, done, strict=True):
+            if lease is None:
+                reply.results.append(pb.GetIntoResult(key=key, found=False))
+            else:
+                reply.results.append(
+                    pb.GetIntoResult(key=key, found=True, meta=meta_of(lease), offset=off)
+                )
+        return reply
+
+    def _pack(self, keys: Sequence[str]) -> list[int]:
+        """Back-to-back 16-byte-aligned slots for the entries present now (misses: 0).
+
+        An entry that changes between this and the copy cannot corrupt anything: the engine
+        checks every slot against the destination and the others before copying."""
+        slots, pos = [], 0
+        for key in keys:
+            info = self.engine.entry_info(key)
+            if info is None:
+                slots.append(0)
+                continue
+            pos = -(-pos // SLOT_ALIGN) * SLOT_ALIGN
+            slots.append(pos)
+            pos += info.nbytes
+        return slots
+
+    # -- validation ----------------------------------------------------------------------
+    def _require_cuda(self, what: str, gpu_uuid: str) -> None:
+        if not self.ipc.backend.available():
+            raise DeviceUnavailable(
+                f"{what} reads or writes client GPU memory and needs CUDA, which this daemon "
+                "does not use; stream the bytes instead (Put / Get)",
+                gpu_uuid=gpu_uuid,
+            )
+
+    def _check_tensor(
+        self, t: pb.CudaIpcTensor, dtype: DType, shape: tuple[int, ...], what: str
+    ) -> IpcTensor:
+        kind = t.WhichOneof("handle")
+        if kind != "ipc_handle":
+            raise InvalidArgument(
+                f"{what} needs ipc_handle (a cudaIpcMemHandle); posix_fd is not accepted "
+                "for client memory",
+                handle=kind,
+            )
+        handle = check_ipc_handle(t.ipc_handle, f"{what}.ipc_handle")
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d
+        if nbytes >= _UINT63:
+            raise InvalidArgument(f"{what} is too large", shape=list(shape))
+        if list(t.strides) and list(t.strides) != _contiguous_strides(shape, list(t.strides)):
+            raise InvalidArgument(
+                f"{what} must be contiguous", shape=list(shape), strides=list(t.strides)
+            )
+        if nbytes and t.offset + nbytes > t.alloc_size:
+            raise InvalidArgument(
+                f"{what} lies outside its allocation",
+                offset=t.offset,
+                nbytes=nbytes,
+                alloc_size=t.alloc_size,
+            )
+        event = t.event_handle if t.HasField("event_handle") else None
+        if event is not None:
+            check_ipc_handle(event, f"{what}.event_handle")
+        device = self.ipc.backend.gpu_index(t.gpu_uuid)
+        if device is None:
+            raise DeviceUnavailable("the daemon does not see this GPU", gpu_uuid=t.gpu_uuid)
+        return IpcTensor(handle, device, dtype, shape, nbytes, t.offset, t.alloc_size, event)
+
+
+def _shape(dims: Sequence[int], what: str) -> tuple[int, ...]:
+    if len(dims) > admission.MAX_NDIM or any(d < 0 for d in dims):
+        raise InvalidArgument(f"{what} must be at most 8 dims >= 0", shape=list(dims))
+    return tuple(dims)
+
+
+def _contiguous_strides(shape: Sequence[int], given: list[int]) -> list[int]:
+    """``given`` where torch would call the layout contiguous, else the row-major strides.
+
+    Dims of size 1 may carry any stride, and a tensor with no elements is contiguous."""
+    if len(given) != len(shape):
+        return []
+    if any(d == 0 for d in shape):
+        return given
+    out, expected = [0] * len(shape), 1
+    for i in range(len(shape) - 1, -1, -1):
+        out[i] = given[i] if shape[i] == 1 else expected
+        expected *= shape[i]
+    return out
