@@ -12,6 +12,7 @@ import selectors
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -116,8 +117,11 @@ def _embcache_command() -> list[str]:
 
 @pytest.fixture(scope="session")
 def live_daemon() -> Iterator[dict[str, Any]]:
-    """``embcache serve`` on loopback and ephemeral ports; yields its ready line."""
+    """``embcache serve`` as deployed (a token, a Unix socket) but on loopback and
+    ephemeral ports; yields its ready line plus ``token``."""
     shm = f"embcache-deploytest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    token = uuid.uuid4().hex
+    socket_dir = Path(tempfile.mkdtemp(prefix="embcache-deploytest-"))  # short: AF_UNIX limit
     cmd = [
         *_embcache_command(),
         "serve",
@@ -127,8 +131,10 @@ def live_daemon() -> Iterator[dict[str, Any]]:
         "--host-pool-bytes", "64MiB",
         "--device", "cpu",
         "--log-level", "warning",
+        "--grpc-socket", str(socket_dir / "embcache.sock"),
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("EMBCACHE_")}
+    env["EMBCACHE_AUTH_TOKEN"] = token  # as from the Secret, not on the command line
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
     )
@@ -145,7 +151,7 @@ def live_daemon() -> Iterator[dict[str, Any]]:
                         ready = json.loads(line)
         if ready is None:
             pytest.fail(f"daemon did not print its ready line: {cmd}")
-        yield ready
+        yield {**ready, "token": token}
     finally:
         if proc.poll() is None:
             proc.terminate()  # the daemon drains and unlinks its segment
@@ -155,3 +161,4 @@ def live_daemon() -> Iterator[dict[str, Any]]:
                 proc.kill()
                 proc.wait(timeout=5)
         proc.stdout.close()
+        shutil.rmtree(socket_dir, ignore_errors=True)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -144,6 +146,16 @@ def test_kustomization_lists_the_daemon_but_no_example_secret(
     assert not any(name.startswith("examples/") for name in resources)
     kinds = {doc["kind"] for name in resources for doc in manifests[Path(name)]}
     assert {"DaemonSet", "ConfigMap", "Service", "ServiceMonitor"} <= kinds
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl (offline use only)")
+def test_kustomize_builds(repo: Path) -> None:
+    done = subprocess.run(
+        ["kubectl", "kustomize", str(repo / "deploy" / "kubernetes")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "kind: DaemonSet" in done.stdout
 
 
 # -- the DaemonSet -------------------------------------------------------------------------

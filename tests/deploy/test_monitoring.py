@@ -69,16 +69,18 @@ def test_promql_scanner() -> None:
 @pytest.fixture(scope="module")
 def exported(live_daemon: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """Series names a Prometheus server would store from the daemon, with the raw text."""
-    target = f"127.0.0.1:{live_daemon['grpc_port']}"
-    with EmbCacheClient(target, timeout=30) as client:
+    # Through the Unix socket with the token, as the example client pods do.
+    target = f"unix:{live_daemon['grpc_socket']}"
+    with EmbCacheClient(target, token=live_daemon["token"], timeout=30) as client:
         emb = torch.arange(64, dtype=torch.float32).reshape(4, 16)
         assert client.put("deploy/emb-0", emb) is True
         with client.get(["deploy/emb-0", "deploy/missing"]) as (hit, miss):
             assert hit is not None and torch.equal(hit, emb) and miss is None
     base = f"http://127.0.0.1:{live_daemon['http_port']}"
-    with httpx.Client(base_url=base, timeout=30) as http:
+    auth = {"Authorization": f"Bearer {live_daemon['token']}"}
+    with httpx.Client(base_url=base, timeout=30, headers=auth) as http:
         assert http.get("/v1/stats").status_code == 200
-        response = http.get("/metrics")
+        response = http.get("/metrics")  # as the ServiceMonitor scrapes it
     assert response.status_code == 200
     families = list(text_string_to_metric_families(response.text))
     names: set[str] = set()
@@ -93,6 +95,16 @@ def exported(live_daemon: dict[str, Any]) -> Iterator[dict[str, Any]]:
         }.get(family.type, ("",))
         names |= {family.name + suffix for suffix in suffixes}
     yield {"names": names, "families": {f.name: f for f in families}}
+
+
+def test_probes_are_open_and_metrics_need_the_token(live_daemon: dict[str, Any]) -> None:
+    # What the manifests rely on: kubelet probes carry no token, Prometheus sends one.
+    with httpx.Client(base_url=f"http://127.0.0.1:{live_daemon['http_port']}") as http:
+        assert http.get("/livez").status_code == 200
+        assert http.get("/readyz").status_code == 200
+        assert http.get("/metrics").status_code == 401
+        wrong = {"Authorization": "Bearer not-the-token"}
+        assert http.get("/metrics", headers=wrong).status_code == 401
 
 
 def test_metrics_are_live_and_histograms_have_samples(exported: dict[str, Any]) -> None:

@@ -6,6 +6,8 @@ its environment file holds real settings, and the hardening keeps what the daemo
 from __future__ import annotations
 
 import shlex
+import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -175,3 +177,18 @@ def test_keeps_dev_shm_and_the_gpus_reachable(service: dict[str, str]) -> None:
 def test_install_section(unit: Unit) -> None:
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]
     assert "network-online.target" in unit["Unit"]["After"][0]
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
+def test_systemd_accepts_every_directive(repo: Path, tmp_path: Path) -> None:
+    """``systemd-analyze verify`` warns on unknown keys and unparsable values."""
+    binary = tmp_path / "embcache"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    text = (repo / "deploy" / "systemd" / "embcache.service").read_text()
+    unit_path = tmp_path / "embcache.service"
+    unit_path.write_text(text.replace("/opt/embcache/bin/embcache", str(binary)))
+    done = subprocess.run(
+        ["systemd-analyze", "verify", str(unit_path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and not done.stderr.strip(), done.stderr
