@@ -9,8 +9,7 @@ async with AsyncEmbCacheClient("unix:/run/embcache.sock") as client:
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from typing import Any, TypeVar, overload
 
@@ -19,7 +18,9 @@ import torch
 
 from ..proto.embcache.v1 import embcache_pb2 as pb
 from ..proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
-from ..service.errors import EmbCacheError
+from ..service.errors import DeviceUnavailable, EmbCacheError
+from . import device as _device
+from . import device_results as dr
 from ._wire import (
     CHANNEL_OPTIONS,
     SERVICE,
@@ -31,55 +32,15 @@ from ._wire import (
     normalize_target,
     payload_of,
 )
-from .errors import RpcFailed, backoff_s, is_unknown_session, should_retry, translate
+from .errors import backoff_s, is_unknown_session, should_retry, translate
 from .results import AsyncLeasedTensors, copy_into, decode_get
+from .sessions import AsyncSession
 from .shm import process_pool_maps
 from .stats import EVICT_NAMES, stats_dict
-from .sync_client import _outcome_of
+from .sync_client import _outcome_of, _wants_device_put
 
 T = TypeVar("T")
-
-
-class _AsyncSession:
-    def __init__(self, call: Any) -> None:
-        self._call = call
-        self.session_id: str | None = None
-        self._reader: asyncio.Task[None] | None = None
-
-    @classmethod
-    async def open(
-        cls, stub: pb_grpc.EmbeddingCacheStub, metadata: Any, name: str, timeout: float
-    ) -> _AsyncSession:
-        hello = pb.SessionRequest(hello=pb.SessionHello(client_name=name, pid=os.getpid()))
-        session = cls(stub.Session(metadata=metadata))
-        try:
-            await asyncio.wait_for(session._call.write(hello), timeout)
-            first = await asyncio.wait_for(session._call.read(), timeout)
-        except BaseException:
-            session._call.cancel()
-            raise
-        if first is grpc.aio.EOF or first.WhichOneof("kind") != "opened":
-            session._call.cancel()
-            raise RpcFailed("the Session stream ended at once", "UNAVAILABLE")
-        session.session_id = first.opened.session_id
-        session._reader = asyncio.get_running_loop().create_task(session._drain())
-        return session
-
-    async def _drain(self) -> None:
-        with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
-            while await self._call.read() is not grpc.aio.EOF:
-                pass
-
-    @property
-    def alive(self) -> bool:
-        return self._reader is not None and not self._reader.done()
-
-    async def close(self) -> None:
-        self._call.cancel()
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+log = logging.getLogger("embcache.client")
 
 
 class _GetCall:
@@ -134,17 +95,20 @@ class AsyncEmbCacheClient:
             (("authorization", f"Bearer {token}"),) if token else ()
         )
         self._client_name = client_name
-        self._session: _AsyncSession | None = None
+        self._session: AsyncSession | None = None
         self._session_lock = asyncio.Lock()
         self._maps = process_pool_maps()
         self._pool_local: bool | None = None
+        self._device_pools = _device.process_device_pools()
+        self._no_device: set[str] = set()
+        self._device_puts = True
 
     # -- plumbing ------------------------------------------------------------------------
     async def _session_id(self) -> str:
         async with self._session_lock:
             if self._session is None or not self._session.alive:
                 self._session = await self._call(
-                    lambda md, to: _AsyncSession.open(self._stub, md, self._client_name, to)
+                    lambda md, to: AsyncSession.open(self._stub, md, self._client_name, to)
                 )
             assert self._session.session_id is not None
             return self._session.session_id
@@ -177,6 +141,10 @@ class AsyncEmbCacheClient:
 
     # -- puts ----------------------------------------------------------------------------
     async def put(self, key: str, tensor: Any, *, checksum: bool = True) -> bool:
+        if self._device_puts and _wants_device_put(tensor):
+            created = await self._put_from_device(key, tensor)
+            if created is not None:
+                return created
         payload = payload_of(tensor)
 
         async def send(md: Any, to: float) -> pb.PutResponse:
@@ -185,6 +153,24 @@ class AsyncEmbCacheClient:
             )
 
         return bool((await self._call(send)).created)
+
+    async def _put_from_device(self, key: str, tensor: torch.Tensor) -> bool | None:
+        exported = dr.export_cuda(tensor.detach().contiguous())
+        if exported is None:
+            return None
+        request = pb.PutFromDeviceRequest(key=key, tensor=exported.message)
+        try:
+            reply = await self._call(
+                lambda md, to: self._stub.PutFromDevice(request, timeout=to, metadata=md),
+                session=True,
+            )
+        except DeviceUnavailable as exc:
+            log.info("daemon cannot read this GPU's memory (%s); streaming bytes", exc)
+            self._device_puts = False
+            return None
+        finally:
+            del exported
+        return bool(reply.created)
 
     # -- gets ----------------------------------------------------------------------------
     def get(
@@ -200,6 +186,10 @@ class AsyncEmbCacheClient:
         self, keys: str | Sequence[str], device: str | torch.device | None, ttl_s: float | None
     ) -> AsyncLeasedTensors:
         names, _ = as_keys(keys)
+        if device is not None and torch.device(device).type == "cuda":
+            on_device = await self._get_device(names, device, ttl_s)
+            if on_device is not None:
+                return on_device
         if self._pool_local is False:
             tensors = [await self._fetch_tensor(k) for k in names]
             return await self._placed(AsyncLeasedTensors(tensors, [], self.release), device)
@@ -222,6 +212,38 @@ class AsyncEmbCacheClient:
         leased = AsyncLeasedTensors(decoded.tensors, decoded.lease_ids, self.release)
         return await self._placed(leased, device)
 
+    async def _get_device(
+        self, names: list[str], device: str | torch.device, ttl_s: float | None
+    ) -> AsyncLeasedTensors | None:
+        dev, uuid = _device.resolve_device(device)
+        if uuid in self._no_device:
+            return None
+        request = pb.GetRequest(keys=names, gpu_uuid=uuid)
+        if ttl_s:
+            request.ttl_s = ttl_s
+        try:
+            reply = await self._call(
+                lambda md, to: self._stub.Get(request, timeout=to, metadata=md), session=True
+            )
+        except DeviceUnavailable:
+            self._no_device.add(uuid)
+            return None
+        try:
+            decoded = dr.decode_device_get(reply, self._device_pools)
+        except BaseException as exc:
+            await self.release([r.lease_id for r in reply.results if r.found])
+            if isinstance(exc, dr.PoolOpenError):
+                log.warning("%s; copying through the host instead", exc)
+                self._no_device.add(uuid)
+                return None
+            raise
+
+        async def release(lease_ids: list[int]) -> int:
+            dr.sync_device(dev)
+            return await self.release(lease_ids)
+
+        return AsyncLeasedTensors(decoded.tensors, decoded.lease_ids, release)
+
     async def _placed(
         self, leased: AsyncLeasedTensors, device: str | torch.device | None
     ) -> AsyncLeasedTensors:
@@ -235,9 +257,51 @@ class AsyncEmbCacheClient:
         entry = await self.get_bytes(key)
         return None if entry is None else entry.tensor()
 
-    async def get_into(self, keys: Sequence[str], out: Sequence[torch.Tensor]) -> list[bool]:
-        async with self.get(keys) as tensors:
-            return copy_into(tensors, out)
+    @overload
+    async def get_into(
+        self, keys: Sequence[str], out: torch.Tensor, offsets: Sequence[int] | None = None
+    ) -> list[dr.IntoResult]: ...
+    @overload
+    async def get_into(self, keys: Sequence[str], out: Sequence[torch.Tensor]) -> list[bool]: ...
+    async def get_into(
+        self,
+        keys: Sequence[str],
+        out: torch.Tensor | Sequence[torch.Tensor],
+        offsets: Sequence[int] | None = None,
+    ) -> list[dr.IntoResult] | list[bool]:
+        """See :meth:`EmbCacheClient.get_into`."""
+        names, _ = as_keys(keys)
+        if not isinstance(out, torch.Tensor):
+            async with self.get(names) as tensors:
+                return copy_into(tensors, out)
+        dr.check_buffer(out, names, offsets)
+        if out.device.type == "cuda" and out.numel():
+            results = await self._get_into_device(names, out, offsets)
+            if results is not None:
+                return results
+        async with self.get(names) as tensors:
+            return dr.copy_into_buffer(names, tensors, out, offsets)
+
+    async def _get_into_device(
+        self, names: list[str], out: torch.Tensor, offsets: Sequence[int] | None
+    ) -> list[dr.IntoResult] | None:
+        exported = dr.export_cuda(out, as_bytes=True)
+        if exported is None or exported.message.gpu_uuid in self._no_device:
+            return None
+        request = pb.GetIntoRequest(
+            keys=names, destination=pb.DeviceBuffer(buffer=exported.message), offsets=offsets
+        )
+        try:
+            reply = await self._call(
+                lambda md, to: self._stub.GetInto(request, timeout=to, metadata=md), session=True
+            )
+        except DeviceUnavailable as exc:
+            log.info("daemon cannot write this GPU's memory (%s); copying through the host", exc)
+            self._no_device.add(exported.message.gpu_uuid)
+            return None
+        finally:
+            del exported
+        return dr.into_results(reply)
 
     async def get_bytes(
         self, key: str, offset: int = 0, length: int | None = None

@@ -3,7 +3,8 @@
 A device pool is opened once per process and cached by its pool id (opening costs about
 half a millisecond; FACTS.md). Results carry page ids or one offset; a contiguous entry
 becomes a zero-copy view of the pool, a fragmented one is gathered with one launch into a
-tensor the client owns.
+tensor the client owns. A mapping lives as long as the process (tensors point into it); a
+daemon that restarts announces new pool ids, which are opened afresh.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class DevicePoolHandle:
 
     pool_id: str
     gpu_uuid: str
-    nbytes: int
+    nbytes: int  # bytes to map: the whole exported allocation
     page_bytes: int
     ipc_handle: bytes | None = None  # legacy cudaIpcMemHandle
     fd_socket: str | None = None  # POSIX-fd mode: where to fetch the fd
@@ -52,6 +53,7 @@ class DevicePoolCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._open: dict[str, Any] = {}  # pool id -> kernels.cuda_mem.ImportedMemory
+        self._tensors: dict[str, torch.Tensor] = {}  # pool id -> uint8 view of its bytes
         self.opens = 0
 
     def open(self, handle: DevicePoolHandle) -> Any:
@@ -75,11 +77,46 @@ class DevicePoolCache:
             self.opens += 1
             return mem
 
+    def pool_tensor(self, handle: DevicePoolHandle, size: int) -> torch.Tensor:
+        """A uint8 tensor over the first ``size`` bytes of the pool (opened on first use)."""
+        t = self._tensors.get(handle.pool_id)
+        if t is None:
+            if not 0 <= size <= handle.nbytes:
+                raise ValueError(f"size: {size} outside the pool allocation ({handle.nbytes})")
+            mem = self.open(handle)
+            with self._lock:
+                t = self._tensors.setdefault(handle.pool_id, mem.tensor(0, size))
+        return t
+
     def close(self) -> None:
+        """Unmap every pool. Tensors that point into them must not be used afterwards."""
         with self._lock:
             for mem in self._open.values():
                 mem.close()
             self._open.clear()
+            self._tensors.clear()
+
+
+_process_pools = DevicePoolCache()
+
+
+def process_device_pools() -> DevicePoolCache:
+    """The per-process cache: each daemon pool is opened once per process, whatever the
+    number of clients."""
+    return _process_pools
+
+
+def resolve_device(device: str | torch.device | int) -> tuple[torch.device, str]:
+    """(``cuda:N``, the GPU's uuid) for ``"cuda"``, ``"cuda:N"``, an index or a torch.device."""
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"device: not a CUDA device: {device!r}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device={device!r} but CUDA is not available in this process")
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    from embcache.kernels import cuda_mem
+
+    return torch.device("cuda", index), cuda_mem.gpu_uuid(index)
 
 
 def materialize(

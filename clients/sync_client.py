@@ -12,11 +12,10 @@ use and kept for the life of the client: if this process dies, the daemon releas
 
 from __future__ import annotations
 
-import os
-import queue
+import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, overload
 
 import grpc
@@ -24,7 +23,9 @@ import torch
 
 from ..proto.embcache.v1 import embcache_pb2 as pb
 from ..proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
-from ..service.errors import EmbCacheError, EntryLeased, NotFound
+from ..service.errors import DeviceUnavailable, EmbCacheError, EntryLeased, NotFound
+from . import device as _device
+from . import device_results as dr
 from ._wire import (
     CHANNEL_OPTIONS,
     SERVICE,
@@ -38,54 +39,12 @@ from ._wire import (
 )
 from .errors import RpcFailed, backoff_s, is_unknown_session, should_retry, translate
 from .results import LeasedTensors, copy_into, decode_get
+from .sessions import Session
 from .shm import process_pool_maps
 from .stats import EVICT_NAMES, stats_dict
 
 T = TypeVar("T")
-
-
-class _Session:
-    """One Session stream, read by a daemon thread; closing it releases its leases."""
-
-    def __init__(self, stub: pb_grpc.EmbeddingCacheStub, metadata: Any, name: str, timeout: float):
-        self._queue: queue.SimpleQueue[pb.SessionRequest | None] = queue.SimpleQueue()
-        self._opened = threading.Event()
-        self.session_id: str | None = None
-        self.error: BaseException | None = None
-        self.alive = True
-        hello = pb.SessionRequest(hello=pb.SessionHello(client_name=name, pid=os.getpid()))
-        self._call = stub.Session(self._requests(hello), metadata=metadata)
-        self._thread = threading.Thread(target=self._read, name="embcache-session", daemon=True)
-        self._thread.start()
-        if not self._opened.wait(timeout):
-            self.close()
-            raise RpcFailed("the Session stream did not open in time", "DEADLINE_EXCEEDED")
-        if self.session_id is None:
-            raise self.error or RpcFailed("the Session stream ended at once", "UNAVAILABLE")
-
-    def _requests(self, hello: pb.SessionRequest) -> Iterator[pb.SessionRequest]:
-        yield hello
-        while (item := self._queue.get()) is not None:
-            yield item
-
-    def _read(self) -> None:
-        try:
-            for msg in self._call:
-                if msg.WhichOneof("kind") == "opened":
-                    self.session_id = msg.opened.session_id
-                    self._opened.set()
-        except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.CANCELLED:
-                self.error = err
-        finally:
-            self.alive = False
-            self._opened.set()
-
-    def close(self) -> None:
-        self.alive = False
-        self._queue.put(None)
-        self._call.cancel()
-        self._thread.join(timeout=5.0)
+log = logging.getLogger("embcache.client")
 
 
 class EmbCacheClient:
@@ -121,10 +80,13 @@ class EmbCacheClient:
             (("authorization", f"Bearer {token}"),) if token else ()
         )
         self._client_name = client_name
-        self._session: _Session | None = None
+        self._session: Session | None = None
         self._session_lock = threading.Lock()
         self._maps = process_pool_maps()
         self._pool_local: bool | None = None  # learned from the first hit
+        self._device_pools = _device.process_device_pools()
+        self._no_device: set[str] = set()  # GPU uuids the daemon cannot serve directly
+        self._device_puts = True  # False once the daemon refused PutFromDevice
         self._closed = False
 
     # -- plumbing ------------------------------------------------------------------------
@@ -134,7 +96,7 @@ class EmbCacheClient:
                 raise RpcFailed("client is closed", "CANCELLED")
             if self._session is None or not self._session.alive:
                 self._session = self._call(
-                    lambda md, to: _Session(self._stub, md, self._client_name, to)
+                    lambda md, to: Session(self._stub, md, self._client_name, to)
                 )
             assert self._session.session_id is not None
             return self._session.session_id
@@ -168,13 +130,38 @@ class EmbCacheClient:
 
     # -- puts ----------------------------------------------------------------------------
     def put(self, key: str, tensor: Any, *, checksum: bool = True) -> bool:
-        """Store a tensor (torch or numpy). True if created, False if it already existed."""
+        """Store a tensor (torch or numpy). True if created, False if it already existed.
+
+        A CUDA tensor goes through PutFromDevice (the daemon copies it from this GPU; no
+        checksum) when the daemon can open it, else its bytes are streamed."""
+        if self._device_puts and _wants_device_put(tensor):
+            created = self._put_from_device(key, tensor)
+            if created is not None:
+                return created
         payload = payload_of(tensor)
         reply = self._call(
             lambda md, to: self._put(
                 payload.messages(key, checksum=checksum), timeout=to, metadata=md
             )
         )
+        return bool(reply.created)
+
+    def _put_from_device(self, key: str, tensor: torch.Tensor) -> bool | None:
+        exported = dr.export_cuda(tensor.detach().contiguous())
+        if exported is None:
+            return None
+        request = pb.PutFromDeviceRequest(key=key, tensor=exported.message)
+        try:
+            reply = self._call(
+                lambda md, to: self._stub.PutFromDevice(request, timeout=to, metadata=md),
+                session=True,
+            )
+        except DeviceUnavailable as exc:
+            log.info("daemon cannot read this GPU's memory (%s); streaming bytes", exc)
+            self._device_puts = False
+            return None
+        finally:
+            del exported  # the tensor and its event may go now: the daemon has copied
         return bool(reply.created)
 
     # -- gets ----------------------------------------------------------------------------
@@ -189,10 +176,16 @@ class EmbCacheClient:
 
         On the daemon's node the tensors are read-only views of its shared memory (entries
         in several page runs are gathered copies). Elsewhere the bytes are streamed. With a
-        CUDA ``device`` the tensors are copied there and the leases released at once (the
-        direct device path arrives with the device pool).
+        CUDA ``device`` (``"cuda"``, ``"cuda:N"``, a torch.device) and a daemon with a
+        device pool on that GPU, the tensors live on the GPU: views of the daemon's device
+        pool (contiguous entries; valid while leased) or gathered copies the caller owns.
+        Without such a pool they are copied there and the leases released at once.
         """
         names, _ = as_keys(keys)
+        if device is not None and torch.device(device).type == "cuda":
+            leased = self._get_device(names, device, ttl_s)
+            if leased is not None:
+                return leased
         if self._pool_local is False:
             tensors = [self._fetch_tensor(k) for k in names]
             return self._placed(LeasedTensors(tensors, [], self.release), device)
@@ -214,6 +207,38 @@ class EmbCacheClient:
             decoded.lease_ids = []
         return self._placed(LeasedTensors(decoded.tensors, decoded.lease_ids, self.release), device)
 
+    def _get_device(
+        self, names: list[str], device: str | torch.device, ttl_s: float | None
+    ) -> LeasedTensors | None:
+        dev, uuid = _device.resolve_device(device)
+        if uuid in self._no_device:
+            return None
+        request = pb.GetRequest(keys=names, gpu_uuid=uuid)
+        if ttl_s:
+            request.ttl_s = ttl_s
+        try:
+            reply = self._call(
+                lambda md, to: self._stub.Get(request, timeout=to, metadata=md), session=True
+            )
+        except DeviceUnavailable:
+            self._no_device.add(uuid)
+            return None
+        try:
+            decoded = dr.decode_device_get(reply, self._device_pools)
+        except BaseException as exc:
+            self.release([r.lease_id for r in reply.results if r.found])
+            if isinstance(exc, dr.PoolOpenError):
+                log.warning("%s; copying through the host instead", exc)
+                self._no_device.add(uuid)
+                return None
+            raise
+
+        def release(lease_ids: list[int]) -> int:
+            dr.sync_device(dev)
+            return self.release(lease_ids)
+
+        return LeasedTensors(decoded.tensors, decoded.lease_ids, release)
+
     def _placed(self, leased: LeasedTensors, device: str | torch.device | None) -> LeasedTensors:
         if device is None or torch.device(device).type == "cpu":
             return leased
@@ -225,10 +250,58 @@ class EmbCacheClient:
         entry = self.get_bytes(key)
         return None if entry is None else entry.tensor()
 
-    def get_into(self, keys: Sequence[str], out: Sequence[torch.Tensor]) -> list[bool]:
-        """Copy each entry into ``out[i]`` (same dtype and element count); found flags."""
-        with self.get(keys) as tensors:
-            return copy_into(tensors, out)
+    @overload
+    def get_into(
+        self, keys: Sequence[str], out: torch.Tensor, offsets: Sequence[int] | None = None
+    ) -> list[dr.IntoResult]: ...
+    @overload
+    def get_into(self, keys: Sequence[str], out: Sequence[torch.Tensor]) -> list[bool]: ...
+    def get_into(
+        self,
+        keys: Sequence[str],
+        out: torch.Tensor | Sequence[torch.Tensor],
+        offsets: Sequence[int] | None = None,
+    ) -> list[dr.IntoResult] | list[bool]:
+        """Copy entries into your memory.
+
+        ``out`` one contiguous tensor (a CUDA buffer: the daemon copies straight into it):
+        each entry's bytes go to its byte offset (``offsets``, or packed back to back at
+        16-byte-aligned offsets); returns an :class:`IntoResult` per key (found, dtype,
+        shape, offset; ``r.view(out)``). The copies are complete when this returns.
+        ``out`` a list of tensors: one per key, same dtype and element count; found flags.
+        """
+        names, _ = as_keys(keys)
+        if not isinstance(out, torch.Tensor):
+            with self.get(names) as tensors:
+                return copy_into(tensors, out)
+        dr.check_buffer(out, names, offsets)
+        if out.device.type == "cuda" and out.numel():
+            results = self._get_into_device(names, out, offsets)
+            if results is not None:
+                return results
+        with self.get(names) as tensors:
+            return dr.copy_into_buffer(names, tensors, out, offsets)
+
+    def _get_into_device(
+        self, names: list[str], out: torch.Tensor, offsets: Sequence[int] | None
+    ) -> list[dr.IntoResult] | None:
+        exported = dr.export_cuda(out, as_bytes=True)
+        if exported is None or exported.message.gpu_uuid in self._no_device:
+            return None
+        request = pb.GetIntoRequest(
+            keys=names, destination=pb.DeviceBuffer(buffer=exported.message), offsets=offsets
+        )
+        try:
+            reply = self._call(
+                lambda md, to: self._stub.GetInto(request, timeout=to, metadata=md), session=True
+            )
+        except DeviceUnavailable as exc:
+            log.info("daemon cannot write this GPU's memory (%s); copying through the host", exc)
+            self._no_device.add(exported.message.gpu_uuid)
+            return None
+        finally:
+            del exported
+        return dr.into_results(reply)
 
     def get_bytes(self, key: str, offset: int = 0, length: int | None = None) -> EntryBytes | None:
         """The entry's bytes streamed over gRPC (works from any machine); None if absent."""
@@ -312,6 +385,10 @@ class EmbCacheClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _wants_device_put(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.is_cuda and tensor.numel() > 0
 
 
 def _outcome_of(exc: Exception) -> str:

@@ -1,0 +1,243 @@
+"""Wire side of the device paths: Get replies with device locations -> tensors on the GPU;
+IPC descriptions of CUDA tensors for ``PutFromDevice`` and ``GetInto``; get_into results.
+
+Lifetimes (see docs/grpc.md): a contiguous entry is a zero-copy view of the daemon's device
+pool, valid while its lease lives; a fragmented entry is gathered (one launch on the
+current stream) into a tensor the caller owns. Releasing the leases first waits for the
+work queued on the device's current stream, so no kernel still reads pages that the daemon
+may reuse once they are released. Work on other streams is the caller's to finish.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..proto.embcache.v1 import embcache_pb2 as pb
+from ._wire import torch_dtype
+from .device import DevicePoolCache, DevicePoolHandle, materialize
+from .results import Decoded
+
+log = logging.getLogger(__name__)
+
+SLOT_ALIGN = 16
+
+
+class PoolOpenError(RuntimeError):
+    """A device pool named in a reply cannot be opened in this process."""
+
+
+def pool_handle(pool: pb.PoolHandle) -> DevicePoolHandle:
+    """The client-side description of a ``DevicePool`` from a Get reply."""
+    if pool.WhichOneof("kind") != "device":
+        raise ValueError(f"pool {pool.pool_id!r} is not a device pool")
+    d = pool.device
+    kind = d.WhichOneof("handle")
+    if kind == "ipc_handle":
+        return DevicePoolHandle(pool.pool_id, d.gpu_uuid, d.size, d.page_bytes, d.ipc_handle)
+    if kind == "posix_fd":
+        fd = d.posix_fd
+        if fd.alloc_size < d.size or not fd.fd_socket:
+            raise ValueError(f"pool {pool.pool_id!r}: bad posix_fd handle")
+        return DevicePoolHandle(
+            pool.pool_id,
+            d.gpu_uuid,
+            fd.alloc_size,
+            d.page_bytes,
+            fd_socket=fd.fd_socket,
+            fd_token=fd.fd_token,
+        )
+    return DevicePoolHandle(pool.pool_id, d.gpu_uuid, d.size, d.page_bytes)  # no IPC (test pool)
+
+
+def decode_device_get(reply: pb.GetResponse, cache: DevicePoolCache) -> Decoded:
+    """Tensors for a Get with a GPU uuid; each pool is opened once through ``cache``."""
+    pools = {p.pool_id: p for p in reply.pools}
+    out = Decoded([], [])
+    for result in reply.results:
+        if not result.found:
+            out.tensors.append(None)
+            continue
+        out.lease_ids.append(result.lease_id)
+        loc = result.device
+        if result.WhichOneof("location") != "device" or loc.pool_id not in pools:
+            raise ValueError(f"reply for {result.key!r} names no device pool this client knows")
+        desc = pools[loc.pool_id]
+        handle = pool_handle(desc)
+        try:
+            pool = cache.pool_tensor(handle, desc.device.size)
+        except (OSError, RuntimeError) as exc:
+            raise PoolOpenError(f"cannot open device pool {loc.pool_id}: {exc}") from exc
+        out.tensors.append(_tensor(result, pool, handle.page_bytes))
+    return out
+
+
+def _tensor(result: pb.GetResult, pool: torch.Tensor, page_bytes: int) -> torch.Tensor:
+    meta, loc = result.meta, result.device
+    nbytes, size = meta.nbytes, pool.numel()
+    offset: int | None = None
+    pages: list[int] = []
+    if loc.WhichOneof("placement") == "offset":
+        offset = loc.offset
+        bad = offset + nbytes > size
+    else:
+        pages = list(loc.pages.page_ids)
+        num_pages = size // page_bytes if page_bytes > 0 else 0
+        bad = len(pages) * page_bytes < nbytes or any(not 0 <= p < num_pages for p in pages)
+    if bad:
+        raise ValueError(f"reply for {result.key!r} has a location outside the pool")
+    return materialize(
+        pool,
+        page_bytes=page_bytes,
+        page_ids=pages,
+        offset=offset,
+        nbytes=nbytes,
+        dtype=torch_dtype(meta.dtype),
+        shape=tuple(meta.shape),
+    )
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for the work queued on the device's current stream (before leases end)."""
+    torch.cuda.current_stream(device).synchronize()
+
+
+# ---------------------------------------------------------------------------- IPC tensors
+
+
+@dataclass(slots=True)
+class Exported:
+    """A CUDA tensor described for the daemon; ``keep`` must live until the call returns."""
+
+    message: pb.CudaIpcTensor
+    keep: tuple[Any, ...]
+
+
+def export_cuda(t: torch.Tensor, *, as_bytes: bool = False) -> Exported | None:
+    """The IPC description of a contiguous CUDA tensor, or None when its memory cannot be
+    exported (expandable segments, or no legacy IPC): the caller then moves bytes instead.
+
+    An interprocess event recorded on the current stream tells the daemon when the work
+    queued so far (writes of the tensor, or reads of a get_into buffer) is done."""
+    if t.device.type != "cuda" or not t.is_contiguous():
+        raise ValueError("t: must be a contiguous CUDA tensor")
+    from embcache.kernels import cuda_mem
+
+    try:
+        handle, offset, alloc = cuda_mem.export_tensor(t)
+        uuid = cuda_mem.gpu_uuid(t.device.index or 0)
+    except (RuntimeError, ValueError) as exc:
+        log.info("cannot export a CUDA tensor over IPC (%s); moving bytes instead", exc)
+        return None
+    if as_bytes:
+        dtype, shape = "uint8", [t.numel() * t.element_size()]
+    else:
+        dtype, shape = str(t.dtype).removeprefix("torch."), list(t.shape)
+    msg = pb.CudaIpcTensor(
+        gpu_uuid=uuid,
+        ipc_handle=handle,
+        offset=offset,
+        alloc_size=alloc,
+        dtype=dtype,
+        shape=shape,
+    )
+    stream = torch.cuda.current_stream(t.device)
+    event: torch.cuda.Event | None = None
+    try:
+        event = torch.cuda.Event(interprocess=True)
+        event.record(stream)
+        msg.event_handle = bytes(event.ipc_handle())
+    except RuntimeError as exc:  # no IPC events here: finish the work before the call
+        log.info("interprocess events unavailable (%s); synchronizing instead", exc)
+        stream.synchronize()
+        event = None
+    return Exported(msg, (t, event))
+
+
+# ---------------------------------------------------------------------------- get_into
+
+
+@dataclass(frozen=True, slots=True)
+class IntoResult:
+    """One key of ``get_into(keys, buffer)``: found, metadata and the byte offset it was
+    copied to. Truthy when found."""
+
+    key: str
+    found: bool
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+    nbytes: int = 0
+    offset: int = 0
+
+    def __bool__(self) -> bool:
+        return self.found
+
+    def view(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The entry as a tensor over the buffer's bytes (no copy)."""
+        if not self.found:
+            raise ValueError(f"{self.key!r} was not found")
+        flat = buffer.reshape(-1).view(torch.uint8)[self.offset : self.offset + self.nbytes]
+        return flat.view(torch_dtype(self.dtype)).view(self.shape)
+
+
+def into_results(reply: pb.GetIntoResponse) -> list[IntoResult]:
+    return [
+        IntoResult(r.key, True, r.meta.dtype, tuple(r.meta.shape), r.meta.nbytes, r.offset)
+        if r.found
+        else IntoResult(r.key, False)
+        for r in reply.results
+    ]
+
+
+def pack_offsets(sizes: Sequence[int | None]) -> list[int]:
+    """Back-to-back offsets aligned to 16 bytes (None, a miss, takes no room)."""
+    out, pos = [], 0
+    for n in sizes:
+        if n is None:
+            out.append(0)
+            continue
+        pos = -(-pos // SLOT_ALIGN) * SLOT_ALIGN
+        out.append(pos)
+        pos += n
+    return out
+
+
+def check_buffer(out: torch.Tensor, keys: Sequence[str], offsets: Sequence[int] | None) -> None:
+    if not isinstance(out, torch.Tensor) or not out.is_contiguous():
+        raise ValueError("out: must be a contiguous tensor")
+    if offsets is not None:
+        if len(offsets) != len(keys):
+            raise ValueError(f"offsets: one per key ({len(keys)}), got {len(offsets)}")
+        if any(not isinstance(o, int) or o < 0 for o in offsets):
+            raise ValueError("offsets: must be non-negative integers")
+
+
+def copy_into_buffer(
+    keys: Sequence[str],
+    tensors: Sequence[torch.Tensor | None],
+    out: torch.Tensor,
+    offsets: Sequence[int] | None,
+) -> list[IntoResult]:
+    """get_into without IPC: copy host tensors into ``out``'s bytes (the fallback)."""
+    sizes = [None if t is None else t.numel() * t.element_size() for t in tensors]
+    slots = list(offsets) if offsets is not None else pack_offsets(sizes)
+    flat = out.reshape(-1).view(torch.uint8)
+    spans = sorted((o, o + n) for o, n in zip(slots, sizes, strict=True) if n)
+    if any(b[0] < a[1] for a, b in itertools.pairwise(spans)):
+        raise ValueError("offsets: destination slots overlap")
+    results = []
+    for key, t, n, off in zip(keys, tensors, sizes, slots, strict=True):
+        if t is None or n is None:
+            results.append(IntoResult(key, False))
+            continue
+        if off + n > flat.numel():
+            raise ValueError(f"{key!r} ({n} bytes) does not fit out at offset {off}")
+        flat[off : off + n].copy_(t.reshape(-1).view(torch.uint8))
+        dtype = str(t.dtype).removeprefix("torch.")
+        results.append(IntoResult(key, True, dtype, tuple(t.shape), n, off))
+    return results
