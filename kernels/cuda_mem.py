@@ -38,7 +38,8 @@ class CudaMemError(RuntimeError):
 
 
 class _IpcMemHandle(ctypes.Structure):
-    _fields_ = (("reserved", ctypes.c_char * IPC_HANDLE_BYTES),)
+    # c_ubyte, not c_char: a c_char array reads back cut at its first NUL byte.
+    _fields_ = (("reserved", ctypes.c_ubyte * IPC_HANDLE_BYTES),)
 
 
 class _MemLocation(ctypes.Structure):
@@ -320,8 +321,7 @@ def open_legacy(handle: bytes, device: int, nbytes: int) -> ImportedMemory:
         raise ValueError(f"handle: must be {IPC_HANDLE_BYTES} bytes, got {len(handle)}")
     _make_current(device)
     rt, _ = _libs()
-    h = _IpcMemHandle()
-    h.reserved = handle
+    h = _IpcMemHandle.from_buffer_copy(handle)
     ptr = ctypes.c_void_p(0)
     rt.cudaIpcOpenMemHandle.argtypes = (
         ctypes.POINTER(ctypes.c_void_p),

@@ -86,6 +86,7 @@ class DevicePool:
         self._pages = PageRunAllocator(self.num_pages)
         self._vpages = PageRunAllocator(self.num_vpages)
         self._resident: OrderedDict[Entry, Residency] = OrderedDict()
+        self._pending_unbind: list[tuple[int, int]] = []  # (vstart, npages) to tombstone
         self._legacy_handle: bytes | None = None
         self.evictions = 0
         self.hits = 0
@@ -105,7 +106,11 @@ class DevicePool:
         return -(-nbytes // self.page_bytes)
 
     def reserve(self, entry: Entry) -> Residency | None:
-        """Bind fresh pages for ``entry``, evicting unleased residents LRU; None if no room."""
+        """Pick pages for ``entry``, evicting unleased residents LRU; None if no room.
+
+        Host bookkeeping only: :meth:`bind` then updates the device tables for a whole
+        batch in one launch (evictions made here are tombstoned first, in the same order).
+        """
         n = self.pages_for(entry.nbytes)
         if n > self.num_pages:
             return None
@@ -115,49 +120,68 @@ class DevicePool:
         vruns = self._vpages.allocate(n)
         runs = self._pages.allocate(n)
         assert vruns is not None and len(vruns) <= 1 and runs is not None, (vruns, runs)
-        vstart = vruns[0][0] if vruns else 0
-        res = Residency(vstart, n, tuple(runs))
-        if n:
-            self._bind(res)
+        res = Residency(vruns[0][0] if vruns else 0, n, tuple(runs))
         self._resident[entry] = res
         self.loads += 1
         return res
 
-    def _bind(self, res: Residency) -> None:
+    def bind(self, batch: list[Residency]) -> None:
+        """Write the batch's bindings into v2p/p2v: pending unbinds first, then one bind."""
+        self.flush()
+        batch = [res for res in batch if res.npages]
+        if not batch:
+            return
         with self._on_stream():
-            vpages = torch.arange(res.vstart, res.vstart + res.npages, device=self.device)
-            if res.contiguous:
+            if len(batch) == 1 and batch[0].contiguous:
+                res = batch[0]
+                vpages = self._ids(np.arange(res.vstart, res.vstart + res.npages))
                 kernels.alloc_bind_inplace(vpages, res.runs[0][0], self.v2p, self.p2v)
-            else:
-                pages = np.concatenate([np.arange(s, s + k) for s, k in res.runs])
-                kernels.bind_inplace(
-                    vpages, torch.from_numpy(pages).to(self.device), self.v2p, self.p2v
-                )
+                return
+            v = np.concatenate([np.arange(r.vstart, r.vstart + r.npages) for r in batch])
+            p = np.concatenate([np.arange(s, s + k) for r in batch for s, k in r.runs])
+            kernels.bind_inplace(self._ids(v), self._ids(p), self.v2p, self.p2v)
+
+    def _ids(self, ids: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(ids.astype(np.int64)).to(self.device, non_blocking=False)
 
     def _evict_one(self) -> bool:
         for entry in self._resident:
             if entry.ref_cnt == 0:
-                self.drop(entry)
+                self._forget(entry)
                 self.evictions += 1
                 return True
         return False
 
     def drop(self, entry: Entry) -> None:
-        """Forget ``entry``'s device copy (the caller knows nobody holds it)."""
+        """Forget ``entry``'s device copy now (the caller knows nobody holds it)."""
+        if self._forget(entry):
+            self.flush()
+
+    def _forget(self, entry: Entry) -> bool:
+        """Free the pages on the host side; the tables are tombstoned by the next flush."""
         res = self._resident.pop(entry, None)
         if res is None:
-            return
+            return False
         if res.npages:
-            with self._on_stream():
-                vpages = torch.arange(res.vstart, res.vstart + res.npages, device=self.device)
-                kernels.free_unbind_inplace(vpages, self.v2p, self.p2v)
+            self._pending_unbind.append((res.vstart, res.npages))
             self._vpages.free([(res.vstart, res.npages)])
             self._pages.free(list(res.runs))
+        return True
+
+    def flush(self) -> None:
+        """Tombstone every forgotten residency in both tables with one launch."""
+        if not self._pending_unbind:
+            return
+        v = np.concatenate([np.arange(s, s + k) for s, k in self._pending_unbind])
+        self._pending_unbind.clear()
+        with self._on_stream():
+            kernels.free_unbind_inplace(self._ids(v), self.v2p, self.p2v)
 
     def evict_unleased(self) -> int:
         count = 0
         while self._evict_one():
             count += 1
+        self.flush()
         return count
 
     def _on_stream(self) -> contextlib.AbstractContextManager[object]:

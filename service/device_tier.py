@@ -96,10 +96,12 @@ class DeviceTier:
                         loads.append((lease.entry, res))
                     placed.append((lease, res, hit))
                 if loads:
+                    pool.bind([res for _, res in loads])  # one launch for the whole batch
                     self._load(pool, loads)
             except BaseException:
                 for entry, _ in loads:
                     pool.drop(entry)
+                pool.flush()
                 e.release(x.lease_id for x in leases if x is not None)
                 raise
             pool.hits += sum(1 for p in placed if p is not None and p[2])
@@ -158,11 +160,11 @@ class DeviceTier:
         for b, (_, res, _) in enumerate(found):
             vtable[b, : res.npages] = torch.arange(res.vstart, res.vstart + res.npages)
         lengths = torch.tensor([lease.nbytes for lease, _, _ in found], dtype=torch.int64)
-        out = torch.full((bs, max(max_pages, 1)), -1, dtype=torch.int64)
+        out = torch.full((bs, max(max_pages, 1)), -1, dtype=torch.int64, device=pool.device)
         with pool._on_stream():
             kernels.build_read_table(
                 vtable.to(pool.device),
-                torch.arange(bs),
+                torch.arange(bs, device=pool.device),
                 lengths.to(pool.device),
                 pool.v2p,
                 out,

@@ -200,29 +200,29 @@ sys.stdin.readline()  # keep the tensor alive until the daemon has copied it
 def test_put_from_device_from_another_process(engine: CacheEngine) -> None:
     from embcache.kernels import cuda_mem
 
-    proc = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-c", PRODUCER, "7"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
         env=os.environ.copy(),
-    )
-    try:
-        assert proc.stdout is not None and proc.stdin is not None
-        msg = json.loads(proc.stdout.readline())
-        mem = cuda_mem.open_legacy(bytes.fromhex(msg["handle"]), 0, msg["size"])
+    ) as proc:
         try:
-            nbytes = 999 * 1024 * 2
-            src = mem.tensor(msg["offset"], nbytes).view(torch.bfloat16).view(999, 1024)
-            assert engine.put_from_device("from-gpu", src) is True
+            assert proc.stdout is not None and proc.stdin is not None
+            msg = json.loads(proc.stdout.readline())
+            mem = cuda_mem.open_legacy(bytes.fromhex(msg["handle"]), 0, msg["size"])
+            try:
+                nbytes = 999 * 1024 * 2
+                src = mem.tensor(msg["offset"], nbytes).view(torch.bfloat16).view(999, 1024)
+                assert engine.put_from_device("from-gpu", src) is True
+            finally:
+                mem.close()
+            proc.stdin.write("done\n")
+            proc.stdin.flush()
+            assert proc.wait(timeout=60) == 0
         finally:
-            mem.close()
-        proc.stdin.write("done\n")
-        proc.stdin.flush()
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+            if proc.poll() is None:
+                proc.kill()
     expect = torch.randn(999, 1024, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     [lease] = engine.get(["from-gpu"], "check")
     assert lease is not None and torch.equal(engine.tensor(lease), expect)

@@ -56,7 +56,7 @@ def test_fd_passing_and_tokens(tmp_path: Path) -> None:
         deadline = time.monotonic() + 2  # the handler thread closes its socket after replying
         while len(os.listdir("/proc/self/fd")) > before and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert len(os.listdir("/proc/self/fd")) == before  # the server closed its fd copy
+        assert len(os.listdir("/proc/self/fd")) <= before  # the server closed its fd copy
     finally:
         server.close()
     assert not path.exists()
