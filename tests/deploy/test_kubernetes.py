@@ -271,6 +271,20 @@ def test_no_host_namespaces_and_a_hardened_container(
     assert not ctx.get("privileged")
 
 
+def test_device_pools_are_shared_through_the_socket_directory(
+    pod_spec: dict[str, Any], container: dict[str, Any], daemon_settings: Settings
+) -> None:
+    mounts = _mounts(pod_spec, container)
+    fd_socket = daemon_settings.effective_ipc_socket
+    assert daemon_settings.grpc_socket is not None
+    assert fd_socket.parent == daemon_settings.grpc_socket.parent
+    assert "hostPath" in mounts[str(fd_socket.parent)]
+    if daemon_settings.ipc_mode == "legacy":  # cudaIpcMemHandle: shared IPC + PID namespaces
+        assert pod_spec.get("hostIPC") and pod_spec.get("hostPID")
+    else:
+        assert daemon_settings.ipc_mode == "fd"
+
+
 def test_socket_and_pool_directories_are_host_paths(
     pod_spec: dict[str, Any], container: dict[str, Any], daemon_settings: Settings
 ) -> None:
