@@ -1,0 +1,430 @@
+"""Device RPCs over a real gRPC server on a CPU machine.
+
+The engine has a CPU "device" pool (``ipc_mode`` 'none', uuid ``CPU-0``): Get with that uuid
+returns real device locations (pages or offset) and the client turns them into tensors.
+CUDA IPC itself cannot run here, so two things are faked, and only these: the daemon's IPC
+backend (client "allocations" are CPU buffers registered under random 64-byte handles) and
+the client's pool opener (it hands back the engine's pool memory). Everything else (request
+validation, the mapping cache, the worker threads, leases, offsets, the wire) is real. The
+CUDA paths are tested in tests/gpu/test_grpc_device.py.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from embcache.clients import EmbCacheClient
+from embcache.clients import device as client_device
+from embcache.clients import device_results as dr
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.service.config import Settings
+from embcache.service.device_pool import DevicePool
+from embcache.service.engine import CacheEngine
+from embcache.service.errors import DeviceUnavailable, InvalidArgument
+from embcache.service.ipc_cache import IpcCache
+from embcache.service.transport.grpc_server import GrpcService
+from embcache.service.transport.grpc_thread import GrpcServerThread
+
+KiB, MiB = 1 << 10, 1 << 20
+PAGE = 64 * KiB
+FAKE_GPU = "GPU-fake-0"
+C = grpc.StatusCode
+
+
+class FakeMapping:
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.nbytes = buf.numel()
+        self.closed = False
+
+    def tensor(self, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
+        n = self.nbytes - offset if nbytes is None else nbytes
+        return self.buf[offset : offset + n]
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeIpc:
+    """Client allocations are CPU buffers registered under random 64-byte handles."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[bytes, torch.Tensor] = {}
+        self.opened: list[FakeMapping] = []
+        self.events: list[bytes] = []
+
+    def register(self, buf: torch.Tensor) -> bytes:
+        handle = os.urandom(64)
+        self.buffers[handle] = buf
+        return handle
+
+    def available(self) -> bool:
+        return True
+
+    def gpu_index(self, gpu_uuid: str) -> int | None:
+        return 0 if gpu_uuid == FAKE_GPU else None
+
+    def open(self, handle: bytes, device: int, alloc_size: int) -> FakeMapping:
+        buf = self.buffers.get(handle)
+        if buf is None:
+            raise DeviceUnavailable("unknown handle")
+        if alloc_size > buf.numel():
+            raise InvalidArgument("alloc_size is larger than the allocation")
+        mapping = FakeMapping(buf)
+        self.opened.append(mapping)
+        return mapping
+
+    def wait_event(self, handle: bytes, device: int) -> None:
+        self.events.append(handle)
+
+
+class FakePools:
+    """Client-side pool opener that hands back the engine's (CPU) pool memory."""
+
+    def __init__(self, pool: DevicePool) -> None:
+        self.pool = pool
+        self.opens = 0
+        self._open: dict[str, torch.Tensor] = {}
+
+    def pool_tensor(self, handle: client_device.DevicePoolHandle, size: int) -> torch.Tensor:
+        assert handle.pool_id == self.pool.pool_id and handle.ipc_handle is None
+        if handle.pool_id not in self._open:
+            self.opens += 1
+            self._open[handle.pool_id] = self.pool.tensor[:size]
+        return self._open[handle.pool_id]
+
+
+Server = tuple[CacheEngine, GrpcService, FakeIpc]
+
+
+@pytest.fixture
+def dev_server(shm_name: str) -> Iterator[Server]:
+    with tempfile.TemporaryDirectory(prefix="ecd-") as d:
+        settings = Settings(
+            grpc_port=0,
+            grpc_socket=Path(d) / "d.sock",
+            shm_name=shm_name,
+            host_pool_bytes=4 * MiB,
+            page_bytes=PAGE,
+            device="cpu",
+        )
+        pool = DevicePool(torch.device("cpu"), 16 * PAGE, PAGE)
+        engine = CacheEngine(settings, device_pools=[pool])
+        thread = GrpcServerThread(engine, settings)
+        try:
+            service = thread.start()
+            fake = FakeIpc()
+            real = service.servicer.device.ipc
+            assert not real.backend.available()  # CPU mode: the real backend refuses
+            service.servicer.device.ipc = IpcCache(fake, max_mappings=4)
+            yield engine, service, fake
+        finally:
+            thread.stop()
+            engine.close()
+
+
+@pytest.fixture
+def stub(dev_server: Server) -> Iterator[pb_grpc.EmbeddingCacheStub]:
+    with grpc.insecure_channel(f"unix:{dev_server[1].socket_path}") as channel:
+        yield pb_grpc.EmbeddingCacheStub(channel)
+
+
+def blob(nbytes: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not predicate():
+        time.sleep(0.01)
+    return predicate()
+
+
+def fragment_device_pool(engine: CacheEngine) -> dict[str, torch.Tensor]:
+    """Fill the 16-page pool with 2-page entries, then make the LRU evict every other one,
+    so that a 3-page entry lands in two runs."""
+    data = {f"f{i}": blob(2 * PAGE, i) for i in range(8)}
+    data["big"] = blob(3 * PAGE - 100, 99)
+    for key, t in data.items():
+        engine.put(key, t)
+    first, _ = engine.get_to_device([f"f{i}" for i in range(8)], "setup")
+    again, _ = engine.get_to_device([f"f{i}" for i in (1, 3, 5, 7)], "setup")
+    engine.drop_owner("setup")
+    assert all(d is not None for d in first + again)
+    return data
+
+
+# -- Get with a GPU uuid ---------------------------------------------------------------------
+def test_device_locations_over_the_wire(dev_server: Server, stub) -> None:
+    engine, _, _ = dev_server
+    data = fragment_device_pool(engine)
+    reply = stub.Get(pb.GetRequest(keys=["big", "f1", "nope"], gpu_uuid="CPU-0"))
+    big, f1, miss = reply.results
+    assert not miss.found and big.found and f1.found
+    assert big.device.WhichOneof("placement") == "pages" and len(big.device.pages.page_ids) == 3
+    assert f1.device.WhichOneof("placement") == "offset" and f1.device.gpu_uuid == "CPU-0"
+    (pool,) = reply.pools
+    pool_desc = engine.device_tier.pool(0)
+    assert pool.pool_id == big.device.pool_id == pool_desc.pool_id
+    assert pool.device.size == pool_desc.nbytes and pool.device.page_bytes == PAGE
+    assert pool.device.WhichOneof("handle") is None  # a CPU test pool exports nothing
+    assert engine.stats().leases_active == 2
+    decoded = dr.decode_device_get(reply, FakePools(pool_desc))  # type: ignore[arg-type]
+    a, b, c = decoded.tensors
+    assert c is None and a is not None and b is not None
+    assert torch.equal(a.view(-1), data["big"]) and torch.equal(b.view(-1), data["f1"])
+    assert stub.Release(pb.ReleaseRequest(lease_ids=decoded.lease_ids)).released == 2
+
+
+def test_device_get_errors(dev_server: Server, stub) -> None:
+    engine, _, _ = dev_server
+    engine.put("k", blob(100, 1))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Get(pb.GetRequest(keys=["k"], gpu_uuid="GPU-not-here"))
+    assert err.value.code() == C.FAILED_PRECONDITION
+    assert "CPU-0" in (err.value.details() or "")  # names the pools it has
+    engine.put("huge", blob(17 * PAGE, 2))  # larger than the device pool
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Get(pb.GetRequest(keys=["k", "huge"], gpu_uuid="CPU-0"))
+    assert err.value.code() == C.RESOURCE_EXHAUSTED
+    assert engine.stats().leases_active == 0
+
+
+def test_client_get_to_device(dev_server: Server, monkeypatch) -> None:
+    engine, service, _ = dev_server
+    data = fragment_device_pool(engine)
+    synced: list[torch.device] = []
+    monkeypatch.setattr(client_device, "resolve_device", lambda d: (torch.device("cpu"), "CPU-0"))
+    monkeypatch.setattr(dr, "sync_device", synced.append)
+    pools = FakePools(engine.device_tier.pool(0))
+    with EmbCacheClient(f"unix:{service.socket_path}", timeout=10) as client:
+        client._device_pools = pools  # type: ignore[assignment]
+        with client.get(["big", "f1", "nope"], device="cuda") as (a, b, c):
+            assert c is None and torch.equal(a.view(-1), data["big"])
+            assert torch.equal(b.view(-1), data["f1"])
+            base = engine.device_tier.pool(0).tensor.data_ptr()
+            assert base <= b.data_ptr() < base + 16 * PAGE  # contiguous: a view of the pool
+            assert engine.stats().leases_active == 2
+        assert engine.stats().leases_active == 0 and len(synced) == 1
+        assert pools.opens == 1
+
+
+def test_client_falls_back_without_a_device_pool(dev_server: Server, monkeypatch) -> None:
+    engine, service, _ = dev_server
+    engine.put("k", blob(1000, 3))
+    monkeypatch.setattr(client_device, "resolve_device", lambda d: (torch.device("cpu"), "GPU-x"))
+    calls: list[str] = []
+    with EmbCacheClient(f"unix:{service.socket_path}", timeout=10) as client:
+        placed = client._placed
+        monkeypatch.setattr(
+            client, "_placed", lambda ls, d: calls.append(str(d)) or placed(ls, None)
+        )
+        with client.get(["k"], device="cuda") as (t,):
+            assert torch.equal(t, blob(1000, 3))
+        assert client._no_device == {"GPU-x"} and calls == ["cuda"]
+
+
+# -- PutFromDevice ---------------------------------------------------------------------------
+def ipc_tensor(handle: bytes, t: torch.Tensor, offset: int, alloc: int, **kw) -> pb.CudaIpcTensor:
+    return pb.CudaIpcTensor(
+        gpu_uuid=FAKE_GPU,
+        ipc_handle=handle,
+        offset=offset,
+        alloc_size=alloc,
+        dtype=str(t.dtype).removeprefix("torch."),
+        shape=list(t.shape),
+        **kw,
+    )
+
+
+def test_put_from_device_and_mapping_cache(dev_server: Server, stub) -> None:
+    engine, _, fake = dev_server
+    src = (torch.randn(100, 33) * 3).to(torch.bfloat16)
+    raw = src.view(-1).view(torch.uint8)
+    buf = torch.full((64 * KiB,), 0xEE, dtype=torch.uint8)
+    buf[256 : 256 + raw.numel()] = raw
+    handle = fake.register(buf)
+    crc = zlib.crc32(raw.numpy().tobytes())
+    tensor = ipc_tensor(handle, src, 256, buf.numel(), event_handle=b"e" * 64, strides=[33, 1])
+    reply = stub.PutFromDevice(pb.PutFromDeviceRequest(key="pd", tensor=tensor, checksum=crc))
+    assert reply.created and reply.nbytes == raw.numel()
+    again = stub.PutFromDevice(pb.PutFromDeviceRequest(key="pd2", tensor=tensor))
+    assert again.created and len(fake.opened) == 1 and fake.events == [b"e" * 64] * 2
+    for key in ("pd", "pd2"):
+        (lease,) = engine.get([key], "t")
+        assert lease is not None and torch.equal(engine.tensor(lease), src)
+    engine.drop_owner("t")
+    with pytest.raises(grpc.RpcError) as err:  # wrong checksum: nothing stored
+        stub.PutFromDevice(pb.PutFromDeviceRequest(key="pd3", tensor=tensor, checksum=crc ^ 1))
+    assert err.value.code() == C.INVALID_ARGUMENT and engine.exists(["pd3"]) == [False]
+    empty = pb.CudaIpcTensor(gpu_uuid=FAKE_GPU, ipc_handle=b"\1" * 64, dtype="float16", shape=[0])
+    assert stub.PutFromDevice(pb.PutFromDeviceRequest(key="e", tensor=empty)).created
+    assert len(fake.opened) == 1  # an empty tensor is not mapped
+
+
+def test_mappings_are_bounded_and_end_with_the_session(dev_server: Server, stub) -> None:
+    _, service, fake = dev_server
+    cache = service.servicer.device.ipc
+    src = torch.arange(64, dtype=torch.float32)
+    handles = [fake.register(src.view(torch.uint8).clone()) for _ in range(6)]
+    for i, h in enumerate(handles):  # anonymous caller: only the LRU bound (4) closes
+        stub.PutFromDevice(pb.PutFromDeviceRequest(key=f"a{i}", tensor=ipc_tensor(h, src, 0, 256)))
+    assert len(cache) == 4 and [m.closed for m in fake.opened] == [True] * 2 + [False] * 4
+    done = threading.Event()
+
+    def requests():
+        yield pb.SessionRequest(hello=pb.SessionHello(client_name="enc", pid=1))
+        done.wait(10)
+
+    call = stub.Session(requests())
+    md = (("x-embcache-session", next(call).opened.session_id),)
+    h = fake.register(src.view(torch.uint8).clone())
+    tensor = ipc_tensor(h, src, 0, 256)
+    stub.PutFromDevice(pb.PutFromDeviceRequest(key="s", tensor=tensor), metadata=md)
+    session_mapping = fake.opened[-1]
+    call.cancel()
+    done.set()
+    assert wait_for(lambda: session_mapping.closed)
+    assert not fake.opened[-2].closed  # anonymous mappings stay until the LRU drops them
+
+
+BAD_PUTS: dict[str, tuple[Callable[[pb.CudaIpcTensor], None], grpc.StatusCode]] = {
+    "short handle": (lambda t: setattr(t, "ipc_handle", b"x" * 10), C.INVALID_ARGUMENT),
+    "posix fd": (lambda t: t.posix_fd.CopyFrom(pb.PosixFdHandle(fd_token=1)), C.INVALID_ARGUMENT),
+    "strided": (lambda t: t.strides.extend([1, 100]), C.INVALID_ARGUMENT),
+    "past alloc": (lambda t: setattr(t, "offset", 60 * KiB), C.INVALID_ARGUMENT),
+    "lying alloc": (lambda t: setattr(t, "alloc_size", 1 << 30), C.INVALID_ARGUMENT),
+    "other gpu": (lambda t: setattr(t, "gpu_uuid", "GPU-other"), C.FAILED_PRECONDITION),
+    "bad dtype": (lambda t: setattr(t, "dtype", "complex64"), C.INVALID_ARGUMENT),
+    "short event": (lambda t: setattr(t, "event_handle", b"e"), C.INVALID_ARGUMENT),
+    "negative dim": (lambda t: t.shape.__setitem__(0, -1), C.INVALID_ARGUMENT),
+    "unknown handle": (lambda t: setattr(t, "ipc_handle", b"u" * 64), C.FAILED_PRECONDITION),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_PUTS))
+def test_put_from_device_validation(dev_server: Server, stub, name: str) -> None:
+    engine, _, fake = dev_server
+    src = torch.zeros(100, 33, dtype=torch.bfloat16)
+    tensor = ipc_tensor(fake.register(torch.zeros(64 * KiB, dtype=torch.uint8)), src, 0, 64 * KiB)
+    mutate, code = BAD_PUTS[name]
+    mutate(tensor)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PutFromDevice(pb.PutFromDeviceRequest(key="bad", tensor=tensor))
+    assert err.value.code() == code, err.value.details()
+    assert not fake.opened and fake.events == []  # refused before anything was mapped
+    s = engine.stats()
+    assert s.entries_ready == 0 and s.entries_filling == 0
+
+
+# -- GetInto ---------------------------------------------------------------------------------
+def test_get_into_packs_and_copies(dev_server: Server, stub) -> None:
+    engine, _, fake = dev_server
+    data = {"a": blob(1000, 1), "b": blob(3 * PAGE + 5, 2), "c": blob(77, 3)}
+    for key, t in data.items():
+        engine.put(key, t)
+    engine.get_to_device(["b"], "warm")  # b is copied from the device pool, the rest from host
+    buf = torch.full((MiB,), 0xAB, dtype=torch.uint8)
+    handle = fake.register(buf)
+    dest = pb.CudaIpcTensor(
+        gpu_uuid=FAKE_GPU,
+        ipc_handle=handle,
+        offset=512,
+        alloc_size=MiB,
+        dtype="uint8",
+        shape=[MiB - 512],
+        event_handle=b"v" * 64,
+    )
+    keys = ["a", "miss", "b", "c"]
+    reply = stub.GetInto(pb.GetIntoRequest(keys=keys, destination=pb.DeviceBuffer(buffer=dest)))
+    got = dr.into_results(reply)
+    assert [r.found for r in got] == [True, False, True, True]
+    want = dr.pack_offsets([1000, None, 3 * PAGE + 5, 77])
+    assert [r.offset for r in got if r] == [want[0], want[2], want[3]] == [0, 1008, 197632]
+    assert got[2].shape == (3 * PAGE + 5,) and got[2].dtype == "uint8"
+    written = torch.zeros(MiB, dtype=torch.bool)
+    for r in got:
+        if r:
+            lo = 512 + r.offset
+            assert torch.equal(buf[lo : lo + r.nbytes], data[r.key])
+            written[lo : lo + r.nbytes] = True
+    assert (buf[~written] == 0xAB).all()  # nothing else was touched
+    assert fake.events == [b"v" * 64] and len(fake.opened) == 1
+    assert engine.stats().leases_active == 1  # only the warm-up lease
+    stub.GetInto(  # explicit offsets
+        pb.GetIntoRequest(keys=["c"], destination=pb.DeviceBuffer(buffer=dest), offsets=[3])
+    )
+    assert torch.equal(buf[515 : 515 + 77], data["c"]) and len(fake.opened) == 1
+    for offsets in ([0, 500], [0]):  # overlapping slots; not one offset per key
+        req = pb.GetIntoRequest(keys=["a", "c"], offsets=offsets)
+        req.destination.buffer.CopyFrom(dest)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GetInto(req)
+        assert err.value.code() == C.INVALID_ARGUMENT
+    assert engine.stats().leases_active == 1
+
+
+def test_client_get_into_a_host_buffer(dev_server: Server) -> None:
+    engine, service, _ = dev_server
+    a, c = torch.randn(10, 3), torch.arange(7, dtype=torch.int16)
+    engine.put("a", a)
+    engine.put("c", c)
+    out = torch.zeros(4096, dtype=torch.uint8)
+    with EmbCacheClient(f"unix:{service.socket_path}", timeout=10) as client:
+        got = client.get_into(["a", "x", "c"], out)
+        assert [bool(r) for r in got] == [True, False, True]
+        assert got[2].offset == 128  # 120 bytes of a, aligned up to 16
+        assert torch.equal(got[0].view(out), a) and torch.equal(got[2].view(out), c)
+        client.get_into(["c"], out, offsets=[1000])
+        assert torch.equal(out[1000:1014].view(torch.int16), c)
+        with pytest.raises(ValueError, match="overlap"):
+            client.get_into(["a", "c"], out, offsets=[0, 8])
+        with pytest.raises(ValueError, match="one per key"):
+            client.get_into(["a", "c"], out, offsets=[0])
+        assert client.get_into(["a"], [torch.empty(10, 3)]) == [True]  # the list form
+    assert engine.stats().leases_active == 0
+
+
+def test_client_checks_device_replies() -> None:
+    fd = pb.PoolHandle(
+        pool_id="dev0-x",
+        device=pb.DevicePool(
+            gpu_uuid="GPU-1",
+            size=4 * PAGE,
+            page_bytes=PAGE,
+            posix_fd=pb.PosixFdHandle(fd_token=9, alloc_size=8 * PAGE, fd_socket="/run/x.fds"),
+        ),
+    )
+    handle = dr.pool_handle(fd)
+    assert (handle.nbytes, handle.fd_socket, handle.fd_token) == (8 * PAGE, "/run/x.fds", 9)
+    legacy = pb.PoolHandle(
+        pool_id="dev0-y",
+        device=pb.DevicePool(gpu_uuid="GPU-1", size=4 * PAGE, page_bytes=PAGE, ipc_handle=b"h"),
+    )
+    assert dr.pool_handle(legacy).ipc_handle == b"h"
+    pool = DevicePool(torch.device("cpu"), 4 * PAGE, PAGE)
+    reply = pb.GetResponse(pools=[fd])
+    meta = pb.TensorMeta(dtype="uint8", shape=[2 * PAGE], nbytes=2 * PAGE)
+    for loc in (
+        pb.DeviceLocation(pool_id="dev0-x", offset=3 * PAGE),  # runs past the pool
+        pb.DeviceLocation(pool_id="dev0-x", pages=pb.PageList(page_ids=[0, 4])),
+        pb.DeviceLocation(pool_id="dev0-x", pages=pb.PageList(page_ids=[1])),  # too few
+    ):
+        del reply.results[:]
+        reply.results.append(pb.GetResult(key="k", found=True, meta=meta, lease_id=1, device=loc))
+        fake = FakePools(pool)
+        fake.pool.pool_id = "dev0-x"
+        with pytest.raises(ValueError, match="outside the pool"):
+            dr.decode_device_get(reply, fake)  # type: ignore[arg-type]

@@ -1,0 +1,150 @@
+"""The daemon's cache of client allocations opened through IPC, and the worker-thread helper
+of the device RPCs (a cancelled call gives back what its thread took)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from embcache.service.errors import DeviceUnavailable, InvalidArgument
+from embcache.service.ipc_cache import IpcCache, check_ipc_handle
+from embcache.service.transport.grpc_device import _contiguous_strides, in_thread
+
+
+class Mapping:
+    def __init__(self, nbytes: int) -> None:
+        self.buf = torch.arange(nbytes, dtype=torch.int32).to(torch.uint8)
+        self.nbytes = nbytes
+        self.closed = False
+
+    def tensor(self, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
+        assert not self.closed
+        return self.buf[offset : offset + (nbytes or 0)]
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Backend:
+    def __init__(self) -> None:
+        self.opened: dict[bytes, list[Mapping]] = {}
+
+    def available(self) -> bool:
+        return True
+
+    def gpu_index(self, gpu_uuid: str) -> int | None:
+        return 0
+
+    def open(self, handle: bytes, device: int, alloc_size: int) -> Mapping:
+        live = [m for m in self.opened.get(handle, []) if not m.closed]
+        assert not live, "a handle must never be opened twice while mapped"
+        mapping = Mapping(alloc_size)
+        self.opened.setdefault(handle, []).append(mapping)
+        return mapping
+
+    def wait_event(self, handle: bytes, device: int) -> None:
+        pass
+
+
+def h(i: int) -> bytes:
+    return bytes([i]) * 64
+
+
+def use(cache: IpcCache, owner: str, handle: bytes, nbytes: int = 64) -> torch.Tensor:
+    with cache.tensor(owner, handle, 0, 1024, 16, nbytes) as t:
+        return t.clone()
+
+
+def test_opened_once_shared_by_owners_closed_with_the_last() -> None:
+    backend = Backend()
+    cache = IpcCache(backend, max_mappings=8)
+    first = use(cache, "s1", h(1))
+    assert torch.equal(first, torch.arange(16, 80).to(torch.uint8))
+    use(cache, "s2", h(1))
+    use(cache, "s1", h(2))
+    assert cache.opens == 2 and len(cache) == 2
+    assert cache.drop_owner("s1") == 1  # h(2) had no other owner; h(1) is still s2's
+    assert backend.opened[h(2)][0].closed and not backend.opened[h(1)][0].closed
+    assert cache.drop_owner("s2") == 1 and len(cache) == 0
+    use(cache, "s3", h(1))  # opened again after it was closed
+    assert len(backend.opened[h(1)]) == 2
+
+
+def test_lru_bound_skips_mappings_in_use() -> None:
+    backend = Backend()
+    cache = IpcCache(backend, max_mappings=2)
+    with cache.tensor("a", h(1), 0, 1024, 0, 8):
+        use(cache, "a", h(2))
+        use(cache, "a", h(3))  # over the bound: h(2) goes, h(1) is in use
+        assert backend.opened[h(2)][0].closed and not backend.opened[h(1)][0].closed
+        use(cache, "a", h(4))  # over again: h(3) goes (h(1) still in use)
+        assert backend.opened[h(3)][0].closed and len(cache) == 2
+        cache.close()  # h(1) is in use: it closes when released, not before
+        assert not backend.opened[h(1)][0].closed
+        with pytest.raises(DeviceUnavailable, match="being closed"):
+            use(cache, "b", h(1))  # never open a handle that is still mapped
+    assert backend.opened[h(1)][0].closed and len(cache) == 0
+
+
+def test_bounds_and_devices() -> None:
+    cache = IpcCache(Backend(), max_mappings=2)
+    with (
+        pytest.raises(InvalidArgument, match="outside"),
+        cache.tensor("a", h(1), 0, 1024, 1000, 25),
+    ):
+        pass
+    with (
+        pytest.raises(InvalidArgument, match="another GPU"),
+        cache.tensor("a", h(1), 1, 1024, 0, 8),
+    ):
+        pass
+    with pytest.raises(ValueError):
+        IpcCache(Backend(), max_mappings=0)
+    with pytest.raises(InvalidArgument):
+        check_ipc_handle(b"x" * 63, "ipc_handle")
+    assert check_ipc_handle(h(1), "ipc_handle") == h(1)
+
+
+@pytest.mark.parametrize(
+    ("shape", "strides", "contiguous"),
+    [
+        ([4, 3], [3, 1], True),
+        ([4, 3], [1, 4], False),
+        ([4, 1], [1, 99], True),  # a dim of size 1 may carry any stride
+        ([0, 3], [7, 7], True),  # no elements
+        ([4, 3], [3], False),
+        ([5], [2], False),
+    ],
+)
+def test_contiguity(shape: list[int], strides: list[int], contiguous: bool) -> None:
+    assert (_contiguous_strides(shape, strides) == strides) is contiguous
+
+
+def test_cancelled_call_gives_back_what_its_thread_took() -> None:
+    started, finish = threading.Event(), threading.Event()
+    undone: list[int] = []
+
+    def work() -> int:
+        started.set()
+        finish.wait(5)
+        return 42
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(in_thread(work, undone.append))
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        finish.set()
+        for _ in range(500):
+            if undone:
+                break
+            await asyncio.sleep(0.01)
+        assert await in_thread(lambda: 7, undone.append) == 7  # not cancelled: kept
+
+    asyncio.run(scenario())
+    assert undone == [42]
