@@ -22,10 +22,10 @@ ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 # ---------------------------------------------------------------------------------------
 FROM ${CUDA_IMAGE} AS builder
 
-ARG PIP_EXTRA_INDEX_URL=""
+# Optional second index for another torch build; build args reach RUN as env vars.
+ARG PIP_EXTRA_INDEX_URL
 ENV DEBIAN_FRONTEND=noninteractive \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PIP_EXTRA_INDEX_URL=${PIP_EXTRA_INDEX_URL}
+    PIP_DISABLE_PIP_VERSION_CHECK=1
 
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv \
