@@ -93,7 +93,7 @@ class CudaIpc:
 
     def wait_event(self, handle: bytes, device: int) -> None:
         try:
-            event = torch.cuda.Event.from_ipc_handle(device, handle)
+            event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", device), handle)
             event.synchronize()
         except RuntimeError as exc:
             raise InvalidArgument("cannot open or wait on event_handle", reason=str(exc)) from None
