@@ -6,7 +6,10 @@ Starts ``embcache serve`` and a baseline server (a trivial client-streaming serv
 parses and discards the same PutRequest chunks) as subprocesses, measures both from this
 process over a Unix socket and TCP loopback, and reports MiB/s and the ratio to the
 baseline measured in the same run. Also: zero-copy ``get`` latency (shared memory) and
-``get_bytes`` throughput. Prints a table and writes bench/results/grpc_e2e.json.
+``get_bytes`` throughput. With CUDA, a second daemon with a 1 GiB device pool: get-to-device
+latency for 1 x 4 MiB (cold and resident hit), GB/s for 16 x 4 MiB cold with fragmented device
+pages, put-from-device GB/s, next to one contiguous copy-engine transfer of the same bytes
+measured in the same run. Prints a table and writes bench/results/grpc_e2e.json.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -153,6 +157,98 @@ def measure_gets(target: str, entry_mib: int, iters: int) -> dict[str, float]:
     }
 
 
+def percentiles(lat: list[float]) -> tuple[float, float]:
+    lat = sorted(lat)
+    return lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))]
+
+
+def copy_engine_gbs(nbytes: int, reps: int = 10) -> float:
+    """One contiguous pinned host -> device copy of ``nbytes`` (the copy engine), median."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(reps + 2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times[2:]) / 1e9
+
+
+def device_gets(target: str, iters: int, rounds: int) -> dict[str, Any]:
+    """get-to-device over gRPC (the client's tensors are on the GPU when timed)."""
+    from embcache.kernels import cuda_mem
+
+    entry = 4 * MiB
+    out: dict[str, Any] = {}
+    with EmbCacheClient(target) as client:
+        keys = [f"cold-{i}" for i in range(iters)]
+        for i, key in enumerate(keys):
+            client.put(key, torch.full((entry,), i % 251, dtype=torch.uint8))
+        client.get(keys[:1], device="cuda").release()  # opens the pool once
+        for name, batch in (("cold", keys[1:]), ("hit", [keys[0]] * (iters - 1))):
+            lat = []
+            for key in batch:
+                t0 = time.perf_counter()
+                leased = client.get([key], device="cuda")
+                torch.cuda.synchronize()
+                lat.append((time.perf_counter() - t0) * 1e6)
+                leased.release()
+            out[f"get_device_{name}_p50_us"], out[f"get_device_{name}_p99_us"] = percentiles(lat)
+        client.evict(keys)
+        # Fragment the device pool: 511 fillers of 8 pages, every other one evicted, so each
+        # 16-page entry below lands in two runs.
+        fillers = [f"filler-{i}" for i in range(511)]
+        for key in fillers:
+            client.put(key, torch.zeros(2 * MiB, dtype=torch.uint8))
+        for i in range(0, len(fillers), 64):
+            client.get(fillers[i : i + 64], device="cuda").release()
+        client.evict(fillers[1::2])
+        largest = client.stats()["device"][0]["largest_free_run_pages"]
+        rates = []
+        for r in range(rounds):
+            batch = [f"frag-{r}-{i}" for i in range(16)]
+            for key in batch:
+                client.put(key, torch.full((entry,), r, dtype=torch.uint8))
+            t0 = time.perf_counter()
+            leased = client.get(batch, device="cuda")
+            torch.cuda.synchronize()
+            rates.append(16 * entry / (time.perf_counter() - t0) / 1e9)
+            leased.release()
+        out["get_device_16x4MiB_frag_gbs"] = statistics.median(rates)
+        out["largest_free_device_run_pages"] = largest
+        src = [torch.full((entry,), i, dtype=torch.uint8, device="cuda") for i in range(16)]
+        client.put("pfd-warm", src[0])
+        t0 = time.perf_counter()
+        for i, t in enumerate(src):
+            client.put(f"pfd-{i}", t)
+        out["put_from_device_16x4MiB_gbs"] = 16 * entry / (time.perf_counter() - t0) / 1e9
+        out["put_from_device_used"] = float(client._device_puts)
+    out["copy_engine_64MiB_gbs"] = copy_engine_gbs(16 * entry)
+    out["ratio_frag_to_copy_engine"] = (
+        out["get_device_16x4MiB_frag_gbs"] / out["copy_engine_64MiB_gbs"]
+    )
+    out["gpu"] = torch.cuda.get_device_name()
+    out["gpu_uuid"] = cuda_mem.gpu_uuid(0)
+    return out
+
+
+def gpu_section(tmp: str, iters: int, rounds: int) -> dict[str, Any] | str:
+    if not torch.cuda.is_available():
+        return "no CUDA here: get-to-device not measured"
+    sock = os.path.join(tmp, "gpu.sock")
+    args = [str(Path(sys.executable).with_name("embcache")), "serve", "--grpc-port", "0"]
+    args += ["--http-port", "0", "--grpc-socket", sock, "--log-level", "warning"]
+    args += ["--shm-name", f"embcache-bench-gpu-{uuid.uuid4().hex[:8]}"]
+    args += ["--host-pool-bytes", "4GiB", "--device-pool-bytes", "1GiB"]
+    daemon, _ = start(args, '"ready"')
+    try:
+        return device_gets(f"unix:{sock}", iters, rounds)
+    finally:
+        stop(daemon)
+
+
 def commit() -> str:
     try:
         out = subprocess.run(
@@ -173,6 +269,8 @@ def main() -> None:
     ap.add_argument("--entry-mib", type=int, nargs="+", default=[4, 32])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--pool", default="1GiB")
+    ap.add_argument("--device-iters", type=int, default=101)
+    ap.add_argument("--device-rounds", type=int, default=5)
     args = ap.parse_args()
 
     tmp = tempfile.mkdtemp(prefix="ecb-")
@@ -240,8 +338,22 @@ def main() -> None:
         f"get 1 x 4 MiB zero-copy (shared memory, unix): p50 {gets['get_shm_p50_us']:.0f} us, "
         f"p99 {gets['get_shm_p99_us']:.0f} us; get_bytes {gets['get_bytes_mib_s']:.0f} MiB/s"
     )
-    gpu = "needs the device pool (issue 4): get-to-device p50/p99 and 16 x 4 MiB GB/s not measured"
-    print(f"get-to-device: {gpu}")
+    gpu = gpu_section(tmp, args.device_iters, args.device_rounds)
+    if isinstance(gpu, str):
+        print(f"get-to-device: {gpu}")
+    else:
+        print(
+            f"get-to-device 1 x 4 MiB over gRPC ({gpu['gpu']}): cold p50 "
+            f"{gpu['get_device_cold_p50_us']:.0f} us / p99 {gpu['get_device_cold_p99_us']:.0f} us;"
+            f" resident hit p50 {gpu['get_device_hit_p50_us']:.0f} us / p99 "
+            f"{gpu['get_device_hit_p99_us']:.0f} us"
+        )
+        print(
+            f"get-to-device 16 x 4 MiB cold, fragmented: {gpu['get_device_16x4MiB_frag_gbs']:.1f}"
+            f" GB/s vs contiguous copy engine {gpu['copy_engine_64MiB_gbs']:.1f} GB/s "
+            f"(ratio {gpu['ratio_frag_to_copy_engine']:.2f}); put-from-device 16 x 4 MiB "
+            f"{gpu['put_from_device_16x4MiB_gbs']:.1f} GB/s"
+        )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(
         json.dumps(
