@@ -67,34 +67,62 @@ def pair_runs(src: ByteRuns, dst: ByteRuns, nbytes: int) -> tuple[list[int], lis
     return so, do, ln
 
 
+def merge_runs(src: ByteRuns, dst: ByteRuns) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Vectorised :func:`pair_runs` over two run lists of equal total length.
+
+    Pieces start wherever either side's run starts; pieces contiguous on both sides are
+    joined again. Cost is a handful of numpy calls, whatever the number of runs.
+    """
+    src_addr, src_len = _columns(src)
+    dst_addr, dst_len = _columns(dst)
+    total = int(src_len.sum())
+    assert total == int(dst_len.sum()), "both sides must hold the same number of bytes"
+    if total == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    src_start = np.cumsum(src_len) - src_len  # logical offset where each run starts
+    dst_start = np.cumsum(dst_len) - dst_len
+    cuts = np.union1d(src_start[src_len > 0], dst_start[dst_len > 0])
+    ends = np.append(cuts[1:], total)
+    si = np.searchsorted(src_start, cuts, side="right") - 1
+    di = np.searchsorted(dst_start, cuts, side="right") - 1
+    so = src_addr[si] + (cuts - src_start[si])
+    do = dst_addr[di] + (cuts - dst_start[di])
+    ln = ends - cuts
+    if len(ln) > 1:
+        joined = (so[1:] == so[:-1] + ln[:-1]) & (do[1:] == do[:-1] + ln[:-1])
+        heads = np.flatnonzero(np.concatenate(([True], ~joined)))
+        ln = np.add.reduceat(ln, heads)
+        so, do = so[heads], do[heads]
+    return so, do, ln
+
+
+def _columns(runs: ByteRuns) -> tuple[np.ndarray, np.ndarray]:
+    arr = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
+    return arr[:, 0], arr[:, 1]
+
+
 class PlanBuilder:
-    """Accumulates pieces of several entries into one plan counted in rows of ``row`` bytes."""
+    """Accumulates entries' runs, then plans them all at once in rows of ``row`` bytes."""
 
     def __init__(self, row: int = 16) -> None:
         self.row = row
-        self._src: list[int] = []
-        self._dst: list[int] = []
-        self._len: list[int] = []
+        self._src: list[tuple[int, int]] = []
+        self._dst: list[tuple[int, int]] = []
         self.nbytes = 0
 
     def add(self, src: ByteRuns, dst: ByteRuns, nbytes: int) -> None:
         """Copy ``nbytes`` (rounded up to a row) from ``src`` runs to ``dst`` runs."""
         padded = -(-nbytes // self.row) * self.row
-        so, do, ln = pair_runs(src, dst, padded)
-        for value in (*so, *do, *ln):
-            assert value % self.row == 0, f"{value} is not a multiple of the {self.row}-byte row"
-        self._src += so
-        self._dst += do
-        self._len += ln
+        self._src += truncate_runs(src, padded)
+        self._dst += truncate_runs(dst, padded)
         self.nbytes += nbytes
 
     def __len__(self) -> int:
-        return len(self._len)
+        return len(self._src)
 
     def rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        so, do, ln = merge_runs(self._src, self._dst)
         r = self.row
-        return (
-            np.asarray(self._src, dtype=np.int64) // r,
-            np.asarray(self._dst, dtype=np.int64) // r,
-            np.asarray(self._len, dtype=np.int64) // r,
-        )
+        assert not ((so | do | ln) % r).any(), f"a piece is not a whole number of {r}-byte rows"
+        return so // r, do // r, ln // r

@@ -96,7 +96,6 @@ class DeviceTier:
                         loads.append((lease.entry, res))
                     placed.append((lease, res, hit))
                 if loads:
-                    pool.bind([res for _, res in loads])  # one launch for the whole batch
                     self._load(pool, loads)
             except BaseException:
                 for entry, _ in loads:
@@ -146,6 +145,7 @@ class DeviceTier:
         if len(plan):
             s, d, n = plan.rows()
             self._transfer(host.tensor.view(-1, 16), pool.tensor.view(-1, 16), s, d, n, pool.stream)
+        pool.bind([res for _, res in loads])  # one table launch for the whole batch
         event = self._record(pool.stream)
         for _, res in loads:
             res.event = event

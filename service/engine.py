@@ -258,8 +258,8 @@ class CacheEngine:
                 self._counters["hits"] += 1
                 self._entries.acquire(entry)
                 entry.last_access = now
-                byte_runs = tuple(self.host_pool.byte_runs(entry.runs, entry.nbytes))
-                out.append(self._leases.add(entry, owner, now + ttl, byte_runs))
+                page = self.settings.page_bytes
+                out.append(self._leases.add(entry, owner, now + ttl, page))
             return out
 
     def _ttl(self, ttl_s: float | None) -> float:

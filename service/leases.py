@@ -20,7 +20,22 @@ class Lease:
     entry: Entry
     owner: str
     expires_at: float
-    byte_runs: tuple[tuple[int, int], ...]  # (offset, length) in the host pool
+    page_bytes: int
+    _byte_runs: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def byte_runs(self) -> tuple[tuple[int, int], ...]:
+        """``(offset, length)`` in the host pool that hold the entry's bytes, in order."""
+        if self._byte_runs is None:
+            out, left, page = [], self.entry.nbytes, self.page_bytes
+            for start, n in self.entry.runs:
+                take = min(left, n * page)
+                if take <= 0:
+                    break
+                out.append((start * page, take))
+                left -= take
+            self._byte_runs = tuple(out)
+        return self._byte_runs
 
     @property
     def key(self) -> str:
@@ -55,13 +70,11 @@ class LeaseTable:
     def get(self, lease_id: int) -> Lease | None:
         return self._leases.get(lease_id)
 
-    def add(
-        self, entry: Entry, owner: str, expires_at: float, byte_runs: tuple[tuple[int, int], ...]
-    ) -> Lease:
+    def add(self, entry: Entry, owner: str, expires_at: float, page_bytes: int) -> Lease:
         lease_id = secrets.randbits(63)
         while lease_id == 0 or lease_id in self._leases:
             lease_id = secrets.randbits(63)
-        lease = Lease(lease_id, entry, owner, expires_at, byte_runs)
+        lease = Lease(lease_id, entry, owner, expires_at, page_bytes)
         self._leases[lease_id] = lease
         self._by_owner.setdefault(owner, set()).add(lease_id)
         heapq.heappush(self._heap, (expires_at, lease_id))

@@ -4,7 +4,13 @@ import hypothesis.strategies as st
 import numpy as np
 from hypothesis import given, settings
 
-from embcache.service.copy_plan import PlanBuilder, pair_runs, row_bytes_for, truncate_runs
+from embcache.service.copy_plan import (
+    PlanBuilder,
+    merge_runs,
+    pair_runs,
+    row_bytes_for,
+    truncate_runs,
+)
 
 
 def test_row_bytes_for() -> None:
@@ -42,6 +48,8 @@ def test_pair_runs_copies_every_byte_once(a: list[int], b: list[int], data) -> N
 
     src, dst = runs(a, 3), runs(b, 5)
     so, do, ln = pair_runs(src, dst, nbytes)
+    vs, vd, vn = merge_runs(truncate_runs(src, nbytes), truncate_runs(dst, nbytes))
+    assert (vs.tolist(), vd.tolist(), vn.tolist()) == (so, do, ln)  # same pieces, vectorised
     assert sum(ln) == nbytes
     src_mem = np.arange(200, dtype=np.int64)
     dst_mem = np.full(200, -1, dtype=np.int64)
@@ -59,3 +67,7 @@ def test_plan_builder_rows_and_padding() -> None:
     s, d, n = plan.rows()
     assert s.tolist() == [0, 256] and d.tolist() == [512, 0] and n.tolist() == [7, 2]
     assert plan.nbytes == 132 and len(plan) == 2
+    joined = PlanBuilder(16)  # pieces contiguous on both sides become one range
+    joined.add([(0, 4096), (4096, 4096)], [(8192, 8192)], 8192)
+    assert [a.tolist() for a in joined.rows()] == [[0], [512], [512]]
+    assert [a.tolist() for a in PlanBuilder(16).rows()] == [[], [], []]
