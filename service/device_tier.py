@@ -74,8 +74,9 @@ class DeviceTier:
         e = self._engine
         pool = self.pool(device)
         loads: list[tuple[Entry, Residency]] = []
+        e.fill_misses(keys)  # shared tier, outside the lock
         with e._lock:
-            leases = e.get(keys, owner, ttl_s=ttl_s)
+            leases = e._get(keys, owner, ttl_s=ttl_s)
             placed: list[Placed | None] = []
             try:
                 for lease in leases:
@@ -191,8 +192,9 @@ class DeviceTier:
         if dest.dim() != 1 or dest.dtype != torch.uint8 or not dest.is_contiguous():
             raise InvalidArgument("destination must be a flat contiguous uint8 buffer")
         pool = self.pool(device) if device is not None else None
+        e.fill_misses(keys)
         with e._lock:
-            leases = e.get(keys, owner)
+            leases = e._get(keys, owner)
             try:
                 self._check_slots(leases, offsets, dest.numel())
                 stream = self._queue_into(pool, leases, dest, offsets)

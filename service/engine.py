@@ -105,6 +105,11 @@ class CacheEngine:
         self._closed = False
         # Called as (direction, nbytes, seconds) after each finished copy (metrics).
         self.copy_observer: CopyObserver | None = None
+        # Shared-tier hooks (service/tiers), None/empty when there is none: fetch local
+        # misses into the pool; answer exists for local misses; hear of every new entry.
+        self.miss_fetcher: Callable[[list[str]], None] | None = None
+        self.remote_exists: Callable[[list[str]], list[bool]] | None = None
+        self.commit_listeners: list[Callable[[str, str], None]] = []  # (key, owner)
         try:
             if device_pools is None:
                 device_pools = default_device_pools(settings)
@@ -196,7 +201,7 @@ class CacheEngine:
         with self._lock:
             if put_id not in self._filling:
                 raise Draining("engine closed before the put committed")
-            entry, _ = self._end_fill(put_id)
+            entry, owner = self._end_fill(put_id)
             existing = self._entries.get(entry.key)
             if existing is not None:  # a concurrent put of the same key committed first
                 self._alloc.free(entry.runs)
@@ -208,7 +213,12 @@ class CacheEngine:
             self._runs_hist[run_bucket(len(entry.runs))] += 1
             self._counters["puts_committed"] += 1
             self._counters["put_bytes"] += entry.nbytes
-            return True
+        for listener in self.commit_listeners:
+            try:
+                listener(entry.key, owner)
+            except Exception:  # a listener (e.g. write-through) never fails the put
+                log.exception("commit listener failed for %r", entry.key)
+        return True
 
     def _abort_fill(self, put_id: int) -> None:
         with self._lock:
@@ -242,7 +252,30 @@ class CacheEngine:
     def get(
         self, keys: Sequence[str], owner: str, *, ttl_s: float | None = None
     ) -> list[Lease | None]:
-        """One lease per key found (None for a miss). Leased entries are never evicted."""
+        """One lease per key found (None for a miss). Leased entries are never evicted.
+
+        With a shared tier, local misses are fetched into the host pool first.
+        """
+        self.fill_misses(keys)
+        return self._get(keys, owner, ttl_s=ttl_s)
+
+    def fill_misses(self, keys: Sequence[str]) -> None:
+        """Ask the shared tier (if any) for keys missing here; never raises."""
+        fetch = self.miss_fetcher
+        if fetch is None:
+            return
+        with self._lock:
+            missing = [k for k in keys if isinstance(k, str) and self._entries.get(k) is None]
+        if not missing:
+            return
+        try:
+            fetch(list(dict.fromkeys(missing)))
+        except Exception:  # an outage of the shared tier is a miss, not an error
+            log.warning("shared tier fetch failed for %d keys", len(missing), exc_info=True)
+
+    def _get(
+        self, keys: Sequence[str], owner: str, *, ttl_s: float | None = None
+    ) -> list[Lease | None]:
         ttl = self._ttl(ttl_s)
         with self._lock:
             self._check_open()
@@ -369,8 +402,18 @@ class CacheEngine:
 
     # -- exists / evict ------------------------------------------------------------------
     def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key can be served; with a shared tier, local misses ask it too."""
         with self._lock:
-            return [isinstance(k, str) and self._entries.get(k) is not None for k in keys]
+            out = [isinstance(k, str) and self._entries.get(k) is not None for k in keys]
+        remote = self.remote_exists
+        if remote is not None and not all(out):
+            idx = [i for i, hit in enumerate(out) if not hit and isinstance(keys[i], str)]
+            try:
+                for i, hit in zip(idx, remote([keys[i] for i in idx]), strict=True):
+                    out[i] = bool(hit)
+            except Exception:  # an outage of the shared tier: answer from the local tiers
+                log.warning("shared tier exists failed", exc_info=True)
+        return out
 
     def evict(self, keys: Sequence[str]) -> list[EvictOutcome]:
         """Evict each key unless it is leased (never forced)."""

@@ -394,3 +394,37 @@ def test_entry_info_lease_holders_and_ready(engine: CacheEngine, clock: FakeCloc
     assert engine.entry_info("missing") is None
     engine.begin_drain()
     assert not engine.ready
+
+
+def test_shared_tier_hooks(engine: CacheEngine) -> None:
+    remote = {"r": rand((10,), seed=9)}
+    seen: list[tuple[str, str]] = []
+    fetched: list[list[str]] = []
+
+    def fetch(keys: list[str]) -> None:
+        fetched.append(keys)
+        for k in keys:
+            if k in remote:
+                engine.put(k, remote[k], owner="shared-tier")
+
+    engine.miss_fetcher = fetch
+    engine.remote_exists = lambda keys: [k in remote for k in keys]
+    engine.commit_listeners.append(lambda key, owner: seen.append((key, owner)))
+    engine.put("a", rand((10,)))
+    assert seen == [("a", "local")]
+    assert engine.exists(["a", "r", "zz"]) == [True, True, False]
+    [la, lr, lz] = engine.get(["a", "r", "zz"], "dec")
+    assert fetched == [["r", "zz"]]
+    assert la is not None and lz is None and lr is not None
+    assert torch.equal(engine.tensor(lr), remote["r"])
+    assert seen[-1] == ("r", "shared-tier")
+
+    def broken(keys: list[str]) -> None:
+        raise ConnectionError("shared tier down")
+
+    engine.miss_fetcher = broken
+    engine.remote_exists = lambda keys: (_ for _ in ()).throw(ConnectionError("down"))
+    assert engine.get(["nope"], "dec") == [None]  # an outage is a miss, never an error
+    assert engine.exists(["a", "nope"]) == [True, False]
+    engine.commit_listeners.append(lambda key, owner: 1 / 0)
+    assert engine.put("b", rand((3,))) is True  # a failing listener never fails the put
