@@ -89,6 +89,7 @@ class CudaIpc:
                 alloc_size=alloc_size,
                 actual=actual,
             )
+        mem.nbytes = actual  # the mapping covers the whole allocation
         return mem
 
     def wait_event(self, handle: bytes, device: int) -> None:
@@ -175,7 +176,7 @@ class IpcCache:
                 if opened is not None:  # doomed but still copying: CUDA maps a handle once
                     raise DeviceUnavailable("the allocation is being closed; retry", device=device)
                 mapping = self.backend.open(handle, device, alloc_size)
-                opened = _Opened(handle, mapping, device, alloc_size)
+                opened = _Opened(handle, mapping, device, mapping.nbytes)
                 self._open[handle] = opened
                 self.opens += 1
                 self._trim()

@@ -303,3 +303,33 @@ def test_auth_token(start_daemon) -> None:
             client.put("k", torch.ones(3))
             with client.get("k") as (t,):
                 assert t.sum().item() == 3
+
+
+def test_device_rpcs_refused_cleanly_without_cuda(start_daemon) -> None:
+    """A CPU-mode daemon asked for a device pool has none: the device RPCs fail with
+    FAILED_PRECONDITION (DeviceUnavailable) and the daemon keeps serving."""
+    import torch
+
+    from embcache.proto.embcache.v1 import embcache_pb2 as pb
+    from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+
+    if torch.cuda.is_available():
+        pytest.skip("checks CPU mode; tests/gpu covers the device paths")
+    d = start_daemon("--device-pool-bytes", "16MiB", "--ipc-mode", "legacy")
+    tensor = pb.CudaIpcTensor(
+        gpu_uuid="GPU-0", ipc_handle=b"\0" * 64, alloc_size=64, dtype="float16", shape=[2]
+    )
+    with grpc.insecure_channel(d.unix) as channel:
+        stub = pb_grpc.EmbeddingCacheStub(channel)
+        for call in (
+            lambda: stub.Get(pb.GetRequest(keys=["k"], gpu_uuid="GPU-0")),
+            lambda: stub.PutFromDevice(pb.PutFromDeviceRequest(key="k", tensor=tensor)),
+            lambda: stub.GetInto(
+                pb.GetIntoRequest(keys=["k"], destination=pb.DeviceBuffer(buffer=tensor))
+            ),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert ("embcache-error", "DeviceUnavailable") in err.value.trailing_metadata()
+        assert stub.Exists(pb.ExistsRequest(keys=["k"])).exists == [False]
