@@ -2,7 +2,8 @@
 # The whole GPU suite, for a CUDA machine (the H200 the device tool lends): GPU tests of every
 # part, then the GPU benchmarks. Logs and JSON go to $OUT (default bench/results).
 #   scripts/gpu_suite.sh [PART ...]   parts: kernels device grpc rest reliability
-#                                            bench-kernels bench-device bench-grpc   (default: all)
+#                                            bench-kernels bench-device bench-grpc bench-rest
+#                                            (default: all)
 # Nothing is installed system-wide: wheels carried in .whl/ go to a private target directory,
 # and embcache is imported from this checkout through a symlink on PYTHONPATH.
 set -uo pipefail
@@ -22,7 +23,7 @@ printf '#!/bin/sh\nexec python3 -m embcache.service.cli "$@"\n' >"$pp/bin/embcac
 chmod +x "$pp/bin/embcache"
 export PYTHONPATH="$pp:$PYTHONPATH" PATH="$pp/bin:$PATH"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(kernels device grpc rest reliability bench-kernels bench-device bench-grpc)
+[ ${#parts[@]} -eq 0 ] && parts=(kernels device grpc rest reliability bench-kernels bench-device bench-grpc bench-rest)
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 python3 -c "import torch, triton, grpc, google.protobuf as pb; print('torch', torch.__version__, 'triton', triton.__version__, 'grpc', grpc.__version__, 'protobuf', pb.__version__)"
@@ -38,7 +39,7 @@ for part in "${parts[@]}"; do
     kernels) run_tests kernels tests/kernels ;;
     device) run_tests device tests/gpu/test_device_engine.py ;;
     grpc) [ -e tests/gpu/test_grpc_device.py ] && run_tests grpc tests/gpu/test_grpc_device.py ;;
-    rest) compgen -G "tests/gpu/test_rest*.py" >/dev/null && run_tests rest tests/gpu/test_rest*.py ;;
+    rest) run_tests rest tests/transport/test_http_gpu.py $(compgen -G "tests/gpu/test_rest*.py") ;;
     reliability) compgen -G "tests/gpu/test_soak*.py" >/dev/null && run_tests soak tests/gpu/test_soak*.py ;;
     bench-kernels)
       python3 bench/transfer.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench_transfer.log" || status=1
@@ -47,6 +48,9 @@ for part in "${parts[@]}"; do
       python3 bench/get_to_device.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench_get_to_device.log" || status=1 ;;
     bench-grpc)
       python3 bench/grpc_e2e.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench_grpc.log" || status=1 ;;
+    bench-rest)
+      [ -e bench/rest_e2e.py ] && { python3 bench/rest_e2e.py --out-dir "$OUT" 2>&1 \
+        | tee "$OUT/bench_rest.log" || status=1; } ;;
     *) echo "unknown part $part"; status=1 ;;
   esac
 done

@@ -112,6 +112,14 @@ class Settings(BaseSettings):
         description="Unix socket that hands device-pool file descriptors to clients "
         "(empty: '<grpc_socket>.fds', or /tmp/embcache-<port>.fds).",
     )
+    shm_mode: str = Field(
+        "0600",
+        description="Permissions (octal) of the host pool's shared-memory segment; e.g. 0640 "
+        "lets the segment's group map it read-only for zero-copy gets.",
+    )
+    socket_mode: str = Field(
+        "0660", description="Permissions (octal) of the gRPC and fd Unix sockets."
+    )
     # Entries and leases
     max_key_bytes: int = Field(1024, ge=1, le=65536, description="Longest key, in UTF-8 bytes.")
     lease_ttl_s: float = Field(
@@ -158,6 +166,17 @@ class Settings(BaseSettings):
     def _page_size(cls, v: int) -> int:
         if v < 4096 or v & (v - 1):
             raise ValueError("must be a power of two of at least 4096 bytes")
+        return v
+
+    @field_validator("shm_mode", "socket_mode")
+    @classmethod
+    def _octal_mode(cls, v: str) -> str:
+        try:
+            mode = int(v, 8)
+        except ValueError:
+            raise ValueError("must be an octal permission like 0660") from None
+        if not 0 <= mode <= 0o777 or mode & 0o111:
+            raise ValueError("must be a permission without execute bits, at most 0666")
         return v
 
     @field_validator("host_pool_bytes")

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -58,7 +59,18 @@ def _start_fd_server(engine: CacheEngine, settings: Settings) -> FdServer | None
         pool = pools.get(pool_id)
         return None if pool is None else (pool.fd_token, pool.export_fd)
 
-    return FdServer(settings.effective_ipc_socket, lookup)
+    return FdServer(settings.effective_ipc_socket, lookup, int(settings.socket_mode, 8))
+
+
+def _sd_notify(message: str) -> None:
+    """Tell systemd (Type=notify) about readiness or stopping; a no-op elsewhere."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):
+        address = "\0" + address[1:]  # abstract namespace
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.sendto(message.encode(), address)
 
 
 class Daemon:
@@ -101,8 +113,12 @@ class Daemon:
                     await http_task  # raises the start-up error
                     raise RuntimeError("HTTP server exited during start-up")
                 await asyncio.sleep(0.01)
+            if grpc_service.socket_path:
+                os.chmod(grpc_service.socket_path, int(s.socket_mode, 8))
             self._announce(grpc_service, http_sock.getsockname()[1], engine)
+            _sd_notify("READY=1")
             await self._stop.wait()
+            _sd_notify("STOPPING=1")
             log.info("draining: refusing new work, %.1fs grace", s.drain_grace_s)
             grpc_service.set_serving(False)
             engine.begin_drain()

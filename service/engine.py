@@ -92,6 +92,7 @@ class CacheEngine:
             settings.host_pool_bytes,
             settings.page_bytes,
             register_cuda=cuda_wanted(settings),
+            mode=int(settings.shm_mode, 8),
         )
         self._alloc = PageRunAllocator(self.host_pool.num_pages)
         self._entries = EntryTable()

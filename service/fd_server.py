@@ -4,7 +4,7 @@ POSIX-fd IPC lets containers that share no IPC or PID namespace open the daemon'
 pool: they only need this socket's directory. A client sends one JSON line
 ``{"pool_id": ..., "token": ...}``; the token is a per-pool secret that the daemon gives
 only to authenticated callers in its Get replies. The reply is ``OK`` with the fd attached,
-or ``ERR <reason>``. The socket is created mode 0660 (owner and group only).
+or ``ERR <reason>``. The socket's mode is 0660 by default (owner and group only).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class _Server(socketserver.ThreadingUnixStreamServer):
 
 
 class FdServer:
-    def __init__(self, path: Path, lookup: PoolLookup) -> None:
+    def __init__(self, path: Path, lookup: PoolLookup, mode: int = 0o660) -> None:
         self.path = Path(path)
         if self.path.exists() or self.path.is_symlink():
             self.path.unlink()  # a stale socket from an earlier daemon
@@ -70,6 +70,7 @@ class FdServer:
             self._server = _Server(str(self.path), _Handler)
         finally:
             os.umask(old)
+        os.chmod(self.path, mode)
         self._server.lookup = lookup
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="fd-server", daemon=True

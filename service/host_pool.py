@@ -41,6 +41,7 @@ class HostPool:
         *,
         register_cuda: bool = False,
         populate: bool = True,
+        mode: int = 0o600,
     ) -> None:
         if not _NAME_RE.match(name):
             raise ValueError(f"shm name {name!r} must match {_NAME_RE.pattern}")
@@ -52,6 +53,7 @@ class HostPool:
         self.path = SHM_DIR / name
         self.registered = False
         self._closed = False
+        self._mode = mode
         self._fd = self._create_segment()
         try:
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
@@ -72,6 +74,7 @@ class HostPool:
             fd = self._reclaim_stale()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.fchmod(fd, self._mode)  # explicit: the umask does not decide who may map it
             # fallocate reserves the tmpfs blocks now: a pool larger than /dev/shm fails
             # here with ENOSPC instead of with SIGBUS on first touch.
             os.posix_fallocate(fd, 0, self.nbytes)

@@ -70,3 +70,13 @@ def test_bad_name_and_byte_runs(shm_name: str) -> None:
         assert pool.byte_runs(((0, 1), (5, 2)), 4096 + 5000) == [(0, 4096), (20480, 5000)]
     finally:
         pool.close()
+
+
+def test_segment_mode(shm_name: str) -> None:
+    import stat
+
+    pool = HostPool(shm_name, 1 << 16, 4096, mode=0o640)
+    try:
+        assert stat.S_IMODE((SHM_DIR / shm_name).stat().st_mode) == 0o640
+    finally:
+        pool.close()
