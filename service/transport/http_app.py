@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..config import Settings
 from ..errors import EmbCacheError, status_for
 from ..metrics import Metrics
-from . import http_health, http_routes
+from . import http_data, http_health, http_routes
 from .http_middleware import OperatorMiddleware
 from .http_poolmap import History
 
@@ -35,6 +35,7 @@ _HTTP_CODES = {
     404: "NOT_FOUND",
     405: "INVALID_ARGUMENT",
     409: "FAILED_PRECONDITION",
+    413: "RESOURCE_EXHAUSTED",
     422: "INVALID_ARGUMENT",
     503: "UNAVAILABLE",
 }
@@ -120,7 +121,7 @@ def create_app(engine: Any, settings: Settings, metrics: Metrics) -> FastAPI:
     """Build the operator-plane app for one engine. Auth applies when a token is set."""
     app = FastAPI(
         title="embcache",
-        summary="Operator API of the embcache embedding-cache daemon.",
+        summary="Operator and data API of the embcache embedding-cache daemon.",
         version="1",
         lifespan=_lifespan,
         docs_url="/docs",
@@ -142,6 +143,9 @@ def create_app(engine: Any, settings: Settings, metrics: Metrics) -> FastAPI:
     app.add_exception_handler(Exception, _on_unexpected)
 
     app.include_router(http_health.router)
+    # Before the operator routes: GET /v1/entries/{key:path}/data must be tried before
+    # GET /v1/entries/{key:path}, which would also match it.
+    app.include_router(http_data.router)
     app.include_router(http_routes.router)
 
     static = _static_dir()

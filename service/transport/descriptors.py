@@ -1,0 +1,287 @@
+"""Transport-neutral descriptions of where leased bytes are and how to open their pools.
+
+One place turns engine results (``Lease``, ``DeviceLease``) into plain dataclasses that a
+transport renders in its own encoding: JSON over REST (``http_data.py``), protobuf over gRPC
+(``grpc_device.py`` / ``grpc_servicer.py`` can map :class:`BatchDescription` onto
+``GetResponse`` field by field). Nothing here imports grpc, fastapi or protobuf.
+
+A :class:`Describer` is made once per engine (:func:`describer_for`), so every transport
+hands out the same pool ids: a client that opened a pool through one transport recognises
+it in replies from the other. Host pool ids are fresh for every engine (daemon start), so a
+client that cached the previous daemon's segment maps the new one.
+
+Descriptions of IPC handles (a legacy ``cudaIpcMemHandle``, or the fd socket plus the pool's
+secret token) are capabilities: transports hand them only to callers that passed their
+auth check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from ..errors import DeviceUnavailable
+
+if TYPE_CHECKING:
+    from ..config import Settings
+    from ..device_pool import DevicePool
+    from ..device_tier import DeviceLease
+    from ..engine import CacheEngine
+    from ..leases import Lease
+
+
+# -- pools ---------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class HostShmPool:
+    """The host pool: a POSIX shared-memory segment a same-node client maps read-only.
+
+    ``boot_id``, ``st_dev`` and ``st_ino`` identify the segment, so a client in another
+    machine or ``/dev/shm`` namespace never maps a different segment of the same name."""
+
+    pool_id: str
+    segment_name: str
+    size: int
+    page_bytes: int
+    boot_id: str
+    st_dev: int
+    st_ino: int
+
+
+@dataclass(frozen=True, slots=True)
+class DevicePoolDesc:
+    """A device pool in HBM and how to open it.
+
+    ``ipc_mode``: ``legacy`` (``ipc_handle`` holds a ``cudaIpcMemHandle``), ``fd`` (ask
+    ``fd_socket`` for the fd with ``fd_token``; map ``alloc_size`` bytes) or ``none`` (a CPU
+    test pool that no other process can open)."""
+
+    pool_id: str
+    gpu_uuid: str
+    size: int
+    page_bytes: int
+    ipc_mode: Literal["legacy", "fd", "none"]
+    ipc_handle: bytes | None = None
+    fd_token: int | None = None
+    alloc_size: int | None = None
+    fd_socket: str | None = None
+
+
+PoolDesc = HostShmPool | DevicePoolDesc
+
+
+# -- locations -----------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class HostLocation:
+    """Byte runs ``(offset, length)`` of the entry in the host pool, in order."""
+
+    pool_id: str
+    runs: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceLocation:
+    """The entry in a device pool: one byte ``offset``, or physical ``page_ids`` in order."""
+
+    pool_id: str
+    gpu_uuid: str
+    offset: int | None
+    page_ids: tuple[int, ...]
+
+
+Location = HostLocation | DeviceLocation
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """One found key: its metadata, the lease that keeps it in place, and where it is."""
+
+    key: str
+    lease_id: int
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    location: Location
+
+
+@dataclass(frozen=True, slots=True)
+class BatchDescription:
+    """A batch get: per key a :class:`Hit` or ``None`` (a miss), and the pools the hits
+    name (each once), for clients that have not opened them yet."""
+
+    keys: tuple[str, ...]
+    hits: tuple[Hit | None, ...]
+    pools: tuple[PoolDesc, ...]
+
+    @property
+    def lease_ids(self) -> list[int]:
+        return [h.lease_id for h in self.hits if h is not None]
+
+
+def host_location(lease: Lease, pool_id: str) -> HostLocation:
+    return HostLocation(pool_id, tuple(lease.byte_runs))
+
+
+def device_location(found: DeviceLease) -> DeviceLocation:
+    if found.offset is not None:
+        return DeviceLocation(found.pool_id, found.gpu_uuid, found.offset, ())
+    return DeviceLocation(found.pool_id, found.gpu_uuid, None, tuple(found.page_ids))
+
+
+def _hit(key: str, lease: Lease, location: Location) -> Hit:
+    return Hit(key, lease.lease_id, lease.dtype, tuple(lease.shape), lease.nbytes, location)
+
+
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+class Describer:
+    """Builds descriptions for one engine; pool descriptions are built once and cached."""
+
+    def __init__(self, engine: CacheEngine, settings: Settings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self._lock = threading.Lock()
+        self._host: HostShmPool | None = None
+        self._host_pool_id = f"host-{secrets.token_hex(8)}"
+        self._devices: dict[str, DevicePoolDesc] = {}
+
+    # -- pools ---------------------------------------------------------------------------
+    def host_pool(self) -> HostShmPool:
+        if self._host is None:
+            pool = self.engine.host_pool
+            st = os.stat(pool.path)
+            self._host = HostShmPool(
+                pool_id=self._host_pool_id,
+                segment_name=pool.name,
+                size=pool.nbytes,
+                page_bytes=pool.page_bytes,
+                boot_id=boot_id(),
+                st_dev=st.st_dev,
+                st_ino=st.st_ino,
+            )
+        return self._host
+
+    def device_pool(self, pool: DevicePool) -> DevicePoolDesc:
+        """How a client opens ``pool`` (the legacy export runs once per pool)."""
+        with self._lock:
+            desc = self._devices.get(pool.pool_id)
+            if desc is None:
+                desc = self._describe_device(pool)
+                self._devices[pool.pool_id] = desc
+            return desc
+
+    def _describe_device(self, pool: DevicePool) -> DevicePoolDesc:
+        common: dict[str, Any] = {
+            "pool_id": pool.pool_id,
+            "gpu_uuid": pool.gpu_uuid,
+            "size": pool.nbytes,
+            "page_bytes": pool.page_bytes,
+        }
+        if pool.ipc_mode == "legacy":
+            import torch
+
+            with torch.cuda.device(pool.device):
+                handle = pool.export_legacy()
+            return DevicePoolDesc(**common, ipc_mode="legacy", ipc_handle=bytes(handle))
+        if pool.ipc_mode == "fd":
+            return DevicePoolDesc(
+                **common,
+                ipc_mode="fd",
+                fd_token=pool.fd_token,
+                alloc_size=int(getattr(pool.slab, "nbytes", pool.nbytes)),
+                fd_socket=str(self.settings.effective_ipc_socket),
+            )
+        return DevicePoolDesc(**common, ipc_mode="none")
+
+    def pool_for(self, gpu_uuid: str) -> tuple[int, DevicePool]:
+        """Index and pool of the device pool on ``gpu_uuid``; DeviceUnavailable if none."""
+        pools = self.engine.device_tier.pools
+        for index, pool in enumerate(pools):
+            if pool.gpu_uuid == gpu_uuid:
+                return index, pool
+        if not pools:
+            raise DeviceUnavailable(
+                "device locations need the device pool, which this daemon does not have",
+                gpu_uuid=gpu_uuid,
+            )
+        raise DeviceUnavailable(
+            "this daemon has no device pool on that GPU",
+            gpu_uuid=gpu_uuid,
+            pools=[p.gpu_uuid for p in pools],
+        )
+
+    # -- batches -------------------------------------------------------------------------
+    def host_batch(self, keys: Sequence[str], leases: Sequence[Lease | None]) -> BatchDescription:
+        """Describe the result of ``engine.get``: host byte runs, and the host pool."""
+        pool = self.host_pool()
+        hits = tuple(
+            None if lease is None else _hit(key, lease, host_location(lease, pool.pool_id))
+            for key, lease in zip(keys, leases, strict=True)
+        )
+        pools: tuple[PoolDesc, ...] = (pool,) if any(hits) else ()
+        return BatchDescription(tuple(keys), hits, pools)
+
+    def device_batch(
+        self, keys: Sequence[str], found: Sequence[DeviceLease | None], pool: DevicePool
+    ) -> BatchDescription:
+        """Describe the result of ``engine.get_to_device`` on ``pool``."""
+        hits = tuple(
+            None if dl is None else _hit(key, dl.lease, device_location(dl))
+            for key, dl in zip(keys, found, strict=True)
+        )
+        pools: tuple[PoolDesc, ...] = (self.device_pool(pool),) if any(hits) else ()
+        return BatchDescription(tuple(keys), hits, pools)
+
+    # -- whole gets (the lease-taking half shared by transports) -------------------------
+    def get_host(
+        self, keys: Sequence[str], owner: str, *, ttl_s: float | None = None
+    ) -> BatchDescription:
+        """Lease ``keys`` in the host pool and describe them; nothing leaks on failure."""
+        leases = self.engine.get(list(keys), owner, ttl_s=ttl_s)
+        with _released_on_error(self.engine, [x.lease_id for x in leases if x is not None]):
+            return self.host_batch(keys, leases)
+
+    def get_device(
+        self, keys: Sequence[str], owner: str, gpu_uuid: str, *, ttl_s: float | None = None
+    ) -> BatchDescription:
+        """Lease ``keys`` and make them resident on ``gpu_uuid``'s pool. Blocks on the copy:
+        call it from a worker thread."""
+        index, pool = self.pool_for(gpu_uuid)
+        found, _ = self.engine.get_to_device(list(keys), owner, ttl_s=ttl_s, device=index)
+        ids = [d.lease.lease_id for d in found if d is not None]
+        with _released_on_error(self.engine, ids):
+            return self.device_batch(keys, found, pool)
+
+
+@contextlib.contextmanager
+def _released_on_error(engine: CacheEngine, lease_ids: list[int]) -> Any:
+    try:
+        yield
+    except BaseException:
+        engine.release(lease_ids)
+        raise
+
+
+_describers: weakref.WeakKeyDictionary[Any, Describer] = weakref.WeakKeyDictionary()
+_describers_lock = threading.Lock()
+
+
+def describer_for(engine: CacheEngine, settings: Settings | None = None) -> Describer:
+    """The engine's one :class:`Describer` (created on first use)."""
+    with _describers_lock:
+        describer = _describers.get(engine)
+        if describer is None:
+            describer = Describer(engine, settings if settings is not None else engine.settings)
+            _describers[engine] = describer
+        return describer
