@@ -100,7 +100,10 @@ class Settings(BaseSettings):
         description="Name of the POSIX shared-memory segment of the host pool "
         "(empty: derived from the gRPC port, 'embcache-<port>').",
     )
-    gpu: int = Field(0, ge=0, description="CUDA device index of the device pool.")
+    gpus: str = Field(
+        "all",
+        description="GPUs that get a device pool: 'all' visible ones, or indices like '0,2'.",
+    )
     ipc_mode: Literal["fd", "legacy"] = Field(
         "fd",
         description="How device pools are shared: 'fd' (VMM, POSIX fd over a Unix socket; "
@@ -167,6 +170,28 @@ class Settings(BaseSettings):
         if v < 4096 or v & (v - 1):
             raise ValueError("must be a power of two of at least 4096 bytes")
         return v
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpu_list(cls, v: str) -> str:
+        if v.strip() == "all":
+            return "all"
+        try:
+            ids = [int(x) for x in v.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError("must be 'all' or comma-separated GPU indices like 0,1") from None
+        if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+            raise ValueError("must list distinct, non-negative GPU indices")
+        return ",".join(str(i) for i in ids)
+
+    def gpu_indices(self, visible: int) -> list[int]:
+        """The GPUs to serve, given how many are visible."""
+        if self.gpus == "all":
+            return list(range(visible))
+        ids = [int(x) for x in self.gpus.split(",")]
+        if max(ids) >= visible:
+            raise ValueError(f"gpus={self.gpus} but only {visible} GPUs are visible")
+        return ids
 
     @field_validator("shm_mode", "socket_mode")
     @classmethod

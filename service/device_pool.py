@@ -88,6 +88,8 @@ class DevicePool:
         self._resident: OrderedDict[Entry, Residency] = OrderedDict()
         self._pending_unbind: list[tuple[int, int]] = []  # (vstart, npages) to tombstone
         self._legacy_handle: bytes | None = None
+        self.failed = False  # a device error took the pool out of service
+        self.failure = ""
         self.evictions = 0
         self.hits = 0
         self.loads = 0
@@ -98,6 +100,17 @@ class DevicePool:
         if res is not None:
             self._resident.move_to_end(entry)
         return res
+
+    def peek(self, entry: Entry) -> Residency | None:
+        """The residency without touching the LRU order."""
+        return self._resident.get(entry)
+
+    def fail(self, reason: str) -> None:
+        """Take the pool out of service after a device error; forget what it held."""
+        self.failed = True
+        self.failure = reason
+        self._resident.clear()
+        self._pending_unbind.clear()
 
     def is_resident(self, entry: Entry) -> bool:
         return entry in self._resident

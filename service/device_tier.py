@@ -7,7 +7,7 @@ waited for outside it, so a slow copy never blocks other clients' calls.
 
 from __future__ import annotations
 
-import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,16 +18,18 @@ import torch
 
 from embcache import kernels
 
-from .copy_plan import PlanBuilder, row_bytes_for
+from . import device_io
+from .copy_plan import PlanBuilder
 from .device_pool import DevicePool, Residency
-from .dtypes import from_torch
-from .errors import DeviceUnavailable, InvalidArgument, PoolExhausted
+from .device_routing import PeerRates, copy_between_pools
+from .errors import DeviceUnavailable, PoolExhausted
 from .leases import Lease
 
 if TYPE_CHECKING:
     from .engine import CacheEngine
     from .entries import Entry
 
+log = logging.getLogger(__name__)
 CopyObserver = Callable[[str, int, float], None]
 Placed = tuple[Lease, Residency, bool]  # lease, residency, resident hit
 
@@ -55,13 +57,29 @@ class DeviceTier:
         self.pools = list(pools)
         self._put_streams: dict[int, torch.cuda.Stream] = {}
         self._config = kernels.TransferConfig(sm_budget=engine.settings.copy_sm_budget)
+        # Measured host->GPU and GPU->GPU rates decide where a device copy comes from.
+        self.rates = PeerRates.calibrate(self.pools, engine.host_pool.tensor)
 
     def pool(self, index: int) -> DevicePool:
         if not 0 <= index < len(self.pools):
             raise DeviceUnavailable(
                 "no device pool with this index", device=index, pools=len(self.pools)
             )
-        return self.pools[index]
+        pool = self.pools[index]
+        if pool.failed:
+            raise DeviceUnavailable(
+                "device pool is out of service after a device error",
+                device=index,
+                reason=pool.failure,
+            )
+        return pool
+
+    def index_of(self, gpu_uuid: str) -> int | None:
+        """The pool serving the GPU with this uuid (None: no such pool)."""
+        for pool in self.pools:
+            if pool.gpu_uuid == gpu_uuid:
+                return pool.index
+        return None
 
     def drop(self, entry: Entry) -> None:
         for pool in self.pools:
@@ -98,11 +116,17 @@ class DeviceTier:
                     placed.append((lease, res, hit))
                 if loads:
                     self._load(pool, loads)
-            except BaseException:
+            except BaseException as exc:
+                e.release(x.lease_id for x in leases if x is not None)
+                if _is_device_error(exc):
+                    pool.fail(str(exc))
+                    log.error("device pool %d out of service: %s", device, exc)
+                    raise DeviceUnavailable(
+                        "device error; pool taken out of service", device=device, reason=str(exc)
+                    ) from exc
                 for entry, _ in loads:
                     pool.drop(entry)
                 pool.flush()
-                e.release(x.lease_id for x in leases if x is not None)
                 raise
             pool.hits += sum(1 for p in placed if p is not None and p[2])
             table = self._read_table(pool, placed) if read_table else None
@@ -136,11 +160,21 @@ class DeviceTier:
         return out, table
 
     def _load(self, pool: DevicePool, loads: list[tuple[Entry, Residency]]) -> None:
-        """One ``transfer_ranges`` call gathers every entry of the batch host -> device."""
+        """Fill fresh residencies: one ``transfer_ranges`` call gathers every entry that
+        comes from the host; entries resident on a faster peer GPU are copied from there."""
         host = self._engine.host_pool
         plan = PlanBuilder(16)
         page = host.page_bytes
+        peer_bytes = 0
         for entry, res in loads:
+            src_index = self.rates.best_source(entry, pool.index, self.pools)
+            if src_index is not None:
+                src_pool = self.pools[src_index]
+                src_res = src_pool.peek(entry)
+                assert src_res is not None
+                copy_between_pools(src_pool, src_res, pool, res, entry.nbytes)
+                peer_bytes += entry.nbytes
+                continue
             src = [(s * page, k * page) for s, k in entry.runs]
             plan.add(src, pool.byte_runs(res), entry.nbytes)
         if len(plan):
@@ -151,6 +185,8 @@ class DeviceTier:
         for _, res in loads:
             res.event = event
         self._engine._count_copy("h2d", plan.nbytes)
+        if peer_bytes:
+            self._engine._count_copy("d2d", peer_bytes)
 
     def _read_table(self, pool: DevicePool, placed: list[Placed | None]) -> torch.Tensor:
         """Physical pages per found key, built on the device by ``build_read_table``."""
@@ -175,7 +211,7 @@ class DeviceTier:
             torch.cuda.current_stream(pool.device).wait_stream(pool.stream)
         return out
 
-    # -- get into a client buffer --------------------------------------------------------
+    # -- copies for clients (device_io.py) -------------------------------------------------
     def get_into(
         self,
         keys: Sequence[str],
@@ -186,133 +222,13 @@ class DeviceTier:
         device: int | None,
     ) -> list[Lease | None]:
         """Copy each found entry to ``dest[offsets[i]:]`` (flat uint8); leases end after."""
-        e = self._engine
-        if len(offsets) != len(keys):
-            raise InvalidArgument("one offset per key", keys=len(keys), offsets=len(offsets))
-        if dest.dim() != 1 or dest.dtype != torch.uint8 or not dest.is_contiguous():
-            raise InvalidArgument("destination must be a flat contiguous uint8 buffer")
-        pool = self.pool(device) if device is not None else None
-        e.fill_misses(keys)
-        with e._lock:
-            leases = e._get(keys, owner)
-            try:
-                self._check_slots(leases, offsets, dest.numel())
-                stream = self._queue_into(pool, leases, dest, offsets)
-            except BaseException:
-                e.release(x.lease_id for x in leases if x is not None)
-                raise
-        try:
-            start = time.perf_counter()
-            if stream is not None:
-                stream.synchronize()
-            self._observe("h2d", sum(x.nbytes for x in leases if x), time.perf_counter() - start)
-        finally:
-            e.release(x.lease_id for x in leases if x is not None)
-        return leases
+        return device_io.get_into(self, keys, owner, dest, offsets, device=device)
 
-    @staticmethod
-    def _check_slots(leases: list[Lease | None], offsets: Sequence[int], size: int) -> None:
-        spans = []
-        for lease, off in zip(leases, offsets, strict=True):
-            if lease is None:
-                continue
-            if off < 0 or off + lease.nbytes > size:
-                raise InvalidArgument(
-                    "entry does not fit the destination at its offset",
-                    key=lease.key,
-                    offset=off,
-                    nbytes=lease.nbytes,
-                    destination_bytes=size,
-                )
-            spans.append((off, off + lease.nbytes, lease.key))
-        spans.sort()
-        for (_, end, k1), (start, _, k2) in itertools.pairwise(spans):
-            if start < end:
-                raise InvalidArgument("destination slots overlap", keys=[k1, k2])
-
-    def _queue_into(
-        self,
-        pool: DevicePool | None,
-        leases: list[Lease | None],
-        dest: torch.Tensor,
-        offsets: Sequence[int],
-    ) -> torch.cuda.Stream | None:
-        found = [(x, off) for x, off in zip(leases, offsets, strict=True) if x is not None]
-        row = row_bytes_for(
-            dest.data_ptr(), *(off for _, off in found), *(x.nbytes for x, _ in found)
-        )
-        host_plan, dev_plan = PlanBuilder(row), PlanBuilder(row)
-        for lease, off in found:
-            res = pool.lookup(lease.entry) if pool is not None else None
-            if res is not None and res.event is not None and not res.event.query():
-                res = None  # still loading: read the host copy instead of waiting
-            if pool is not None and res is not None:
-                dev_plan.add(pool.byte_runs(res), [(off, lease.nbytes)], lease.nbytes)
-            else:
-                page = self._engine.host_pool.page_bytes
-                src = [(s * page, k * page) for s, k in lease.entry.runs]
-                host_plan.add(src, [(off, lease.nbytes)], lease.nbytes)
-        stream = pool.stream if pool is not None else self._stream_for(dest)
-        if stream is not None:  # in-process callers may still be writing dest on their stream
-            stream.wait_stream(torch.cuda.current_stream(dest.device))
-        dview = dest[: dest.numel() // row * row].view(-1, row)
-        if len(host_plan):
-            s, d, n = host_plan.rows()
-            self._transfer(self._engine.host_pool.tensor.view(-1, row), dview, s, d, n, stream)
-            self._engine._count_copy("h2d", host_plan.nbytes)
-        if len(dev_plan):
-            assert pool is not None
-            src = pool.tensor.view(-1, row)
-            s, d, n = dev_plan.rows()
-            with pool._on_stream():
-                for si, di, ni in zip(s.tolist(), d.tolist(), n.tolist(), strict=True):
-                    dview[di : di + ni].copy_(src[si : si + ni], non_blocking=True)
-            self._engine._count_copy("d2d", dev_plan.nbytes)
-        return stream
-
-    # -- put from device -----------------------------------------------------------------
     def put_from_device(
         self, key: str, src: torch.Tensor, owner: str, checksum: int | None
     ) -> bool:
         """Copy a device tensor into a new entry; returns once the bytes are in the pool."""
-        dt = from_torch(src.dtype)
-        if dt is None:
-            raise InvalidArgument("unsupported dtype", dtype=str(src.dtype))
-        if not src.is_contiguous():
-            raise InvalidArgument("source tensor must be contiguous")
-        e = self._engine
-        handle = e.begin_put(key, dt.name, tuple(src.shape), owner=owner, checksum=checksum)
-        with handle:
-            if handle.exists_already:
-                handle.skip_bytes()
-                return handle.commit()
-            nbytes = handle.nbytes
-            flat = src.reshape(-1).view(torch.uint8)
-            row = row_bytes_for(flat.data_ptr(), nbytes)
-            page = e.host_pool.page_bytes
-
-            def copy(_byte_runs: object) -> None:
-                plan = PlanBuilder(row)
-                plan.add(
-                    [(0, nbytes)], [(s * page, k * page) for s, k in handle.entry.runs], nbytes
-                )
-                if not len(plan):
-                    return
-                stream = self._stream_for(src)
-                if stream is not None:  # an in-process producer may still be writing src
-                    stream.wait_stream(torch.cuda.current_stream(src.device))
-                s, d, n = plan.rows()
-                start = time.perf_counter()
-                self._transfer(
-                    flat.view(-1, row), e.host_pool.tensor.view(-1, row), s, d, n, stream
-                )
-                if stream is not None:
-                    stream.synchronize()
-                self._observe("d2h", nbytes, time.perf_counter() - start)
-                e._count_copy("d2h", nbytes)
-
-            handle.fill_with(copy)
-            return handle.commit()
+        return device_io.put_from_device(self, key, src, owner, checksum)
 
     # -- plumbing ------------------------------------------------------------------------
     def _transfer(
@@ -363,3 +279,13 @@ class DeviceTier:
     def close(self) -> None:
         for pool in self.pools:
             pool.close()
+
+
+def _is_device_error(exc: BaseException) -> bool:
+    """A CUDA failure of the device itself (not a bad request, not a full pool)."""
+    from embcache.kernels._cudart import CudaRuntimeError
+    from embcache.kernels.cuda_mem import CudaMemError
+
+    if isinstance(exc, (CudaMemError, CudaRuntimeError)):
+        return True
+    return isinstance(exc, RuntimeError) and "CUDA error" in str(exc)

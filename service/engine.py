@@ -52,19 +52,27 @@ class EvictOutcome(enum.Enum):
 
 
 def default_device_pools(settings: Settings) -> list[DevicePool]:
-    """One device pool on ``settings.gpu`` when a device pool size is set and CUDA is used."""
+    """One device pool per served GPU when a device pool size is set and CUDA is used."""
     if settings.device_pool_bytes == 0 or not cuda_wanted(settings):
         return []
-    device = torch.device("cuda", settings.gpu)
-    return [
-        DevicePool(
-            device,
-            settings.device_pool_bytes,
-            settings.device_page_bytes,
-            ipc_mode=settings.ipc_mode,
-            index=0,
-        )
-    ]
+    gpus = settings.gpu_indices(torch.cuda.device_count())
+    pools: list[DevicePool] = []
+    try:
+        for index, gpu in enumerate(gpus):
+            pools.append(
+                DevicePool(
+                    torch.device("cuda", gpu),
+                    settings.device_pool_bytes,
+                    settings.device_page_bytes,
+                    ipc_mode=settings.ipc_mode,
+                    index=index,
+                )
+            )
+    except BaseException:
+        for pool in pools:
+            pool.close()
+        raise
+    return pools
 
 
 def cuda_wanted(settings: Settings) -> bool:

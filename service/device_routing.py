@@ -1,0 +1,104 @@
+"""Multi-GPU routing: where a device copy comes from, and pools that fail.
+
+An entry already resident on GPU A and wanted on GPU B can be copied A -> B over the GPU
+interconnect instead of host -> B. Which is faster depends on the machine (NVLink, PCIe
+switch topology, NUMA), so the choice comes from rates measured at start-up
+(:meth:`PeerRates.calibrate`), never from a constant. Rates can also be given (tests,
+operators who measured their own).
+
+A pool whose device raises a CUDA error is taken out of service: its residencies are
+forgotten on the host side and gets for that GPU fail with DeviceUnavailable, while the
+other pools go on serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .device_pool import DevicePool, Residency
+from .entries import Entry
+
+log = logging.getLogger(__name__)
+HOST = -1  # source index of the host pool in the rate table
+
+
+@dataclass
+class PeerRates:
+    """Measured copy rates in GB/s: ``rates[(src, dst)]``, ``src`` a pool index or HOST."""
+
+    rates: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def prefer_peer(self, src: int, dst: int) -> bool:
+        """Copy from pool ``src`` rather than from the host when it was measured faster."""
+        peer = self.rates.get((src, dst))
+        host = self.rates.get((HOST, dst))
+        return peer is not None and host is not None and peer > host
+
+    def best_source(self, entry: Entry, dst: int, pools: list[DevicePool]) -> int | None:
+        """The fastest pool holding a finished copy of ``entry``, if it beats the host."""
+        best: tuple[float, int] | None = None
+        for pool in pools:
+            if pool.index == dst or pool.failed or not pool.is_resident(entry):
+                continue
+            res = pool.peek(entry)
+            if res is None or (res.event is not None and not res.event.query()):
+                continue  # still loading there: the host copy is ready now
+            if self.prefer_peer(pool.index, dst):
+                rate = self.rates[(pool.index, dst)]
+                if best is None or rate > best[0]:
+                    best = (rate, pool.index)
+        return None if best is None else best[1]
+
+    @classmethod
+    def calibrate(
+        cls, pools: list[DevicePool], host: torch.Tensor, nbytes: int = 64 << 20
+    ) -> PeerRates:
+        """Time host -> each GPU and each GPU -> each other GPU once (a few ms per pair)."""
+        rates: dict[tuple[int, int], float] = {}
+        cuda = [p for p in pools if p.device.type == "cuda"]
+        if len(cuda) < 2:
+            return cls(rates)
+        n = min(nbytes, host.numel(), *(p.tensor.numel() for p in cuda))
+        for dst in cuda:
+            rates[(HOST, dst.index)] = _time_copy(dst.tensor[:n], host[:n], dst)
+            for src in cuda:
+                if src is not dst:
+                    rates[(src.index, dst.index)] = _time_copy(dst.tensor[:n], src.tensor[:n], dst)
+        log.info(
+            "copy rates (GB/s, -1 = host): %s",
+            {f"{s}->{d}": round(r, 1) for (s, d), r in rates.items()},
+        )
+        return cls(rates)
+
+
+def _time_copy(dst: torch.Tensor, src: torch.Tensor, pool: DevicePool, reps: int = 3) -> float:
+    stream = pool.stream
+    assert stream is not None
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)  # warm-up (peer mapping, first touch)
+        stream.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dst.copy_(src, non_blocking=True)
+        stream.synchronize()
+    return reps * dst.numel() / (time.perf_counter() - t0) / 1e9
+
+
+def copy_between_pools(
+    src_pool: DevicePool, src: Residency, dst_pool: DevicePool, dst: Residency, nbytes: int
+) -> None:
+    """Queue a device-to-device copy of one entry's pages on the destination's stream."""
+    if dst_pool.stream is not None and src_pool.stream is not None:
+        dst_pool.stream.wait_stream(src_pool.stream)  # the source pages are complete
+    src_runs = src_pool.byte_runs(src)
+    dst_runs = dst_pool.byte_runs(dst)
+    from .copy_plan import merge_runs, truncate_runs
+
+    so, do, ln = merge_runs(truncate_runs(src_runs, nbytes), truncate_runs(dst_runs, nbytes))
+    with dst_pool._on_stream():
+        for s, d, n in zip(so.tolist(), do.tolist(), ln.tolist(), strict=True):
+            dst_pool.tensor[d : d + n].copy_(src_pool.tensor[s : s + n], non_blocking=True)

@@ -1,0 +1,124 @@
+"""Multi-GPU routing on CPU "devices": per-pool accounting, peer copies chosen by measured
+rates, a failed pool taken out of service while the others serve."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from embcache.service.config import Settings
+from embcache.service.device_pool import DevicePool
+from embcache.service.device_routing import HOST, PeerRates
+from embcache.service.engine import CacheEngine
+from embcache.service.errors import DeviceUnavailable
+
+PAGE = 4096
+
+
+@pytest.fixture
+def engine(shm_name: str):
+    s = Settings(host_pool_bytes=64 * PAGE, page_bytes=PAGE, shm_name=shm_name, device="cpu")
+    pools = [DevicePool(torch.device("cpu"), 8 * PAGE, PAGE, index=i) for i in range(2)]
+    with CacheEngine(s, device_pools=pools) as e:
+        yield e
+
+
+def blob(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(
+        0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+    )
+
+
+def read(e: CacheEngine, dl) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    pool = e.device_tier.pool(e.device_tier.index_of(dl.gpu_uuid))  # type: ignore[arg-type]
+    pages = pool.tensor.view(-1, pool.page_bytes)[list(dl.page_ids)].reshape(-1)
+    return pages[: dl.lease.nbytes]
+
+
+def test_pools_are_separate_and_routed_by_uuid(engine: CacheEngine) -> None:
+    tier = engine.device_tier
+    assert [tier.index_of(u) for u in ("CPU-0", "CPU-1", "GPU-nope")] == [0, 1, None]
+    engine.put("a", blob(3 * PAGE, 1))
+    engine.put("b", blob(PAGE, 2))
+    [da], _ = engine.get_to_device(["a"], "dec", device=0)
+    [db], _ = engine.get_to_device(["b"], "dec", device=1)
+    assert da is not None and db is not None and da.gpu_uuid == "CPU-0" and db.gpu_uuid == "CPU-1"
+    s = engine.stats()
+    assert [d.used_pages for d in s.device] == [3, 1] and s.device_resident == [1, 1]
+    assert [d.tier for d in s.device] == ["device:0", "device:1"]
+    info = engine.entry_info("a")
+    assert info is not None and info.residency == ("host", "device:0")
+
+
+@pytest.mark.parametrize(("peer", "host", "expect"), [(100.0, 10.0, "d2d"), (5.0, 50.0, "h2d")])
+def test_resident_elsewhere_uses_the_faster_source(
+    engine: CacheEngine, peer: float, host: float, expect: str
+) -> None:
+    engine.device_tier.rates = PeerRates({(0, 1): peer, (HOST, 1): host})
+    a = blob(3 * PAGE + 100, 5)
+    engine.put("a", a)
+    engine.get_to_device(["a"], "dec", device=0)  # resident on pool 0
+    before = dict(engine.stats().bytes_copied)
+    [d1], _ = engine.get_to_device(["a"], "dec", device=1)
+    after = engine.stats().bytes_copied
+    assert d1 is not None and torch.equal(read(engine, d1), a)
+    grown = {k for k in after if after[k] > before.get(k, 0)}
+    assert grown == {expect}
+    assert engine.entry_info("a").residency == ("host", "device:0", "device:1")  # type: ignore[union-attr]
+
+
+def test_unmeasured_rates_mean_host(engine: CacheEngine) -> None:
+    assert engine.device_tier.rates.rates == {}  # CPU pools are not calibrated
+    engine.put("a", blob(PAGE, 1))
+    engine.get_to_device(["a"], "dec", device=0)
+    engine.get_to_device(["a"], "dec", device=1)
+    assert engine.stats().bytes_copied["d2d"] == 0
+
+
+def test_eviction_is_per_pool(engine: CacheEngine) -> None:
+    for i in range(4):
+        engine.put(f"k{i}", blob(4 * PAGE, i))
+    engine.get_to_device(["k0", "k1"], "dec", device=0)  # fills pool 0 (8 pages), leased
+    engine.get_to_device(["k2"], "x", device=1)
+    engine.drop_owner("x")
+    engine.get_to_device(["k3"], "y", device=1)
+    engine.drop_owner("y")
+    engine.get_to_device(["k0"], "z", device=1)  # pool 1 evicts its LRU (k2), not pool 0
+    pools = engine.device_tier.pools
+    assert pools[0].evictions == 0 and pools[1].evictions == 1
+    assert [engine.entry_info(f"k{i}").residency for i in range(3)] == [  # type: ignore[union-attr]
+        ("host", "device:0", "device:1"),
+        ("host", "device:0"),
+        ("host",),
+    ]
+
+
+def test_failed_pool_is_taken_out_of_service(
+    engine: CacheEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine.put("a", blob(PAGE, 1))
+    tier = engine.device_tier
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(tier, "_transfer", broken)
+    with pytest.raises(DeviceUnavailable):
+        engine.get_to_device(["a"], "dec", device=0)
+    assert tier.pools[0].failed and engine.stats().leases_active == 0
+    with pytest.raises(DeviceUnavailable, match="out of service"):
+        engine.get_to_device(["a"], "dec", device=0)
+    monkeypatch.undo()
+    [d1], _ = engine.get_to_device(["a"], "dec", device=1)  # the other GPU keeps serving
+    assert d1 is not None and torch.equal(read(engine, d1), blob(PAGE, 1))
+
+
+def test_gpu_list_setting() -> None:
+    assert Settings().gpu_indices(4) == [0, 1, 2, 3]
+    assert Settings(gpus="2, 0").gpu_indices(4) == [2, 0]
+    with pytest.raises(ValueError, match="visible"):
+        Settings(gpus="5").gpu_indices(2)
+    for bad in ("x", "1,1", "-1", ""):
+        with pytest.raises(ValidationError):
+            Settings(gpus=bad)
