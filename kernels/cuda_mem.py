@@ -365,6 +365,26 @@ def import_fd(fd: int, device: int, nbytes: int) -> ImportedMemory:
     return ImportedMemory(device, ptr, nbytes, "fd", handle.value)
 
 
+def allocation_range(ptr: int) -> tuple[int, int]:
+    """``(base, size)`` of the device allocation that contains ``ptr``."""
+    _, drv = _libs()
+    base = ctypes.c_ulonglong(0)
+    size = ctypes.c_size_t(0)
+    _drv_check(
+        "cuMemGetAddressRange",
+        drv.cuMemGetAddressRange_v2(
+            ctypes.byref(base), ctypes.byref(size), ctypes.c_ulonglong(ptr)
+        ),
+    )
+    return int(base.value), int(size.value)
+
+
+def allocation_bytes(ptr: int) -> int:
+    """Bytes from ``ptr`` to the end of its allocation."""
+    base, size = allocation_range(ptr)
+    return base + size - ptr
+
+
 def export_tensor(t: torch.Tensor) -> tuple[bytes, int, int]:
     """(legacy IPC handle, byte offset, allocation size) of the allocation holding ``t``.
 

@@ -102,19 +102,9 @@ class CudaIpc:
 
 def _allocation_bytes(ptr: int) -> int:
     """Bytes from ``ptr`` to the end of its allocation (driver ``cuMemGetAddressRange``)."""
-    import ctypes
-
     from embcache.kernels import cuda_mem
 
-    _, drv = cuda_mem._libs()
-    base, size = ctypes.c_ulonglong(0), ctypes.c_size_t(0)
-    cuda_mem._drv_check(
-        "cuMemGetAddressRange",
-        drv.cuMemGetAddressRange_v2(
-            ctypes.byref(base), ctypes.byref(size), ctypes.c_ulonglong(ptr)
-        ),
-    )
-    return int(base.value + size.value - ptr)
+    return cuda_mem.allocation_bytes(ptr)
 
 
 @dataclass(eq=False)
