@@ -223,11 +223,19 @@ class LeasedStream(StreamingResponse):
         engine, lease = self._engine, self._lease
         renew_every = engine.settings.lease_ttl_s / 2
         renewed = time.monotonic()
-        for chunk in engine.iter_bytes(lease, start, stop - start, CHUNK_BYTES):
-            yield chunk
+        chunks = engine.iter_bytes(lease, start, stop - start, CHUNK_BYTES)
+        last = next(chunks, None)
+        for chunk in chunks:
+            yield last  # type: ignore[misc]
+            last = chunk
             if time.monotonic() - renewed > renew_every:  # a slow reader keeps its lease
                 engine.renew([lease.lease_id])
                 renewed = time.monotonic()
+        # Every byte is copied out: end the lease before the last send, so a client that
+        # has the whole body never finds the entry still leased.
+        engine.release([lease.lease_id])
+        if last is not None:
+            yield last
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

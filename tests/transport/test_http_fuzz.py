@@ -151,6 +151,11 @@ def test_openapi_covers_every_v1_route(server: Served) -> None:
         ("DELETE", "/v1/entries/{key}"),
         ("POST", "/v1/evict"),
         ("GET", "/v1/pool-map"),
+        ("PUT", "/v1/entries/{key}"),
+        ("GET", "/v1/entries/{key}/data"),
+        ("POST", "/v1/get"),
+        ("POST", "/v1/release"),
+        ("POST", "/v1/renew"),
     } <= ops
 
 
@@ -170,5 +175,7 @@ def test_fuzz_no_server_errors(server: Served, data: st.DataObject) -> None:
     assert resp.status_code < 500, (method, path, query, body, resp.text)
     if resp.status_code >= 400:
         assert set(resp.json()) == {"error", "code", "message", "details"}, resp.text
+    elif resp.headers.get("content-type") == "application/octet-stream":
+        assert int(resp.headers["x-embcache-nbytes"]) >= len(resp.content)  # entry bytes
     elif re.fullmatch(r"/v1/.*", path):
-        resp.json()  # every /v1 success is JSON
+        resp.json()  # every other /v1 success is JSON
