@@ -271,6 +271,7 @@ def main() -> None:
     ap.add_argument("--pool", default="1GiB")
     ap.add_argument("--device-iters", type=int, default=101)
     ap.add_argument("--device-rounds", type=int, default=5)
+    ap.add_argument("--out-dir", type=Path, default=RESULTS.parent)
     args = ap.parse_args()
 
     tmp = tempfile.mkdtemp(prefix="ecb-")
@@ -354,8 +355,9 @@ def main() -> None:
             f"(ratio {gpu['ratio_frag_to_copy_engine']:.2f}); put-from-device 16 x 4 MiB "
             f"{gpu['put_from_device_16x4MiB_gbs']:.1f} GB/s"
         )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
+    out = args.out_dir / RESULTS.name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
         json.dumps(
             {
                 "commit": commit(),
@@ -372,7 +374,7 @@ def main() -> None:
         )
         + "\n"
     )
-    print(f"wrote {RESULTS}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
