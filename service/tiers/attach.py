@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,10 +62,19 @@ class PrefetchResult:
         }
 
 
+BackendFactory = Callable[[SharedTierConfig], SharedTierBackend]
+
+
 class SharedTier:
-    def __init__(self, engine: CacheEngine, config: SharedTierConfig) -> None:
+    def __init__(
+        self,
+        engine: CacheEngine,
+        config: SharedTierConfig,
+        backend_factory: BackendFactory = make_backend,
+    ) -> None:
         self.engine = engine
         self.config = config
+        self._factory = backend_factory
         self.health = TierHealth()
         self._backend: SharedTierBackend | None = None
         self._backend_lock = threading.Lock()
@@ -89,7 +98,7 @@ class SharedTier:
             if self._backend is not None:
                 return
             try:
-                backend = make_backend(self.config)
+                backend = self._factory(self.config)
                 backend.attach_pool(self.engine.host_pool.array)
             except ImportError:
                 raise  # the adapter's package is missing: a setup error, not an outage
@@ -283,16 +292,20 @@ class SharedTier:
 
 
 def attach_shared_tier(
-    engine: CacheEngine, config: SharedTierConfig | str, metrics: Any = None
+    engine: CacheEngine,
+    config: SharedTierConfig | str,
+    metrics: Any = None,
+    *,
+    backend_factory: BackendFactory = make_backend,
 ) -> SharedTier:
     """Install the hooks on ``engine`` and start the writer and monitor threads.
 
     ``config`` is a :class:`SharedTierConfig` or a URL; ``metrics`` (a ``Metrics``) gets the
-    shared-tier families in its registry.
+    shared-tier families in its registry. ``backend_factory`` is for tests.
     """
     if isinstance(config, str):
         config = SharedTierConfig.from_url(config)
-    tier = SharedTier(engine, config)
+    tier = SharedTier(engine, config, backend_factory)
     engine.miss_fetcher = tier.fetch
     engine.remote_exists = tier.exists
     engine.commit_listeners.append(tier.on_commit)
