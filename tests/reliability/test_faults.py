@@ -1,0 +1,73 @@
+"""CI-sized fault injection (3 repetitions of each fault; ``bench/soak.py --full``: 20).
+
+The faults run once per module; each test checks one promise over every repetition.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from relkit import figures
+from relkit.faults import run_faults
+
+REPS = 3
+KINDS = (
+    "sigkill_consumer",
+    "sigstop_consumer",
+    "cancel_put",
+    "sigkill_producer",
+    "deadline_get_bytes",
+    "deadline_get",
+    "sigterm_daemon",
+    "sigkill_daemon",
+)
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    out = run_faults(REPS, tmp_path_factory.mktemp("faults"))
+    yield out
+    print("\n" + figures.table(f"faults (CI, {REPS} repetitions)", out))
+    figures.save("faults", out)
+
+
+def test_every_fault_was_injected(result: dict[str, Any]) -> None:
+    assert set(result["kinds"]) == set(KINDS)
+    for kind in KINDS:
+        assert result["kinds"][kind]["injected"] == REPS, kind
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_everything_comes_back_within_15s(result: dict[str, Any], kind: str) -> None:
+    k = result["kinds"][kind]
+    assert k["not_reclaimed"] == 0 and k["reclaim_max_s"] is not None, k
+    assert k["reclaim_max_s"] < 15.0, k
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "sigstop_consumer"])
+def test_no_problem_and_nothing_lost(result: dict[str, Any], kind: str) -> None:
+    k = result["kinds"][kind]
+    assert k["problems"] == [] and k["lost"] == 0, k
+
+
+def test_main_daemon_ends_clean(result: dict[str, Any]) -> None:
+    assert result["main_daemon_exit_code"] == 0
+    assert result["main_daemon_leases_left"] == 0 and result["main_daemon_filling_left"] == 0
+
+
+def test_stopped_reader_saw_reused_memory(result: dict[str, Any]) -> None:
+    """The set-up works: while the reader slept its pages were given to other entries."""
+    k = result["kinds"]["sigstop_consumer"]
+    assert k["reused_memory_seen"] == REPS, k
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="finding: a zero-copy view whose lease expired (reader stopped past the TTL) "
+    "reads reused memory and neither the read nor the release reports it "
+    "(clients/results.py LeasedTensors.release ignores the released count)",
+)
+def test_stopped_reader_never_reads_reused_memory_silently(result: dict[str, Any]) -> None:
+    k = result["kinds"]["sigstop_consumer"]
+    assert k["stale_silent"] == 0 and k["problems"] == [], k
