@@ -36,6 +36,8 @@ from embcache.clients import EmbCacheClient
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
 MiB = 1 << 20
+# The daemon from this interpreter (works whether or not the console script is installed).
+DAEMON = [sys.executable, "-m", "embcache.service.cli"]
 RESULTS = Path(__file__).resolve().parent / "results" / "grpc_e2e.json"
 
 BASELINE_SERVER = """
@@ -238,7 +240,7 @@ def gpu_section(tmp: str, iters: int, rounds: int) -> dict[str, Any] | str:
     if not torch.cuda.is_available():
         return "no CUDA here: get-to-device not measured"
     sock = os.path.join(tmp, "gpu.sock")
-    args = [str(Path(sys.executable).with_name("embcache")), "serve", "--grpc-port", "0"]
+    args = [*DAEMON, "serve", "--grpc-port", "0"]
     args += ["--http-port", "0", "--grpc-socket", sock, "--log-level", "warning"]
     args += ["--shm-name", f"embcache-bench-gpu-{uuid.uuid4().hex[:8]}"]
     args += ["--host-pool-bytes", "4GiB", "--device-pool-bytes", "1GiB"]
@@ -276,10 +278,9 @@ def main() -> None:
 
     tmp = tempfile.mkdtemp(prefix="ecb-")
     sock, base_sock = os.path.join(tmp, "d.sock"), os.path.join(tmp, "b.sock")
-    embcache = Path(sys.executable).with_name("embcache")
     daemon, line = start(
         [
-            str(embcache),
+            *DAEMON,
             "serve",
             "--grpc-port",
             "0",
