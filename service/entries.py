@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .dtypes import DType
 
@@ -32,10 +32,10 @@ class Entry:
     checksum: int | None = None
     ref_cnt: int = 0
     last_access: float = 0.0
+    num_pages: int = field(init=False)  # sum of the runs' lengths (runs never change)
 
-    @property
-    def num_pages(self) -> int:
-        return sum(n for _, n in self.runs)
+    def __post_init__(self) -> None:
+        self.num_pages = sum(n for _, n in self.runs)
 
     def same_meta(self, dtype: DType, shape: tuple[int, ...]) -> bool:
         return self.dtype is dtype and self.shape == shape
