@@ -138,6 +138,43 @@ class DevicePool:
         self.loads += 1
         return res
 
+    def reserve_batch(self, entries: list[Entry]) -> list[Residency] | None:
+        """:meth:`reserve` for several entries with two allocator calls instead of two each.
+
+        All or nothing: None (and nothing reserved) when the batch does not fit after
+        evicting every unleased resident. The batch's virtual pages are one range, cut
+        into one sub-range per entry; its physical runs are cut the same way.
+        """
+        sizes = [self.pages_for(e.nbytes) for e in entries]
+        total = sum(sizes)
+        if total > self.num_pages:
+            return None
+        while self._pages.num_free_pages < total or self._vpages.largest_free_run < total:
+            if not self._evict_one():
+                return None
+        vruns = self._vpages.allocate(total)
+        runs = self._pages.allocate(total)
+        assert vruns is not None and len(vruns) <= 1 and runs is not None, (vruns, runs)
+        vstart = vruns[0][0] if vruns else 0
+        out: list[Residency] = []
+        run_iter = iter(runs)
+        cur_start, cur_left = 0, 0
+        for entry, n in zip(entries, sizes, strict=True):
+            mine: list[tuple[int, int]] = []
+            need = n
+            while need:
+                if not cur_left:
+                    cur_start, cur_left = next(run_iter)
+                take = min(need, cur_left)
+                mine.append((cur_start, take))
+                cur_start, cur_left, need = cur_start + take, cur_left - take, need - take
+            res = Residency(vstart, n, tuple(mine))
+            vstart += n
+            self._resident[entry] = res
+            out.append(res)
+        self.loads += len(out)
+        return out
+
     def bind(self, batch: list[Residency]) -> None:
         """Write the batch's bindings into v2p/p2v: pending unbinds first, then one bind."""
         self.flush()

@@ -97,23 +97,31 @@ class DeviceTier:
             leases = e._get(keys, owner, ttl_s=ttl_s)
             placed: list[Placed | None] = []
             try:
+                todo: list[Lease] = []  # leases whose entry needs a copy, each entry once
+                seen: set[Entry] = set()
+                for lease in leases:
+                    if lease is None or lease.entry in seen:
+                        continue
+                    seen.add(lease.entry)
+                    if pool.lookup(lease.entry) is None:
+                        todo.append(lease)
+                fresh = pool.reserve_batch([x.entry for x in todo]) if todo else []
+                if fresh is None:
+                    raise PoolExhausted(
+                        "device pool is full of leased entries",
+                        device=device,
+                        nbytes=sum(x.nbytes for x in todo),
+                        device_pages=pool.num_pages,
+                    )
+                loads = [(x.entry, res) for x, res in zip(todo, fresh, strict=True)]
+                loaded = {id(entry) for entry, _ in loads}
                 for lease in leases:
                     if lease is None:
                         placed.append(None)
                         continue
-                    res = pool.lookup(lease.entry)
-                    hit = res is not None
-                    if res is None:
-                        res = pool.reserve(lease.entry)
-                        if res is None:
-                            raise PoolExhausted(
-                                "device pool is full of leased entries",
-                                device=device,
-                                nbytes=lease.nbytes,
-                                device_pages=pool.num_pages,
-                            )
-                        loads.append((lease.entry, res))
-                    placed.append((lease, res, hit))
+                    res = pool.peek(lease.entry)
+                    assert res is not None
+                    placed.append((lease, res, id(lease.entry) not in loaded))
                 if loads:
                     self._load(pool, loads)
             except BaseException as exc:

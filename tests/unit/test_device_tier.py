@@ -184,3 +184,22 @@ def test_no_device_pool(shm_name: str) -> None:
         dest = torch.zeros(64, dtype=torch.uint8)
         assert e.get_into(["a"], "dec", dest, [0])[0] is not None  # host-only copy
         assert torch.equal(dest[:10], blob(10, 1))
+
+
+def test_batch_over_fragmented_device_pages(engine: CacheEngine) -> None:
+    for i in range(8):
+        engine.put(f"one{i}", blob(DEV_PAGE, 100 + i))
+    engine.get_to_device([f"one{i}" for i in range(8)], "x")  # one page each: pool full
+    engine.drop_owner("x")
+    pool = engine.device_tier.pool(0)
+    for i in range(0, 8, 2):  # free every other device page: four one-page holes
+        pool.drop(engine._entries.get(f"one{i}"))  # type: ignore[arg-type]
+    a, b = blob(DEV_PAGE + 7, 1), blob(2 * DEV_PAGE, 2)
+    engine.put("a", a)
+    engine.put("b", b)
+    [da, db], _ = engine.get_to_device(["a", "b"], "dec")  # 2 + 2 pages over 4 holes
+    assert da is not None and db is not None
+    assert da.offset is None and len(da.page_ids) == 2  # straddles two holes
+    assert torch.equal(device_bytes(engine, da), a) and torch.equal(device_bytes(engine, db), b)
+    assert not set(da.page_ids) & set(db.page_ids)
+    check_tables(engine)
