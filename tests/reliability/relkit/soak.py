@@ -89,18 +89,34 @@ def _run(cfg: SoakConfig, tmp: Path) -> dict[str, Any]:
     published = tmp / "published.i64"
     np.memmap(published, dtype=np.int64, mode="w+", shape=(cfg.producers,))[:] = -1
     workers: list[Worker] = []
-    base = {"prefix": "soak", "published": str(published), "n_producers": cfg.producers,
-            "seconds": cfg.seconds, "wait_go": True}  # fmt: skip
+    base = {
+        "prefix": "soak",
+        "published": str(published),
+        "n_producers": cfg.producers,
+        "seconds": cfg.seconds,
+        "wait_go": True,
+    }
     try:
         for i in range(cfg.producers):
             target = d.unix if i % 2 else d.tcp
-            w_cfg = {**base, "mode": "producer", "target": target, "index": i,
-                     "seed": cfg.seed + i, "sizes_mib": list(cfg.sizes_mib)}  # fmt: skip
+            w_cfg = {
+                **base,
+                "mode": "producer",
+                "target": target,
+                "index": i,
+                "seed": cfg.seed + i,
+                "sizes_mib": list(cfg.sizes_mib),
+            }
             workers.append(spawn(w_cfg, tmp, f"producer-{i}"))
         for i in range(cfg.consumers):
             target = d.unix if i % 2 == 0 else d.tcp  # zero-copy works over both
-            w_cfg = {**base, "mode": "consumer", "target": target,
-                     "seed": cfg.seed + 1000 + i, "hold_prob": cfg.hold_prob}  # fmt: skip
+            w_cfg = {
+                **base,
+                "mode": "consumer",
+                "target": target,
+                "seed": cfg.seed + 1000 + i,
+                "hold_prob": cfg.hold_prob,
+            }
             workers.append(spawn(w_cfg, tmp, f"consumer-{i}"))
         for w in workers:
             w.expect("ready", 120)
