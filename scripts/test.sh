@@ -4,9 +4,15 @@
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
 export TRITON_INTERPRET=1   # Triton kernels run on CPU tensors; must be set before any @triton.jit
-if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-        || echo "warning: chromium could not be installed; browser tests will be skipped" >&2
+# System packages some tests need (each test skips with a reason where one is missing):
+# chromium (pool-map page), redis-server (shared tier), libibverbs1 (Mooncake's libraries).
+need=()
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
+command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || need+=(libibverbs1)
+if [ ${#need[@]} -gt 0 ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" \
+        >/dev/null) || echo "warning: could not install ${need[*]}; their tests will skip" >&2
 fi
 ruff check .
 set +e

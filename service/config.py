@@ -160,6 +160,25 @@ class Settings(BaseSettings):
     copy_backend: Literal["auto", "kernel", "batch", "memcpy", "torch"] = Field(
         "auto", description="transfer_ranges backend: auto, kernel, batch, memcpy, torch."
     )
+    # Shared tier (service/tiers; docs/scale-out.md)
+    shared_tier: str | None = Field(
+        None,
+        description="Shared tier URL: redis://host:port[,host:port...][/db] | rediss://... | "
+        "mooncake://master:port; adapter options in the query string. None: off.",
+    )
+    shared_tier_ack: Literal["async", "sync"] = Field(
+        "async", description="sync: a put returns once the shared tier has the entry."
+    )
+    shared_tier_queue: int = Field(1024, ge=1, description="Write-through queue length (entries).")
+    shared_tier_timeout_s: float = Field(
+        2.0,
+        gt=0,
+        description="Per shared-tier operation; also the longest a put waits on a full "
+        "write-through queue.",
+    )
+    shared_tier_retries: int = Field(
+        3, ge=0, description="Write-through retries before an entry is left out of the tier."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )
@@ -210,6 +229,15 @@ class Settings(BaseSettings):
         if v <= 0:
             raise ValueError("must be positive")
         return v
+
+    @field_validator("shared_tier")
+    @classmethod
+    def _tier_url(cls, v: str | None) -> str | None:
+        if v:
+            from .tiers.config import SharedTierConfig
+
+            SharedTierConfig.from_url(v)  # raises ValueError naming what is wrong
+        return v or None
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:

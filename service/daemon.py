@@ -83,6 +83,7 @@ class Daemon:
 
     async def run(self) -> int:
         from .metrics import Metrics
+        from .tiers import SharedTierConfig, attach_shared_tier
         from .transport.grpc_server import start_grpc
         from .transport.http_app import create_app
 
@@ -92,9 +93,16 @@ class Daemon:
             loop.add_signal_handler(sig, self.request_stop)
         engine = await asyncio.to_thread(CacheEngine, s)
         fd_server = None
+        shared_tier = None
         try:
             metrics = Metrics(engine)
             fd_server = _start_fd_server(engine, s)
+            tier_config = SharedTierConfig.from_settings(s)
+            if tier_config is not None:  # blocking set-up; a store that is down = degraded
+                shared_tier = await asyncio.to_thread(
+                    attach_shared_tier, engine, tier_config, metrics
+                )
+            engine.shared_tier = shared_tier
             grpc_service = await start_grpc(engine, s, metrics)
             http_sock = _bind_http(s)
             config = uvicorn.Config(
@@ -129,6 +137,8 @@ class Daemon:
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
         finally:
+            if shared_tier is not None:
+                await asyncio.to_thread(shared_tier.close)
             if fd_server is not None:
                 fd_server.close()
             engine.close()

@@ -51,6 +51,9 @@ class EvictOutcome(enum.Enum):
     LEASED = "leased"
 
 
+SHARED_TIER_OWNER = "shared-tier"  # owner of the shared tier's own leases and fills
+
+
 def default_device_pools(settings: Settings) -> list[DevicePool]:
     """One device pool per served GPU when a device pool size is set and CUDA is used."""
     if settings.device_pool_bytes == 0 or not cuda_wanted(settings):
@@ -119,6 +122,7 @@ class CacheEngine:
         self.miss_fetcher: Callable[[list[str]], None] | None = None
         self.remote_exists: Callable[[list[str]], list[bool]] | None = None
         self.commit_listeners: list[Callable[[str, str], None]] = []  # (key, owner)
+        self.shared_tier: Any = None  # the attached SharedTier (prefetch, health), if any
         try:
             if device_pools is None:
                 device_pools = default_device_pools(settings)
@@ -291,13 +295,14 @@ class CacheEngine:
             now = self._clock()
             self._expire_locked(now)
             out: list[Lease | None] = []
+            counted = owner != SHARED_TIER_OWNER  # write-through reads are not client hits
             for key in keys:
                 entry = self._entries.get(key) if isinstance(key, str) else None
                 if entry is None:
-                    self._counters["misses"] += 1
+                    self._counters["misses"] += counted
                     out.append(None)
                     continue
-                self._counters["hits"] += 1
+                self._counters["hits"] += counted
                 self._entries.acquire(entry)
                 entry.last_access = now
                 page = self.settings.page_bytes
