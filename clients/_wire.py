@@ -168,3 +168,19 @@ class BytesCollector:
         if self.meta is None or self.pos != len(self.buf):
             raise ValueError("GetBytes stream ended early")
         return EntryBytes(self.key, self.meta.dtype, tuple(self.meta.shape), self.buf)
+
+
+def prefetch_request(keys: Sequence[str], device: Any = None) -> pb.PrefetchRequest:
+    """A Prefetch request; ``device`` (``"cuda"``, ``"cuda:N"``, an index) also warms that GPU."""
+    request = pb.PrefetchRequest(keys=list(keys))
+    if device is not None:
+        from .device import resolve_device
+
+        request.gpu_uuid = resolve_device(device)[1]
+    return request
+
+
+def prefetch_dict(reply: pb.PrefetchResponse) -> dict[str, int]:
+    return {
+        f: int(getattr(reply, f)) for f in ("requested", "local", "fetched", "missing", "resident")
+    }

@@ -36,6 +36,8 @@ from ._wire import (
     encode_put,
     normalize_target,
     payload_of,
+    prefetch_dict,
+    prefetch_request,
 )
 from .errors import RpcFailed, backoff_s, is_unknown_session, should_retry, translate
 from .results import LeasedTensors, copy_into, decode_get
@@ -366,6 +368,12 @@ class EmbCacheClient:
             return [_outcome_of(exc)]
         outcomes = [EVICT_NAMES[r.outcome] for r in reply.results]
         return outcomes[0] if single else outcomes
+
+    def prefetch(self, keys: Sequence[str], device: Any = None) -> dict[str, int]:
+        """Warm the daemon's local tiers (shared tier -> host pool, and ``device``'s GPU)."""
+        request = prefetch_request(keys, device)
+        reply = self._call(lambda md, to: self._stub.Prefetch(request, timeout=to, metadata=md))
+        return prefetch_dict(reply)
 
     def stats(self) -> dict[str, Any]:
         reply = self._call(

@@ -510,6 +510,27 @@ class CacheEngine:
         """Store a (device) tensor; returns once its bytes are in the host pool."""
         return self.device_tier.put_from_device(key, src, owner, checksum)
 
+    def prefetch(self, keys: Sequence[str], *, device: int | None = None) -> dict[str, int]:
+        """Warm the local tiers: fetch missing keys from the shared tier (if any) and, with
+        ``device``, make them resident in that device pool. Never fails on a tier outage."""
+        if self.shared_tier is not None:
+            result: dict[str, int] = self.shared_tier.prefetch(keys, device=device).to_dict()
+            return result
+        wanted = list(dict.fromkeys(k for k in keys if isinstance(k, str)))
+        present = [k for k, hit in zip(wanted, self.exists(wanted), strict=True) if hit]
+        resident = 0
+        if device is not None and present:
+            placed, _ = self.get_to_device(present, SHARED_TIER_OWNER, device=device)
+            self.release(p.lease.lease_id for p in placed if p is not None)
+            resident = sum(1 for p in placed if p is not None)
+        return {
+            "requested": len(wanted),
+            "local": len(present),
+            "fetched": 0,
+            "missing": len(wanted) - len(present),
+            "resident": resident,
+        }
+
     def _count_copy(self, direction: str, nbytes: int) -> None:
         with self._lock:
             self._counters[f"copy_{direction}"] += nbytes

@@ -8,6 +8,7 @@ their engine calls in worker threads.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
@@ -22,7 +23,7 @@ from ...proto.embcache.v1 import embcache_pb2 as pb
 from ...proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
 from ..config import Settings
 from ..engine import CacheEngine, EvictOutcome
-from ..errors import InvalidArgument, NotFound
+from ..errors import DeviceUnavailable, InvalidArgument, NotFound
 from ..ipc_cache import IpcCache
 from .grpc_device import DevicePlane, meta_of
 from .grpc_errors import RpcMetrics, rpc
@@ -235,6 +236,19 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         stats = struct_pb2.Struct()
         stats.update(_jsonable(self.engine.stats().to_dict()))
         return pb.StatsResponse(stats=stats, sessions=len(self.sessions))
+
+    @rpc("Prefetch")
+    async def Prefetch(
+        self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PrefetchResponse:
+        device = None
+        if request.gpu_uuid:
+            device = self.engine.device_tier.index_of(request.gpu_uuid)
+            if device is None:
+                raise DeviceUnavailable("no device pool on this GPU", gpu_uuid=request.gpu_uuid)
+        keys = list(request.keys)
+        result = await asyncio.to_thread(self.engine.prefetch, keys, device=device)
+        return pb.PrefetchResponse(**result)
 
     # -- sessions ------------------------------------------------------------------------
     @rpc("Session")

@@ -75,6 +75,15 @@ def test_put_on_a_served_by_b_and_c_and_after_local_eviction(daemons: list[str])
         with a.get([key]) as [again]:  # evicted locally, filled back from the shared tier
             assert again is not None and torch.equal(again, t)
         assert b.exists([f"never-{uuid.uuid4().hex}"]) == [False]
+        c.evict([key])  # Prefetch brings it back from the shared tier before anyone asks
+        assert c.prefetch([key, key, "missing-key"]) == {
+            "requested": 2,
+            "local": 0,
+            "fetched": 1,
+            "missing": 1,
+            "resident": 0,
+        }
+        assert c.stats()["entries_ready"] >= 1
     finally:
         for client in (a, b, c):
             client.close()

@@ -203,3 +203,12 @@ def test_batch_over_fragmented_device_pages(engine: CacheEngine) -> None:
     assert torch.equal(device_bytes(engine, da), a) and torch.equal(device_bytes(engine, db), b)
     assert not set(da.page_ids) & set(db.page_ids)
     check_tables(engine)
+
+
+def test_prefetch_without_shared_tier_warms_the_device(engine: CacheEngine) -> None:
+    engine.put("a", blob(100, 1))
+    result = engine.prefetch(["a", "a", "nope"], device=0)
+    assert result == {"requested": 2, "local": 1, "fetched": 0, "missing": 1, "resident": 1}
+    assert engine.entry_info("a").residency == ("host", "device:0")  # type: ignore[union-attr]
+    s = engine.stats()
+    assert s.leases_active == 0 and (s.hits, s.misses) == (0, 0)  # prefetch is no client hit
