@@ -45,6 +45,7 @@ class DaemonSpec:
     drain_grace_s: float = 2.0
     extra: tuple[str, ...] = ()
     token: str | None = None
+    device: str = "cpu"  # "auto"/"cuda" for GPU runs
 
     def args(self) -> list[str]:
         args = [
@@ -65,7 +66,7 @@ class DaemonSpec:
             "--drain-grace-s",
             str(self.drain_grace_s),
             "--device",
-            os.environ.get("EMBCACHE_REL_DEVICE", "cpu"),
+            self.device,
             "--log-level",
             "warning",
             *self.extra,

@@ -45,6 +45,8 @@ def check(key: str, tensor: torch.Tensor | None) -> str | None:
     """None if ``tensor`` holds exactly the payload of ``key``, else what is wrong."""
     if tensor is None:
         return "missing"
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()  # a device view or copy: check its bytes on the host
     flat = tensor.reshape(-1).view(torch.uint8)  # a view for the zero-copy case
     data = memoryview(flat.numpy()) if flat.numel() else memoryview(b"")
     if data.nbytes < HEADER:

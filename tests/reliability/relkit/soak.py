@@ -13,6 +13,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,9 @@ class SoakConfig:
     lease_ttl_s: float = 3.0
     hold_prob: float = 0.1
     seed: int = 1234
+    device: str | None = None  # "cuda": producers put CUDA tensors, consumers get to the GPU
+    daemon_device: str = "cpu"
+    daemon_extra: tuple[str, ...] = ()
 
 
 FULL = SoakConfig(producers=16, consumers=16, seconds=60.0, pool="256MiB", pool_bytes=256 << 20)
@@ -77,15 +81,34 @@ class Sampler(threading.Thread):
         self.join(10)
 
 
-def run_soak(cfg: SoakConfig, workdir: Path | None = None) -> dict[str, Any]:
-    """Run one soak and return its figures (``violations`` lists what must be empty)."""
+Hook = Callable[[dm.Daemon], dict[str, Any]]
+
+
+def run_soak(
+    cfg: SoakConfig,
+    workdir: Path | None = None,
+    *,
+    on_ready: Hook | None = None,
+    on_end: Hook | None = None,
+) -> dict[str, Any]:
+    """Run one soak and return its figures (``violations`` lists what must be empty).
+
+    ``on_ready(daemon)`` runs before the workers start (e.g. baselines), ``on_end(daemon)``
+    after they all exited, before the daemon stops; their dicts join the figures."""
     with tempfile.TemporaryDirectory(prefix="ecsoak-", dir=workdir) as tmp:
-        return _run(cfg, Path(tmp))
+        return _run(cfg, Path(tmp), on_ready, on_end)
 
 
-def _run(cfg: SoakConfig, tmp: Path) -> dict[str, Any]:
-    spec = dm.DaemonSpec(tmp, pool=cfg.pool, lease_ttl_s=cfg.lease_ttl_s)
+def _run(cfg: SoakConfig, tmp: Path, on_ready: Hook | None, on_end: Hook | None) -> dict[str, Any]:
+    spec = dm.DaemonSpec(
+        tmp,
+        pool=cfg.pool,
+        lease_ttl_s=cfg.lease_ttl_s,
+        device=cfg.daemon_device,
+        extra=cfg.daemon_extra,
+    )
     d = dm.start(spec)
+    extra: dict[str, Any] = on_ready(d) if on_ready else {}
     published = tmp / "published.i64"
     np.memmap(published, dtype=np.int64, mode="w+", shape=(cfg.producers,))[:] = -1
     workers: list[Worker] = []
@@ -103,6 +126,7 @@ def _run(cfg: SoakConfig, tmp: Path) -> dict[str, Any]:
                 **base,
                 "mode": "producer",
                 "target": target,
+                "device": cfg.device,
                 "index": i,
                 "seed": cfg.seed + i,
                 "sizes_mib": list(cfg.sizes_mib),
@@ -114,6 +138,7 @@ def _run(cfg: SoakConfig, tmp: Path) -> dict[str, Any]:
                 **base,
                 "mode": "consumer",
                 "target": target,
+                "device": cfg.device,
                 "seed": cfg.seed + 1000 + i,
                 "hold_prob": cfg.hold_prob,
             }
@@ -131,6 +156,9 @@ def _run(cfg: SoakConfig, tmp: Path) -> dict[str, Any]:
             sampler.stop()
         wall = time.monotonic() - t0
         figures = _figures(cfg, d, workers, sampler, wall)
+        if on_end is not None:
+            figures.update(on_end(d))
+        figures.update(extra)
     finally:
         for w in workers:
             dm.reap(w.proc)
@@ -195,6 +223,9 @@ def _figures(
         "pages_left_after_evict_all": after_evict["host"]["used_pages"],
         "entries_left_after_evict_all": after_evict["entries_ready"],
         "workers_nonzero_exit": sum(w.proc.returncode != 0 for w in workers),
+        "device_pool_opens_max": max(
+            (w.done.get("device_pool_opens", 0) for w in workers), default=0
+        ),
     }
     figures["violations"] = violations(figures)
     return figures

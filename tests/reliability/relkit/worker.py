@@ -93,8 +93,11 @@ def run_producer(cfg: dict[str, Any], client: EmbCacheClient, c: Counter[str]) -
             continue
         key = f"{prefix}/{me}/{seq}"
         params = (rng.choice(sizes), rng.getrandbits(63), rng.choice(payload.DTYPES))
+        tensor = payload.make(key, *params)
+        if cfg.get("device"):  # a same-node encoder: PutFromDevice from its GPU
+            tensor = tensor.to(cfg["device"])
         try:
-            created = client.put(key, payload.make(key, *params))
+            created = client.put(key, tensor)
         except EmbCacheError as exc:
             if not _allowed(exc, cfg, c):
                 return
@@ -138,7 +141,7 @@ def _get(
     rng: random.Random,
     c: Counter[str],
 ) -> None:
-    with client.get(keys) as got:
+    with client.get(keys, device=cfg.get("device")) as got:
         c["gets"] += 1
         hold = rng.random() < cfg.get("hold_prob", 0.1)
         for key, tensor in zip(keys, got, strict=True):
@@ -146,7 +149,7 @@ def _get(
                 c["misses"] += 1
                 continue
             c["hits"] += 1
-            c["zero_copy"] += int(zero_copy(tensor))
+            c["zero_copy"] += int(tensor.is_cuda or zero_copy(tensor))
             _verify(key, tensor, c)
         if hold:  # keep the leases while others churn the pool, then check every byte again
             c["holds"] += 1
@@ -258,6 +261,10 @@ def main() -> int:
             return 0
         t0 = time.monotonic()
         run(cfg, client, c)
+    if cfg.get("device"):
+        from embcache.clients.device import process_device_pools
+
+        c["device_pool_opens"] = process_device_pools().opens
     emit(event="done", seconds=time.monotonic() - t0, **c)
     return 0
 

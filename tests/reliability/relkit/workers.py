@@ -45,7 +45,6 @@ def spawn(cfg: dict[str, Any], workdir: Path, name: str) -> Worker:
     """Start a worker and hand it its config (it then connects and says ``ready``)."""
     env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(RELDIR), env.get("PYTHONPATH")) if p)
-    env.setdefault("TRITON_INTERPRET", "1")
     stderr_path = workdir / f"{name}.err"
     with stderr_path.open("w") as err:
         proc = subprocess.Popen(
