@@ -27,3 +27,70 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def shm_name() -> str:
     """A shared-memory segment name no other test uses."""
     return f"embcache-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class DaemonProcess:
+    """``embcache serve`` in a subprocess, with the JSON ready line it printed."""
+
+    def __init__(self, flags: list[str], env: dict[str, str] | None = None) -> None:
+        import json
+        import subprocess
+        import sys
+
+        cmd = [
+            sys.executable,
+            "-m",
+            "embcache.service.cli",
+            "serve",
+            "--grpc-port",
+            "0",
+            "--http-port",
+            "0",
+            "--log-level",
+            "warning",
+            *flags,
+        ]
+        if not any(f == "--shm-name" for f in flags):
+            cmd += ["--shm-name", f"embcache-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(timeout=30)
+            raise RuntimeError(f"daemon exited with {self.proc.returncode} before it was ready")
+        self.ready: dict = json.loads(line)
+        self.grpc_target = f"127.0.0.1:{self.ready['grpc_port']}"
+        self.http_url = f"http://127.0.0.1:{self.ready['http_port']}"
+
+    def stop(self, timeout: float = 60) -> int:
+        """SIGTERM (drain) and wait; kill if it hangs. Returns the exit code."""
+        import signal
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait(timeout=10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return code
+
+
+@pytest.fixture
+def start_daemon():  # type: ignore[no-untyped-def]
+    """Start daemons with extra flags; every one still running is stopped at teardown."""
+    started: list[DaemonProcess] = []
+
+    def start(*flags: str, env: dict[str, str] | None = None) -> DaemonProcess:
+        daemon = DaemonProcess(list(flags), env)
+        started.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in started:
+        daemon.stop()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import socket
 import stat
@@ -17,51 +15,36 @@ import pytest
 from embcache.service.host_pool import SHM_DIR
 
 
-def test_notify_modes_and_drain(tmp_path: Path) -> None:
+def test_notify_modes_and_drain(tmp_path: Path, start_daemon) -> None:  # type: ignore[no-untyped-def]
     notify = tmp_path / "notify.sock"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     listener.bind(str(notify))
     listener.settimeout(60)
     name = f"embcache-daemon-{uuid.uuid4().hex[:8]}"
     grpc_sock = tmp_path / "d.sock"
-    cmd = [
-        sys.executable,
-        "-m",
-        "embcache.service.cli",
-        "serve",
-        "--grpc-port",
-        "0",
-        "--http-port",
-        "0",
-        "--grpc-socket",
-        str(grpc_sock),
-        "--shm-name",
-        name,
-        "--host-pool-bytes",
-        "16MiB",
-        "--shm-mode",
-        "0640",
-        "--socket-mode",
-        "0600",
-    ]
-    env = {**os.environ, "NOTIFY_SOCKET": str(notify)}
-    with subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    ) as proc:
-        try:
-            assert proc.stdout is not None
-            ready = json.loads(proc.stdout.readline())
-            assert ready["event"] == "ready" and ready["shm_name"] == name
-            assert listener.recv(100) == b"READY=1"
-            assert stat.S_IMODE((SHM_DIR / name).stat().st_mode) == 0o640
-            assert stat.S_IMODE(grpc_sock.stat().st_mode) == 0o600
-            proc.send_signal(signal.SIGTERM)
-            assert listener.recv(100) == b"STOPPING=1"
-            assert proc.wait(timeout=60) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            listener.close()
+    try:
+        daemon = start_daemon(
+            "--grpc-socket",
+            str(grpc_sock),
+            "--shm-name",
+            name,
+            "--host-pool-bytes",
+            "16MiB",
+            "--shm-mode",
+            "0640",
+            "--socket-mode",
+            "0600",
+            env={"NOTIFY_SOCKET": str(notify)},
+        )
+        assert daemon.ready["event"] == "ready" and daemon.ready["shm_name"] == name
+        assert listener.recv(100) == b"READY=1"
+        assert stat.S_IMODE((SHM_DIR / name).stat().st_mode) == 0o640
+        assert stat.S_IMODE(grpc_sock.stat().st_mode) == 0o600
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert listener.recv(100) == b"STOPPING=1"
+        assert daemon.stop() == 0
+    finally:
+        listener.close()
     assert not (SHM_DIR / name).exists(), "the segment must be removed on exit"
 
 
@@ -90,9 +73,10 @@ def test_bad_settings_refuse_to_start(flags: list[str], field: str) -> None:
     assert field in out.stderr
 
 
-def test_second_daemon_on_the_same_segment_fails(tmp_path: Path) -> None:
+def test_second_daemon_on_the_same_segment_fails(start_daemon) -> None:  # type: ignore[no-untyped-def]
     name = f"embcache-daemon-{uuid.uuid4().hex[:8]}"
-    base = [
+    first = start_daemon("--shm-name", name, "--host-pool-bytes", "16MiB")
+    cmd = [
         sys.executable,
         "-m",
         "embcache.service.cli",
@@ -106,16 +90,8 @@ def test_second_daemon_on_the_same_segment_fails(tmp_path: Path) -> None:
         "--host-pool-bytes",
         "16MiB",
     ]
-    with subprocess.Popen(
-        base, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    ) as first:
-        try:
-            assert first.stdout is not None
-            json.loads(first.stdout.readline())
-            second = subprocess.run(base, capture_output=True, text=True, timeout=60)
-            assert second.returncode == 1
-            assert "belongs to a running daemon" in second.stderr
-            assert (SHM_DIR / name).exists()  # the first daemon's segment is untouched
-        finally:
-            first.send_signal(signal.SIGTERM)
-            first.wait(timeout=60)
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert second.returncode == 1
+    assert "belongs to a running daemon" in second.stderr
+    assert (SHM_DIR / name).exists()  # the first daemon's segment is untouched
+    assert first.stop() == 0

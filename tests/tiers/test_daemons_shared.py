@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
-import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,48 +12,20 @@ from embcache.clients import EmbCacheClient
 
 
 @pytest.fixture
-def daemons(redis_cluster, tmp_path: Path) -> Iterator[list[str]]:  # type: ignore[no-untyped-def]
-    procs: list[subprocess.Popen[str]] = []
-    targets: list[str] = []
-    try:
-        for name in "abc":
-            cmd = [
-                sys.executable,
-                "-m",
-                "embcache.service.cli",
-                "serve",
-                "--grpc-port",
-                "0",
-                "--http-port",
-                "0",
-                "--grpc-socket",
-                str(tmp_path / f"{name}.sock"),
-                "--shm-name",
-                f"embcache-tier-{name}-{uuid.uuid4().hex[:8]}",
-                "--host-pool-bytes",
-                "32MiB",
-                "--shared-tier",
-                redis_cluster.url(),
-                "--log-level",
-                "warning",
-            ]
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-            procs.append(proc)
-            assert proc.stdout is not None
-            ready = json.loads(proc.stdout.readline())
-            targets.append(f"127.0.0.1:{ready['grpc_port']}")
-        yield targets
-    finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                assert proc.wait(timeout=30) == 0
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                if proc.stdout is not None:
-                    proc.stdout.close()
+def daemons(redis_cluster, start_daemon, tmp_path: Path) -> list[str]:  # type: ignore[no-untyped-def]
+    return [
+        start_daemon(
+            "--grpc-socket",
+            str(tmp_path / f"{name}.sock"),
+            "--host-pool-bytes",
+            "32MiB",
+            "--shared-tier",
+            redis_cluster.url(),
+            "--shared-tier-ack",
+            "sync",
+        ).grpc_target
+        for name in "abc"
+    ]
 
 
 def test_put_on_a_served_by_b_and_c_and_after_local_eviction(daemons: list[str]) -> None:
