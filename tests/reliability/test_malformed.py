@@ -29,7 +29,7 @@ from embcache.clients import EmbCacheClient
 from embcache.service.config import Settings
 from embcache.service.transport.http_app import create_app
 
-EXAMPLES = int(os.environ.get("EMBCACHE_REL_MALFORMED_EXAMPLES", "3"))
+EXAMPLES = int(os.environ.get("EMBCACHE_REL_MALFORMED_EXAMPLES", "2"))
 SPEC = create_app(None, Settings(), None).openapi()  # type: ignore[arg-type]  # schema only
 SCHEMA_KINDS = mh.register_schema_kinds(SPEC)
 SEEN: Counter[str] = Counter()

@@ -354,21 +354,25 @@ class FaultRun:
             self.record("deadline_get_bytes", out)
 
     def deadline_get(self) -> None:
+        """A Get of 10,000 hits (leases) with a deadline shorter than the daemon needs: the
+        reply is dropped and the leases, owned by nobody listening, must end by their TTL."""
         assert self.client is not None
-        keys = [f"lease/{i}" for i in range(100)]
+        keys = [f"lease/{i % 100}" for i in range(10_000)]
+        request = pb.GetRequest(keys=keys, ttl_s=1.0)
         for _ in range(self.reps):
             out = Outcome(None)
             code = None
-            for timeout in (0.002, 0.001, 0.0005, 0.0002, 0.0001):  # until one expires
+            for timeout in (0.005, 0.002, 0.001, 0.0005):  # until one expires
                 try:
-                    self.client._stub.Get(pb.GetRequest(keys=keys), timeout=timeout)
+                    self.client._stub.Get(request, timeout=timeout)
                 except grpc.RpcError as err:
                     code = err.code()
                     break
+            t0 = time.monotonic()
             if code != grpc.StatusCode.DEADLINE_EXCEEDED:
                 out.problems.append(f"Get ended with {code}, not DEADLINE_EXCEEDED")
             out.notes = {"leases_orphaned": self.stats()["leases_active"]}
-            out.reclaim_s = self.reclaim()  # leases the daemon took end by TTL (3 s)
+            out.reclaim_s = self.reclaim(t0=t0)
             self.record("deadline_get", out)
 
     # -- the daemon itself -------------------------------------------------------------------
