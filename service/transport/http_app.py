@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..config import Settings
 from ..errors import EmbCacheError, status_for
 from ..metrics import Metrics
-from . import http_data, http_health, http_routes
+from . import http_data, http_health, http_prefetch, http_routes
 from .http_middleware import OperatorMiddleware
 from .http_poolmap import History
 
@@ -146,6 +146,7 @@ def create_app(engine: Any, settings: Settings, metrics: Metrics) -> FastAPI:
     # Before the operator routes: GET /v1/entries/{key:path}/data must be tried before
     # GET /v1/entries/{key:path}, which would also match it.
     app.include_router(http_data.router)
+    app.include_router(http_prefetch.router)
     app.include_router(http_routes.router)
 
     static = _static_dir()
