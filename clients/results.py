@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..proto.embcache.v1 import embcache_pb2 as pb
+from ..service.errors import LeaseExpired
 from ._wire import torch_dtype
 from .shm import PoolMaps
 
@@ -67,6 +68,13 @@ class LeasedTensors(Sequence[torch.Tensor | None]):
 
     ``with client.get(keys) as tensors:`` gives the list and releases the leases on exit;
     ``release()`` does it by hand. Views must not be used after the release.
+
+    Zero-copy views read the daemon's pages directly, so what they showed is the entry's
+    bytes only if the leases were still alive afterwards (a lease that expired — the reader
+    was stopped past its TTL — lets the daemon reuse the pages). ``release()`` checks that:
+    if any lease had already ended it raises ``LeaseExpired``, and the data read through the
+    views must be discarded. ``client.renew(leased.lease_ids)`` answering fewer than were held
+    is the same signal without releasing (and extends the live ones).
     """
 
     def __init__(
@@ -90,15 +98,20 @@ class LeasedTensors(Sequence[torch.Tensor | None]):
         return iter(self.tensors)
 
     def release(self) -> None:
+        """End the leases; raises LeaseExpired if any had ended before (stale views)."""
         if not self.released:
             self.released = True
-            self._release(self.lease_ids)
+            _check_ended(self._release(self.lease_ids), self.lease_ids)
 
     def __enter__(self) -> list[torch.Tensor | None]:
         return self.tensors
 
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        try:
+            self.release()
+        except LeaseExpired:
+            if exc_type is None:  # do not hide the exception that is already leaving
+                raise
 
 
 class AsyncLeasedTensors(Sequence[torch.Tensor | None]):
@@ -125,15 +138,32 @@ class AsyncLeasedTensors(Sequence[torch.Tensor | None]):
         return iter(self.tensors)
 
     async def release(self) -> None:
+        """End the leases; raises LeaseExpired if any had ended before (stale views)."""
         if not self.released:
             self.released = True
-            await self._release(self.lease_ids)
+            _check_ended(await self._release(self.lease_ids), self.lease_ids)
 
     async def __aenter__(self) -> list[torch.Tensor | None]:
         return self.tensors
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.release()
+    async def __aexit__(self, exc_type: object, *exc: object) -> None:
+        try:
+            await self.release()
+        except LeaseExpired:
+            if exc_type is None:
+                raise
+
+
+def _check_ended(ended: object, lease_ids: list[int]) -> None:
+    """Raise if the daemon ended fewer leases than were held: some had expired already."""
+    held = len(set(lease_ids))
+    if isinstance(ended, int) and ended < held:
+        raise LeaseExpired(
+            "a lease ended before it was released (e.g. the reader was stopped past its "
+            "TTL): data read through the zero-copy views may be reused memory; read again",
+            held=held,
+            released=ended,
+        )
 
 
 def copy_into(tensors: Sequence[torch.Tensor | None], out: Sequence[torch.Tensor]) -> list[bool]:

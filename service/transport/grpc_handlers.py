@@ -11,7 +11,7 @@ servicer as a memoryview of the received bytes, so each chunk is copied once, in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +68,34 @@ def decode_put_request(data: bytes) -> pb.PutRequest | memoryview | Undecodable:
     return _parse_put(data)
 
 
+async def _single_request(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+    """The one request message of a unary-request method, read from the stream."""
+    first: Any = None
+    count = 0
+    async for message in requests:
+        count += 1
+        if count == 1:
+            first = message
+        else:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "more than one request message")
+    if count == 0:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
+    return first
+
+
+def _unary_request(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Serve a unary-request method as a streaming-request one on the wire.
+
+    The bytes on the wire are the same; but a call whose stream ends before its request
+    message (which a unary handler would wait on forever) now gets INVALID_ARGUMENT.
+    """
+
+    async def handler(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        return await method(await _single_request(requests, context), context)
+
+    return handler
+
+
 def add_servicer(servicer: Any, server: grpc.aio.Server) -> None:
     """Register ``servicer`` (an EmbeddingCacheServicer) on ``server``."""
     handlers: dict[str, grpc.RpcMethodHandler] = {}
@@ -75,9 +103,12 @@ def add_servicer(servicer: Any, server: grpc.aio.Server) -> None:
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)
         parse = decode_put_request if method.name == "Put" else _parser(request_cls)
-        make = _MAKERS[(method.client_streaming, method.server_streaming)]
+        behaviour = getattr(servicer, method.name)
+        if not method.client_streaming:
+            behaviour = _unary_request(behaviour)
+        make = _MAKERS[(True, method.server_streaming)]
         handlers[method.name] = make(
-            getattr(servicer, method.name),
+            behaviour,
             request_deserializer=parse,
             response_serializer=response_cls.SerializeToString,
         )
