@@ -62,12 +62,8 @@ def test_stopped_reader_saw_reused_memory(result: dict[str, Any]) -> None:
     assert k["reused_memory_seen"] == REPS, k
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding: a zero-copy view whose lease expired (reader stopped past the TTL) "
-    "reads reused memory and neither the read nor the release reports it "
-    "(clients/results.py LeasedTensors.release ignores the released count)",
-)
 def test_stopped_reader_never_reads_reused_memory_silently(result: dict[str, Any]) -> None:
+    """Reused memory behind an expired view must be reported (release raises LeaseExpired)."""
     k = result["kinds"]["sigstop_consumer"]
     assert k["stale_silent"] == 0 and k["problems"] == [], k
+    assert k["stale_detected"] == k["reused_memory_seen"] == REPS, k
