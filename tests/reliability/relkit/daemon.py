@@ -108,6 +108,9 @@ class Daemon:
     def socket_path(self) -> Path:
         return Path(self.ready["grpc_socket"])
 
+    def spec_shm_path(self) -> Path:
+        return SHM_DIR / self.spec.shm_name
+
     def headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.spec.token}"} if self.spec.token else {}
 
@@ -181,6 +184,16 @@ def stop(daemon: Daemon, timeout: float = 30.0) -> int:
         raise AssertionError(f"daemon pid {daemon.pid} ignored SIGTERM for {timeout}s") from None
     finally:
         reap(daemon.proc)
+
+
+def discard(daemon: Daemon) -> None:
+    """Kill a daemon started here if it still runs, then remove what a killed daemon leaves
+    (its segment name and socket path are unique to this run)."""
+    reap(daemon.proc)
+    daemon.spec_shm_path().unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        if daemon.socket_path.is_socket():
+            daemon.socket_path.unlink()
 
 
 def reap(proc: subprocess.Popen[Any]) -> None:

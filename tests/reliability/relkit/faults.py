@@ -146,7 +146,8 @@ class FaultRun:
             assert self.d is not None
             self.main_exit = dm.stop(self.d)
         finally:
-            dm.reap(self.d.proc)
+            if self.d.alive():
+                dm.discard(self.d)
         self.sigterm_daemon()
         self.sigkill_daemon()
         return self.figures(final)
@@ -426,6 +427,8 @@ class FaultRun:
                 dm.reap(w.proc)
             if d is not None:
                 dm.reap(d.proc)
+                if out.reclaim_s is None:  # killed, not drained: remove what it left
+                    dm.discard(d)
         out.notes = {"exit_code": code}
         if code != 0:
             out.problems.append(f"exit code {code}: {d.log_tail(800)}")
@@ -445,6 +448,7 @@ class FaultRun:
     def sigkill_daemon(self) -> None:
         spec = dm.DaemonSpec(self.tmp / "kill", lease_ttl_s=3.0)
         d = dm.start(spec)
+        self._restarted: list[dm.Daemon] = [d]
         try:
             with EmbCacheClient(d.unix, timeout=10, retries=1) as client:
                 for rep in range(self.reps):
@@ -456,7 +460,10 @@ class FaultRun:
                     f"restarted daemon did not stop cleanly (exit {code})"
                 )
         finally:
-            dm.reap(d.proc)
+            for started in self._restarted:  # a failed repetition must leak no daemon
+                dm.reap(started.proc)
+            if not d.alive():
+                dm.discard(d)
 
     def _sigkill_one(
         self, spec: dm.DaemonSpec, d: dm.Daemon, client: EmbCacheClient, rep: int
@@ -475,6 +482,7 @@ class FaultRun:
             out.problems.append(f"call to a dead daemon: {code}, not UNAVAILABLE")
         stale = d.shm_path.exists()
         d = dm.start(spec)
+        self._restarted.append(d)
         stats = d.stats()
         if stats["leases_active"] or stats["host"]["used_pages"] or stats["entries_ready"]:
             out.problems.append(f"restarted daemon is not empty: {stats}")

@@ -165,6 +165,7 @@ def _run(cfg: SoakConfig, tmp: Path, on_ready: Hook | None, on_end: Hook | None)
         figures_exit = dm.stop(d)
     figures["daemon_exit_code"] = figures_exit
     figures["segment_removed"] = not d.shm_path.exists()
+    dm.discard(d)  # (nothing to do after a clean stop)
     if figures_exit != 0 or not figures["segment_removed"]:
         figures["violations"].append("daemon did not stop cleanly")
     return figures
