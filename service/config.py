@@ -5,6 +5,7 @@ Sizes accept plain integers or values like ``4GiB``, ``256KiB``, ``1.5GB``.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -73,7 +74,14 @@ _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
 
 def is_loopback(host: str) -> bool:
-    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+    """True for loopback addresses (127.0.0.0/8, ::1) and ``localhost``; not for names that
+    merely start with "127." (``127.foo.example`` resolves wherever DNS says)."""
+    if host in _LOOPBACK_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class Settings(BaseSettings):

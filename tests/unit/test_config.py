@@ -89,3 +89,14 @@ def test_non_loopback_needs_token() -> None:
         Settings(http_host="10.1.2.3")
     assert Settings(grpc_host="0.0.0.0", auth_token="s3cret").grpc_host == "0.0.0.0"
     assert Settings(grpc_host="::1").grpc_host == "::1"
+
+
+def test_is_loopback() -> None:
+    from embcache.service.config import is_loopback
+
+    for host in ("127.0.0.1", "127.1.2.3", "localhost", "::1", "[::1]"):
+        assert is_loopback(host), host
+    for host in ("127.foo.example", "0.0.0.0", "10.0.0.1", "::", "example.com", "1270.0.0.1"):
+        assert not is_loopback(host), host
+    with pytest.raises(ValidationError, match="auth_token"):
+        Settings(grpc_host="127.foo.example")
