@@ -29,7 +29,7 @@ from relkit import daemon as dm  # noqa: E402
 from relkit import figures  # noqa: E402
 from relkit.soak import SoakConfig, run_soak  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu]
 
 MiB = 1 << 20
 SECONDS = float(os.environ.get("EMBCACHE_GPU_SOAK_S", "300"))
@@ -83,6 +83,7 @@ def at_end(d: dm.Daemon) -> dict[str, Any]:
 BASE: dict[str, int] = {}
 
 
+@pytest.mark.timeout(int(SECONDS) + 600)  # the soak itself runs SECONDS
 def test_get_to_device_soak(tmp_path: Path) -> None:
     cfg = SoakConfig(
         producers=4,
