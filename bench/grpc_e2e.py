@@ -118,7 +118,7 @@ def measure_puts(target: str, base_target: str, entry_mib: int, total_mib: int, 
     entry = torch.randint(0, 255, (entry_mib * MiB,), dtype=torch.uint8)
     view = memoryview(entry.numpy())
     count = max(1, total_mib // entry_mib)
-    ours, base = [], []
+    ours, plain, base = [], [], []
     with EmbCacheClient(target) as client, grpc.insecure_channel(base_target) as channel:
         client.put("warm", entry[: 2 * MiB])
         baseline_put(channel, view[: 2 * MiB], 2)
@@ -131,7 +131,11 @@ def measure_puts(target: str, base_target: str, entry_mib: int, total_mib: int, 
             for _ in range(count):
                 client.put(uuid.uuid4().hex, entry)
             ours.append(rate(count * entry.numel(), time.perf_counter() - t0))
-    return statistics.median(ours), statistics.median(base)
+            t0 = time.perf_counter()
+            for _ in range(count):  # the same without the CRC32 (both ends skip it)
+                client.put(uuid.uuid4().hex, entry, checksum=False)
+            plain.append(rate(count * entry.numel(), time.perf_counter() - t0))
+    return statistics.median(ours), statistics.median(plain), statistics.median(base)
 
 
 def measure_gets(target: str, entry_mib: int, iters: int) -> dict[str, float]:
@@ -309,7 +313,7 @@ def main() -> None:
             ("tcp", f"127.0.0.1:{grpc_port}", f"127.0.0.1:{base_port}"),
         ):
             for entry_mib in args.entry_mib:
-                ours, base = measure_puts(
+                ours, plain, base = measure_puts(
                     target, base_target, entry_mib, args.total_mib, args.repeats
                 )
                 rows.append(
@@ -317,8 +321,10 @@ def main() -> None:
                         "transport": name,
                         "entry_mib": entry_mib,
                         "put_mib_s": ours,
+                        "put_no_crc_mib_s": plain,
                         "baseline_mib_s": base,
                         "ratio": ours / base,
+                        "ratio_no_crc": plain / base,
                     }
                 )
         gets = measure_gets(f"unix:{sock}", 4, 200)
@@ -330,11 +336,15 @@ def main() -> None:
         f"{platform.processor() or platform.machine()}, grpc {grpc.__version__}, "
         f"torch {torch.__version__})"
     )
-    print(f"{'transport':<10}{'entry':>8}{'embcache MiB/s':>16}{'baseline MiB/s':>16}{'ratio':>8}")
+    print(
+        f"{'transport':<10}{'entry':>8}{'put+CRC32 MiB/s':>17}{'put MiB/s':>11}"
+        f"{'baseline MiB/s':>16}{'ratio':>7}{'ratio no CRC':>14}"
+    )
     for r in rows:
         print(
-            f"{r['transport']:<10}{r['entry_mib']:>6}Mi{r['put_mib_s']:>16.0f}"
-            f"{r['baseline_mib_s']:>16.0f}{r['ratio']:>8.2f}"
+            f"{r['transport']:<10}{r['entry_mib']:>6}Mi{r['put_mib_s']:>17.0f}"
+            f"{r['put_no_crc_mib_s']:>11.0f}{r['baseline_mib_s']:>16.0f}{r['ratio']:>7.2f}"
+            f"{r['ratio_no_crc']:>14.2f}"
         )
     print(
         f"get 1 x 4 MiB zero-copy (shared memory, unix): p50 {gets['get_shm_p50_us']:.0f} us, "
