@@ -107,9 +107,8 @@ def alloc_bind_inplace(
         first_int = first_page
     else:
         raise ValueError(f"first_page: must be an int or a tensor, got {type(first_page)}")
-    if (not from_ptr or first_page.device.type == "cpu") and not (
-        first_int >= 0 and first_int + n <= p2v.numel()
-    ):
+    host_known = not isinstance(first_page, torch.Tensor) or first_page.device.type == "cpu"
+    if host_known and not (first_int >= 0 and first_int + n <= p2v.numel()):
         raise ValueError(
             f"first_page: pages [{first_int}, {first_int + n}) exceed the {p2v.numel()} pages"
         )

@@ -15,6 +15,8 @@ if [ ${#need[@]} -gt 0 ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/nul
         >/dev/null) || echo "warning: could not install ${need[*]}; their tests will skip" >&2
 fi
 ruff check .
+ruff format --check .
+mypy service clients kernels
 set +e
 python -m pytest "$@"
 rc=$?
