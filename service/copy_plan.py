@@ -75,6 +75,13 @@ def merge_runs(src: ByteRuns, dst: ByteRuns) -> tuple[np.ndarray, np.ndarray, np
     """
     src_addr, src_len = _columns(src)
     dst_addr, dst_len = _columns(dst)
+    return merge_arrays(src_addr, src_len, dst_addr, dst_len)
+
+
+def merge_arrays(
+    src_addr: np.ndarray, src_len: np.ndarray, dst_addr: np.ndarray, dst_len: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`merge_runs` on int64 columns (address, length) of each side."""
     total = int(src_len.sum())
     assert total == int(dst_len.sum()), "both sides must hold the same number of bytes"
     if total == 0:
@@ -95,6 +102,31 @@ def merge_runs(src: ByteRuns, dst: ByteRuns) -> tuple[np.ndarray, np.ndarray, np
         ln = np.add.reduceat(ln, heads)
         so, do = so[heads], do[heads]
     return so, do, ln
+
+
+def page_runs_as_bytes(
+    runs_per_entry: Sequence[Sequence[tuple[int, int]]], page: int, padded: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Byte runs (address, length) of several entries' page runs, each cut to its padded size.
+
+    Every entry holds ``ceil(padded / page)`` pages, so only its last run is cut, by less than
+    a page. Entries with no runs must be left out by the caller.
+    """
+    counts = np.fromiter(
+        (len(r) for r in runs_per_entry), dtype=np.int64, count=len(runs_per_entry)
+    )
+    flat = np.fromiter(
+        (x for runs in runs_per_entry for run in runs for x in run),
+        dtype=np.int64,
+        count=2 * int(counts.sum()),
+    ).reshape(-1, 2)
+    addr = flat[:, 0] * page
+    length = flat[:, 1] * page
+    last = np.cumsum(counts) - 1
+    whole = np.add.reduceat(length, last - counts + 1)
+    length[last] -= whole - padded
+    assert (length > 0).all(), "an entry's pages do not match its size"
+    return addr, length
 
 
 def _columns(runs: ByteRuns) -> tuple[np.ndarray, np.ndarray]:

@@ -19,7 +19,7 @@ import torch
 from embcache import kernels
 
 from . import device_io
-from .copy_plan import PlanBuilder
+from .copy_plan import merge_arrays, page_runs_as_bytes
 from .device_pool import DevicePool, Residency
 from .device_routing import PeerRates, copy_between_pools
 from .errors import DeviceUnavailable, PoolExhausted
@@ -171,28 +171,44 @@ class DeviceTier:
         """Fill fresh residencies: one ``transfer_ranges`` call gathers every entry that
         comes from the host; entries resident on a faster peer GPU are copied from there."""
         host = self._engine.host_pool
-        plan = PlanBuilder(16)
-        page = host.page_bytes
+        from_host: list[tuple[Entry, Residency]] = []
         peer_bytes = 0
         for entry, res in loads:
             src_index = self.rates.best_source(entry, pool.index, self.pools)
-            if src_index is not None:
-                src_pool = self.pools[src_index]
-                src_res = src_pool.peek(entry)
-                assert src_res is not None
-                copy_between_pools(src_pool, src_res, pool, res, entry.nbytes)
-                peer_bytes += entry.nbytes
+            if src_index is None:
+                if entry.nbytes:
+                    from_host.append((entry, res))
                 continue
-            src = [(s * page, k * page) for s, k in entry.runs]
-            plan.add(src, pool.byte_runs(res), entry.nbytes)
-        if len(plan):
-            s, d, n = plan.rows()
-            self._transfer(host.tensor.view(-1, 16), pool.tensor.view(-1, 16), s, d, n, pool.stream)
+            src_pool = self.pools[src_index]
+            src_res = src_pool.peek(entry)
+            assert src_res is not None
+            copy_between_pools(src_pool, src_res, pool, res, entry.nbytes)
+            peer_bytes += entry.nbytes
+        host_bytes = sum(entry.nbytes for entry, _ in from_host)
+        if from_host:
+            # The plan of the whole batch in a few numpy calls: host page runs against the
+            # residencies' device page runs, each entry padded to whole 16-byte rows.
+            padded = -(-np.fromiter((e.nbytes for e, _ in from_host), dtype=np.int64) // 16) * 16
+            s_addr, s_len = page_runs_as_bytes(
+                [e.runs for e, _ in from_host], host.page_bytes, padded
+            )
+            d_addr, d_len = page_runs_as_bytes(
+                [r.runs for _, r in from_host], pool.page_bytes, padded
+            )
+            so, do, ln = merge_arrays(s_addr, s_len, d_addr, d_len)
+            self._transfer(
+                host.tensor.view(-1, 16),
+                pool.tensor.view(-1, 16),
+                so // 16,
+                do // 16,
+                ln // 16,
+                pool.stream,
+            )
         pool.bind([res for _, res in loads])  # one table launch for the whole batch
         event = self._record(pool.stream)
         for _, res in loads:
             res.event = event
-        self._engine._count_copy("h2d", plan.nbytes)
+        self._engine._count_copy("h2d", host_bytes)
         if peer_bytes:
             self._engine._count_copy("d2d", peer_bytes)
 

@@ -71,3 +71,26 @@ def test_plan_builder_rows_and_padding() -> None:
     joined.add([(0, 4096), (4096, 4096)], [(8192, 8192)], 8192)
     assert [a.tolist() for a in joined.rows()] == [[0], [512], [512]]
     assert [a.tolist() for a in PlanBuilder(16).rows()] == [[], [], []]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 5000), st.integers(0, 3)), min_size=1, max_size=6),
+    st.sampled_from([16, 64, 256]),
+)
+def test_page_runs_as_bytes_matches_truncate(entries, page) -> None:  # type: ignore[no-untyped-def]
+    from embcache.service.copy_plan import page_runs_as_bytes
+
+    runs_per_entry, padded, want = [], [], []
+    base = 0
+    for nbytes, split in entries:
+        padded_n = -(-nbytes // 16) * 16
+        pages = -(-padded_n // page)
+        cut = min(split, pages - 1)  # up to `split` extra runs, separated by a gap
+        runs = [(base, pages - cut)] + [(base + pages - cut + 2 * i + 1, 1) for i in range(cut)]
+        base += 2 * pages + 10
+        runs_per_entry.append(runs)
+        padded.append(padded_n)
+        want += truncate_runs([(s * page, k * page) for s, k in runs], padded_n)
+    addr, length = page_runs_as_bytes(runs_per_entry, page, np.asarray(padded, dtype=np.int64))
+    assert list(zip(addr.tolist(), length.tolist(), strict=True)) == want
