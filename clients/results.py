@@ -63,7 +63,25 @@ def _tensor(result: pb.GetResult, pool: torch.Tensor) -> torch.Tensor:
     return flat.view(torch_dtype(meta.dtype)).view(tuple(meta.shape))
 
 
-class LeasedTensors(Sequence[torch.Tensor | None]):
+class _Leased(Sequence[torch.Tensor | None]):
+    """Tensors (None for misses) plus the leases that keep the views valid."""
+
+    def __init__(self, tensors: list[torch.Tensor | None], lease_ids: list[int]) -> None:
+        self.tensors = tensors
+        self.lease_ids = lease_ids
+        self.released = not lease_ids
+
+    def __getitem__(self, index: int) -> torch.Tensor | None:  # type: ignore[override]
+        return self.tensors[index]
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __iter__(self) -> Iterator[torch.Tensor | None]:
+        return iter(self.tensors)
+
+
+class LeasedTensors(_Leased):
     """Result of ``EmbCacheClient.get``: tensors (None for misses) plus their leases.
 
     ``with client.get(keys) as tensors:`` gives the list and releases the leases on exit;
@@ -83,19 +101,8 @@ class LeasedTensors(Sequence[torch.Tensor | None]):
         lease_ids: list[int],
         release: Callable[[list[int]], object],
     ) -> None:
-        self.tensors = tensors
-        self.lease_ids = lease_ids
+        super().__init__(tensors, lease_ids)
         self._release = release
-        self.released = not lease_ids
-
-    def __getitem__(self, index: int) -> torch.Tensor | None:  # type: ignore[override]
-        return self.tensors[index]
-
-    def __len__(self) -> int:
-        return len(self.tensors)
-
-    def __iter__(self) -> Iterator[torch.Tensor | None]:
-        return iter(self.tensors)
 
     def release(self) -> None:
         """End the leases; raises LeaseExpired if any had ended before (stale views)."""
@@ -114,7 +121,7 @@ class LeasedTensors(Sequence[torch.Tensor | None]):
                 raise
 
 
-class AsyncLeasedTensors(Sequence[torch.Tensor | None]):
+class AsyncLeasedTensors(_Leased):
     """The asyncio twin of :class:`LeasedTensors` (``async with``)."""
 
     def __init__(
@@ -123,19 +130,8 @@ class AsyncLeasedTensors(Sequence[torch.Tensor | None]):
         lease_ids: list[int],
         release: Callable[[list[int]], Awaitable[object]],
     ) -> None:
-        self.tensors = tensors
-        self.lease_ids = lease_ids
+        super().__init__(tensors, lease_ids)
         self._release = release
-        self.released = not lease_ids
-
-    def __getitem__(self, index: int) -> torch.Tensor | None:  # type: ignore[override]
-        return self.tensors[index]
-
-    def __len__(self) -> int:
-        return len(self.tensors)
-
-    def __iter__(self) -> Iterator[torch.Tensor | None]:
-        return iter(self.tensors)
 
     async def release(self) -> None:
         """End the leases; raises LeaseExpired if any had ended before (stale views)."""

@@ -10,6 +10,8 @@ entry in one run costs the same as a 256 KiB one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from sortedcontainers import SortedList
 
 Run = tuple[int, int]  # (first page, number of pages)
@@ -107,3 +109,17 @@ class PageRunAllocator:
             self._insert(start, length)
         self.num_free_pages += sum(length for _, length in runs)
         assert self.num_free_pages <= self.num_pages, "more pages free than exist"
+
+
+def page_byte_runs(runs: Sequence[Run], page_bytes: int, nbytes: int) -> list[tuple[int, int]]:
+    """Byte ranges ``(offset, length)`` holding the first ``nbytes`` of page ``runs``."""
+    out: list[tuple[int, int]] = []
+    left = nbytes
+    for start, length in runs:
+        take = min(left, length * page_bytes)
+        if take <= 0:
+            break
+        out.append((start * page_bytes, take))
+        left -= take
+    assert left <= 0, f"runs hold fewer than {nbytes} bytes"
+    return out

@@ -39,36 +39,8 @@ def truncate_runs(runs: ByteRuns, nbytes: int) -> list[tuple[int, int]]:
     return out
 
 
-def pair_runs(src: ByteRuns, dst: ByteRuns, nbytes: int) -> tuple[list[int], list[int], list[int]]:
-    """Byte pieces ``(src_offsets, dst_offsets, lengths)`` copying ``nbytes`` from src to dst."""
-    so: list[int] = []
-    do: list[int] = []
-    ln: list[int] = []
-    i = j = 0
-    si = sj = 0  # bytes used of src[i], dst[j]
-    left = nbytes
-    while left > 0:
-        s_off, s_len = src[i]
-        d_off, d_len = dst[j]
-        take = min(s_len - si, d_len - sj, left)
-        if so and so[-1] + ln[-1] == s_off + si and do[-1] + ln[-1] == d_off + sj:
-            ln[-1] += take  # contiguous on both sides: extend the previous piece
-        else:
-            so.append(s_off + si)
-            do.append(d_off + sj)
-            ln.append(take)
-        si += take
-        sj += take
-        left -= take
-        if si == s_len:
-            i, si = i + 1, 0
-        if sj == d_len:
-            j, sj = j + 1, 0
-    return so, do, ln
-
-
 def merge_runs(src: ByteRuns, dst: ByteRuns) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Vectorised :func:`pair_runs` over two run lists of equal total length.
+    """Pieces ``(src_offsets, dst_offsets, lengths)`` copying two run lists of equal length.
 
     Pieces start wherever either side's run starts; pieces contiguous on both sides are
     joined again. Cost is a handful of numpy calls, whatever the number of runs.

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .allocator import page_byte_runs
+from .copy_plan import merge_runs
 from .device_pool import DevicePool, Residency
 from .entries import Entry
 
@@ -94,11 +96,10 @@ def copy_between_pools(
     """Queue a device-to-device copy of one entry's pages on the destination's stream."""
     if dst_pool.stream is not None and src_pool.stream is not None:
         dst_pool.stream.wait_stream(src_pool.stream)  # the source pages are complete
-    src_runs = src_pool.byte_runs(src)
-    dst_runs = dst_pool.byte_runs(dst)
-    from .copy_plan import merge_runs, truncate_runs
-
-    so, do, ln = merge_runs(truncate_runs(src_runs, nbytes), truncate_runs(dst_runs, nbytes))
+    so, do, ln = merge_runs(
+        page_byte_runs(src.runs, src_pool.page_bytes, nbytes),
+        page_byte_runs(dst.runs, dst_pool.page_bytes, nbytes),
+    )
     with dst_pool._on_stream():
         for s, d, n in zip(so.tolist(), do.tolist(), ln.tolist(), strict=True):
             dst_pool.tensor[d : d + n].copy_(src_pool.tensor[s : s + n], non_blocking=True)

@@ -98,11 +98,12 @@ class CacheEngine:
         self.settings = settings
         self._clock = clock
         self._lock = threading.RLock()
+        self._uses_cuda = cuda_wanted(settings)
         self.host_pool = HostPool(
             settings.effective_shm_name,
             settings.host_pool_bytes,
             settings.page_bytes,
-            register_cuda=cuda_wanted(settings),
+            register_cuda=self._uses_cuda,
             mode=int(settings.shm_mode, 8),
         )
         self._alloc = PageRunAllocator(self.host_pool.num_pages)
@@ -566,7 +567,7 @@ class CacheEngine:
             not self._closed
             and not self._draining
             and not pool.closed
-            and (pool.registered or not cuda_wanted(self.settings))
+            and (pool.registered or not self._uses_cuda)
         )
 
     @property

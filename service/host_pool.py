@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .allocator import page_byte_runs
+
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
@@ -142,13 +144,4 @@ class HostPool:
     # -- access --------------------------------------------------------------------------
     def byte_runs(self, runs: tuple[tuple[int, int], ...], nbytes: int) -> list[tuple[int, int]]:
         """Byte ranges ``(offset, length)`` that hold the first ``nbytes`` of page runs."""
-        out: list[tuple[int, int]] = []
-        left = nbytes
-        for start, length in runs:
-            take = min(left, length * self.page_bytes)
-            if take <= 0:
-                break
-            out.append((start * self.page_bytes, take))
-            left -= take
-        assert left <= 0, f"runs hold fewer than {nbytes} bytes"
-        return out
+        return page_byte_runs(runs, self.page_bytes, nbytes)

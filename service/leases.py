@@ -11,6 +11,7 @@ import heapq
 import secrets
 from dataclasses import dataclass
 
+from .allocator import page_byte_runs
 from .entries import Entry
 
 
@@ -27,14 +28,8 @@ class Lease:
     def byte_runs(self) -> tuple[tuple[int, int], ...]:
         """``(offset, length)`` in the host pool that hold the entry's bytes, in order."""
         if self._byte_runs is None:
-            out, left, page = [], self.entry.nbytes, self.page_bytes
-            for start, n in self.entry.runs:
-                take = min(left, n * page)
-                if take <= 0:
-                    break
-                out.append((start * page, take))
-                left -= take
-            self._byte_runs = tuple(out)
+            entry = self.entry
+            self._byte_runs = tuple(page_byte_runs(entry.runs, self.page_bytes, entry.nbytes))
         return self._byte_runs
 
     @property

@@ -29,27 +29,38 @@ def shm_name() -> str:
     return f"embcache-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
+def serve_command(*flags: str) -> list[str]:
+    """``embcache serve`` from this interpreter on ephemeral ports, plus ``flags``."""
+    import sys
+
+    return [
+        sys.executable,
+        "-m",
+        "embcache.service.cli",
+        "serve",
+        "--grpc-port",
+        "0",
+        "--http-port",
+        "0",
+        "--log-level",
+        "warning",
+        *flags,
+    ]
+
+
+@pytest.fixture(name="serve_command")
+def serve_command_fixture():  # type: ignore[no-untyped-def]
+    return serve_command
+
+
 class DaemonProcess:
     """``embcache serve`` in a subprocess, with the JSON ready line it printed."""
 
     def __init__(self, flags: list[str], env: dict[str, str] | None = None) -> None:
         import json
         import subprocess
-        import sys
 
-        cmd = [
-            sys.executable,
-            "-m",
-            "embcache.service.cli",
-            "serve",
-            "--grpc-port",
-            "0",
-            "--http-port",
-            "0",
-            "--log-level",
-            "warning",
-            *flags,
-        ]
+        cmd = serve_command(*flags)
         if not any(f == "--shm-name" for f in flags):
             cmd += ["--shm-name", f"embcache-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"]
         self.proc = subprocess.Popen(

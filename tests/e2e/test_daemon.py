@@ -6,7 +6,6 @@ import signal
 import socket
 import stat
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -56,41 +55,17 @@ def test_notify_modes_and_drain(tmp_path: Path, start_daemon) -> None:  # type: 
         (["--page-bytes", "1000"], "--page-bytes"),
     ],
 )
-def test_bad_settings_refuse_to_start(flags: list[str], field: str) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "embcache.service.cli",
-        "serve",
-        "--grpc-port",
-        "0",
-        "--http-port",
-        "0",
-        *flags,
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+def test_bad_settings_refuse_to_start(flags: list[str], field: str, serve_command) -> None:  # type: ignore[no-untyped-def]
+    out = subprocess.run(serve_command(*flags), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert field in out.stderr
 
 
-def test_second_daemon_on_the_same_segment_fails(start_daemon) -> None:  # type: ignore[no-untyped-def]
+def test_second_daemon_on_the_same_segment_fails(start_daemon, serve_command) -> None:  # type: ignore[no-untyped-def]
     name = f"embcache-daemon-{uuid.uuid4().hex[:8]}"
-    first = start_daemon("--shm-name", name, "--host-pool-bytes", "16MiB")
-    cmd = [
-        sys.executable,
-        "-m",
-        "embcache.service.cli",
-        "serve",
-        "--grpc-port",
-        "0",
-        "--http-port",
-        "0",
-        "--shm-name",
-        name,
-        "--host-pool-bytes",
-        "16MiB",
-    ]
-    second = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    flags = ("--shm-name", name, "--host-pool-bytes", "16MiB")
+    first = start_daemon(*flags)
+    second = subprocess.run(serve_command(*flags), capture_output=True, text=True, timeout=60)
     assert second.returncode == 1
     assert "belongs to a running daemon" in second.stderr
     assert (SHM_DIR / name).exists()  # the first daemon's segment is untouched

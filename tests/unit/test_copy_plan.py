@@ -5,12 +5,40 @@ import numpy as np
 from hypothesis import given, settings
 
 from embcache.service.copy_plan import (
+    ByteRuns,
     PlanBuilder,
     merge_runs,
-    pair_runs,
     row_bytes_for,
     truncate_runs,
 )
+
+
+def pair_runs(src: ByteRuns, dst: ByteRuns, nbytes: int) -> tuple[list[int], list[int], list[int]]:
+    """The spec of merge_runs, as a plain loop: pieces copying ``nbytes`` from src to dst."""
+    so: list[int] = []
+    do: list[int] = []
+    ln: list[int] = []
+    i = j = 0
+    si = sj = 0  # bytes used of src[i], dst[j]
+    left = nbytes
+    while left > 0:
+        s_off, s_len = src[i]
+        d_off, d_len = dst[j]
+        take = min(s_len - si, d_len - sj, left)
+        if so and so[-1] + ln[-1] == s_off + si and do[-1] + ln[-1] == d_off + sj:
+            ln[-1] += take  # contiguous on both sides: extend the previous piece
+        else:
+            so.append(s_off + si)
+            do.append(d_off + sj)
+            ln.append(take)
+        si += take
+        sj += take
+        left -= take
+        if si == s_len:
+            i, si = i + 1, 0
+        if sj == d_len:
+            j, sj = j + 1, 0
+    return so, do, ln
 
 
 def test_row_bytes_for() -> None:
