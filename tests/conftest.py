@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import selectors
+import time
 import uuid
 
 import pytest
@@ -67,10 +69,16 @@ class DaemonProcess:
             cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
         )
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
+        line = ""
+        deadline = time.monotonic() + 120  # bounded: a daemon that never gets ready fails
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while not line and time.monotonic() < deadline and self.proc.poll() is None:
+                if sel.select(timeout=0.5):
+                    line = self.proc.stdout.readline()
         if not line:
-            self.proc.wait(timeout=30)
-            raise RuntimeError(f"daemon exited with {self.proc.returncode} before it was ready")
+            self.stop(timeout=10)
+            raise RuntimeError(f"daemon not ready (exit code {self.proc.returncode})")
         self.ready: dict = json.loads(line)
         self.grpc_target = f"127.0.0.1:{self.ready['grpc_port']}"
         self.http_url = f"http://127.0.0.1:{self.ready['http_port']}"
