@@ -117,3 +117,15 @@ def save_json(name: str, data: dict[str, Any], out_dir: Path | None = None) -> P
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
     print(f"saved {path}", flush=True)
     return path
+
+
+def latencies_us(fn: Callable[[], object], iters: int, warmup: int = 1) -> list[float]:
+    """Microseconds of ``iters`` calls of ``fn`` after ``warmup`` untimed ones, sorted."""
+    for _ in range(warmup):
+        fn()
+    lat = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        lat.append((time.perf_counter() - t0) * 1e6)
+    return sorted(lat)

@@ -32,6 +32,9 @@ from typing import Any
 import grpc
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import latencies_us
+
 from embcache.clients import EmbCacheClient
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
@@ -52,13 +55,19 @@ async def put(request_iterator, context):
         n += len(msg.chunk)
     return pb.PutResponse(created=True, nbytes=n)
 
+async def ping(request, context):
+    return pb.ExistsResponse(exists=[True] * len(request.keys))
+
 async def main():
     server = grpc.aio.server(options=SERVER_OPTIONS)
     handler = grpc.stream_unary_rpc_method_handler(
         put, request_deserializer=pb.PutRequest.FromString,
         response_serializer=pb.PutResponse.SerializeToString)
+    unary = grpc.unary_unary_rpc_method_handler(
+        ping, request_deserializer=pb.ExistsRequest.FromString,
+        response_serializer=pb.ExistsResponse.SerializeToString)
     server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("bench.Sink", {"Put": handler}),))
+        (grpc.method_handlers_generic_handler("bench.Sink", {"Put": handler, "Ping": unary}),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.add_insecure_port("unix:" + sys.argv[1])
     await server.start()
@@ -136,6 +145,24 @@ def measure_puts(target: str, base_target: str, entry_mib: int, total_mib: int, 
                 client.put(uuid.uuid4().hex, entry, checksum=False)
             plain.append(rate(count * entry.numel(), time.perf_counter() - t0))
     return statistics.median(ours), statistics.median(plain), statistics.median(base)
+
+
+def measure_floor(target: str, base_target: str, iters: int = 500) -> dict[str, float]:
+    """p50 of a trivial grpc.aio unary call (the baseline server) and of embcache's Exists:
+    the round trip every unary RPC pays on this machine."""
+    req = pb.ExistsRequest(keys=["k"])
+    out = {}
+    with EmbCacheClient(target) as client, grpc.insecure_channel(base_target) as channel:
+        ping = channel.unary_unary(
+            "/bench.Sink/Ping",
+            request_serializer=pb.ExistsRequest.SerializeToString,
+            response_deserializer=pb.ExistsResponse.FromString,
+        )
+        for name, fn in (("unary_floor", lambda: ping(req, timeout=10)),
+                         ("exists", lambda: client.exists(["k"]))):  # fmt: skip
+            lat = latencies_us(fn, iters, warmup=20)
+            out[f"{name}_p50_us"], out[f"{name}_p99_us"] = percentiles(lat)
+    return out
 
 
 def measure_gets(target: str, entry_mib: int, iters: int) -> dict[str, float]:
@@ -328,6 +355,7 @@ def main() -> None:
                     }
                 )
         gets = measure_gets(f"unix:{sock}", 4, 200)
+        gets.update(measure_floor(f"unix:{sock}", f"unix:{base_sock}"))
     finally:
         stop(daemon)
         stop(baseline)
@@ -349,6 +377,10 @@ def main() -> None:
     print(
         f"get 1 x 4 MiB zero-copy (shared memory, unix): p50 {gets['get_shm_p50_us']:.0f} us, "
         f"p99 {gets['get_shm_p99_us']:.0f} us; get_bytes {gets['get_bytes_mib_s']:.0f} MiB/s"
+    )
+    print(
+        f"unary round trip (unix): trivial grpc.aio servicer p50 {gets['unary_floor_p50_us']:.0f}"
+        f" us (the floor); embcache Exists p50 {gets['exists_p50_us']:.0f} us"
     )
     gpu = gpu_section(tmp, args.device_iters, args.device_rounds)
     if isinstance(gpu, str):

@@ -32,7 +32,7 @@ import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS_DIR, environment, print_environment, save_json, table
+from _common import RESULTS_DIR, environment, latencies_us, print_environment, save_json, table
 
 from embcache.clients import EmbCacheClient
 
@@ -88,13 +88,7 @@ def median_rate(fn: Callable[[int], None], count: int, nbytes: int, repeats: int
 
 
 def p50_us(fn: Callable[[], None], iters: int) -> float:
-    fn()
-    lat = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        lat.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(lat)
+    return statistics.median(latencies_us(fn, iters))
 
 
 def measure(ready: dict[str, Any], entry_mib: int, count: int, repeats: int) -> dict[str, Any]:

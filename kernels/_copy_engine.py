@@ -25,11 +25,29 @@ def memcpy_ranges(rt: CudaRuntime, plan: TransferPlan, stream: torch.cuda.Stream
             rt.memcpy_async(dst, src, size, handle)
 
 
+def call_slices(count: int, first: int) -> list[slice]:
+    """Ranges per ``cudaMemcpyBatchAsync`` call: ``first``, then twice as many each time
+    (``first`` 0: one call)."""
+    if first <= 0 or count <= first:
+        return [slice(0, count)]
+    out, start, size = [], 0, first
+    while start < count:
+        out.append(slice(start, min(count, start + size)))
+        start += size
+        size *= 2
+    return out
+
+
 def batch_ranges(
-    rt: CudaRuntime, plan: TransferPlan, stream: torch.cuda.Stream, num_streams: int = 1
+    rt: CudaRuntime,
+    plan: TransferPlan,
+    stream: torch.cuda.Stream,
+    num_streams: int = 1,
+    first_call: int = 0,
 ) -> None:
-    """The ranges in ``cudaMemcpyBatchAsync`` calls: one on ``stream``, or one on each of
-    ``num_streams`` side streams (ranges dealt round-robin), joined back with events.
+    """The ranges in ``cudaMemcpyBatchAsync`` calls: on ``stream`` (in calls of growing size,
+    see :func:`call_slices`), or one on each of ``num_streams`` side streams (ranges dealt
+    round-robin), joined back with events.
 
     The call refuses the legacy default stream, so there it always runs on a side stream;
     ordering on ``stream`` is as if the copy were issued there.
@@ -38,7 +56,8 @@ def batch_ranges(
     num_streams = max(1, min(num_streams, plan.num_ranges))
     with torch.cuda.device(plan.device):
         if num_streams == 1 and stream.cuda_stream != 0:
-            rt.memcpy_batch_async(dsts, srcs, sizes, stream.cuda_stream)
+            for part in call_slices(len(sizes), first_call):
+                rt.memcpy_batch_async(dsts[part], srcs[part], sizes[part], stream.cuda_stream)
             return
         sides = [torch.cuda.Stream(plan.device) for _ in range(num_streams)]
         for i, side in enumerate(sides):

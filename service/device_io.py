@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from .copy_plan import PlanBuilder, row_bytes_for
@@ -136,19 +137,27 @@ def put_from_device(
         nbytes = handle.nbytes
         flat = src.reshape(-1).view(torch.uint8)
         row = row_bytes_for(flat.data_ptr(), nbytes)
-        page = e.host_pool.page_bytes
 
-        def copy(_byte_runs: object) -> None:
-            plan = PlanBuilder(row)
-            plan.add([(0, nbytes)], [(s * page, k * page) for s, k in handle.entry.runs], nbytes)
-            if not len(plan):
+        def copy(byte_runs: tuple[tuple[int, int], ...]) -> None:
+            # The source is one run, so the plan is the entry's host byte runs, each fed
+            # from the next bytes of the source. ``row`` divides nbytes and the pointer.
+            if not nbytes:
                 return
+            lengths = np.array([n for _, n in byte_runs], dtype=np.int64)
+            dst_rows = np.array([off for off, _ in byte_runs], dtype=np.int64) // row
+            src_rows = (np.cumsum(lengths) - lengths) // row
             stream = tier._stream_for(src)
             if stream is not None:  # an in-process producer may still be writing src
                 stream.wait_stream(torch.cuda.current_stream(src.device))
-            s, d, n = plan.rows()
             start = time.perf_counter()
-            tier._transfer(flat.view(-1, row), e.host_pool.tensor.view(-1, row), s, d, n, stream)
+            tier._transfer(
+                flat.view(-1, row),
+                e.host_pool.tensor.view(-1, row),
+                src_rows,
+                dst_rows,
+                lengths // row,
+                stream,
+            )
             if stream is not None:
                 stream.synchronize()
             tier._observe("d2h", nbytes, time.perf_counter() - start)

@@ -143,7 +143,8 @@ class DevicePool:
 
         All or nothing: None (and nothing reserved) when the batch does not fit after
         evicting every unleased resident. The batch's virtual pages are one range, cut
-        into one sub-range per entry; its physical runs are cut the same way.
+        into one sub-range per entry; its physical runs are dealt out so that every entry
+        that fits in one piece of them gets one run (see ``_deal_runs``).
         """
         sizes = [self.pages_for(e.nbytes) for e in entries]
         total = sum(sizes)
@@ -157,18 +158,8 @@ class DevicePool:
         assert vruns is not None and len(vruns) <= 1 and runs is not None, (vruns, runs)
         vstart = vruns[0][0] if vruns else 0
         out: list[Residency] = []
-        run_iter = iter(runs)
-        cur_start, cur_left = 0, 0
-        for entry, n in zip(entries, sizes, strict=True):
-            mine: list[tuple[int, int]] = []
-            need = n
-            while need:
-                if not cur_left:
-                    cur_start, cur_left = next(run_iter)
-                take = min(need, cur_left)
-                mine.append((cur_start, take))
-                cur_start, cur_left, need = cur_start + take, cur_left - take, need - take
-            res = Residency(vstart, n, tuple(mine))
+        for entry, n, mine in zip(entries, sizes, _deal_runs(runs, sizes), strict=True):
+            res = Residency(vstart, n, mine)
             vstart += n
             self._resident[entry] = res
             out.append(res)
@@ -192,7 +183,14 @@ class DevicePool:
             kernels.bind_inplace(self._ids(v), self._ids(p), self.v2p, self.p2v)
 
     def _ids(self, ids: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(ids.astype(np.int64)).to(self.device, non_blocking=False)
+        """Page ids on the pool's device, queued on the current stream (the pool's).
+
+        Staged through pinned memory: a pageable copy would make the host wait for all the
+        work already queued on the stream, e.g. the batch's whole host->device copy."""
+        t = torch.from_numpy(ids.astype(np.int64, copy=False))
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _evict_one(self) -> bool:
         for entry in self._resident:
@@ -294,3 +292,39 @@ class DevicePool:
         self._resident.clear()
         if self.slab is not None:
             self.slab.close()
+
+
+def _deal_runs(runs: list[tuple[int, int]], sizes: list[int]) -> list[tuple[tuple[int, int], ...]]:
+    """Cut the batch's physical runs into one page list per entry (``sum(sizes)`` pages).
+
+    Entries that fit in one piece come first, largest first, each taking the smallest piece
+    that holds it whole (so it stays one run: a zero-copy view for clients). Entries no
+    piece holds are cut anyway; they take what is left, largest pieces first.
+    """
+    pieces = [list(r) for r in runs if r[1]]
+    largest = max((p[1] for p in pieces), default=0)
+    out: list[tuple[tuple[int, int], ...]] = [()] * len(sizes)
+    order = sorted(range(len(sizes)), key=lambda j: (sizes[j] > largest, -sizes[j]))
+    for i in order:
+        need = sizes[i]
+        if not need:
+            continue
+        fits = [p for p in pieces if p[1] >= need]
+        if fits:
+            p = min(fits, key=lambda q: q[1])
+            out[i] = ((p[0], need),)
+            p[0] += need
+            p[1] -= need
+        else:
+            mine: list[tuple[int, int]] = []
+            for p in sorted(pieces, key=lambda q: -q[1]):
+                take = min(need, p[1])
+                mine.append((p[0], take))
+                p[0] += take
+                p[1] -= take
+                need -= take
+                if not need:
+                    break
+            out[i] = tuple(mine)
+        pieces = [p for p in pieces if p[1]]
+    return out

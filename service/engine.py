@@ -24,7 +24,7 @@ from . import admission, introspection
 from .allocator import PageRunAllocator
 from .config import Settings
 from .device_pool import DevicePool
-from .device_tier import CopyObserver, DeviceLease, DeviceTier
+from .device_tier import CopyObserver, DeviceLease, DeviceTier, PendingGet
 from .dtypes import from_torch
 from .entries import Entry, EntryState, EntryTable
 from .errors import (
@@ -491,6 +491,22 @@ class CacheEngine:
         """
         return self.device_tier.get_to_device(
             keys, owner, ttl_s=ttl_s, device=device, read_table=read_table
+        )
+
+    def start_get_to_device(
+        self,
+        keys: Sequence[str],
+        owner: str,
+        *,
+        ttl_s: float | None = None,
+        device: int = 0,
+        fill_misses: bool = True,
+    ) -> PendingGet:
+        """:meth:`get_to_device` without waiting for the copies: for callers that wait
+        their own way (an event loop). Hand out ``pending.results`` only once
+        ``pending.done()`` or ``pending.wait()``; the leases are the caller's either way."""
+        return self.device_tier.start_get(
+            keys, owner, ttl_s=ttl_s, device=device, read_table=False, fill_misses=fill_misses
         )
 
     def get_into(

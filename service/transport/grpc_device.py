@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -21,6 +22,7 @@ from ...proto.embcache.v1 import embcache_pb2 as pb
 from .. import admission
 from ..config import Settings
 from ..device_pool import DevicePool
+from ..device_tier import PendingGet
 from ..dtypes import DType, lookup
 from ..engine import CacheEngine
 from ..errors import DeviceUnavailable, InvalidArgument
@@ -54,6 +56,25 @@ async def in_thread(fn: Callable[[], T], undo: Callable[[T], object] | None = No
 
             task.add_done_callback(done)
         raise
+
+
+SPIN_S = 0.002  # copies expected to take longer are waited for in a worker thread
+SPIN_RATE = 20e9  # bytes/s assumed for that estimate (below a host->device copy's rate)
+
+
+async def wait_copies(pending: PendingGet) -> None:
+    """Wait for a get's copies without blocking the loop. A short copy (the common case: a
+    few MiB, well under a millisecond) is polled between other callbacks, which answers
+    sooner than a thread hand-off; a long one is waited for in a worker thread."""
+    if pending.done():
+        return
+    if pending.loaded_bytes / SPIN_RATE < SPIN_S:
+        give_up = time.perf_counter() + SPIN_S
+        while time.perf_counter() < give_up:
+            await asyncio.sleep(0)
+            if pending.done():
+                return
+    await asyncio.to_thread(pending.wait)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,20 +120,20 @@ class DevicePlane:
         index, pool = self.pool_for(request.gpu_uuid)
         keys = list(request.keys)
         ttl = request.ttl_s if request.HasField("ttl_s") else None
-
-        def run() -> pb.GetResponse:
-            found, _ = self.engine.get_to_device(keys, owner, ttl_s=ttl, device=index)
-            try:
-                return self._get_reply(keys, found, pool)
-            except BaseException:
-                self.engine.release(d.lease.lease_id for d in found if d is not None)
-                raise
-
-        reply = await in_thread(run, self._release_reply)
-        if not alive(owner):  # the session ended meanwhile: its leases would outlive it
-            self._release_reply(reply)
-            raise UnknownSession("session ended during the call", session=owner)
-        return reply
+        e = self.engine
+        if e.miss_fetcher is not None:  # the shared tier may block on the network
+            await asyncio.to_thread(e.fill_misses, keys)
+        # Bookkeeping and queuing the copy take the engine lock briefly, like a host Get,
+        # so they run here; only the copy is waited for off the critical path.
+        pending = e.start_get_to_device(keys, owner, ttl_s=ttl, device=index, fill_misses=False)
+        try:
+            await wait_copies(pending)
+            if not alive(owner):  # the session ended meanwhile: its leases would outlive it
+                raise UnknownSession("session ended during the call", session=owner)
+            return self._get_reply(keys, pending.results, pool)
+        except BaseException:
+            e.release(d.lease.lease_id for d in pending.results if d is not None)
+            raise
 
     def _release_reply(self, reply: pb.GetResponse) -> None:
         self.engine.release(r.lease_id for r in reply.results if r.found)

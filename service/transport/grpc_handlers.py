@@ -68,19 +68,17 @@ def decode_put_request(data: bytes) -> pb.PutRequest | memoryview | Undecodable:
     return _parse_put(data)
 
 
-async def _single_request(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
-    """The one request message of a unary-request method, read from the stream."""
-    first: Any = None
-    count = 0
-    async for message in requests:
-        count += 1
-        if count == 1:
-            first = message
-        else:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "more than one request message")
-    if count == 0:
+async def _single_request(context: grpc.aio.ServicerContext) -> Any:
+    """The request message of a unary-request method, read from the stream.
+
+    One read: a unary client sends its message and the end of the stream together, so
+    waiting for the end as well would cost every call another trip through the loop
+    (about 0.1 ms). Messages after the first are not read.
+    """
+    message = await context.read()
+    if message is grpc.aio.EOF:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
-    return first
+    return message
 
 
 def _unary_request(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -90,8 +88,8 @@ def _unary_request(method: Callable[..., Any]) -> Callable[..., Any]:
     message (which a unary handler would wait on forever) now gets INVALID_ARGUMENT.
     """
 
-    async def handler(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
-        return await method(await _single_request(requests, context), context)
+    async def handler(_requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        return await method(await _single_request(context), context)
 
     return handler
 

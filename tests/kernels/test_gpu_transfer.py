@@ -102,6 +102,8 @@ def test_large_fragmented_plans(direction: str, backend: str, run_rows: int) -> 
         TransferConfig(kernel_below_bytes=0, split_kernel_fraction=0.0),
         TransferConfig(vector_host_stores=False, copy_engine_streams=3),
         TransferConfig(vector_device=False, vector_host_loads=False, copy_engine_streams=2),
+        TransferConfig(batch_first_call=1),  # 1, 2, 4, ... ranges per batch call
+        TransferConfig(batch_first_call=0),  # one call
     ],
 )
 def test_kernel_configs(direction: str, config: TransferConfig) -> None:

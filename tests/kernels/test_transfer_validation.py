@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -110,8 +112,26 @@ def test_kernel_backend_on_cpu_needs_interpreter(monkeypatch: pytest.MonkeyPatch
         ("chunk_bytes", -1),
         ("split_kernel_fraction", 1.5),
         ("kernel_below_bytes", 1 << 40),
+        ("batch_first_call", -1),
     ],
 )
 def test_config_validation(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"^{field}:"):
         TransferConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    ("count", "first"),
+    [(0, 16), (1, 16), (16, 16), (17, 16), (256, 16), (257, 1), (300, 0), (5, 2)],
+)
+def test_batch_call_slices_cover_the_ranges_in_order(count: int, first: int) -> None:
+    from embcache.kernels._copy_engine import call_slices
+
+    parts = call_slices(count, first)
+    assert [i for p in parts for i in range(count)[p]] == list(range(count))
+    sizes = [len(range(count)[p]) for p in parts]
+    if first and count > first:
+        assert sizes[0] == first
+        assert all(b == 2 * a for a, b in itertools.pairwise(sizes[:-1]))
+    else:
+        assert len(parts) == 1

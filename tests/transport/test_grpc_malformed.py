@@ -506,6 +506,13 @@ def unknown_method(draw: Draw) -> Case:
     return Case(name, "unary", [b""], C.UNIMPLEMENTED)
 
 
+@kind
+def unary_method_without_a_message(draw: Draw) -> Case:
+    """A stream that ends before the request of a unary method: no wait until the deadline."""
+    name = draw(st.sampled_from(["Get", "Exists", "Release", "Evict", "Stats", "GetInto"]))
+    return Case(name, "client_stream", [], C.INVALID_ARGUMENT)
+
+
 # -- running them ------------------------------------------------------------------------
 def call(channel: grpc.Channel, case: Case) -> grpc.StatusCode:
     path = f"/embcache.v1.EmbeddingCache/{case.method}"

@@ -10,9 +10,11 @@ import zlib
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from embcache.service.config import Settings
-from embcache.service.device_pool import DevicePool
+from embcache.service.device_pool import DevicePool, _deal_runs
 from embcache.service.engine import CacheEngine
 from embcache.service.errors import (
     ChecksumMismatch,
@@ -174,6 +176,19 @@ def test_put_from_device(engine: CacheEngine) -> None:
     assert s.entries_filling == 0 and s.host.used_pages == 2 * -(-len(raw) // PAGE)
 
 
+@pytest.mark.parametrize("nbytes", [1, 15, 3 * PAGE + 7, 5 * PAGE])
+def test_put_from_device_into_fragmented_pages(engine: CacheEngine, nbytes: int) -> None:
+    for i in range(64):  # the whole host pool
+        engine.put(f"f{i}", blob(PAGE, i))
+    engine.evict([f"f{i}" for i in range(0, 64, 2)])  # one-page holes only
+    src = blob(nbytes + 3, 7)[3:]  # an odd address as well as an odd size
+    assert engine.put_from_device("x", src) is True
+    info = engine.entry_info("x")
+    assert info is not None and len(info.page_runs) == -(-nbytes // PAGE)
+    [lease] = engine.get(["x"], "dec")
+    assert lease is not None and torch.equal(engine.tensor(lease), src)
+
+
 def test_no_device_pool(shm_name: str) -> None:
     s = Settings(host_pool_bytes=16 * PAGE, page_bytes=PAGE, shm_name=shm_name, device="cpu")
     with CacheEngine(s) as e:
@@ -203,6 +218,62 @@ def test_batch_over_fragmented_device_pages(engine: CacheEngine) -> None:
     assert torch.equal(device_bytes(engine, da), a) and torch.equal(device_bytes(engine, db), b)
     assert not set(da.page_ids) & set(db.page_ids)
     check_tables(engine)
+
+
+def test_batch_keeps_an_entry_that_fits_a_hole_contiguous(engine: CacheEngine) -> None:
+    """A batch's pages come from one allocation, but an entry that fits one of its runs
+    gets that run whole (a zero-copy view for clients), whatever its place in the batch."""
+    for i in range(8):
+        engine.put(f"one{i}", blob(DEV_PAGE, 100 + i))
+    engine.get_to_device([f"one{i}" for i in range(8)], "x")
+    engine.drop_owner("x")
+    pool = engine.device_tier.pool(0)
+    for i in (0, 1, 2, 4, 6):  # holes of 3, 1 and 1 pages
+        pool.drop(engine._entries.get(f"one{i}"))  # type: ignore[arg-type]
+    small, big = blob(DEV_PAGE, 1), blob(2 * DEV_PAGE + 1, 2)  # 1 + 3 pages
+    engine.put("small", small)
+    engine.put("big", big)
+    [ds, db], _ = engine.get_to_device(["small", "big"], "dec")
+    assert ds is not None and db is not None
+    assert db.offset is not None and len(db.page_ids) == 3, db.page_ids
+    assert ds.offset is not None
+    assert torch.equal(device_bytes(engine, ds), small)
+    assert torch.equal(device_bytes(engine, db), big)
+    check_tables(engine)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(1, 6), min_size=1, max_size=8),
+    st.lists(st.integers(0, 8), min_size=1, max_size=10),
+)
+def test_deal_runs_partitions_the_pages(hole_sizes: list[int], entry_sizes: list[int]) -> None:
+    total = sum(entry_sizes)
+    runs, start = [], 0
+    for k in hole_sizes * (total // max(1, sum(hole_sizes)) + 1):
+        runs.append((start, k))
+        start += k + 1  # a used page between holes
+    taken, left = [], total
+    for s0, k in runs:  # the allocator's answer: runs covering exactly ``total`` pages
+        if left:
+            taken.append((s0, min(k, left)))
+            left -= min(k, left)
+    dealt = _deal_runs(taken, entry_sizes)
+    pages = [p for mine in dealt for s0, k in mine for p in range(s0, s0 + k)]
+    assert sorted(pages) == [p for s0, k in taken for p in range(s0, s0 + k)]
+    assert [sum(k for _, k in mine) for mine in dealt] == entry_sizes
+    largest = max((k for _, k in taken), default=0)
+    fitting = [i for i, n in enumerate(entry_sizes) if 0 < n <= largest]
+    if fitting:  # the largest of them is dealt first: it gets a whole run
+        first = max(fitting, key=lambda i: (entry_sizes[i], -i))
+        assert len(dealt[first]) == 1
+
+
+def test_deal_runs_cuts_oversized_entries_last() -> None:
+    """8-page holes: the 16-page entries (cut anyway) leave whole holes to the small ones."""
+    holes = [(i * 9, 8) for i in range(14)] + [(14 * 9, 6)]
+    small = _deal_runs(holes, [16] * 6 + [3, 3, 3, 3, 5, 5])[6:]
+    assert all(len(mine) == 1 for mine in small), small
 
 
 def test_prefetch_without_shared_tier_warms_the_device(engine: CacheEngine) -> None:
