@@ -136,7 +136,12 @@ def materialize(
     if offset is not None:
         flat = pool_bytes[offset : offset + nbytes]
     else:
-        pages = pool_bytes[: pool_bytes.numel() // page_bytes * page_bytes].view(-1, page_bytes)
-        index = torch.as_tensor(list(page_ids), dtype=torch.int64).to(pool_bytes.device)
-        flat = pages.index_select(0, index).view(-1)[:nbytes]  # one gather launch
+        runs: list[list[int]] = []  # [first page, count] of consecutive page ids
+        for p in page_ids:
+            if runs and runs[-1][0] + runs[-1][1] == p:
+                runs[-1][1] += 1
+            else:
+                runs.append([p, 1])
+        parts = [pool_bytes[p * page_bytes : (p + k) * page_bytes] for p, k in runs]
+        flat = torch.cat(parts)[:nbytes]  # one gather launch, no index upload
     return flat.view(dtype).view(shape)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -167,10 +168,27 @@ def validate_plan(
             f"lengths: src_starts, dst_starts and lengths differ in length "
             f"({len(s)}, {len(d)}, {len(n)})"
         )
+    if len(n) <= _SMALL:
+        s, d, n = _check_ranges_small(s, d, n, src.shape[0], dst.shape[0])
+    else:
+        s, d, n = _check_ranges(s, d, n, src.shape[0], dst.shape[0])
+    row_bytes = src.shape[1] * src.element_size()
+    if row_bytes == 0:
+        s, d, n = s[:0], d[:0], n[:0]
+    return TransferPlan(src, dst, s, d, n, row_bytes, direction)
+
+
+_SMALL = 64  # plans up to this many ranges are checked in plain Python (no numpy call costs)
+
+
+def _check_ranges(
+    s: np.ndarray, d: np.ndarray, n: np.ndarray, src_rows: int, dst_rows: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Bounds and destination overlap of a plan; returns it without its empty ranges."""
     for name, arr in (("src_starts", s), ("dst_starts", d), ("lengths", n)):
         if arr.size and int(arr.min()) < 0:
             raise ValueError(f"{name}: holds a negative value {int(arr.min())}")
-    for name, starts, rows in (("src_starts", s, src.shape[0]), ("dst_starts", d, dst.shape[0])):
+    for name, starts, rows in (("src_starts", s, src_rows), ("dst_starts", d, dst_rows)):
         # starts <= rows and lengths <= rows first, so the sum cannot overflow int64
         if starts.size and (int(starts.max()) > rows or int(n.max()) > rows):
             raise ValueError(f"{name}: a range runs past the {rows} rows")
@@ -195,7 +213,33 @@ def validate_plan(
                 f"dst_starts: destination ranges overlap: [{int(ds[i])}, {int(de[i])}) and "
                 f"[{int(ds[i + 1])}, {int(de[i + 1])})"
             )
-    row_bytes = src.shape[1] * src.element_size()
-    if row_bytes == 0:
-        s, d, n = s[:0], d[:0], n[:0]
-    return TransferPlan(src, dst, s, d, n, row_bytes, direction)
+    return s, d, n
+
+
+def _check_ranges_small(
+    s: np.ndarray, d: np.ndarray, n: np.ndarray, src_rows: int, dst_rows: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_check_ranges` on Python ints, for short plans (same errors)."""
+    sl, dl, nl = s.tolist(), d.tolist(), n.tolist()
+    for name, vals in (("src_starts", sl), ("dst_starts", dl), ("lengths", nl)):
+        if vals and min(vals) < 0:
+            raise ValueError(f"{name}: holds a negative value {min(vals)}")
+    for name, starts, rows in (("src_starts", sl, src_rows), ("dst_starts", dl, dst_rows)):
+        if starts and (max(starts) > rows or max(nl) > rows):
+            raise ValueError(f"{name}: a range runs past the {rows} rows")
+        ends = [a + k for a, k in zip(starts, nl, strict=True)]
+        if ends and max(ends) > rows:
+            i = ends.index(max(ends))
+            raise ValueError(
+                f"{name}: range {i} [{starts[i]}, {ends[i]}) runs past the {rows} rows"
+            )
+    spans = sorted((a, a + k) for a, k in zip(dl, nl, strict=True) if k > 0)
+    for (s0, e0), (s1, e1) in itertools.pairwise(spans):
+        if e0 > s1:
+            raise ValueError(
+                f"dst_starts: destination ranges overlap: [{s0}, {e0}) and [{s1}, {e1})"
+            )
+    if all(k > 0 for k in nl):
+        return s, d, n
+    keep = n > 0
+    return s[keep], d[keep], n[keep]

@@ -9,6 +9,8 @@ entry's end, which stay inside pages that belong to the same entry on both sides
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -99,6 +101,49 @@ def page_runs_as_bytes(
     length[last] -= whole - padded
     assert (length > 0).all(), "an entry's pages do not match its size"
     return addr, length
+
+
+SMALL_PLAN_RUNS = 64  # up to this many runs (both sides), plain Python beats numpy's call costs
+
+
+def plan_entries(
+    src_runs: Sequence[Sequence[tuple[int, int]]],
+    src_page: int,
+    dst_runs: Sequence[Sequence[tuple[int, int]]],
+    dst_page: int,
+    padded: Sequence[int],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Byte pieces ``(src, dst, length)`` copying several entries between page runs.
+
+    Entry ``i`` spans ``padded[i]`` bytes of its page runs ``src_runs[i]`` (pages of
+    ``src_page`` bytes) and ``dst_runs[i]``; entries with no bytes must be left out.
+    """
+    if sum(map(len, src_runs)) + sum(map(len, dst_runs)) > SMALL_PLAN_RUNS:
+        sizes = np.asarray(padded, dtype=np.int64)
+        s_addr, s_len = page_runs_as_bytes(src_runs, src_page, sizes)
+        d_addr, d_len = page_runs_as_bytes(dst_runs, dst_page, sizes)
+        return merge_arrays(s_addr, s_len, d_addr, d_len)
+    so: list[int] = []
+    do: list[int] = []
+    ln: list[int] = []
+    for s_runs, d_runs, size in zip(src_runs, dst_runs, padded, strict=True):
+        a = truncate_runs([(p * src_page, k * src_page) for p, k in s_runs], size)
+        b = truncate_runs([(p * dst_page, k * dst_page) for p, k in d_runs], size)
+        a_at = list(itertools.accumulate((n for _, n in a), initial=0))
+        b_at = list(itertools.accumulate((n for _, n in b), initial=0))
+        cuts = sorted(set(a_at[:-1]) | set(b_at[:-1]))
+        for cut, end in zip(cuts, [*cuts[1:], size], strict=True):
+            i = bisect.bisect_right(a_at, cut) - 1
+            j = bisect.bisect_right(b_at, cut) - 1
+            src, dst = a[i][0] + cut - a_at[i], b[j][0] + cut - b_at[j]
+            if so and so[-1] + ln[-1] == src and do[-1] + ln[-1] == dst:
+                ln[-1] += end - cut  # contiguous on both sides (e.g. across entries)
+            else:
+                so.append(src)
+                do.append(dst)
+                ln.append(end - cut)
+    return (np.array(so, dtype=np.int64), np.array(do, dtype=np.int64),
+            np.array(ln, dtype=np.int64))  # fmt: skip
 
 
 def _columns(runs: ByteRuns) -> tuple[np.ndarray, np.ndarray]:

@@ -172,25 +172,26 @@ class DevicePool:
         batch = [res for res in batch if res.npages]
         if not batch:
             return
+        vruns = _joined([(r.vstart, r.npages) for r in batch])
+        runs = _joined([run for r in batch for run in r.runs])
         with self._on_stream():
-            if len(batch) == 1 and batch[0].contiguous:
-                res = batch[0]
-                vpages = self._ids(np.arange(res.vstart, res.vstart + res.npages))
-                kernels.alloc_bind_inplace(vpages, res.runs[0][0], self.v2p, self.p2v)
-                return
-            v = np.concatenate([np.arange(r.vstart, r.vstart + r.npages) for r in batch])
-            p = np.concatenate([np.arange(s, s + k) for r in batch for s, k in r.runs])
-            kernels.bind_inplace(self._ids(v), self._ids(p), self.v2p, self.p2v)
+            vpages = self._ids(vruns)
+            if len(runs) == 1:  # the usual case: no physical ids to upload
+                kernels.alloc_bind_inplace(vpages, runs[0][0], self.v2p, self.p2v)
+            else:
+                kernels.bind_inplace(vpages, self._ids(runs), self.v2p, self.p2v)
 
-    def _ids(self, ids: np.ndarray) -> torch.Tensor:
-        """Page ids on the pool's device, queued on the current stream (the pool's).
+    def _ids(self, runs: list[tuple[int, int]]) -> torch.Tensor:
+        """The page ids of ``runs`` on the pool's device, queued on the current stream.
 
-        Staged through pinned memory: a pageable copy would make the host wait for all the
-        work already queued on the stream, e.g. the batch's whole host->device copy."""
-        t = torch.from_numpy(ids.astype(np.int64, copy=False))
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        One run is made on the device (no upload). Several are staged through pinned memory:
+        a pageable copy would make the host wait for all the work already queued on the
+        stream, e.g. the batch's whole host->device copy."""
+        if len(runs) == 1 or self.device.type != "cuda":
+            parts = [torch.arange(s, s + k, dtype=torch.int64, device=self.device) for s, k in runs]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        ids = np.concatenate([np.arange(s, s + k, dtype=np.int64) for s, k in runs])
+        return torch.from_numpy(ids).pin_memory().to(self.device, non_blocking=True)
 
     def _evict_one(self) -> bool:
         for entry in self._resident:
@@ -220,10 +221,10 @@ class DevicePool:
         """Tombstone every forgotten residency in both tables with one launch."""
         if not self._pending_unbind:
             return
-        v = np.concatenate([np.arange(s, s + k) for s, k in self._pending_unbind])
+        vruns = _joined(sorted(self._pending_unbind))
         self._pending_unbind.clear()
         with self._on_stream():
-            kernels.free_unbind_inplace(self._ids(v), self.v2p, self.p2v)
+            kernels.free_unbind_inplace(self._ids(vruns), self.v2p, self.p2v)
 
     def evict_unleased(self) -> int:
         count = 0
@@ -292,6 +293,17 @@ class DevicePool:
         self._resident.clear()
         if self.slab is not None:
             self.slab.close()
+
+
+def _joined(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``runs`` with each run that starts where the previous one ends joined to it."""
+    out: list[tuple[int, int]] = []
+    for s, k in runs:
+        if out and out[-1][0] + out[-1][1] == s:
+            out[-1] = (out[-1][0], out[-1][1] + k)
+        else:
+            out.append((s, k))
+    return out
 
 
 def _deal_runs(runs: list[tuple[int, int]], sizes: list[int]) -> list[tuple[tuple[int, int], ...]]:

@@ -19,7 +19,7 @@ import torch
 from embcache import kernels
 
 from . import device_io
-from .copy_plan import merge_arrays, page_runs_as_bytes
+from .copy_plan import plan_entries
 from .device_pool import DevicePool, Residency
 from .device_routing import PeerRates, copy_between_pools
 from .errors import DeviceUnavailable, PoolExhausted
@@ -255,12 +255,15 @@ class DeviceTier:
 
     def _copy_from_host(self, pool: DevicePool, batch: list[tuple[Entry, Residency]]) -> None:
         """One ``transfer_ranges`` call: host page runs against the residencies' device page
-        runs, planned in a few numpy calls, each entry padded to 16-byte rows."""
+        runs, each entry padded to 16-byte rows."""
         host = self._engine.host_pool
-        padded = -(-np.fromiter((e.nbytes for e, _ in batch), dtype=np.int64) // 16) * 16
-        s_addr, s_len = page_runs_as_bytes([e.runs for e, _ in batch], host.page_bytes, padded)
-        d_addr, d_len = page_runs_as_bytes([r.runs for _, r in batch], pool.page_bytes, padded)
-        so, do, ln = merge_arrays(s_addr, s_len, d_addr, d_len)
+        so, do, ln = plan_entries(
+            [e.runs for e, _ in batch],
+            host.page_bytes,
+            [r.runs for _, r in batch],
+            pool.page_bytes,
+            [-(-e.nbytes // 16) * 16 for e, _ in batch],
+        )
         self._transfer(
             host.tensor.view(-1, 16),
             pool.tensor.view(-1, 16),

@@ -7,6 +7,8 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from embcache.kernels import TransferConfig, transfer_ranges
 from embcache.kernels.testing import bits, random_rows
@@ -135,3 +137,21 @@ def test_batch_call_slices_cover_the_ranges_in_order(count: int, first: int) -> 
         assert all(b == 2 * a for a, b in itertools.pairwise(sizes[:-1]))
     else:
         assert len(parts) == 1
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(-2, 20), st.integers(-2, 20), st.integers(-1, 8)), max_size=8)
+)
+def test_short_and_long_plan_checks_agree(ranges: list[tuple[int, int, int]]) -> None:
+    """Plans up to 64 ranges are checked in Python, longer ones with numpy: same verdicts."""
+    from embcache.kernels._plan import _check_ranges, _check_ranges_small
+
+    cols = [np.array([r[i] for r in ranges], dtype=np.int64) for i in range(3)]
+    verdicts = []
+    for check in (_check_ranges, _check_ranges_small):
+        try:
+            verdicts.append([a.tolist() for a in check(*cols, 16, 18)])
+        except ValueError as exc:
+            verdicts.append(str(exc).split(":")[0])
+    assert verdicts[0] == verdicts[1]

@@ -122,3 +122,51 @@ def test_page_runs_as_bytes_matches_truncate(entries, page) -> None:  # type: ig
         want += truncate_runs([(s * page, k * page) for s, k in runs], padded_n)
     addr, length = page_runs_as_bytes(runs_per_entry, page, np.asarray(padded, dtype=np.int64))
     assert list(zip(addr.tolist(), length.tolist(), strict=True)) == want
+
+
+def _entry_runs(draw: st.DrawFn, npages: int, base: int) -> list[tuple[int, int]]:
+    """``npages`` pages from ``base`` on, cut into runs with gaps between them."""
+    runs, at, left = [], base, npages
+    while left:
+        k = draw(st.integers(1, left))
+        runs.append((at, k))
+        at += k + draw(st.integers(0, 2))
+        left -= k
+    return runs
+
+
+@st.composite
+def entry_plans(draw: st.DrawFn):  # type: ignore[no-untyped-def]
+    src_page, dst_page = draw(st.sampled_from([(64, 64), (64, 256), (256, 64), (128, 128)]))
+    src, dst, sizes = [], [], []
+    s_base = d_base = 0
+    for _ in range(draw(st.integers(1, 6))):
+        size = 16 * draw(st.integers(1, 80))
+        sp, dp = -(-size // src_page), -(-size // dst_page)
+        src.append(_entry_runs(draw, sp, s_base))
+        dst.append(_entry_runs(draw, dp, d_base))
+        s_base = src[-1][-1][0] + src[-1][-1][1] + draw(st.integers(0, 1))
+        d_base = dst[-1][-1][0] + dst[-1][-1][1] + draw(st.integers(0, 1))
+        sizes.append(size)
+    return src, src_page, dst, dst_page, sizes
+
+
+@settings(max_examples=300, deadline=None)
+@given(entry_plans())
+def test_plan_entries_python_and_numpy_paths_agree(plan) -> None:  # type: ignore[no-untyped-def]
+    import embcache.service.copy_plan as cp
+
+    src, src_page, dst, dst_page, sizes = plan
+    small = [a.tolist() for a in cp.plan_entries(src, src_page, dst, dst_page, sizes)]
+    limit = cp.SMALL_PLAN_RUNS
+    try:
+        cp.SMALL_PLAN_RUNS = -1  # force the numpy path
+        big = [a.tolist() for a in cp.plan_entries(src, src_page, dst, dst_page, sizes)]
+    finally:
+        cp.SMALL_PLAN_RUNS = limit
+    assert small == big
+    a = [r for runs, n in zip(src, sizes, strict=True)
+         for r in truncate_runs([(p * src_page, k * src_page) for p, k in runs], n)]  # fmt: skip
+    b = [r for runs, n in zip(dst, sizes, strict=True)
+         for r in truncate_runs([(p * dst_page, k * dst_page) for p, k in runs], n)]  # fmt: skip
+    assert [list(x) for x in pair_runs(a, b, sum(sizes))] == small
