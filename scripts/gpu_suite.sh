@@ -6,6 +6,8 @@
 #                                            (default: all)
 # Nothing is installed system-wide: wheels carried in .whl/ go to a private target directory,
 # and embcache is imported from this checkout through a symlink on PYTHONPATH.
+# Benchmarks label their results with EMBCACHE_GIT_COMMIT when set: set it to the commit of
+# the checkout that was copied (a copied working tree may carry older git metadata).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/bench/results}"
