@@ -7,7 +7,6 @@ field next to the payload copies it once. The bytes on the wire are the same.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +15,7 @@ import numpy as np
 import torch
 
 from ..proto.embcache.v1 import embcache_pb2 as pb
+from ..service.checksum import crc32
 
 CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = CHUNK_BYTES + 128 * 1024
@@ -61,7 +61,7 @@ class Payload:
     def header(self, key: str, *, checksum: bool = True) -> pb.PutHeader:
         header = pb.PutHeader(key=key, dtype=self.dtype, shape=self.shape, nbytes=self.nbytes)
         if checksum:
-            header.checksum = zlib.crc32(self.data)
+            header.checksum = crc32(self.data)
         return header
 
     def messages(self, key: str, *, checksum: bool = True) -> Iterator[Any]:

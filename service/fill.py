@@ -8,13 +8,13 @@ closing engine), so an aborted reservation is never written after its pages are 
 from __future__ import annotations
 
 import threading
-import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from .checksum import crc32
 from .errors import ChecksumMismatch, Draining, InvalidArgument, LeaseExpired
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ class PutHandle:
                     received=self.written + n,
                 )
             if self._checksum is not None:
-                self._crc = zlib.crc32(chunk.data, self._crc)
+                self._crc = crc32(chunk.data, self._crc)
             if self._engine is not None:
                 if self._engine.closed:
                     raise Draining("engine closed during the put", key=self.key)
@@ -125,7 +125,7 @@ class PutHandle:
             if self._checksum is not None:
                 pool = self._engine.host_pool.array
                 for off, length in self._byte_runs:
-                    self._crc = zlib.crc32(pool[off : off + length].data, self._crc)
+                    self._crc = crc32(pool[off : off + length].data, self._crc)
 
     def skip_bytes(self) -> None:
         """For a put of an existing identical entry: accept without reading the bytes."""

@@ -17,12 +17,13 @@ from __future__ import annotations
 import enum
 import hashlib
 import struct
-import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from ..checksum import crc32
 
 HEADER_BYTES = 256
 MAGIC = b"EMBC"
@@ -85,7 +86,7 @@ class Header:
             self.digest,
             *shape,
         )
-        body += _CRC.pack(zlib.crc32(body))
+        body += _CRC.pack(crc32(body))
         return body + bytes(HEADER_BYTES - len(body))
 
     @classmethod
@@ -96,17 +97,19 @@ class Header:
             return None
         body = raw[: _FMT.size]
         (crc,) = _CRC.unpack_from(raw, _FMT.size)
-        if zlib.crc32(body) != crc:
+        if crc32(body) != crc:
             return None
         f = _FMT.unpack(body)
-        magic, version, ndim, _flags, dtype, nbytes, crc32, chunk, nchunks, gen, digest = f[:11]
+        magic, version, ndim, _flags, dtype, nbytes, payload_crc, chunk, nchunks, gen, digest = f[
+            :11
+        ]
         if magic != MAGIC or version != VERSION or ndim > MAX_NDIM or nchunks < 1:
             return None
         return cls(
             dtype.rstrip(b"\0").decode(),
             tuple(f[11 : 11 + ndim]),
             nbytes,
-            crc32,
+            payload_crc,
             digest,
             chunk,
             nchunks,
@@ -131,7 +134,7 @@ Reserve = Callable[[str, Header], ByteRuns | None]
 def payload_crc(pool: np.ndarray, runs: ByteRuns) -> int:
     crc = 0
     for off, length in runs:
-        crc = zlib.crc32(pool[off : off + length].data, crc)
+        crc = crc32(pool[off : off + length].data, crc)
     return crc
 
 
