@@ -4,6 +4,8 @@
 #   scripts/gpu_suite.sh [PART ...]   parts: kernels device grpc rest reliability
 #                                            bench-kernels bench-device bench-grpc bench-rest
 #                                            (default: all)
+# .whl/ (not committed) holds cp312 wheels of the dependencies the GPU machine lacks, e.g.
+#   pip download --only-binary=:all: --no-deps --python-version 3.12 -d .whl isal grpcio ...
 # Nothing is installed system-wide: wheels carried in .whl/ go to a private target directory,
 # and embcache is imported from this checkout through a symlink on PYTHONPATH.
 # Benchmarks label their results with EMBCACHE_GIT_COMMIT when set: set it to the commit of
