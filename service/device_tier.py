@@ -124,10 +124,26 @@ class DeviceTier:
 
     def index_of(self, gpu_uuid: str) -> int | None:
         """The pool serving the GPU with this uuid (None: no such pool)."""
-        for pool in self.pools:
+        for index, pool in enumerate(self.pools):
             if pool.gpu_uuid == gpu_uuid:
-                return pool.index
+                return index
         return None
+
+    def pool_for(self, gpu_uuid: str) -> tuple[int, DevicePool]:
+        """Index and pool serving the GPU with this uuid; DeviceUnavailable if none does."""
+        index = self.index_of(gpu_uuid)
+        if index is not None:
+            return index, self.pools[index]
+        if not self.pools:
+            raise DeviceUnavailable(
+                "device locations need the device pool, which this daemon does not have",
+                gpu_uuid=gpu_uuid,
+            )
+        raise DeviceUnavailable(
+            "this daemon has no device pool on that GPU",
+            gpu_uuid=gpu_uuid,
+            pools=[p.gpu_uuid for p in self.pools],
+        )
 
     def drop(self, entry: Entry) -> None:
         for pool in self.pools:

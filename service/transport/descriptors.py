@@ -27,8 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..errors import DeviceUnavailable
-
 if TYPE_CHECKING:
     from ..config import Settings
     from ..device_pool import DevicePool
@@ -204,23 +202,6 @@ class Describer:
             )
         return DevicePoolDesc(**common, ipc_mode="none")
 
-    def pool_for(self, gpu_uuid: str) -> tuple[int, DevicePool]:
-        """Index and pool of the device pool on ``gpu_uuid``; DeviceUnavailable if none."""
-        pools = self.engine.device_tier.pools
-        for index, pool in enumerate(pools):
-            if pool.gpu_uuid == gpu_uuid:
-                return index, pool
-        if not pools:
-            raise DeviceUnavailable(
-                "device locations need the device pool, which this daemon does not have",
-                gpu_uuid=gpu_uuid,
-            )
-        raise DeviceUnavailable(
-            "this daemon has no device pool on that GPU",
-            gpu_uuid=gpu_uuid,
-            pools=[p.gpu_uuid for p in pools],
-        )
-
     # -- batches -------------------------------------------------------------------------
     def host_batch(self, keys: Sequence[str], leases: Sequence[Lease | None]) -> BatchDescription:
         """Describe the result of ``engine.get``: host byte runs, and the host pool."""
@@ -257,7 +238,7 @@ class Describer:
     ) -> BatchDescription:
         """Lease ``keys`` and make them resident on ``gpu_uuid``'s pool. Blocks on the copy:
         call it from a worker thread."""
-        index, pool = self.pool_for(gpu_uuid)
+        index, pool = self.engine.device_tier.pool_for(gpu_uuid)
         found, _ = self.engine.get_to_device(list(keys), owner, ttl_s=ttl_s, device=index)
         ids = [d.lease.lease_id for d in found if d is not None]
         with _released_on_error(self.engine, ids):

@@ -99,25 +99,10 @@ class DevicePlane:
         self._handles: dict[str, pb.PoolHandle] = {}
 
     # -- Get with a GPU uuid -------------------------------------------------------------
-    def pool_for(self, gpu_uuid: str) -> tuple[int, DevicePool]:
-        for index, pool in enumerate(self.engine.device_tier.pools):
-            if pool.gpu_uuid == gpu_uuid:
-                return index, pool
-        if not self.engine.device_tier.pools:
-            raise DeviceUnavailable(
-                "device locations need the device pool, which this daemon does not have",
-                gpu_uuid=gpu_uuid,
-            )
-        raise DeviceUnavailable(
-            "this daemon has no device pool on that GPU",
-            gpu_uuid=gpu_uuid,
-            pools=[p.gpu_uuid for p in self.engine.device_tier.pools],
-        )
-
     async def get(
         self, request: pb.GetRequest, owner: str, alive: Callable[[str], bool]
     ) -> pb.GetResponse:
-        index, pool = self.pool_for(request.gpu_uuid)
+        index, pool = self.engine.device_tier.pool_for(request.gpu_uuid)
         keys = list(request.keys)
         ttl = request.ttl_s if request.HasField("ttl_s") else None
         e = self.engine

@@ -23,7 +23,7 @@ from ...proto.embcache.v1 import embcache_pb2 as pb
 from ...proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
 from ..config import Settings
 from ..engine import CacheEngine, EvictOutcome
-from ..errors import DeviceUnavailable, InvalidArgument, NotFound
+from ..errors import InvalidArgument, NotFound
 from ..ipc_cache import IpcCache
 from .grpc_device import DevicePlane, meta_of
 from .grpc_errors import RpcMetrics, rpc
@@ -129,7 +129,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetResponse:
         if request.gpu_uuid:
-            self.device.pool_for(request.gpu_uuid)  # no such pool: fail before anything else
+            self.engine.device_tier.pool_for(request.gpu_uuid)  # no such pool: fail first
             owner = self.sessions.owner_for(context)
             return await self.device.get(request, owner, self.sessions.alive)
         owner = self.sessions.owner_for(context)
@@ -243,9 +243,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
     ) -> pb.PrefetchResponse:
         device = None
         if request.gpu_uuid:
-            device = self.engine.device_tier.index_of(request.gpu_uuid)
-            if device is None:
-                raise DeviceUnavailable("no device pool on this GPU", gpu_uuid=request.gpu_uuid)
+            device, _ = self.engine.device_tier.pool_for(request.gpu_uuid)
         keys = list(request.keys)
         result = await asyncio.to_thread(self.engine.prefetch, keys, device=device)
         return pb.PrefetchResponse(**result)

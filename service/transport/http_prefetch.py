@@ -5,7 +5,6 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import DeviceUnavailable
 from .http_data_models import MAX_BATCH
 from .http_routes import BEARER, ERRORS
 
@@ -36,7 +35,5 @@ def prefetch(request: Request, body: PrefetchRequest) -> PrefetchResponse:
     engine = request.app.state.engine
     device = None
     if body.gpu_uuid is not None:
-        device = engine.device_tier.index_of(body.gpu_uuid)
-        if device is None:
-            raise DeviceUnavailable("no device pool on this GPU", gpu_uuid=body.gpu_uuid)
+        device, _ = engine.device_tier.pool_for(body.gpu_uuid)
     return PrefetchResponse(**engine.prefetch(body.keys, device=device))
