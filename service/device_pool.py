@@ -182,16 +182,13 @@ class DevicePool:
                 kernels.bind_inplace(vpages, self._ids(runs), self.v2p, self.p2v)
 
     def _ids(self, runs: list[tuple[int, int]]) -> torch.Tensor:
-        """The page ids of ``runs`` on the pool's device, queued on the current stream.
-
-        One run is made on the device (no upload). Several are staged through pinned memory:
-        a pageable copy would make the host wait for all the work already queued on the
-        stream, e.g. the batch's whole host->device copy."""
-        if len(runs) == 1 or self.device.type != "cuda":
-            parts = [torch.arange(s, s + k, dtype=torch.int64, device=self.device) for s, k in runs]
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        """The page ids of ``runs`` on the pool's device, queued on the current stream: one
+        run is made there, several are uploaded (:func:`upload`)."""
+        if len(runs) == 1:
+            s, k = runs[0]
+            return torch.arange(s, s + k, dtype=torch.int64, device=self.device)
         ids = np.concatenate([np.arange(s, s + k, dtype=np.int64) for s, k in runs])
-        return torch.from_numpy(ids).pin_memory().to(self.device, non_blocking=True)
+        return upload(torch.from_numpy(ids), self.device)
 
     def _evict_one(self) -> bool:
         for entry in self._resident:
@@ -293,6 +290,14 @@ class DevicePool:
         self._resident.clear()
         if self.slab is not None:
             self.slab.close()
+
+
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on ``device``, queued on the current stream without the host waiting for
+    the work queued before it (pinned staging; a pageable copy would wait)."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _joined(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:

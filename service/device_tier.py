@@ -20,7 +20,7 @@ from embcache import kernels
 
 from . import device_io
 from .copy_plan import plan_entries
-from .device_pool import DevicePool, Residency
+from .device_pool import DevicePool, Residency, upload
 from .device_routing import PeerRates, copy_between_pools
 from .errors import DeviceUnavailable, PoolExhausted
 from .leases import Lease
@@ -301,9 +301,9 @@ class DeviceTier:
         out = torch.full((bs, max(max_pages, 1)), -1, dtype=torch.int64, device=pool.device)
         with pool._on_stream():
             kernels.build_read_table(
-                _upload(vtable, pool.device),
+                upload(vtable, pool.device),
                 torch.arange(bs, device=pool.device),
-                _upload(lengths, pool.device),
+                upload(lengths, pool.device),
                 pool.v2p,
                 out,
                 pool.page_bytes,
@@ -380,13 +380,6 @@ class DeviceTier:
     def close(self) -> None:
         for pool in self.pools:
             pool.close()
-
-
-def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device`` without waiting for the stream's queued copies (pinned staging)."""
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _is_device_error(exc: BaseException) -> bool:
