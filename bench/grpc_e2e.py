@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import platform
-import select
 import signal
 import statistics
 import subprocess
@@ -37,10 +36,9 @@ from _common import latencies_us
 
 from embcache.clients import EmbCacheClient
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.service.daemon_process import DaemonProcess, read_line, stop
 
 MiB = 1 << 20
-# The daemon from this interpreter (works whether or not the console script is installed).
-DAEMON = [sys.executable, "-m", "embcache.service.cli"]
 RESULTS = Path(__file__).resolve().parent / "results" / "grpc_e2e.json"
 
 BASELINE_SERVER = """
@@ -78,30 +76,15 @@ asyncio.run(main())
 """
 
 
-def start(args: list[str], ready: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if select.select([proc.stdout], [], [], 0.5)[0]:
-            line = proc.stdout.readline()
-            if ready in line or (ready == "" and line.strip()):
-                return proc, line
-        if proc.poll() is not None:
-            break
-    proc.kill()
-    raise RuntimeError(f"{args[0]} did not start")
-
-
-def stop(proc: subprocess.Popen[str]) -> None:
-    proc.send_signal(signal.SIGTERM)
+def start_baseline(sock: str) -> tuple[subprocess.Popen[str], int]:
+    """The baseline server and the TCP port it printed."""
+    proc = subprocess.Popen([sys.executable, "-c", BASELINE_SERVER, sock], stdout=subprocess.PIPE,
+                            text=True)  # fmt: skip
     try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-    if proc.stdout is not None:
-        proc.stdout.close()
+        return proc, int(read_line(proc, "", 120))
+    except BaseException:
+        stop(proc, timeout=10, sig=signal.SIGKILL)
+        raise
 
 
 def baseline_put(channel: grpc.Channel, data: memoryview, chunks: int) -> None:
@@ -271,15 +254,12 @@ def gpu_section(tmp: str, iters: int, rounds: int) -> dict[str, Any] | str:
     if not torch.cuda.is_available():
         return "no CUDA here: get-to-device not measured"
     sock = os.path.join(tmp, "gpu.sock")
-    args = [*DAEMON, "serve", "--grpc-port", "0"]
-    args += ["--http-port", "0", "--grpc-socket", sock, "--log-level", "warning"]
-    args += ["--shm-name", f"embcache-bench-gpu-{uuid.uuid4().hex[:8]}"]
-    args += ["--host-pool-bytes", "4GiB", "--device-pool-bytes", "1GiB"]
-    daemon, _ = start(args, '"ready"')
+    flags = ["--grpc-socket", sock, "--host-pool-bytes", "4GiB", "--device-pool-bytes", "1GiB"]
+    daemon = DaemonProcess(flags)
     try:
-        return device_gets(f"unix:{sock}", iters, rounds)
+        return device_gets(daemon.unix_target, iters, rounds)
     finally:
-        stop(daemon)
+        daemon.stop(timeout=30)
 
 
 def commit() -> str:
@@ -309,30 +289,10 @@ def main() -> None:
 
     tmp = tempfile.mkdtemp(prefix="ecb-")
     sock, base_sock = os.path.join(tmp, "d.sock"), os.path.join(tmp, "b.sock")
-    daemon, line = start(
-        [
-            *DAEMON,
-            "serve",
-            "--grpc-port",
-            "0",
-            "--http-port",
-            "0",
-            "--grpc-socket",
-            sock,
-            "--shm-name",
-            f"embcache-bench-{uuid.uuid4().hex[:8]}",
-            "--host-pool-bytes",
-            args.pool,
-            "--max-entry-bytes",
-            "256MiB",
-            "--log-level",
-            "warning",
-        ],
-        '"ready"',
-    )
-    grpc_port = json.loads(line)["grpc_port"]
-    baseline, base_line = start([sys.executable, "-c", BASELINE_SERVER, base_sock], "")
-    base_port = int(base_line)
+    flags = ["--grpc-socket", sock, "--host-pool-bytes", args.pool, "--max-entry-bytes", "256MiB"]
+    daemon = DaemonProcess(flags)
+    grpc_port = daemon.ready["grpc_port"]
+    baseline, base_port = start_baseline(base_sock)
     rows = []
     try:
         for name, target, base_target in (
@@ -357,8 +317,8 @@ def main() -> None:
         gets = measure_gets(f"unix:{sock}", 4, 200)
         gets.update(measure_floor(f"unix:{sock}", f"unix:{base_sock}"))
     finally:
-        stop(daemon)
-        stop(baseline)
+        daemon.stop(timeout=30)
+        stop(baseline, timeout=30)
     print(
         f"embcache gRPC put-bytes vs raw gRPC streaming baseline  (commit {commit()}, "
         f"{platform.processor() or platform.machine()}, grpc {grpc.__version__}, "

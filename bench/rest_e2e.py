@@ -14,11 +14,7 @@ and writes ``rest_e2e_<gpu>.json`` under ``--out-dir`` (default bench/results).
 from __future__ import annotations
 
 import argparse
-import json
-import select
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,41 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS_DIR, environment, latencies_us, print_environment, save_json, table
 
 from embcache.clients import EmbCacheClient
+from embcache.service.daemon_process import DaemonProcess
 
 MiB = 1 << 20
-CLI = "from embcache.service.cli import app; app()"
-
-
-def start_daemon(sock: str, pool: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    exe = Path(sys.executable).with_name("embcache")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-c", CLI]
-    args = [*cmd, "serve", "--grpc-port", "0", "--http-port", "0", "--grpc-socket", sock]
-    args += ["--shm-name", f"embcache-bench-rest-{uuid.uuid4().hex[:8]}"]
-    args += ["--host-pool-bytes", pool, "--log-level", "warning"]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if select.select([proc.stdout], [], [], 0.5)[0]:
-            line = proc.stdout.readline()
-            if line.startswith("{") and json.loads(line).get("event") == "ready":
-                return proc, json.loads(line)
-        if proc.poll() is not None:
-            break
-    proc.kill()
-    proc.wait(10)
-    raise RuntimeError("embcache serve did not start")
-
-
-def stop_daemon(proc: subprocess.Popen[str]) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-    if proc.stdout is not None:
-        proc.stdout.close()
 
 
 def mib_s(nbytes: int, seconds: float) -> float:
@@ -169,11 +133,12 @@ def main() -> None:
     print_environment(env)
     count = max(1, args.total_mib // args.entry_mib)
     with tempfile.TemporaryDirectory(prefix="ecbr-") as tmp:
-        proc, ready = start_daemon(str(Path(tmp) / "g.sock"), args.pool)
+        flags = ["--grpc-socket", str(Path(tmp) / "g.sock"), "--host-pool-bytes", args.pool]
+        daemon = DaemonProcess(flags)
         try:
-            res = measure(ready, args.entry_mib, count, args.repeats)
+            res = measure(daemon.ready, args.entry_mib, count, args.repeats)
         finally:
-            stop_daemon(proc)
+            daemon.stop(timeout=30)
 
     base_put, base_get = res["grpc_tcp_put"], res["grpc_tcp_get"]
     entry = f"{args.entry_mib} MiB"

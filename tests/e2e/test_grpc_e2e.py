@@ -6,16 +6,13 @@ stopped by its pid.
 
 from __future__ import annotations
 
-import json
 import os
-import select
 import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +26,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from embcache.clients import EmbCacheClient
+from embcache.service.daemon_process import DaemonProcess, stop
 from embcache.service.errors import Unauthenticated
 
 LEASE_TTL_S = 3.0
@@ -46,31 +44,6 @@ class Daemon:
         return f"unix:{self.socket}"
 
 
-def embcache_command() -> list[str]:
-    script = Path(sys.executable).with_name("embcache")
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-c", "from embcache.service.cli import app; app()"]
-
-
-def read_ready(proc: subprocess.Popen[str], timeout: float = 60.0) -> dict:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
-        if ready:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            if line.startswith("{"):
-                event = json.loads(line)
-                if event.get("event") == "ready":
-                    return event
-        elif proc.poll() is not None:
-            break
-    raise AssertionError(f"daemon not ready (exit code {proc.poll()})")
-
-
 @pytest.fixture(scope="module")
 def start_daemon() -> Iterator[Callable[..., Daemon]]:
     started: list[Daemon] = []
@@ -78,43 +51,17 @@ def start_daemon() -> Iterator[Callable[..., Daemon]]:
 
     def start(*extra: str) -> Daemon:
         sock = os.path.join(tmp.name, f"{len(started)}.sock")
-        shm = f"embcache-test-e2e-{uuid.uuid4().hex[:10]}"
-        args = [
-            *embcache_command(),
-            "serve",
-            "--grpc-port",
-            "0",
-            "--http-port",
-            "0",
-            "--grpc-socket",
-            sock,
-            "--shm-name",
-            shm,
-            "--host-pool-bytes",
-            "64MiB",
-            "--lease-ttl-s",
-            str(LEASE_TTL_S),
-            "--drain-grace-s",
-            "1",
-            *extra,
-        ]
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-        try:
-            ready = read_ready(proc)
-        except BaseException:
-            reap(proc)
-            raise
-        daemon = Daemon(proc, ready["grpc_port"], ready["grpc_socket"], ready["shm_name"])
+        flags = ["--grpc-socket", sock, "--host-pool-bytes", "64MiB"]
+        flags += ["--lease-ttl-s", str(LEASE_TTL_S), "--drain-grace-s", "1", *extra]
+        child = DaemonProcess(flags, timeout=60)
+        ready = child.ready
+        daemon = Daemon(child.proc, ready["grpc_port"], ready["grpc_socket"], ready["shm_name"])
         started.append(daemon)
         return daemon
 
     yield start
     for daemon in started:  # SIGTERM drains: exit 0, segment and socket removed
-        daemon.proc.send_signal(signal.SIGTERM)
-        try:
-            assert daemon.proc.wait(20) == 0
-        finally:
-            reap(daemon.proc)
+        assert stop(daemon.proc, timeout=20) == 0
         assert not Path("/dev/shm", daemon.shm_name).exists()
         assert not Path(daemon.socket).exists()
     tmp.cleanup()
@@ -127,11 +74,7 @@ def daemon(start_daemon) -> Daemon:
 
 def reap(proc: subprocess.Popen[str]) -> None:
     """Kill a process started here (by its pid) if it still runs; close its pipe."""
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(10)
-    if proc.stdout is not None:
-        proc.stdout.close()
+    stop(proc, timeout=10, sig=signal.SIGKILL)
 
 
 def run_worker(code: str, *args: str, timeout: float = 60) -> str:

@@ -12,22 +12,19 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
-import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
 from embcache.clients import EmbCacheClient
+from embcache.service.daemon_process import DaemonProcess, read_line, stop
 
 pytestmark = pytest.mark.gpu
 
@@ -43,75 +40,20 @@ class Daemon:
     mode: str
 
 
-def embcache_command() -> list[str]:
-    script = Path(sys.executable).with_name("embcache")
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-c", "from embcache.service.cli import app; app()"]
-
-
-def read_line(proc: subprocess.Popen[str], want: str, timeout: float) -> str:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if select.select([proc.stdout], [], [], 0.5)[0]:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            if want in line:
-                return line
-        elif proc.poll() is not None:
-            break
-    raise AssertionError(f"no {want!r} from pid {proc.pid} (exit code {proc.poll()})")
-
-
-def stop(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> int | None:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    for pipe in (proc.stdout, proc.stdin):
-        if pipe is not None:
-            pipe.close()
-    return proc.returncode
-
-
 @pytest.fixture(params=["fd", "legacy"])
 def daemon(request: pytest.FixtureRequest) -> Iterator[Daemon]:
     mode = request.param
     with tempfile.TemporaryDirectory(prefix="ecgpu-") as tmp:
         sock = os.path.join(tmp, "g.sock")
-        args = [
-            *embcache_command(),
-            "serve",
-            "--grpc-port",
-            "0",
-            "--http-port",
-            "0",
-            "--grpc-socket",
-            sock,
-            "--shm-name",
-            f"embcache-test-gpu-{uuid.uuid4().hex[:10]}",
-            "--host-pool-bytes",
-            "1GiB",
-            "--device-pool-bytes",
-            "1GiB",
-            "--ipc-mode",
-            mode,
-            "--drain-grace-s",
-            "1",
-        ]
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+        flags = ["--grpc-socket", sock, "--host-pool-bytes", "1GiB", "--device-pool-bytes", "1GiB"]
+        child = DaemonProcess([*flags, "--ipc-mode", mode, "--drain-grace-s", "1"], timeout=180)
         try:
-            ready = json.loads(read_line(proc, '"ready"', 180))
+            ready = child.ready
             assert ready["device_pools"], ready
             assert (ready["ipc_socket"] is not None) == (mode == "fd"), ready
-            yield Daemon(proc, f"unix:{sock}", ready, mode)
+            yield Daemon(child.proc, f"unix:{sock}", ready, mode)
         finally:
-            assert stop(proc) == 0
+            assert child.stop(timeout=30) == 0
 
 
 def run(code: str, *args: str, timeout: float = 300) -> dict:
@@ -297,7 +239,7 @@ def test_leases_hold_while_both_pools_overflow(daemon: Daemon) -> None:
         result = json.loads(read_line(holder, "mismatches", 120))
         assert holder.wait(60) == 0
     finally:
-        stop(holder, signal.SIGKILL)
+        stop(holder, timeout=30, sig=signal.SIGKILL)
     assert result["mismatches"] == 0 and result["rounds"] >= 10, result
     with EmbCacheClient(daemon.target) as client:
         stats = client.stats()

@@ -11,21 +11,18 @@ from __future__ import annotations
 
 import json
 import os
-import select
-import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
-import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
 import torch
+
+from embcache.service.daemon_process import DaemonProcess
 
 pytestmark = pytest.mark.gpu
 
@@ -45,75 +42,21 @@ class Daemon:
         return httpx.Client(base_url=self.url, headers=headers, timeout=120)
 
 
-def embcache_command() -> list[str]:
-    script = Path(sys.executable).with_name("embcache")
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-c", "from embcache.service.cli import app; app()"]
-
-
-def read_ready(proc: subprocess.Popen[str], timeout: float) -> dict:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if select.select([proc.stdout], [], [], 0.5)[0]:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            if line.startswith("{") and json.loads(line).get("event") == "ready":
-                return dict(json.loads(line))
-        elif proc.poll() is not None:
-            break
-    raise AssertionError(f"daemon pid {proc.pid} not ready (exit code {proc.poll()})")
-
-
-def stop(proc: subprocess.Popen[str]) -> int | None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    if proc.stdout is not None:
-        proc.stdout.close()
-    return proc.returncode
-
-
 # fd mode also runs with a token: descriptors only reach authenticated callers.
 @pytest.fixture(params=[("fd", TOKEN), ("legacy", None)], ids=["fd-token", "legacy"])
 def daemon(request: pytest.FixtureRequest) -> Iterator[Daemon]:
     mode, token = request.param
     with tempfile.TemporaryDirectory(prefix="ecrest-") as tmp:
-        args = [
-            *embcache_command(),
-            "serve",
-            "--grpc-port",
-            "0",
-            "--http-port",
-            "0",
-            "--grpc-socket",
-            os.path.join(tmp, "g.sock"),
-            "--shm-name",
-            f"embcache-test-restgpu-{uuid.uuid4().hex[:10]}",
-            "--host-pool-bytes",
-            "1GiB",
-            "--device-pool-bytes",
-            "512MiB",
-            "--ipc-mode",
-            mode,
-            "--drain-grace-s",
-            "1",
-        ]
+        flags = ["--grpc-socket", os.path.join(tmp, "g.sock"), "--host-pool-bytes", "1GiB"]
+        flags += ["--device-pool-bytes", "512MiB", "--ipc-mode", mode, "--drain-grace-s", "1"]
         if token:
-            args += ["--auth-token", token]
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+            flags += ["--auth-token", token]
+        child = DaemonProcess(flags, timeout=180)
         try:
-            ready = read_ready(proc, 180)
-            assert ready["device_pools"], ready
-            yield Daemon(proc, f"http://127.0.0.1:{ready['http_port']}", token, mode)
+            assert child.ready["device_pools"], child.ready
+            yield Daemon(child.proc, child.http_url, token, mode)
         finally:
-            assert stop(proc) == 0
+            assert child.stop() == 0
 
 
 TENSORS = """

@@ -8,11 +8,6 @@ subprocess (both listeners on one loop, as deployed), stopped by its pid.
 
 from __future__ import annotations
 
-import json
-import select
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -137,70 +132,20 @@ def test_leases_hold_across_transports(both: Both) -> None:
     assert both.rest.delete("/v1/entries/l").status_code == 404
 
 
-def embcache_command() -> list[str]:
-    script = Path(sys.executable).with_name("embcache")
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-c", "from embcache.service.cli import app; app()"]
-
-
-def read_ready(proc: subprocess.Popen[str], timeout: float = 90.0) -> dict:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if select.select([proc.stdout], [], [], 0.5)[0]:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            if line.startswith("{") and json.loads(line).get("event") == "ready":
-                return dict(json.loads(line))
-        elif proc.poll() is not None:
-            break
-    raise AssertionError(f"daemon pid {proc.pid} not ready (exit code {proc.poll()})")
-
-
-def test_daemon_serves_both_planes() -> None:
+def test_daemon_serves_both_planes(start_daemon) -> None:  # type: ignore[no-untyped-def]
     shm = f"embcache-test-rest-{uuid.uuid4().hex[:10]}"
-    args = [
-        *embcache_command(),
-        "serve",
-        "--grpc-port",
-        "0",
-        "--http-port",
-        "0",
-        "--shm-name",
-        shm,
-        "--host-pool-bytes",
-        "64MiB",
-        "--device",
-        "cpu",
-        "--drain-grace-s",
-        "1",
-    ]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-    try:
-        ready = read_ready(proc)
-        url = f"http://127.0.0.1:{ready['http_port']}"
-        src = torch.randn(1 << 20).to(torch.bfloat16)  # 2 MiB: several HTTP body chunks
-        with (
-            httpx.Client(base_url=url, timeout=30) as rest,
-            EmbCacheClient(f"127.0.0.1:{ready['grpc_port']}", timeout=30) as client,
-        ):
-            assert rest_put(rest, "from/rest", src).status_code == 201
-            got = client.get_bytes("from/rest")
-            assert got is not None and torch.equal(got.tensor(), src)
-            assert client.put("from/grpc", src * 2) is True
-            assert rest.get("/v1/entries/from/grpc/data").content == raw(src * 2)
-            assert rest.get("/v1/stats").json()["leases_active"] == 0
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        if proc.stdout is not None:
-            proc.stdout.close()
-    assert proc.returncode == 0
+    flags = ["--shm-name", shm, "--host-pool-bytes", "64MiB", "--device", "cpu"]
+    daemon = start_daemon(*flags, "--drain-grace-s", "1")
+    src = torch.randn(1 << 20).to(torch.bfloat16)  # 2 MiB: several HTTP body chunks
+    with (
+        httpx.Client(base_url=daemon.http_url, timeout=30) as rest,
+        EmbCacheClient(daemon.grpc_target, timeout=30) as client,
+    ):
+        assert rest_put(rest, "from/rest", src).status_code == 201
+        got = client.get_bytes("from/rest")
+        assert got is not None and torch.equal(got.tensor(), src)
+        assert client.put("from/grpc", src * 2) is True
+        assert rest.get("/v1/entries/from/grpc/data").content == raw(src * 2)
+        assert rest.get("/v1/stats").json()["leases_active"] == 0
+    assert daemon.stop(timeout=30) == 0
     assert not Path("/dev/shm", shm).exists()

@@ -8,7 +8,6 @@ import os
 import select
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -18,14 +17,9 @@ from typing import IO, Any
 
 import httpx
 
+from embcache.service.daemon_process import serve_command
+
 SHM_DIR = Path("/dev/shm")
-
-
-def embcache_command() -> list[str]:
-    script = Path(sys.executable).with_name("embcache")
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-c", "from embcache.service.cli import app; app()"]
 
 
 def clean_env() -> dict[str, str]:
@@ -48,13 +42,7 @@ class DaemonSpec:
     device: str = "cpu"  # "auto"/"cuda" for GPU runs
 
     def args(self) -> list[str]:
-        args = [
-            *embcache_command(),
-            "serve",
-            "--grpc-port",
-            "0",
-            "--http-port",
-            "0",
+        args = serve_command(
             "--grpc-socket",
             str(self.workdir / self.socket_name),
             "--shm-name",
@@ -67,10 +55,8 @@ class DaemonSpec:
             str(self.drain_grace_s),
             "--device",
             self.device,
-            "--log-level",
-            "warning",
             *self.extra,
-        ]
+        )
         if self.token:
             args += ["--auth-token", self.token]
         return args
