@@ -70,18 +70,20 @@ def stop(proc: subprocess.Popen[str], timeout: float = 60, sig: int = signal.SIG
 
 class DaemonProcess:
     """A started daemon and the ready line it printed (``ready``: ports, socket, pools).
-    ``env`` adds to this process's environment."""
+    The child gets this process's environment without its ``EMBCACHE_*`` settings (flags
+    decide), plus ``env``."""
 
     def __init__(
         self, flags: list[str], env: dict[str, str] | None = None, timeout: float = 120
     ) -> None:
         if "--shm-name" not in flags:  # a segment no other daemon uses
             flags = [*flags, "--shm-name", f"embcache-child-{os.getpid()}-{uuid.uuid4().hex[:8]}"]
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("EMBCACHE_")}
         self.proc = subprocess.Popen(
             serve_command(*flags),
             stdout=subprocess.PIPE,
             text=True,
-            env={**os.environ, **env} if env else None,
+            env={**inherited, **(env or {})},
         )
         try:
             self.ready: dict[str, Any] = json.loads(read_line(self.proc, '"ready"', timeout))

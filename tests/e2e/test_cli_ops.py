@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
 import subprocess
 import sys
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,69 +17,19 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from embcache.service.cli import app
+from embcache.service.daemon_process import DaemonProcess
 
 TOKEN = "cli-test-token"
 
 
-def start_daemon(*extra: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    """``embcache serve`` on ephemeral ports; returns the process and its ready line."""
-    shm = f"embcache-clitest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "embcache.service.cli",
-        "serve",
-        "--grpc-port",
-        "0",
-        "--http-port",
-        "0",
-        "--shm-name",
-        shm,
-        "--host-pool-bytes",
-        "64MiB",
-        "--page-bytes",
-        "64KiB",
-        "--device",
-        "cpu",
-        "--log-level",
-        "warning",
-        *extra,
-    ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBCACHE_")}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env=env)  # fmt: skip
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline and proc.poll() is None:
-            if sel.select(timeout=0.5):
-                line = proc.stdout.readline()
-                if line.startswith("{") and json.loads(line).get("event") == "ready":
-                    return proc, json.loads(line)
-    stop_daemon(proc)
-    raise RuntimeError("daemon did not print its ready line")
-
-
-def stop_daemon(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-    if proc.stdout is not None:
-        proc.stdout.close()
-
-
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[dict[str, Any]]:
-    proc, ready = start_daemon("--auth-token", TOKEN)
+    flags = ["--host-pool-bytes", "64MiB", "--page-bytes", "64KiB", "--device", "cpu"]
+    child = DaemonProcess([*flags, "--auth-token", TOKEN], timeout=60)
     try:
-        yield ready
+        yield child.ready
     finally:
-        stop_daemon(proc)
+        child.stop(timeout=15)
 
 
 @pytest.fixture
