@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..proto.embcache.v1 import embcache_pb2 as pb
+from ..service.transport.descriptors import boot_id
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +38,6 @@ class PoolMapping:
     size: int
     tensor: torch.Tensor  # uint8 view of the whole segment (read-only memory)
     _mmap: mmap.mmap
-
-
-def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
 
 
 class PoolMaps:
@@ -68,7 +62,7 @@ class PoolMaps:
         if handle.WhichOneof("kind") != "host_shm":
             return None
         desc = handle.host_shm
-        if desc.boot_id and desc.boot_id != _boot_id():
+        if desc.boot_id and desc.boot_id != boot_id():
             return None  # another machine
         identity = (desc.st_dev, desc.st_ino, desc.size)
         if identity in self._by_identity:  # same segment under a new pool id

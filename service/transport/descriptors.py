@@ -2,8 +2,8 @@
 
 One place turns engine results (``Lease``, ``DeviceLease``) into plain dataclasses that a
 transport renders in its own encoding: JSON over REST (``http_data.py``), protobuf over gRPC
-(``grpc_device.py`` / ``grpc_servicer.py`` can map :class:`BatchDescription` onto
-``GetResponse`` field by field). Nothing here imports grpc, fastapi or protobuf.
+(pool descriptions through ``grpc_device.pool_handle_of``). Nothing here imports grpc,
+fastapi or protobuf.
 
 A :class:`Describer` is made once per engine (:func:`describer_for`), so every transport
 hands out the same pool ids: a client that opened a pool through one transport recognises

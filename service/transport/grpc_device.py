@@ -28,6 +28,7 @@ from ..engine import CacheEngine
 from ..errors import DeviceUnavailable, InvalidArgument
 from ..ipc_cache import CudaIpc, IpcCache, check_ipc_handle
 from ..leases import Lease
+from .descriptors import HostShmPool, PoolDesc, describer_for
 from .grpc_sessions import UnknownSession
 
 log = logging.getLogger("embcache.grpc")
@@ -56,6 +57,33 @@ async def in_thread(fn: Callable[[], T], undo: Callable[[T], object] | None = No
 
             task.add_done_callback(done)
         raise
+
+
+def pool_handle_of(desc: PoolDesc) -> pb.PoolHandle:
+    """A pool description (``descriptors.py``) as the wire's ``PoolHandle``."""
+    if isinstance(desc, HostShmPool):
+        shm = pb.HostShmPool(
+            segment_name=desc.segment_name,
+            size=desc.size,
+            page_bytes=desc.page_bytes,
+            boot_id=desc.boot_id,
+            st_dev=desc.st_dev,
+            st_ino=desc.st_ino,
+        )
+        return pb.PoolHandle(pool_id=desc.pool_id, host_shm=shm)
+    dev = pb.DevicePool(gpu_uuid=desc.gpu_uuid, size=desc.size, page_bytes=desc.page_bytes)
+    if desc.ipc_mode == "legacy":
+        dev.ipc_handle = desc.ipc_handle or b""
+    elif desc.ipc_mode == "fd":
+        dev.posix_fd.CopyFrom(
+            pb.PosixFdHandle(
+                fd_token=desc.fd_token or 0,
+                alloc_size=desc.alloc_size or 0,
+                fd_socket=desc.fd_socket or "",
+            )
+        )
+    # ipc_mode "none" (a CPU test pool): no handle; nothing outside this process opens it.
+    return pb.PoolHandle(pool_id=desc.pool_id, device=dev)
 
 
 SPIN_S = 0.002  # copies expected to take longer are waited for in a worker thread
@@ -145,26 +173,12 @@ class DevicePlane:
         return reply
 
     def pool_handle(self, pool: DevicePool) -> pb.PoolHandle:
-        """How a client opens ``pool`` (built once per pool; legacy export is cached)."""
+        """How a client opens ``pool``: the engine's one description (the same pool id over
+        REST), encoded once per pool."""
         handle = self._handles.get(pool.pool_id)
-        if handle is not None:
-            return handle
-        desc = pb.DevicePool(gpu_uuid=pool.gpu_uuid, size=pool.nbytes, page_bytes=pool.page_bytes)
-        if pool.ipc_mode == "legacy":
-            with torch.cuda.device(pool.device):
-                desc.ipc_handle = pool.export_legacy()
-        elif pool.ipc_mode == "fd":
-            alloc = int(getattr(pool.slab, "nbytes", pool.nbytes))
-            desc.posix_fd.CopyFrom(
-                pb.PosixFdHandle(
-                    fd_token=pool.fd_token,
-                    alloc_size=alloc,
-                    fd_socket=str(self.settings.effective_ipc_socket),
-                )
-            )
-        # ipc_mode "none" (a CPU test pool): no handle; nothing outside this process opens it.
-        handle = pb.PoolHandle(pool_id=pool.pool_id, device=desc)
-        self._handles[pool.pool_id] = handle
+        if handle is None:
+            handle = pool_handle_of(describer_for(self.engine, self.settings).device_pool(pool))
+            self._handles[pool.pool_id] = handle
         return handle
 
     # -- PutFromDevice -------------------------------------------------------------------

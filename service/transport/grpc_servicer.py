@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import secrets
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -25,7 +22,8 @@ from ..config import Settings
 from ..engine import CacheEngine, EvictOutcome
 from ..errors import InvalidArgument, NotFound
 from ..ipc_cache import IpcCache
-from .grpc_device import DevicePlane, meta_of
+from .descriptors import describer_for
+from .grpc_device import DevicePlane, meta_of, pool_handle_of
 from .grpc_errors import RpcMetrics, rpc
 from .grpc_sessions import SessionRegistry, UnknownSession
 
@@ -37,32 +35,6 @@ _EVICT_OUTCOMES = {
     EvictOutcome.NOT_FOUND: pb.NOT_FOUND,
     EvictOutcome.LEASED: pb.LEASED,
 }
-
-
-def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-def host_pool_handle(engine: CacheEngine) -> pb.PoolHandle:
-    """Description of the host pool a same-node client maps once (and how to check it)."""
-    pool = engine.host_pool
-    st = os.stat(pool.path)
-    return pb.PoolHandle(
-        # A fresh id per server start: a client that cached the previous daemon's segment
-        # sees a new id and maps the segment again.
-        pool_id=f"host-{secrets.token_hex(8)}",
-        host_shm=pb.HostShmPool(
-            segment_name=pool.name,
-            size=pool.nbytes,
-            page_bytes=pool.page_bytes,
-            boot_id=_boot_id(),
-            st_dev=st.st_dev,
-            st_ino=st.st_ino,
-        ),
-    )
 
 
 class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
@@ -78,7 +50,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         self.settings = settings
         self.metrics = metrics
         self.sessions = SessionRegistry()
-        self.host_pool = host_pool_handle(engine)
+        self.host_pool = pool_handle_of(describer_for(engine, settings).host_pool())
         self.device = DevicePlane(engine, settings, ipc)
 
     def close(self) -> None:
