@@ -70,14 +70,9 @@ class PendingGet:
         self.results = results
         self.table = table
         self._events = events
-        self._loaded = loaded_bytes
+        self.loaded_bytes = loaded_bytes  # bytes this get copies into the pool (0: all hits)
         self._observe = observe
         self._start: float | None = time.perf_counter()  # None once observed
-
-    @property
-    def loaded_bytes(self) -> int:
-        """Bytes this get copies into the device pool (0: all resident hits)."""
-        return self._loaded
 
     def done(self) -> bool:
         """True once every copy the results depend on has completed (never blocks)."""
@@ -93,8 +88,8 @@ class PendingGet:
         return self.results, self.table
 
     def _finish(self) -> None:
-        if self._start is not None and self._loaded:
-            self._observe("h2d", self._loaded, time.perf_counter() - self._start)
+        if self._start is not None and self.loaded_bytes:
+            self._observe("h2d", self.loaded_bytes, time.perf_counter() - self._start)
         self._start = None
         self._events = []
 
