@@ -5,7 +5,7 @@ entry is its own run). Prints GB/s of cold get_to_device per backend, the reside
 latency, put_from_device GB/s, and how much a concurrent 8192^3 bf16 GEMM slows down while
 cold batches stream in. JSON goes to bench/results/get_to_device.json (or --out-dir).
 
-    python bench/get_to_device.py [--reps 10]
+    python bench/get_to_device.py [--reps 20]
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def resident_hit_us(e: CacheEngine, key: str, n: int = 2000) -> dict[str, float]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args()
     env = environment()
@@ -197,7 +197,8 @@ def main() -> None:
     for backend in ("auto", "kernel", "batch", "memcpy"):
         with make_engine(backend) as e:
             keys = fill_fragmented(e)
-            cold_get(e, keys)  # warm-up: compile, first touch
+            for _ in range(3):  # warm-up: compile, first touch
+                cold_get(e, keys)
             seconds = statistics.median(cold_get(e, keys) for _ in range(args.reps))
             gets[backend] = BATCH * ENTRY / seconds / 1e9
             rows.append(

@@ -184,31 +184,43 @@ _SMALL = 64  # plans up to this many ranges are checked in plain Python (no nump
 def _check_ranges(
     s: np.ndarray, d: np.ndarray, n: np.ndarray, src_rows: int, dst_rows: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Bounds and destination overlap of a plan; returns it without its empty ranges."""
-    for name, arr in (("src_starts", s), ("dst_starts", d), ("lengths", n)):
-        if arr.size and int(arr.min()) < 0:
-            raise ValueError(f"{name}: holds a negative value {int(arr.min())}")
-    for name, starts, rows in (("src_starts", s, src_rows), ("dst_starts", d, dst_rows)):
+    """Bounds and destination overlap of a plan; returns it without its empty ranges.
+
+    The three columns are checked together (one reduction each for min, max and ends):
+    numpy's per-call cost, not the work, is what a plan of a few hundred ranges pays."""
+    if not len(n):
+        return s, d, n
+    cols = np.stack((s, d, n))
+    lo = cols.min(axis=1)
+    for name, low in zip(("src_starts", "dst_starts", "lengths"), lo.tolist(), strict=True):
+        if low < 0:
+            raise ValueError(f"{name}: holds a negative value {low}")
+    hi = cols.max(axis=1).tolist()
+    ends, tops = None, None
+    if max(hi[0], hi[2]) <= src_rows and max(hi[1], hi[2]) <= dst_rows:  # no sum overflows
+        ends = cols[:2] + n
+        tops = ends.max(axis=1).tolist()
+    for i, (name, rows) in enumerate((("src_starts", src_rows), ("dst_starts", dst_rows))):
         # starts <= rows and lengths <= rows first, so the sum cannot overflow int64
-        if starts.size and (int(starts.max()) > rows or int(n.max()) > rows):
+        if hi[i] > rows or hi[2] > rows:
             raise ValueError(f"{name}: a range runs past the {rows} rows")
-        ends = starts + n
-        if ends.size and int(ends.max()) > rows:
-            i = int(np.argmax(ends))
-            raise ValueError(
-                f"{name}: range {i} [{int(starts[i])}, {int(ends[i])}) runs past the {rows} rows"
-            )
-    keep = n > 0
-    s, d, n = s[keep], d[keep], n[keep]
+        side = ends[i] if ends is not None else cols[i] + n
+        if (tops[i] if tops is not None else int(side.max())) > rows:
+            j = int(np.argmax(side))
+            start, end = int(cols[i, j]), int(side[j])
+            raise ValueError(f"{name}: range {j} [{start}, {end}) runs past the {rows} rows")
+    if lo[2] == 0:
+        keep = n > 0
+        s, d, n = s[keep], d[keep], n[keep]
     if len(d) > 1:
-        if bool(np.all(d[1:] >= d[:-1])):  # already in order (e.g. a contiguous entry)
+        if bool((d[1:] >= d[:-1]).all()):  # already in order (e.g. a contiguous entry)
             ds, de = d, d + n
         else:
             order = np.argsort(d, kind="stable")
             ds, de = d[order], d[order] + n[order]
-        bad = np.flatnonzero(de[:-1] > ds[1:])
-        if bad.size:
-            i = int(bad[0])
+        bad = de[:-1] > ds[1:]
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
             raise ValueError(
                 f"dst_starts: destination ranges overlap: [{int(ds[i])}, {int(de[i])}) and "
                 f"[{int(ds[i + 1])}, {int(de[i + 1])})"

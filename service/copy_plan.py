@@ -9,7 +9,6 @@ entry's end, which stay inside pages that belong to the same entry on both sides
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections.abc import Sequence
 
@@ -55,7 +54,11 @@ def merge_runs(src: ByteRuns, dst: ByteRuns) -> tuple[np.ndarray, np.ndarray, np
 def merge_arrays(
     src_addr: np.ndarray, src_len: np.ndarray, dst_addr: np.ndarray, dst_len: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`merge_runs` on int64 columns (address, length) of each side."""
+    """:func:`merge_runs` on int64 columns (address, length) of each side.
+
+    Written for few numpy calls (each costs about a microsecond, more than the work):
+    a sort instead of ``union1d``, and the join and empty-run steps only when needed.
+    """
     total = int(src_len.sum())
     assert total == int(dst_len.sum()), "both sides must hold the same number of bytes"
     if total == 0:
@@ -63,87 +66,78 @@ def merge_arrays(
         return empty, empty, empty
     src_start = np.cumsum(src_len) - src_len  # logical offset where each run starts
     dst_start = np.cumsum(dst_len) - dst_len
-    cuts = np.union1d(src_start[src_len > 0], dst_start[dst_len > 0])
-    ends = np.append(cuts[1:], total)
+    cuts = np.concatenate(
+        (
+            src_start if src_len.all() else src_start[src_len > 0],
+            dst_start if dst_len.all() else dst_start[dst_len > 0],
+        )
+    )
+    cuts.sort()
+    new = cuts[1:] != cuts[:-1]
+    if not new.all():
+        cuts = cuts[np.concatenate(([True], new))]
+    ln = np.diff(cuts, append=total)
     si = np.searchsorted(src_start, cuts, side="right") - 1
     di = np.searchsorted(dst_start, cuts, side="right") - 1
     so = src_addr[si] + (cuts - src_start[si])
     do = dst_addr[di] + (cuts - dst_start[di])
-    ln = ends - cuts
     if len(ln) > 1:
         joined = (so[1:] == so[:-1] + ln[:-1]) & (do[1:] == do[:-1] + ln[:-1])
-        heads = np.flatnonzero(np.concatenate(([True], ~joined)))
-        ln = np.add.reduceat(ln, heads)
-        so, do = so[heads], do[heads]
+        if joined.any():
+            heads = np.flatnonzero(np.concatenate(([True], ~joined)))
+            ln = np.add.reduceat(ln, heads)
+            so, do = so[heads], do[heads]
     return so, do, ln
 
 
-def page_runs_as_bytes(
-    runs_per_entry: Sequence[Sequence[tuple[int, int]]], page: int, padded: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Byte runs (address, length) of several entries' page runs, each cut to its padded size.
-
-    Every entry holds ``ceil(padded / page)`` pages, so only its last run is cut, by less than
-    a page. Entries with no runs must be left out by the caller.
-    """
-    counts = np.fromiter(
-        (len(r) for r in runs_per_entry), dtype=np.int64, count=len(runs_per_entry)
-    )
-    flat = np.fromiter(
-        (x for runs in runs_per_entry for run in runs for x in run),
-        dtype=np.int64,
-        count=2 * int(counts.sum()),
-    ).reshape(-1, 2)
-    addr = flat[:, 0] * page
-    length = flat[:, 1] * page
-    last = np.cumsum(counts) - 1
-    whole = np.add.reduceat(length, last - counts + 1)
-    length[last] -= whole - padded
-    assert (length > 0).all(), "an entry's pages do not match its size"
-    return addr, length
-
-
-SMALL_PLAN_RUNS = 64  # up to this many runs (both sides), plain Python beats numpy's call costs
+def entry_columns(runs: Sequence[tuple[int, int]], page: int, nbytes: int, row: int) -> np.ndarray:
+    """An entry's page runs as a ``(3, k)`` int64 array in rows of ``row`` bytes: where each
+    run starts, its length (the last one cut to the entry's size rounded up to a row), and
+    where it starts within the entry. Runs never change, so callers keep this with the
+    entry (:func:`plan_entries` takes it). ``nbytes`` > 0; the runs hold exactly the pages
+    that size needs."""
+    assert page % row == 0 and nbytes > 0, (page, row, nbytes)
+    rows = page // row
+    starts = [p * rows for p, _ in runs]
+    lengths = [k * rows for _, k in runs]
+    lengths[-1] -= sum(lengths) - -(-nbytes // row)  # less than a page: the last run stays
+    at = list(itertools.accumulate(lengths[:-1], initial=0))
+    return np.array((starts, lengths, at), dtype=np.int64)
 
 
 def plan_entries(
-    src_runs: Sequence[Sequence[tuple[int, int]]],
-    src_page: int,
+    src: Sequence[np.ndarray],
     dst_runs: Sequence[Sequence[tuple[int, int]]],
     dst_page: int,
-    padded: Sequence[int],
+    row: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Byte pieces ``(src, dst, length)`` copying several entries between page runs.
+    """Row pieces ``(src, dst, length)`` copying several entries into page runs.
 
-    Entry ``i`` spans ``padded[i]`` bytes of its page runs ``src_runs[i]`` (pages of
-    ``src_page`` bytes) and ``dst_runs[i]``; entries with no bytes must be left out.
+    ``src[i]`` is entry ``i``'s :func:`entry_columns` (rows of ``row`` bytes) and
+    ``dst_runs[i]`` its destination page runs (pages of ``dst_page`` bytes, a multiple of
+    ``row``, enough to hold the entry). Entries with no bytes must be left out.
+
+    When every entry's destination is one run (the usual case: the device pool keeps entries
+    whole), each source run is one piece and the plan is a few array operations on the
+    cached columns; otherwise both sides are merged (:func:`merge_arrays`).
     """
-    if sum(map(len, src_runs)) + sum(map(len, dst_runs)) > SMALL_PLAN_RUNS:
-        sizes = np.asarray(padded, dtype=np.int64)
-        s_addr, s_len = page_runs_as_bytes(src_runs, src_page, sizes)
-        d_addr, d_len = page_runs_as_bytes(dst_runs, dst_page, sizes)
-        return merge_arrays(s_addr, s_len, d_addr, d_len)
-    so: list[int] = []
-    do: list[int] = []
-    ln: list[int] = []
-    for s_runs, d_runs, size in zip(src_runs, dst_runs, padded, strict=True):
-        a = truncate_runs([(p * src_page, k * src_page) for p, k in s_runs], size)
-        b = truncate_runs([(p * dst_page, k * dst_page) for p, k in d_runs], size)
-        a_at = list(itertools.accumulate((n for _, n in a), initial=0))
-        b_at = list(itertools.accumulate((n for _, n in b), initial=0))
-        cuts = sorted(set(a_at[:-1]) | set(b_at[:-1]))
-        for cut, end in zip(cuts, [*cuts[1:], size], strict=True):
-            i = bisect.bisect_right(a_at, cut) - 1
-            j = bisect.bisect_right(b_at, cut) - 1
-            src, dst = a[i][0] + cut - a_at[i], b[j][0] + cut - b_at[j]
-            if so and so[-1] + ln[-1] == src and do[-1] + ln[-1] == dst:
-                ln[-1] += end - cut  # contiguous on both sides (e.g. across entries)
-            else:
-                so.append(src)
-                do.append(dst)
-                ln.append(end - cut)
-    return (np.array(so, dtype=np.int64), np.array(do, dtype=np.int64),
-            np.array(ln, dtype=np.int64))  # fmt: skip
+    assert dst_page % row == 0, (dst_page, row)
+    page = dst_page // row  # rows per destination page
+    cols = src[0] if len(src) == 1 else np.concatenate(src, axis=1)
+    if all(len(runs) == 1 for runs in dst_runs):
+        if len(src) == 1:
+            return cols[0], cols[2] + dst_runs[0][0][0] * page, cols[1]
+        bases = np.repeat([runs[0][0] * page for runs in dst_runs], [c.shape[1] for c in src])
+        return cols[0], cols[2] + bases, cols[1]
+    d: list[tuple[int, int]] = []
+    for c, runs in zip(src, dst_runs, strict=True):
+        left = int(c[1].sum())
+        for p, k in runs:
+            take = min(k * page, left)
+            d.append((p * page, take))
+            left -= take
+    dst = np.array(d, dtype=np.int64).reshape(-1, 2)
+    return merge_arrays(cols[0], cols[1], dst[:, 0], dst[:, 1])
 
 
 def _columns(runs: ByteRuns) -> tuple[np.ndarray, np.ndarray]:

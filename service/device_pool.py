@@ -80,6 +80,7 @@ class DevicePool:
             self.tensor = torch.zeros(nbytes, dtype=torch.uint8)
             self.gpu_uuid = f"CPU-{index}"
             self.stream = None
+        self.rows = self.tensor.view(-1, 16)  # the view 16-byte-row copy plans use
         self.ipc_mode = ipc_mode if self.slab is not None else "none"
         self.v2p = torch.full((self.num_vpages,), -1, dtype=torch.int64, device=device)
         self.p2v = torch.full((self.num_pages,), -1, dtype=torch.int64, device=device)

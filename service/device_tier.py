@@ -19,7 +19,7 @@ import torch
 from embcache import kernels
 
 from . import device_io
-from .copy_plan import plan_entries
+from .copy_plan import entry_columns, plan_entries
 from .device_pool import DevicePool, Residency, upload
 from .device_routing import PeerRates, copy_between_pools
 from .errors import DeviceUnavailable, PoolExhausted
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .entries import Entry
 
 log = logging.getLogger(__name__)
+ROW = 16  # bytes per row of the host->device plans (pages are multiples of it)
 CopyObserver = Callable[[str, int, float], None]
 Placed = tuple[Lease, Residency, bool]  # lease, residency, resident hit
 
@@ -139,6 +140,13 @@ class DeviceTier:
             gpu_uuid=gpu_uuid,
             pools=[p.gpu_uuid for p in self.pools],
         )
+
+    def prepare(self, entry: Entry) -> None:
+        """Plan a new entry's host side for later copies to a device (its host runs never
+        change), so a first get does not pay for it."""
+        if self.pools and entry.nbytes and entry.host_cols is None:
+            page = self._engine.host_pool.page_bytes
+            entry.host_cols = entry_columns(entry.runs, page, entry.nbytes, ROW)
 
     def drop(self, entry: Entry) -> None:
         for pool in self.pools:
@@ -251,12 +259,16 @@ class DeviceTier:
             copy_between_pools(src_pool, src_res, pool, res, entry.nbytes)
             peer_bytes += entry.nbytes
         host_bytes = sum(entry.nbytes for entry, _ in from_host)
-        # Tables first: their small uploads and launch are queued before the long copy.
+        # The copy is queued first, so the copy engine starts as soon as possible; the table
+        # updates (tombstones of this batch's evictions, then one bind launch) are queued
+        # behind it on the same stream while it runs. Stream order keeps that safe: the
+        # copy writes pages no reader holds (freed pages, read only by earlier work on this
+        # stream), and nobody reads the new bindings before the event below.
         # (Queuing the copy in several calls, to start it sooner, measured slower on the
         # H200: the later calls waited for the earlier copies.)
-        pool.bind([res for _, res in loads])  # one table launch for the whole batch
         if from_host:
             self._copy_from_host(pool, from_host)
+        pool.bind([res for _, res in loads])  # one table launch for the whole batch
         event = self._record(pool.stream)
         for _, res in loads:
             res.event = event
@@ -268,21 +280,14 @@ class DeviceTier:
         """One ``transfer_ranges`` call: host page runs against the residencies' device page
         runs, each entry padded to 16-byte rows."""
         host = self._engine.host_pool
-        so, do, ln = plan_entries(
-            [e.runs for e, _ in batch],
-            host.page_bytes,
-            [r.runs for _, r in batch],
-            pool.page_bytes,
-            [-(-e.nbytes // 16) * 16 for e, _ in batch],
-        )
-        self._transfer(
-            host.tensor.view(-1, 16),
-            pool.tensor.view(-1, 16),
-            so // 16,
-            do // 16,
-            ln // 16,
-            pool.stream,
-        )
+        cols = []
+        for entry, _ in batch:
+            if entry.host_cols is None:
+                self.prepare(entry)
+            assert entry.host_cols is not None
+            cols.append(entry.host_cols)
+        so, do, ln = plan_entries(cols, [r.runs for _, r in batch], pool.page_bytes, ROW)
+        self._transfer(host.rows, pool.rows, so, do, ln, pool.stream)
 
     def _read_table(self, pool: DevicePool, placed: list[Placed | None]) -> torch.Tensor:
         """Physical pages per found key, built on the device by ``build_read_table``."""

@@ -227,6 +227,7 @@ class CacheEngine:
             self._runs_hist[run_bucket(len(entry.runs))] += 1
             self._counters["puts_committed"] += 1
             self._counters["put_bytes"] += entry.nbytes
+        self.device_tier.prepare(entry)
         for listener in self.commit_listeners:
             try:
                 listener(entry.key, owner)

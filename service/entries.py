@@ -11,8 +11,12 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .dtypes import DType
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class EntryState(enum.IntEnum):
@@ -33,6 +37,7 @@ class Entry:
     ref_cnt: int = 0
     last_access: float = 0.0
     num_pages: int = field(init=False)  # sum of the runs' lengths (runs never change)
+    host_cols: np.ndarray | None = field(default=None, repr=False)  # copy_plan.entry_columns
 
     def __post_init__(self) -> None:
         self.num_pages = sum(n for _, n in self.runs)

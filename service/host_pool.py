@@ -62,6 +62,7 @@ class HostPool:
             self._mmap = mmap.mmap(self._fd, nbytes, flags=flags)
             self.array: np.ndarray = np.frombuffer(self._mmap, dtype=np.uint8)
             self.tensor: torch.Tensor = torch.from_numpy(self.array)
+            self.rows = self.tensor.view(-1, 16)  # the view 16-byte-row copy plans use
             if register_cuda:
                 self._register_cuda()
         except BaseException:
@@ -118,7 +119,7 @@ class HostPool:
             torch.cuda.synchronize()  # no copy may still read the pages
             self._registration.unregister()
             self.registered = False
-        for attr in ("tensor", "array"):
+        for attr in ("rows", "tensor", "array"):
             if hasattr(self, attr):
                 delattr(self, attr)
         if hasattr(self, "_mmap"):

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import itertools
+
 import hypothesis.strategies as st
 import numpy as np
 from hypothesis import given, settings
@@ -101,29 +103,6 @@ def test_plan_builder_rows_and_padding() -> None:
     assert [a.tolist() for a in PlanBuilder(16).rows()] == [[], [], []]
 
 
-@settings(max_examples=100, deadline=None)
-@given(
-    st.lists(st.tuples(st.integers(1, 5000), st.integers(0, 3)), min_size=1, max_size=6),
-    st.sampled_from([16, 64, 256]),
-)
-def test_page_runs_as_bytes_matches_truncate(entries, page) -> None:  # type: ignore[no-untyped-def]
-    from embcache.service.copy_plan import page_runs_as_bytes
-
-    runs_per_entry, padded, want = [], [], []
-    base = 0
-    for nbytes, split in entries:
-        padded_n = -(-nbytes // 16) * 16
-        pages = -(-padded_n // page)
-        cut = min(split, pages - 1)  # up to `split` extra runs, separated by a gap
-        runs = [(base, pages - cut)] + [(base + pages - cut + 2 * i + 1, 1) for i in range(cut)]
-        base += 2 * pages + 10
-        runs_per_entry.append(runs)
-        padded.append(padded_n)
-        want += truncate_runs([(s * page, k * page) for s, k in runs], padded_n)
-    addr, length = page_runs_as_bytes(runs_per_entry, page, np.asarray(padded, dtype=np.int64))
-    assert list(zip(addr.tolist(), length.tolist(), strict=True)) == want
-
-
 def _entry_runs(draw: st.DrawFn, npages: int, base: int) -> list[tuple[int, int]]:
     """``npages`` pages from ``base`` on, cut into runs with gaps between them."""
     runs, at, left = [], base, npages
@@ -152,21 +131,51 @@ def entry_plans(draw: st.DrawFn):  # type: ignore[no-untyped-def]
 
 
 @settings(max_examples=300, deadline=None)
-@given(entry_plans())
-def test_plan_entries_python_and_numpy_paths_agree(plan) -> None:  # type: ignore[no-untyped-def]
-    import embcache.service.copy_plan as cp
+@given(entry_plans(), st.booleans())
+def test_plan_entries_copies_every_entry(plan, whole) -> None:  # type: ignore[no-untyped-def]
+    """The plan (fast path when every destination is one run, else the merge) moves exactly
+    each entry's padded bytes, writes nowhere else, and has no overlapping destinations."""
+    from embcache.service.copy_plan import entry_columns, plan_entries
 
     src, src_page, dst, dst_page, sizes = plan
-    small = [a.tolist() for a in cp.plan_entries(src, src_page, dst, dst_page, sizes)]
-    limit = cp.SMALL_PLAN_RUNS
-    try:
-        cp.SMALL_PLAN_RUNS = -1  # force the numpy path
-        big = [a.tolist() for a in cp.plan_entries(src, src_page, dst, dst_page, sizes)]
-    finally:
-        cp.SMALL_PLAN_RUNS = limit
-    assert small == big
+    if whole:  # one destination run per entry, as the device pool deals them
+        dst, at = [], 0
+        for n in sizes:
+            pages = -(-n // dst_page)
+            dst.append([(at + 1, pages)])
+            at += pages + 2
+    row = 16
+    cols = [entry_columns(r, src_page, n, row) for r, n in zip(src, sizes, strict=True)]
+    so, do, ln = (a.tolist() for a in plan_entries(cols, dst, dst_page, row))
+    if whole:
+        assert len(ln) == sum(len(r) for r in src)  # one piece per source run
+    src_mem = np.arange(4096 * 64, dtype=np.int64)
+    dst_mem = np.full(4096 * 64, -1, dtype=np.int64)
+    spans = sorted((d, d + n) for d, n in zip(do, ln, strict=True))
+    assert all(e0 <= s1 for (_, e0), (s1, _) in itertools.pairwise(spans))
+    for s, d, n in zip(so, do, ln, strict=True):
+        dst_mem[d * row : (d + n) * row] = src_mem[s * row : (s + n) * row]
+    written = 0
+    for s_runs, d_runs, n in zip(src, dst, sizes, strict=True):
+        a = truncate_runs([(p * src_page, k * src_page) for p, k in s_runs], n)
+        b = truncate_runs([(p * dst_page, k * dst_page) for p, k in d_runs], n)
+        want = np.concatenate([src_mem[o : o + k] for o, k in a])
+        got = np.concatenate([dst_mem[o : o + k] for o, k in b])
+        assert np.array_equal(want, got)
+        written += n
+    assert int((dst_mem >= 0).sum()) == written == sum(ln) * row
+    # the reference's pieces, once pieces contiguous on both sides are joined (the fast path
+    # does not join them: it keeps one piece per source run)
     a = [r for runs, n in zip(src, sizes, strict=True)
          for r in truncate_runs([(p * src_page, k * src_page) for p, k in runs], n)]  # fmt: skip
     b = [r for runs, n in zip(dst, sizes, strict=True)
          for r in truncate_runs([(p * dst_page, k * dst_page) for p, k in runs], n)]  # fmt: skip
-    assert [list(x) for x in pair_runs(a, b, sum(sizes))] == small
+    ref = pair_runs(a, b, sum(sizes))
+    joined: list[list[int]] = [[], [], []]
+    for s, d, n in zip(so, do, ln, strict=True):
+        if joined[0] and joined[0][-1] + joined[2][-1] == s and joined[1][-1] + joined[2][-1] == d:
+            joined[2][-1] += n
+        else:
+            for col, v in zip(joined, (s, d, n), strict=True):
+                col.append(v)
+    assert [[x // row for x in v] for v in ref] == joined
