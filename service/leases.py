@@ -1,6 +1,7 @@
 """Lease table: who holds which entry, until when.
 
-Ids are random 63-bit integers so one client cannot guess another's lease. Expiry uses a
+Ids are random 63-bit integers (from the OS's random source) so one client cannot guess
+another's lease. Expiry uses a
 heap of ``(expires_at, lease_id)``; renewing pushes a new item and stale items are
 skipped when popped, so every operation is O(log n).
 """
@@ -8,8 +9,10 @@ skipped when popped, so every operation is O(log n).
 from __future__ import annotations
 
 import heapq
-import secrets
+import os
 from dataclasses import dataclass
+
+import numpy as np
 
 from .allocator import page_byte_runs
 from .entries import Entry
@@ -53,8 +56,25 @@ class Lease:
         return len(self.byte_runs) <= 1
 
 
+class RandomIds:
+    """Unguessable non-zero 63-bit ids from the OS's random source, read 512 at a time (one
+    ``os.urandom`` call per id costs a system call, and a batch get takes one id per key)."""
+
+    BATCH = 512
+
+    def __init__(self) -> None:
+        self._ids: list[int] = []
+
+    def next(self) -> int:
+        if not self._ids:
+            raw = np.frombuffer(os.urandom(8 * self.BATCH), dtype=np.uint64) >> np.uint64(1)
+            self._ids = raw.tolist()
+        return self._ids.pop()
+
+
 class LeaseTable:
     def __init__(self) -> None:
+        self._ids = RandomIds()
         self._leases: dict[int, Lease] = {}
         self._by_owner: dict[str, set[int]] = {}
         self._heap: list[tuple[float, int]] = []
@@ -66,9 +86,9 @@ class LeaseTable:
         return self._leases.get(lease_id)
 
     def add(self, entry: Entry, owner: str, expires_at: float, page_bytes: int) -> Lease:
-        lease_id = secrets.randbits(63)
+        lease_id = self._ids.next()
         while lease_id == 0 or lease_id in self._leases:
-            lease_id = secrets.randbits(63)
+            lease_id = self._ids.next()
         lease = Lease(lease_id, entry, owner, expires_at, page_bytes)
         self._leases[lease_id] = lease
         self._by_owner.setdefault(owner, set()).add(lease_id)
