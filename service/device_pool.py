@@ -87,7 +87,9 @@ class DevicePool:
         self._pages = PageRunAllocator(self.num_pages)
         self._vpages = PageRunAllocator(self.num_vpages)
         self._resident: OrderedDict[Entry, Residency] = OrderedDict()
-        self._pending_unbind: list[tuple[int, int]] = []  # (vstart, npages) to tombstone
+        # Table updates not launched yet, in order: ("bind", residencies) or
+        # ("unbind", vpage runs). See :meth:`flush`.
+        self._table_ops: list[tuple[str, list[Any]]] = []
         self._legacy_handle: bytes | None = None
         self.failed = False  # a device error took the pool out of service
         self.failure = ""
@@ -111,7 +113,7 @@ class DevicePool:
         self.failed = True
         self.failure = reason
         self._resident.clear()
-        self._pending_unbind.clear()
+        self._table_ops.clear()
 
     def is_resident(self, entry: Entry) -> bool:
         return entry in self._resident
@@ -122,8 +124,8 @@ class DevicePool:
     def reserve(self, entry: Entry) -> Residency | None:
         """Pick pages for ``entry``, evicting unleased residents LRU; None if no room.
 
-        Host bookkeeping only: :meth:`bind` then updates the device tables for a whole
-        batch in one launch (evictions made here are tombstoned first, in the same order).
+        Host bookkeeping only: :meth:`bind` and :meth:`flush` then update the device tables
+        for a whole batch in one launch (evictions made here are tombstoned first, in order).
         """
         n = self.pages_for(entry.nbytes)
         if n > self.num_pages:
@@ -168,19 +170,45 @@ class DevicePool:
         return out
 
     def bind(self, batch: list[Residency]) -> None:
-        """Write the batch's bindings into v2p/p2v: pending unbinds first, then one bind."""
-        self.flush()
+        """Queue the batch's bindings for v2p/p2v; :meth:`flush` launches them."""
         batch = [res for res in batch if res.npages]
-        if not batch:
-            return
-        vruns = _joined([(r.vstart, r.npages) for r in batch])
-        runs = _joined([run for r in batch for run in r.runs])
+        if batch:
+            self._queue("bind", batch)
+
+    def _queue(self, kind: str, items: list[Any]) -> None:
+        if self._table_ops and self._table_ops[-1][0] == kind:
+            self._table_ops[-1][1].extend(items)  # joins the previous op of its kind
+        else:
+            self._table_ops.append((kind, items))
+
+    def flush(self) -> None:
+        """Launch the queued table updates, in order: one launch per run of binds (all
+        ids unique: a vpage is bound again only after an unbind, which starts a new run)
+        and one per run of unbinds.
+
+        Copies never read the tables (they use the page ids the host allocators hand out),
+        so updates may lag behind them; whoever reads the tables flushes first. All of it
+        is queued on the pool's stream, after the copies queued before it.
+        """
+        ops, self._table_ops = self._table_ops, []
         with self._on_stream():
-            vpages = self._ids(vruns)
-            if len(runs) == 1:  # the usual case: no physical ids to upload
-                kernels.alloc_bind_inplace(vpages, runs[0][0], self.v2p, self.p2v)
-            else:
-                kernels.bind_inplace(vpages, self._ids(runs), self.v2p, self.p2v)
+            for kind, items in ops:
+                if kind == "unbind":
+                    vruns = _joined(sorted(items))
+                    kernels.free_unbind_inplace(self._ids(vruns), self.v2p, self.p2v)
+                    continue
+                vruns = _joined([(r.vstart, r.npages) for r in items])
+                runs = _joined([run for r in items for run in r.runs])
+                vpages = self._ids(vruns)
+                if len(runs) == 1:  # the usual case: no physical ids to upload
+                    kernels.alloc_bind_inplace(vpages, runs[0][0], self.v2p, self.p2v)
+                else:
+                    kernels.bind_inplace(vpages, self._ids(runs), self.v2p, self.p2v)
+
+    @property
+    def tables_pending(self) -> bool:
+        """True while table updates wait for :meth:`flush`."""
+        return bool(self._table_ops)
 
     def _ids(self, runs: list[tuple[int, int]]) -> torch.Tensor:
         """The page ids of ``runs`` on the pool's device, queued on the current stream: one
@@ -210,19 +238,10 @@ class DevicePool:
         if res is None:
             return False
         if res.npages:
-            self._pending_unbind.append((res.vstart, res.npages))
+            self._queue("unbind", [(res.vstart, res.npages)])
             self._vpages.free([(res.vstart, res.npages)])
             self._pages.free(list(res.runs))
         return True
-
-    def flush(self) -> None:
-        """Tombstone every forgotten residency in both tables with one launch."""
-        if not self._pending_unbind:
-            return
-        vruns = _joined(sorted(self._pending_unbind))
-        self._pending_unbind.clear()
-        with self._on_stream():
-            kernels.free_unbind_inplace(self._ids(vruns), self.v2p, self.p2v)
 
     def evict_unleased(self) -> int:
         count = 0

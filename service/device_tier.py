@@ -162,10 +162,13 @@ class DeviceTier:
         device: int,
         read_table: bool,
         fill_misses: bool = True,
+        defer_tables: bool = False,
     ) -> PendingGet:
         """Lease the keys and queue the copies of the non-resident ones; do not wait for
         them (see :class:`PendingGet`). ``fill_misses=False``: the caller asked the shared
-        tier already (it may block on the network; this call blocks only on the lock)."""
+        tier already (it may block on the network; this call blocks only on the lock).
+        ``defer_tables=True``: the page-table updates stay queued until the caller runs
+        :meth:`flush_tables` (e.g. once its reply is on its way)."""
         e = self._engine
         pool = self.pool(device)
         loads: list[tuple[Entry, Residency]] = []
@@ -202,6 +205,8 @@ class DeviceTier:
                     placed.append((lease, res, id(lease.entry) not in loaded))
                 if loads:
                     self._load(pool, loads)
+                if not defer_tables:
+                    pool.flush()
             except BaseException as exc:
                 e.release(x.lease_id for x in leases if x is not None)
                 if _is_device_error(exc):
@@ -259,19 +264,19 @@ class DeviceTier:
             copy_between_pools(src_pool, src_res, pool, res, entry.nbytes)
             peer_bytes += entry.nbytes
         host_bytes = sum(entry.nbytes for entry, _ in from_host)
-        # The copy is queued first, so the copy engine starts as soon as possible; the table
-        # updates (tombstones of this batch's evictions, then one bind launch) are queued
-        # behind it on the same stream while it runs. Stream order keeps that safe: the
-        # copy writes pages no reader holds (freed pages, read only by earlier work on this
-        # stream), and nobody reads the new bindings before the event below.
+        # The copy is queued first, so the copy engine starts as soon as possible; the
+        # table updates (tombstones of this batch's evictions, then one bind launch) are
+        # queued behind it, by the caller's flush. Stream order keeps that safe: the copy
+        # writes pages no reader holds (freed pages, read only by earlier work on this
+        # stream), and copies never read the tables.
         # (Queuing the copy in several calls, to start it sooner, measured slower on the
         # H200: the later calls waited for the earlier copies.)
         if from_host:
             self._copy_from_host(pool, from_host)
-        pool.bind([res for _, res in loads])  # one table launch for the whole batch
-        event = self._record(pool.stream)
+        event = self._record(pool.stream)  # what the results wait for: the copies only
         for _, res in loads:
             res.event = event
+        pool.bind([res for _, res in loads])  # one table launch for the whole batch
         self._engine._count_copy("h2d", host_bytes)
         if peer_bytes:
             self._engine._count_copy("d2d", peer_bytes)
@@ -288,6 +293,20 @@ class DeviceTier:
             cols.append(entry.host_cols)
         so, do, ln = plan_entries(cols, [r.runs for _, r in batch], pool.page_bytes, ROW)
         self._transfer(host.rows, pool.rows, so, do, ln, pool.stream)
+
+    def flush_tables(self, device: int) -> None:
+        """Launch the page-table updates a ``defer_tables`` get left queued (if any)."""
+        pool = self.pools[device]
+        with self._engine._lock:
+            if pool.failed or not pool.tables_pending:
+                return
+            try:
+                pool.flush()
+            except BaseException as exc:
+                if not _is_device_error(exc):
+                    raise
+                pool.fail(str(exc))
+                log.error("device pool %d out of service: %s", device, exc)
 
     def _read_table(self, pool: DevicePool, placed: list[Placed | None]) -> torch.Tensor:
         """Physical pages per found key, built on the device by ``build_read_table``."""

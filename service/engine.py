@@ -502,13 +502,26 @@ class CacheEngine:
         ttl_s: float | None = None,
         device: int = 0,
         fill_misses: bool = True,
+        defer_tables: bool = False,
     ) -> PendingGet:
         """:meth:`get_to_device` without waiting for the copies: for callers that wait
         their own way (an event loop). Hand out ``pending.results`` only once
-        ``pending.done()`` or ``pending.wait()``; the leases are the caller's either way."""
+        ``pending.done()`` or ``pending.wait()``; the leases are the caller's either way.
+        ``defer_tables``: the caller runs :meth:`flush_device_tables` later, off its
+        critical path (the tables are only read by whoever flushes first)."""
         return self.device_tier.start_get(
-            keys, owner, ttl_s=ttl_s, device=device, read_table=False, fill_misses=fill_misses
+            keys,
+            owner,
+            ttl_s=ttl_s,
+            device=device,
+            read_table=False,
+            fill_misses=fill_misses,
+            defer_tables=defer_tables,
         )
+
+    def flush_device_tables(self, device: int = 0) -> None:
+        """Launch device ``device``'s deferred page-table updates."""
+        self.device_tier.flush_tables(device)
 
     def get_into(
         self,

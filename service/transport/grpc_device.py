@@ -142,7 +142,9 @@ class DevicePlane:
             await asyncio.to_thread(e.fill_misses, keys)
         # Bookkeeping and queuing the copy take the engine lock briefly, like a host Get,
         # so they run here; only the copy is waited for off the critical path.
-        pending = e.start_get_to_device(keys, owner, ttl_s=ttl, device=index, fill_misses=False)
+        pending = e.start_get_to_device(
+            keys, owner, ttl_s=ttl, device=index, fill_misses=False, defer_tables=True
+        )
         try:
             # The reply says where the bytes will be, so it is built while they are copied;
             # it leaves only once the copy is complete.
@@ -154,6 +156,10 @@ class DevicePlane:
         except BaseException:
             e.release(d.lease.lease_id for d in pending.results if d is not None)
             raise
+        finally:
+            # The page tables are updated after the reply is handed to gRPC: a callback
+            # runs after this task's current step, in which gRPC serialises and sends it.
+            asyncio.get_running_loop().call_soon(e.flush_device_tables, index)
 
     def _release_reply(self, reply: pb.GetResponse) -> None:
         self.engine.release(r.lease_id for r in reply.results if r.found)

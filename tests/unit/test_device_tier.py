@@ -104,6 +104,30 @@ def test_device_lru_and_lease_pinning(engine: CacheEngine) -> None:
     assert sorted(engine.device_page_states().tolist()) == [1] * 8
 
 
+def test_deferred_table_updates_land_in_order(engine: CacheEngine) -> None:
+    """A get that defers its table updates (the gRPC path) leaves them queued; binds and
+    the tombstones of later evictions are applied in order by one flush."""
+    for i in range(6):
+        engine.put(f"k{i}", blob(2 * DEV_PAGE, i))
+    pool = engine.device_tier.pool(0)
+    p = engine.start_get_to_device(["k0", "k1", "k2", "k3"], "dec", defer_tables=True)
+    results, _ = p.wait()
+    assert pool.tables_pending and set(pool.v2p.tolist()) == {-1}  # nothing launched yet
+    for r in results:
+        assert r is not None and not r.resident_hit
+        engine.release([r.lease.lease_id])
+    # evicts k0 and k1 (their binds still queued), binds k4 and k5 in their pages
+    q = engine.start_get_to_device(["k4", "k5"], "dec", defer_tables=True)
+    got, _ = q.wait()
+    for g, i in zip(got, (4, 5), strict=True):
+        assert g is not None and torch.equal(device_bytes(engine, g), blob(2 * DEV_PAGE, i))
+    engine.flush_device_tables(0)
+    assert not pool.tables_pending
+    check_tables(engine)
+    engine.flush_device_tables(0)  # nothing queued: a no-op
+    check_tables(engine)
+
+
 def test_host_eviction_frees_device_pages(engine: CacheEngine) -> None:
     engine.put("a", blob(DEV_PAGE, 1))
     [dl], _ = engine.get_to_device(["a"], "dec")
