@@ -32,7 +32,7 @@ import grpc
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import latencies_us
+from _common import git_commit, latencies_us
 
 from embcache.clients import EmbCacheClient
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
@@ -262,20 +262,6 @@ def gpu_section(tmp: str, iters: int, rounds: int) -> dict[str, Any] | str:
         daemon.stop(timeout=30)
 
 
-def commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-            timeout=10,
-        )
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--total-mib", type=int, default=256)
@@ -320,7 +306,7 @@ def main() -> None:
         daemon.stop(timeout=30)
         stop(baseline, timeout=30)
     print(
-        f"embcache gRPC put-bytes vs raw gRPC streaming baseline  (commit {commit()}, "
+        f"embcache gRPC put-bytes vs raw gRPC streaming baseline  (commit {git_commit()}, "
         f"{platform.processor() or platform.machine()}, grpc {grpc.__version__}, "
         f"torch {torch.__version__})"
     )
@@ -363,7 +349,7 @@ def main() -> None:
     out.write_text(
         json.dumps(
             {
-                "commit": commit(),
+                "commit": git_commit(),
                 "python": platform.python_version(),
                 "grpc": grpc.__version__,
                 "torch": torch.__version__,
