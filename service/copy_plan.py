@@ -110,12 +110,14 @@ def plan_entries(
     dst_runs: Sequence[Sequence[tuple[int, int]]],
     dst_page: int,
     row: int,
+    rows: Sequence[int],
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Row pieces ``(src, dst, length)`` copying several entries into page runs.
 
-    ``src[i]`` is entry ``i``'s :func:`entry_columns` (rows of ``row`` bytes) and
-    ``dst_runs[i]`` its destination page runs (pages of ``dst_page`` bytes, a multiple of
-    ``row``, enough to hold the entry). Entries with no bytes must be left out.
+    ``src[i]`` is entry ``i``'s :func:`entry_columns` (rows of ``row`` bytes), ``rows[i]``
+    its size in rows (rounded up) and ``dst_runs[i]`` its destination page runs (pages of
+    ``dst_page`` bytes, a multiple of ``row``, enough to hold the entry). Entries with no
+    bytes must be left out.
 
     When every entry's destination is one run (the usual case: the device pool keeps entries
     whole), each source run is one piece and the plan is a few array operations on the
@@ -130,8 +132,7 @@ def plan_entries(
         bases = np.repeat([runs[0][0] * page for runs in dst_runs], [c.shape[1] for c in src])
         return cols[0], cols[2] + bases, cols[1]
     d: list[tuple[int, int]] = []
-    for c, runs in zip(src, dst_runs, strict=True):
-        left = int(c[1].sum())
+    for left, runs in zip(rows, dst_runs, strict=True):
         for p, k in runs:
             take = min(k * page, left)
             d.append((p * page, take))

@@ -291,7 +291,13 @@ class DeviceTier:
                 self.prepare(entry)
             assert entry.host_cols is not None
             cols.append(entry.host_cols)
-        so, do, ln = plan_entries(cols, [r.runs for _, r in batch], pool.page_bytes, ROW)
+        so, do, ln = plan_entries(
+            cols,
+            [r.runs for _, r in batch],
+            pool.page_bytes,
+            ROW,
+            [-(-e.nbytes // ROW) for e, _ in batch],
+        )
         self._transfer(host.rows, pool.rows, so, do, ln, pool.stream)
 
     def flush_tables(self, device: int) -> None:

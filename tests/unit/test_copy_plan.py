@@ -146,7 +146,8 @@ def test_plan_entries_copies_every_entry(plan, whole) -> None:  # type: ignore[n
             at += pages + 2
     row = 16
     cols = [entry_columns(r, src_page, n, row) for r, n in zip(src, sizes, strict=True)]
-    so, do, ln = (a.tolist() for a in plan_entries(cols, dst, dst_page, row))
+    rows = [-(-n // row) for n in sizes]
+    so, do, ln = (a.tolist() for a in plan_entries(cols, dst, dst_page, row, rows))
     if whole:
         assert len(ln) == sum(len(r) for r in src)  # one piece per source run
     src_mem = np.arange(4096 * 64, dtype=np.int64)
