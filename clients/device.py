@@ -136,12 +136,34 @@ def materialize(
     if offset is not None:
         flat = pool_bytes[offset : offset + nbytes]
     else:
-        runs: list[list[int]] = []  # [first page, count] of consecutive page ids
-        for p in page_ids:
-            if runs and runs[-1][0] + runs[-1][1] == p:
-                runs[-1][1] += 1
-            else:
-                runs.append([p, 1])
-        parts = [pool_bytes[p * page_bytes : (p + k) * page_bytes] for p, k in runs]
-        flat = torch.cat(parts)[:nbytes]  # one gather launch, no index upload
+        flat = gather_pages(pool_bytes, page_bytes, [(page_ids, nbytes)])[0]
     return flat.view(dtype).view(shape)
+
+
+def gather_pages(
+    pool_bytes: torch.Tensor,
+    page_bytes: int,
+    entries: list[tuple[list[int] | tuple[int, ...], int]],
+) -> list[torch.Tensor]:
+    """Copies of several fragmented entries (page ids, nbytes) in one gather: one allocation
+    and one ``torch.cat`` launch for the whole batch, no index upload. Each entry's region
+    starts 16-byte aligned in the shared buffer (so any dtype can view it)."""
+    parts: list[torch.Tensor] = []
+    spans: list[tuple[int, int]] = []
+    at = 0
+    for page_ids, nbytes in entries:
+        left = -(-nbytes // 16) * 16  # pages are multiples of 16 bytes: this stays inside
+        spans.append((at, nbytes))
+        at += left
+        first, count = -1, 0
+        for p in [*page_ids, -1]:  # runs of consecutive pages; -1 ends the last one
+            if count and p == first + count:
+                count += 1
+                continue
+            if count:
+                take = min(count * page_bytes, left)
+                parts.append(pool_bytes[first * page_bytes : first * page_bytes + take])
+                left -= take
+            first, count = p, 1
+    flat = torch.cat(parts) if parts else pool_bytes[:0].clone()
+    return [flat[start : start + n] for start, n in spans]

@@ -20,7 +20,7 @@ import torch
 
 from ..proto.embcache.v1 import embcache_pb2 as pb
 from ._wire import torch_dtype
-from .device import DevicePoolCache, DevicePoolHandle, materialize
+from .device import DevicePoolCache, DevicePoolHandle, gather_pages
 from .results import Decoded
 
 log = logging.getLogger(__name__)
@@ -56,9 +56,13 @@ def pool_handle(pool: pb.PoolHandle) -> DevicePoolHandle:
 
 
 def decode_device_get(reply: pb.GetResponse, cache: DevicePoolCache) -> Decoded:
-    """Tensors for a Get with a GPU uuid; each pool is opened once through ``cache``."""
+    """Tensors for a Get with a GPU uuid; each pool is opened once through ``cache``.
+    Contiguous entries are views; the fragmented ones of a pool are gathered together
+    (one allocation and one launch: :func:`gather_pages`)."""
     pools = {p.pool_id: p for p in reply.pools}
     out = Decoded([], [])
+    gathers: dict[str, list[tuple[int, list[int], pb.GetResult]]] = {}
+    opened: dict[str, tuple[torch.Tensor, int]] = {}
     for result in reply.results:
         if not result.found:
             out.tensors.append(None)
@@ -67,39 +71,46 @@ def decode_device_get(reply: pb.GetResponse, cache: DevicePoolCache) -> Decoded:
         loc = result.device
         if result.WhichOneof("location") != "device" or loc.pool_id not in pools:
             raise ValueError(f"reply for {result.key!r} names no device pool this client knows")
-        desc = pools[loc.pool_id]
-        handle = pool_handle(desc)
-        try:
-            pool = cache.pool_tensor(handle, desc.device.size)
-        except (OSError, RuntimeError) as exc:
-            raise PoolOpenError(f"cannot open device pool {loc.pool_id}: {exc}") from exc
-        out.tensors.append(_tensor(result, pool, handle.page_bytes))
+        if loc.pool_id not in opened:
+            desc = pools[loc.pool_id]
+            handle = pool_handle(desc)
+            try:
+                pool = cache.pool_tensor(handle, desc.device.size)
+            except (OSError, RuntimeError) as exc:
+                raise PoolOpenError(f"cannot open device pool {loc.pool_id}: {exc}") from exc
+            opened[loc.pool_id] = (pool, handle.page_bytes)
+        pool, page_bytes = opened[loc.pool_id]
+        pages = _check_location(result, pool.numel(), page_bytes)
+        if pages is None:
+            out.tensors.append(_shaped(pool[loc.offset : loc.offset + result.meta.nbytes], result))
+        else:
+            gathers.setdefault(loc.pool_id, []).append((len(out.tensors), pages, result))
+            out.tensors.append(None)  # filled below
+    for pool_id, items in gathers.items():
+        pool, page_bytes = opened[pool_id]
+        flats = gather_pages(pool, page_bytes, [(pages, r.meta.nbytes) for _, pages, r in items])
+        for (i, _, result), flat in zip(items, flats, strict=True):
+            out.tensors[i] = _shaped(flat, result)
     return out
 
 
-def _tensor(result: pb.GetResult, pool: torch.Tensor, page_bytes: int) -> torch.Tensor:
-    meta, loc = result.meta, result.device
-    nbytes, size = meta.nbytes, pool.numel()
-    offset: int | None = None
-    pages: list[int] = []
+def _check_location(result: pb.GetResult, size: int, page_bytes: int) -> list[int] | None:
+    """The entry's page ids (None when it is one run at an offset); ValueError when the
+    location lies outside the pool."""
+    nbytes, loc = result.meta.nbytes, result.device
     if loc.WhichOneof("placement") == "offset":
-        offset = loc.offset
-        bad = offset + nbytes > size
-    else:
-        pages = list(loc.pages.page_ids)
-        num_pages = size // page_bytes if page_bytes > 0 else 0
-        bad = len(pages) * page_bytes < nbytes or any(not 0 <= p < num_pages for p in pages)
-    if bad:
+        if loc.offset + nbytes > size:
+            raise ValueError(f"reply for {result.key!r} has a location outside the pool")
+        return None
+    pages = list(loc.pages.page_ids)
+    num_pages = size // page_bytes if page_bytes > 0 else 0
+    if len(pages) * page_bytes < nbytes or any(not 0 <= p < num_pages for p in pages):
         raise ValueError(f"reply for {result.key!r} has a location outside the pool")
-    return materialize(
-        pool,
-        page_bytes=page_bytes,
-        page_ids=pages,
-        offset=offset,
-        nbytes=nbytes,
-        dtype=torch_dtype(meta.dtype),
-        shape=tuple(meta.shape),
-    )
+    return pages
+
+
+def _shaped(flat: torch.Tensor, result: pb.GetResult) -> torch.Tensor:
+    return flat.view(torch_dtype(result.meta.dtype)).view(tuple(result.meta.shape))
 
 
 def sync_device(device: torch.device) -> None:

@@ -32,3 +32,19 @@ def test_pages_are_gathered_in_order(page_ids: list[int]) -> None:
     assert torch.equal(t, want)
     p.zero_()  # the copy is the caller's: the pool may be reused under it
     assert torch.equal(t, want)
+
+
+def test_a_batch_is_gathered_in_one_buffer_with_aligned_regions() -> None:
+    from embcache.clients.device import gather_pages
+
+    p = pool()
+    entries = [([7, 2, 3], 2 * PAGE + 5), ([], 0), ([9, 10], PAGE + 1), ([4], 12)]
+    flats = gather_pages(p, PAGE, entries)
+    for (ids, nbytes), flat in zip(entries, flats, strict=True):
+        want = torch.cat([p[i * PAGE : (i + 1) * PAGE] for i in ids] or [p[:0]])[:nbytes]
+        assert torch.equal(flat, want)
+        assert flat.data_ptr() % 16 == flats[0].data_ptr() % 16  # 16-byte aligned regions
+    base = flats[0].untyped_storage().data_ptr()
+    assert all(f.untyped_storage().data_ptr() == base for f in flats)  # one allocation
+    assert flats[3].view(torch.int32).numel() == 3  # any dtype can view a region
+    assert gather_pages(p, PAGE, [([], 0)])[0].numel() == 0
