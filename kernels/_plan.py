@@ -196,18 +196,16 @@ def _check_ranges(
         if low < 0:
             raise ValueError(f"{name}: holds a negative value {low}")
     hi = cols.max(axis=1).tolist()
-    ends, tops = None, None
-    if max(hi[0], hi[2]) <= src_rows and max(hi[1], hi[2]) <= dst_rows:  # no sum overflows
-        ends = cols[:2] + n
-        tops = ends.max(axis=1).tolist()
-    for i, (name, rows) in enumerate((("src_starts", src_rows), ("dst_starts", dst_rows))):
-        # starts <= rows and lengths <= rows first, so the sum cannot overflow int64
+    sides = (("src_starts", src_rows), ("dst_starts", dst_rows))
+    for i, (name, rows) in enumerate(sides):
+        # starts <= rows and lengths <= rows first, so the sums below cannot overflow int64
         if hi[i] > rows or hi[2] > rows:
             raise ValueError(f"{name}: a range runs past the {rows} rows")
-        side = ends[i] if ends is not None else cols[i] + n
-        if (tops[i] if tops is not None else int(side.max())) > rows:
-            j = int(np.argmax(side))
-            start, end = int(cols[i, j]), int(side[j])
+    ends = cols[:2] + n
+    for i, ((name, rows), top) in enumerate(zip(sides, ends.max(axis=1).tolist(), strict=True)):
+        if top > rows:
+            j = int(np.argmax(ends[i]))
+            start, end = int(cols[i, j]), int(ends[i, j])
             raise ValueError(f"{name}: range {j} [{start}, {end}) runs past the {rows} rows")
     if lo[2] == 0:
         keep = n > 0
@@ -236,9 +234,11 @@ def _check_ranges_small(
     for name, vals in (("src_starts", sl), ("dst_starts", dl), ("lengths", nl)):
         if vals and min(vals) < 0:
             raise ValueError(f"{name}: holds a negative value {min(vals)}")
-    for name, starts, rows in (("src_starts", sl, src_rows), ("dst_starts", dl, dst_rows)):
+    sides = (("src_starts", sl, src_rows), ("dst_starts", dl, dst_rows))
+    for name, starts, rows in sides:  # both sides' bounds first, as the numpy check does
         if starts and (max(starts) > rows or max(nl) > rows):
             raise ValueError(f"{name}: a range runs past the {rows} rows")
+    for name, starts, rows in sides:
         ends = [a + k for a, k in zip(starts, nl, strict=True)]
         if ends and max(ends) > rows:
             i = ends.index(max(ends))

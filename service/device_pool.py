@@ -122,28 +122,10 @@ class DevicePool:
     def pages_for(self, nbytes: int) -> int:
         return -(-nbytes // self.page_bytes)
 
-    def reserve(self, entry: Entry) -> Residency | None:
-        """Pick pages for ``entry``, evicting unleased residents LRU; None if no room.
-
-        Host bookkeeping only: :meth:`bind` and :meth:`flush` then update the device tables
-        for a whole batch in one launch (evictions made here are tombstoned first, in order).
-        """
-        n = self.pages_for(entry.nbytes)
-        if n > self.num_pages:
-            return None
-        while self._pages.num_free_pages < n or self._vpages.largest_free_run < n:
-            if not self._evict_one():
-                return None
-        vruns = self._vpages.allocate(n)
-        runs = self._pages.allocate(n)
-        assert vruns is not None and len(vruns) <= 1 and runs is not None, (vruns, runs)
-        res = Residency(vruns[0][0] if vruns else 0, n, tuple(runs))
-        self._resident[entry] = res
-        self.loads += 1
-        return res
-
     def reserve_batch(self, entries: list[Entry]) -> list[Residency] | None:
-        """:meth:`reserve` for several entries with two allocator calls instead of two each.
+        """Pick pages for ``entries``, evicting unleased residents LRU, with two allocator
+        calls for the whole batch. Host bookkeeping only: :meth:`bind` and :meth:`flush`
+        then update the device tables (this batch's evictions are tombstoned first).
 
         All or nothing: None (and nothing reserved) when the batch does not fit after
         evicting every unleased resident. The batch's virtual pages are one range, cut

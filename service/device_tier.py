@@ -209,9 +209,7 @@ class DeviceTier:
                     pool.flush()
             except BaseException as exc:
                 e.release(x.lease_id for x in leases if x is not None)
-                if _is_device_error(exc):
-                    pool.fail(str(exc))
-                    log.error("device pool %d out of service: %s", device, exc)
+                if _take_out_of_service(pool, exc):
                     raise DeviceUnavailable(
                         "device error; pool taken out of service", device=device, reason=str(exc)
                     ) from exc
@@ -287,8 +285,7 @@ class DeviceTier:
         host = self._engine.host_pool
         cols = []
         for entry, _ in batch:
-            if entry.host_cols is None:
-                self.prepare(entry)
+            self.prepare(entry)  # done at commit already, unless a get raced the commit
             assert entry.host_cols is not None
             cols.append(entry.host_cols)
         so, do, ln = plan_entries(
@@ -309,10 +306,8 @@ class DeviceTier:
             try:
                 pool.flush()
             except BaseException as exc:
-                if not _is_device_error(exc):
+                if not _take_out_of_service(pool, exc):
                     raise
-                pool.fail(str(exc))
-                log.error("device pool %d out of service: %s", device, exc)
 
     def _read_table(self, pool: DevicePool, placed: list[Placed | None]) -> torch.Tensor:
         """Physical pages per found key, built on the device by ``build_read_table``."""
@@ -405,6 +400,16 @@ class DeviceTier:
     def close(self) -> None:
         for pool in self.pools:
             pool.close()
+
+
+def _take_out_of_service(pool: DevicePool, exc: BaseException) -> bool:
+    """After a failure in ``pool``'s work: if it is a device error, take the pool out of
+    service (and say so) and return True; other errors leave it as it is."""
+    if not _is_device_error(exc):
+        return False
+    pool.fail(str(exc))
+    log.error("device pool %d out of service: %s", pool.index, exc)
+    return True
 
 
 def _is_device_error(exc: BaseException) -> bool:

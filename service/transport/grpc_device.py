@@ -162,9 +162,6 @@ class DevicePlane:
             # runs after this task's current step, in which gRPC serialises and sends it.
             asyncio.get_running_loop().call_soon(e.flush_device_tables, index)
 
-    def _release_reply(self, reply: pb.GetResponse) -> None:
-        self.engine.release(r.lease_id for r in reply.results if r.found)
-
     def _get_reply(self, keys: Sequence[str], found: Sequence[Any], pool: DevicePool) -> Any:
         reply = pb.GetResponse()
         for key, dl in zip(keys, found, strict=True):
