@@ -105,11 +105,7 @@ class DeviceTier:
         self.rates = PeerRates.calibrate(self.pools, engine.host_pool.tensor)
 
     def pool(self, index: int) -> DevicePool:
-        if not 0 <= index < len(self.pools):
-            raise DeviceUnavailable(
-                "no device pool with this index", device=index, pools=len(self.pools)
-            )
-        pool = self.pools[index]
+        pool = self._at(index)
         if pool.failed:
             raise DeviceUnavailable(
                 "device pool is out of service after a device error",
@@ -117,6 +113,14 @@ class DeviceTier:
                 reason=pool.failure,
             )
         return pool
+
+    def _at(self, index: int) -> DevicePool:
+        """Pool ``index``, in service or not; DeviceUnavailable if there is none."""
+        if not 0 <= index < len(self.pools):
+            raise DeviceUnavailable(
+                "no device pool with this index", device=index, pools=len(self.pools)
+            )
+        return self.pools[index]
 
     def index_of(self, gpu_uuid: str) -> int | None:
         """The pool serving the GPU with this uuid (None: no such pool)."""
@@ -299,7 +303,7 @@ class DeviceTier:
 
     def flush_tables(self, device: int) -> None:
         """Launch the page-table updates a ``defer_tables`` get left queued (if any)."""
-        pool = self.pools[device]
+        pool = self._at(device)
         with self._engine._lock:
             if pool.failed or not pool.tables_pending:
                 return

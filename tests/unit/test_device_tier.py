@@ -126,6 +126,8 @@ def test_deferred_table_updates_land_in_order(engine: CacheEngine) -> None:
     check_tables(engine)
     engine.flush_device_tables(0)  # nothing queued: a no-op
     check_tables(engine)
+    with pytest.raises(DeviceUnavailable):
+        engine.flush_device_tables(1)  # no such pool: a typed error
 
 
 def test_host_eviction_frees_device_pages(engine: CacheEngine) -> None:
