@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import queue
 import signal
 import statistics
 import subprocess
@@ -56,6 +57,10 @@ async def put(request_iterator, context):
 async def ping(request, context):
     return pb.ExistsResponse(exists=[True] * len(request.keys))
 
+async def echo(request_iterator, context):
+    async for msg in request_iterator:
+        yield pb.ExistsResponse(exists=[True] * len(msg.keys))
+
 async def main():
     server = grpc.aio.server(options=SERVER_OPTIONS)
     handler = grpc.stream_unary_rpc_method_handler(
@@ -64,8 +69,11 @@ async def main():
     unary = grpc.unary_unary_rpc_method_handler(
         ping, request_deserializer=pb.ExistsRequest.FromString,
         response_serializer=pb.ExistsResponse.SerializeToString)
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("bench.Sink", {"Put": handler, "Ping": unary}),))
+    stream = grpc.stream_stream_rpc_method_handler(
+        echo, request_deserializer=pb.ExistsRequest.FromString,
+        response_serializer=pb.ExistsResponse.SerializeToString)
+    methods = {"Put": handler, "Ping": unary, "Echo": stream}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Sink", methods),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.add_insecure_port("unix:" + sys.argv[1])
     await server.start()
@@ -141,10 +149,25 @@ def measure_floor(target: str, base_target: str, iters: int = 500) -> dict[str, 
             request_serializer=pb.ExistsRequest.SerializeToString,
             response_deserializer=pb.ExistsResponse.FromString,
         )
+        echo = channel.stream_stream(
+            "/bench.Sink/Echo",
+            request_serializer=pb.ExistsRequest.SerializeToString,
+            response_deserializer=pb.ExistsResponse.FromString,
+        )
+        sent: queue.SimpleQueue[pb.ExistsRequest | None] = queue.SimpleQueue()
+        replies = echo(iter(sent.get, None))
+
+        def round_trip() -> None:  # one message each way on an open stream
+            sent.put(req)
+            next(replies)
+
         for name, fn in (("unary_floor", lambda: ping(req, timeout=10)),
+                         ("stream_floor", round_trip),
                          ("exists", lambda: client.exists(["k"]))):  # fmt: skip
             lat = latencies_us(fn, iters, warmup=20)
             out[f"{name}_p50_us"], out[f"{name}_p99_us"] = percentiles(lat)
+        sent.put(None)
+        replies.cancel()
     return out
 
 
@@ -199,11 +222,20 @@ def device_gets(target: str, iters: int, rounds: int) -> dict[str, Any]:
     entry = 4 * MiB
     out: dict[str, Any] = {}
     with EmbCacheClient(target) as client:
-        keys = [f"cold-{i}" for i in range(iters)]
+        keys = [f"cold-{i}" for i in range(2 * iters)]
         for i, key in enumerate(keys):
             client.put(key, torch.full((entry,), i % 251, dtype=torch.uint8))
         client.get(keys[:1], device="cuda").release()  # opens the pool once
-        for name, batch in (("cold", keys[1:]), ("hit", [keys[0]] * (iters - 1))):
+        session = client._open_session()
+        # "rpc": the unary Get RPC that waits for the copy before replying (the path before
+        # session calls and ready events), in the same run as the default path.
+        for name, batch, fast in (
+            ("cold", keys[1:iters], True),
+            ("hit", [keys[0]] * (iters - 1), True),
+            ("cold_rpc", keys[iters + 1 :], False),
+            ("hit_rpc", [keys[0]] * (iters - 1), False),
+        ):
+            session.serves_calls = client._ready_events = fast
             lat = []
             for key in batch:
                 t0 = time.perf_counter()
@@ -212,6 +244,7 @@ def device_gets(target: str, iters: int, rounds: int) -> dict[str, Any]:
                 lat.append((time.perf_counter() - t0) * 1e6)
                 leased.release()
             out[f"get_device_{name}_p50_us"], out[f"get_device_{name}_p99_us"] = percentiles(lat)
+        session.serves_calls = client._ready_events = True
         client.evict(keys)
         # Fragment the device pool: 511 fillers of 8 pages, every other one evicted, so each
         # 16-page entry below lands in two runs.
@@ -222,17 +255,21 @@ def device_gets(target: str, iters: int, rounds: int) -> dict[str, Any]:
             client.get(fillers[i : i + 64], device="cuda").release()
         client.evict(fillers[1::2])
         largest = client.stats()["device"][0]["largest_free_run_pages"]
-        rates = []
-        for r in range(rounds):
+        rates: dict[bool, list[float]] = {True: [], False: []}
+        for r in range(2 * rounds):
+            fast = r % 2 == 0  # alternate: default path, then the RPC path
+            session.serves_calls = client._ready_events = fast
             batch = [f"frag-{r}-{i}" for i in range(16)]
             for key in batch:
                 client.put(key, torch.full((entry,), r, dtype=torch.uint8))
             t0 = time.perf_counter()
             leased = client.get(batch, device="cuda")
             torch.cuda.synchronize()
-            rates.append(16 * entry / (time.perf_counter() - t0) / 1e9)
+            rates[fast].append(16 * entry / (time.perf_counter() - t0) / 1e9)
             leased.release()
-        out["get_device_16x4MiB_frag_gbs"] = statistics.median(rates)
+        session.serves_calls = client._ready_events = True
+        out["get_device_16x4MiB_frag_gbs"] = statistics.median(rates[True])
+        out["get_device_16x4MiB_frag_rpc_gbs"] = statistics.median(rates[False])
         out["largest_free_device_run_pages"] = largest
         src = [torch.full((entry,), i, dtype=torch.uint8, device="cuda") for i in range(16)]
         client.put("pfd-warm", src[0])
@@ -244,6 +281,9 @@ def device_gets(target: str, iters: int, rounds: int) -> dict[str, Any]:
     out["copy_engine_64MiB_gbs"] = copy_engine_gbs(16 * entry)
     out["ratio_frag_to_copy_engine"] = (
         out["get_device_16x4MiB_frag_gbs"] / out["copy_engine_64MiB_gbs"]
+    )
+    out["ratio_frag_rpc_to_copy_engine"] = (
+        out["get_device_16x4MiB_frag_rpc_gbs"] / out["copy_engine_64MiB_gbs"]
     )
     out["gpu"] = torch.cuda.get_device_name()
     out["gpu_uuid"] = cuda_mem.gpu_uuid(0)
@@ -325,23 +365,30 @@ def main() -> None:
         f"p99 {gets['get_shm_p99_us']:.0f} us; get_bytes {gets['get_bytes_mib_s']:.0f} MiB/s"
     )
     print(
-        f"unary round trip (unix): trivial grpc.aio servicer p50 {gets['unary_floor_p50_us']:.0f}"
-        f" us (the floor); embcache Exists p50 {gets['exists_p50_us']:.0f} us"
+        f"round trip (unix), trivial grpc.aio servicer p50: unary {gets['unary_floor_p50_us']:.0f}"
+        f" us, one message each way on an open stream {gets['stream_floor_p50_us']:.0f} us "
+        f"(the floors); embcache Exists (unary) p50 {gets['exists_p50_us']:.0f} us"
     )
     gpu = gpu_section(tmp, args.device_iters, args.device_rounds)
     if isinstance(gpu, str):
         print(f"get-to-device: {gpu}")
     else:
+        print(f"get-to-device over gRPC ({gpu['gpu']}); session: Get on the Session stream with a")
+        print("ready event (the default); rpc: the Get RPC, reply once copied (same run)")
+        head = f"{'1x4MiB cold p50/p99 us':>24}{'hit p50/p99 us':>17}{'16x4MiB frag GB/s':>19}"
+        print(f"{'path':<9}{head}")
+        for label, sfx in (("session", ""), ("rpc", "_rpc")):
+            print(
+                f"{label:<9}{gpu[f'get_device_cold{sfx}_p50_us']:>15.0f} /"
+                f"{gpu[f'get_device_cold{sfx}_p99_us']:>6.0f}"
+                f"{gpu[f'get_device_hit{sfx}_p50_us']:>10.0f} /"
+                f"{gpu[f'get_device_hit{sfx}_p99_us']:>5.0f}"
+                f"{gpu[f'get_device_16x4MiB_frag{sfx}_gbs']:>19.1f}"
+            )
         print(
-            f"get-to-device 1 x 4 MiB over gRPC ({gpu['gpu']}): cold p50 "
-            f"{gpu['get_device_cold_p50_us']:.0f} us / p99 {gpu['get_device_cold_p99_us']:.0f} us;"
-            f" resident hit p50 {gpu['get_device_hit_p50_us']:.0f} us / p99 "
-            f"{gpu['get_device_hit_p99_us']:.0f} us"
-        )
-        print(
-            f"get-to-device 16 x 4 MiB cold, fragmented: {gpu['get_device_16x4MiB_frag_gbs']:.1f}"
-            f" GB/s vs contiguous copy engine {gpu['copy_engine_64MiB_gbs']:.1f} GB/s "
-            f"(ratio {gpu['ratio_frag_to_copy_engine']:.2f}); put-from-device 16 x 4 MiB "
+            f"contiguous copy engine 64 MiB {gpu['copy_engine_64MiB_gbs']:.1f} GB/s: 16 x 4 MiB "
+            f"ratio {gpu['ratio_frag_to_copy_engine']:.2f} (rpc "
+            f"{gpu['ratio_frag_rpc_to_copy_engine']:.2f}); put-from-device 16 x 4 MiB "
             f"{gpu['put_from_device_16x4MiB_gbs']:.1f} GB/s"
         )
     out = args.out_dir / RESULTS.name

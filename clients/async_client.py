@@ -34,9 +34,9 @@ from ._wire import (
     prefetch_dict,
     prefetch_request,
 )
-from .errors import backoff_s, is_unknown_session, should_retry, translate
+from .errors import backoff_s, from_call_error, is_unknown_session, should_retry, translate
 from .results import AsyncLeasedTensors, copy_into, decode_get
-from .sessions import AsyncSession
+from .sessions import AsyncSession, SessionLost
 from .shm import process_pool_maps
 from .stats import EVICT_NAMES, stats_dict
 from .sync_client import _outcome_of, _wants_device_put
@@ -104,16 +104,51 @@ class AsyncEmbCacheClient:
         self._device_pools = _device.process_device_pools()
         self._no_device: set[str] = set()
         self._device_puts = True
+        self._ready_events = True  # ask device Gets for a ready event (False: it failed)
 
     # -- plumbing ------------------------------------------------------------------------
     async def _session_id(self) -> str:
+        session_id = (await self._open_session()).session_id
+        assert session_id is not None
+        return session_id
+
+    async def _open_session(self) -> AsyncSession:
         async with self._session_lock:
             if self._session is None or not self._session.alive:
                 self._session = await self._call(
                     lambda md, to: AsyncSession.open(self._stub, md, self._client_name, to)
                 )
-            assert self._session.session_id is not None
-            return self._session.session_id
+            return self._session
+
+    async def _get_call(self, request: pb.GetRequest) -> pb.GetResponse:
+        """A Get on the session stream when the daemon serves calls there, else the RPC
+        (see ``EmbCacheClient._get_call``)."""
+        attempt = 0
+        while True:
+            session = await self._open_session()
+            if not session.serves_calls:
+                return await self._call(
+                    lambda md, to: self._stub.Get(request, timeout=to, metadata=md), session=True
+                )
+            try:
+                result = await session.call(self.timeout, get=request)
+            except SessionLost:
+                if attempt >= self.retries:
+                    raise
+                attempt += 1
+                continue
+            if result.WhichOneof("outcome") == "get":
+                return result.get
+            err = from_call_error(result.error)
+            if result.error.error_type == "UnknownSession" and attempt < self.retries:
+                await self._drop_session()  # the daemon forgot it: start a new one
+                attempt += 1
+                continue
+            if result.error.code == "UNAVAILABLE" and attempt < self.retries:
+                await asyncio.sleep(backoff_s(attempt))
+                attempt += 1
+                continue
+            raise err
 
     async def _drop_session(self) -> None:
         async with self._session_lock:
@@ -196,9 +231,7 @@ class AsyncEmbCacheClient:
             tensors = [await self._fetch_tensor(k) for k in names]
             return await self._placed(AsyncLeasedTensors(tensors, [], self.release), device)
         request = pb.GetRequest(keys=names, ttl_s=ttl_s) if ttl_s else pb.GetRequest(keys=names)
-        reply = await self._call(
-            lambda md, to: self._stub.Get(request, timeout=to, metadata=md), session=True
-        )
+        reply = await self._get_call(request)
         try:
             decoded = decode_get(reply, self._maps)
         except BaseException:
@@ -220,13 +253,11 @@ class AsyncEmbCacheClient:
         dev, uuid = _device.resolve_device(device)
         if uuid in self._no_device:
             return None
-        request = pb.GetRequest(keys=names, gpu_uuid=uuid)
+        request = pb.GetRequest(keys=names, gpu_uuid=uuid, ready_event=self._ready_events)
         if ttl_s:
             request.ttl_s = ttl_s
         try:
-            reply = await self._call(
-                lambda md, to: self._stub.Get(request, timeout=to, metadata=md), session=True
-            )
+            reply = await self._get_call(request)
         except DeviceUnavailable:
             self._no_device.add(uuid)
             return None
@@ -234,6 +265,10 @@ class AsyncEmbCacheClient:
             decoded = dr.decode_device_get(reply, self._device_pools)
         except BaseException as exc:
             await self.release([r.lease_id for r in reply.results if r.found])
+            if isinstance(exc, dr.EventOpenError):  # ask again, without an event
+                log.info("%s; the daemon will finish copies before replying", exc)
+                self._ready_events = False
+                return await self._get_device(names, device, ttl_s)
             if isinstance(exc, dr.PoolOpenError):
                 log.warning("%s; copying through the host instead", exc)
                 self._no_device.add(uuid)
@@ -330,6 +365,16 @@ class AsyncEmbCacheClient:
         if not lease_ids:
             return 0
         request = pb.ReleaseRequest(lease_ids=lease_ids)
+        session = self._session
+        if session is not None and session.alive and session.serves_calls:
+            try:
+                result = await session.call(self.timeout, release=request)
+            except SessionLost:  # the session's leases ended with it; ask over an RPC
+                pass
+            else:
+                if result.WhichOneof("outcome") == "release":
+                    return int(result.release.released)
+                raise from_call_error(result.error)
         reply = await self._call(
             lambda md, to: self._stub.Release(request, timeout=to, metadata=md)
         )

@@ -54,6 +54,7 @@ class DevicePoolCache:
         self._lock = threading.Lock()
         self._open: dict[str, Any] = {}  # pool id -> kernels.cuda_mem.ImportedMemory
         self._tensors: dict[str, torch.Tensor] = {}  # pool id -> uint8 view of its bytes
+        self._events: dict[bytes, torch.cuda.Event] = {}  # IPC event handle -> opened event
         self.opens = 0
 
     def open(self, handle: DevicePoolHandle) -> Any:
@@ -88,6 +89,17 @@ class DevicePoolCache:
                 t = self._tensors.setdefault(handle.pool_id, mem.tensor(0, size))
         return t
 
+    def ready_event(self, handle: bytes, device: torch.device) -> torch.cuda.Event:
+        """The daemon's interprocess event behind ``handle``, opened once per process (a
+        daemon keeps a small ring of them per pool). RuntimeError if it cannot be opened
+        here (another IPC namespace, or the daemon runs in this very process)."""
+        ev = self._events.get(handle)
+        if ev is None:
+            ev = torch.cuda.Event.from_ipc_handle(device, handle)
+            with self._lock:
+                ev = self._events.setdefault(handle, ev)
+        return ev
+
     def close(self) -> None:
         """Unmap every pool. Tensors that point into them must not be used afterwards."""
         with self._lock:
@@ -95,6 +107,7 @@ class DevicePoolCache:
                 mem.close()
             self._open.clear()
             self._tensors.clear()
+            self._events.clear()
 
 
 _process_pools = DevicePoolCache()

@@ -32,6 +32,10 @@ class PoolOpenError(RuntimeError):
     """A device pool named in a reply cannot be opened in this process."""
 
 
+class EventOpenError(RuntimeError):
+    """The ready event of a reply cannot be opened in this process: ask without one."""
+
+
 def pool_handle(pool: pb.PoolHandle) -> DevicePoolHandle:
     """The client-side description of a ``DevicePool`` from a Get reply."""
     if pool.WhichOneof("kind") != "device":
@@ -86,6 +90,15 @@ def decode_device_get(reply: pb.GetResponse, cache: DevicePoolCache) -> Decoded:
         else:
             gathers.setdefault(loc.pool_id, []).append((len(out.tensors), pages, result))
             out.tensors.append(None)  # filled below
+    if reply.HasField("event_handle") and opened:
+        # The copies may still run: this device's current stream waits for them on the
+        # GPU, before the gathers below and whatever the caller queues next.
+        device = next(iter(opened.values()))[0].device
+        try:
+            event = cache.ready_event(reply.event_handle, device)
+        except RuntimeError as exc:
+            raise EventOpenError(f"cannot open the reply's ready event: {exc}") from exc
+        torch.cuda.current_stream(device).wait_event(event)
     for pool_id, items in gathers.items():
         pool, page_bytes = opened[pool_id]
         flats = gather_pages(pool, page_bytes, [(pages, r.meta.nbytes) for _, pages, r in items])

@@ -51,6 +51,19 @@ def translate(err: grpc.RpcError) -> EmbCacheError:
     return exc
 
 
+def from_call_error(err: Any) -> EmbCacheError:
+    """The exception for a failed session call (a ``CallError``), as :func:`translate`
+    builds it for a failed RPC."""
+    cls = getattr(_errors, err.error_type, None) if err.error_type else None
+    exc: EmbCacheError
+    if isinstance(cls, type) and issubclass(cls, EmbCacheError):
+        exc = cls(err.message)
+    else:
+        exc = RpcFailed(err.message or err.code, err.code, error_type=err.error_type or None)
+    exc.grpc_status = getattr(grpc.StatusCode, err.code, grpc.StatusCode.UNKNOWN)  # type: ignore[attr-defined]
+    return exc
+
+
 def is_unknown_session(err: grpc.RpcError) -> bool:
     return error_type(err) == "UnknownSession"
 

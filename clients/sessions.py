@@ -4,12 +4,18 @@ The daemon names the session in its first reply; the client sends the name as
 ``x-embcache-session`` on later calls. When the stream ends (``close()``, the process dies,
 the connection drops) the daemon releases every lease of the session and closes the client
 allocations it opened through IPC for it.
+
+The stream also carries Get and Release calls (``SessionCall``) when the daemon says it
+serves them: a message on an open stream costs about half a unary RPC. Each call has a
+client-chosen id; its result wakes the caller waiting on that id. A result that arrives
+after its caller gave up (deadline) hands out leases nobody holds: they are released.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import queue
 import threading
@@ -23,6 +29,22 @@ from ..proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
 from .errors import RpcFailed
 
 
+class SessionLost(RpcFailed):
+    """The Session stream ended before a call's result came back (its leases, if any, ended
+    with it)."""
+
+    def __init__(self, message: str = "the Session stream ended during the call") -> None:
+        super().__init__(message, "UNAVAILABLE")
+
+
+class _Waiter:
+    __slots__ = ("done", "result")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.result: pb.SessionResult | None = None
+
+
 class Session:
     """One Session stream, read by a daemon thread; closing it releases its leases."""
 
@@ -30,8 +52,12 @@ class Session:
         self._queue: queue.SimpleQueue[pb.SessionRequest | None] = queue.SimpleQueue()
         self._opened = threading.Event()
         self.session_id: str | None = None
+        self.serves_calls = False  # the daemon runs SessionCall (it said so when opening)
         self.error: BaseException | None = None
         self.alive = True
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, _Waiter] = {}
+        self._waiting_lock = threading.Lock()
         hello = pb.SessionRequest(hello=pb.SessionHello(client_name=name, pid=os.getpid()))
         self._call = stub.Session(self._requests(hello), metadata=metadata)
         self._thread = threading.Thread(target=self._read, name="embcache-session", daemon=True)
@@ -50,8 +76,12 @@ class Session:
     def _read(self) -> None:
         try:
             for msg in self._call:
-                if msg.WhichOneof("kind") == "opened":
+                kind = msg.WhichOneof("kind")
+                if kind == "result":
+                    self._deliver(msg.result)
+                elif kind == "opened":
                     self.session_id = msg.opened.session_id
+                    self.serves_calls = msg.opened.calls
                     self._opened.set()
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.CANCELLED:
@@ -59,6 +89,43 @@ class Session:
         finally:
             self.alive = False
             self._opened.set()
+            with self._waiting_lock:
+                waiting, self._waiting = self._waiting, {}
+            for waiter in waiting.values():
+                waiter.done.set()  # no result: the caller raises SessionLost
+
+    def _deliver(self, result: pb.SessionResult) -> None:
+        with self._waiting_lock:  # a caller that times out checks the result under it
+            waiter = self._waiting.pop(result.call_id, None)
+            if waiter is not None:
+                waiter.result = result
+        if waiter is not None:
+            waiter.done.set()
+        elif result.WhichOneof("outcome") == "get":  # its caller gave up: free the leases
+            ids = [r.lease_id for r in result.get.results if r.found]
+            if ids:
+                release = pb.ReleaseRequest(lease_ids=ids)
+                self._queue.put(pb.SessionRequest(call=pb.SessionCall(release=release)))
+
+    def call(self, timeout: float, **request: Any) -> pb.SessionResult:
+        """Send ``get=`` or ``release=`` on the stream and wait for its result.
+        RpcFailed(DEADLINE_EXCEEDED) after ``timeout``; SessionLost if the stream ends."""
+        call_id = next(self._ids)
+        waiter = _Waiter()
+        with self._waiting_lock:
+            if not self.alive:
+                raise SessionLost("the Session stream has ended")
+            self._waiting[call_id] = waiter
+        self._queue.put(pb.SessionRequest(call=pb.SessionCall(call_id=call_id, **request)))
+        if not waiter.done.wait(timeout):
+            with self._waiting_lock:
+                self._waiting.pop(call_id, None)
+                late = waiter.result  # delivered just now: still ours
+            if late is None:
+                raise RpcFailed("deadline exceeded waiting for a session call", "DEADLINE_EXCEEDED")
+        if waiter.result is None:
+            raise SessionLost()
+        return waiter.result
 
     def close(self) -> None:
         self.alive = False
@@ -71,7 +138,11 @@ class AsyncSession:
     def __init__(self, call: Any) -> None:
         self._call = call
         self.session_id: str | None = None
+        self.serves_calls = False
         self._reader: asyncio.Task[None] | None = None
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[pb.SessionResult]] = {}
+        self._writing = asyncio.Lock()
 
     @classmethod
     async def open(
@@ -89,13 +160,60 @@ class AsyncSession:
             session._call.cancel()
             raise RpcFailed("the Session stream ended at once", "UNAVAILABLE")
         session.session_id = first.opened.session_id
+        session.serves_calls = first.opened.calls
         session._reader = asyncio.get_running_loop().create_task(session._drain())
         return session
 
     async def _drain(self) -> None:
-        with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
-            while await self._call.read() is not grpc.aio.EOF:
-                pass
+        try:
+            with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
+                while (msg := await self._call.read()) is not grpc.aio.EOF:
+                    if msg.WhichOneof("kind") == "result":
+                        await self._deliver(msg.result)
+        finally:
+            waiting, self._waiting = self._waiting, {}
+            for fut in waiting.values():
+                if not fut.done():
+                    fut.set_exception(SessionLost())
+
+    async def _deliver(self, result: pb.SessionResult) -> None:
+        fut = self._waiting.pop(result.call_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(result)
+        elif result.WhichOneof("outcome") == "get":  # its caller gave up: free the leases
+            ids = [r.lease_id for r in result.get.results if r.found]
+            if ids:
+                await self._write(
+                    pb.SessionRequest(call=pb.SessionCall(release=pb.ReleaseRequest(lease_ids=ids)))
+                )
+
+    async def _write(self, msg: pb.SessionRequest) -> None:
+        async with self._writing:
+            await self._call.write(msg)
+
+    async def call(self, timeout: float, **request: Any) -> pb.SessionResult:
+        """Send ``get=`` or ``release=`` on the stream and wait for its result."""
+        if not self.alive:
+            raise SessionLost("the Session stream has ended")
+        call_id = next(self._ids)
+        fut: asyncio.Future[pb.SessionResult] = asyncio.get_running_loop().create_future()
+        self._waiting[call_id] = fut
+        try:
+            await self._write(pb.SessionRequest(call=pb.SessionCall(call_id=call_id, **request)))
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            raise RpcFailed(
+                "deadline exceeded waiting for a session call", "DEADLINE_EXCEEDED"
+            ) from None
+        except grpc.RpcError as err:
+            raise SessionLost(f"the Session stream failed: {err}") from err
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._waiting.pop(call_id, None)
+                await asyncio.shield(self._deliver(fut.result()))  # unread: release its leases
+            raise
+        finally:
+            self._waiting.pop(call_id, None)
 
     @property
     def alive(self) -> bool:

@@ -39,9 +39,16 @@ from ._wire import (
     prefetch_dict,
     prefetch_request,
 )
-from .errors import RpcFailed, backoff_s, is_unknown_session, should_retry, translate
+from .errors import (
+    RpcFailed,
+    backoff_s,
+    from_call_error,
+    is_unknown_session,
+    should_retry,
+    translate,
+)
 from .results import LeasedTensors, copy_into, decode_get
-from .sessions import Session
+from .sessions import Session, SessionLost
 from .shm import process_pool_maps
 from .stats import EVICT_NAMES, stats_dict
 
@@ -89,10 +96,16 @@ class EmbCacheClient:
         self._device_pools = _device.process_device_pools()
         self._no_device: set[str] = set()  # GPU uuids the daemon cannot serve directly
         self._device_puts = True  # False once the daemon refused PutFromDevice
+        self._ready_events = True  # ask device Gets for a ready event (False: it failed)
         self._closed = False
 
     # -- plumbing ------------------------------------------------------------------------
     def _session_id(self) -> str:
+        session_id = self._open_session().session_id
+        assert session_id is not None
+        return session_id
+
+    def _open_session(self) -> Session:
         with self._session_lock:
             if self._closed:
                 raise RpcFailed("client is closed", "CANCELLED")
@@ -100,8 +113,39 @@ class EmbCacheClient:
                 self._session = self._call(
                     lambda md, to: Session(self._stub, md, self._client_name, to)
                 )
-            assert self._session.session_id is not None
-            return self._session.session_id
+            return self._session
+
+    def _get_call(self, request: pb.GetRequest) -> pb.GetResponse:
+        """A Get whose leases belong to this client's session: carried on the session
+        stream when the daemon serves calls there (half the latency of an RPC), else the
+        Get RPC. Retried like an RPC: on UNAVAILABLE, and once on a new session if the
+        stream ended (its leases ended with it)."""
+        attempt = 0
+        while True:
+            session = self._open_session()
+            if not session.serves_calls:
+                return self._call(
+                    lambda md, to: self._stub.Get(request, timeout=to, metadata=md), session=True
+                )
+            try:
+                result = session.call(self.timeout, get=request)
+            except SessionLost:
+                if attempt >= self.retries:
+                    raise
+                attempt += 1
+                continue
+            if result.WhichOneof("outcome") == "get":
+                return result.get
+            err = from_call_error(result.error)
+            if result.error.error_type == "UnknownSession" and attempt < self.retries:
+                self._drop_session()  # the daemon forgot it: start a new one
+                attempt += 1
+                continue
+            if result.error.code == "UNAVAILABLE" and attempt < self.retries:
+                time.sleep(backoff_s(attempt))
+                attempt += 1
+                continue
+            raise err
 
     def _drop_session(self) -> None:
         with self._session_lock:
@@ -192,9 +236,7 @@ class EmbCacheClient:
             tensors = [self._fetch_tensor(k) for k in names]
             return self._placed(LeasedTensors(tensors, [], self.release), device)
         request = pb.GetRequest(keys=names, ttl_s=ttl_s) if ttl_s else pb.GetRequest(keys=names)
-        reply = self._call(
-            lambda md, to: self._stub.Get(request, timeout=to, metadata=md), session=True
-        )
+        reply = self._get_call(request)
         try:
             decoded = decode_get(reply, self._maps)
         except BaseException:
@@ -215,13 +257,11 @@ class EmbCacheClient:
         dev, uuid = _device.resolve_device(device)
         if uuid in self._no_device:
             return None
-        request = pb.GetRequest(keys=names, gpu_uuid=uuid)
+        request = pb.GetRequest(keys=names, gpu_uuid=uuid, ready_event=self._ready_events)
         if ttl_s:
             request.ttl_s = ttl_s
         try:
-            reply = self._call(
-                lambda md, to: self._stub.Get(request, timeout=to, metadata=md), session=True
-            )
+            reply = self._get_call(request)
         except DeviceUnavailable:
             self._no_device.add(uuid)
             return None
@@ -229,6 +269,10 @@ class EmbCacheClient:
             decoded = dr.decode_device_get(reply, self._device_pools)
         except BaseException as exc:
             self.release([r.lease_id for r in reply.results if r.found])
+            if isinstance(exc, dr.EventOpenError):  # ask again, without an event
+                log.info("%s; the daemon will finish copies before replying", exc)
+                self._ready_events = False
+                return self._get_device(names, device, ttl_s)
             if isinstance(exc, dr.PoolOpenError):
                 log.warning("%s; copying through the host instead", exc)
                 self._no_device.add(uuid)
@@ -329,6 +373,16 @@ class EmbCacheClient:
         if not lease_ids:
             return 0
         request = pb.ReleaseRequest(lease_ids=lease_ids)
+        session = self._session
+        if session is not None and session.alive and session.serves_calls:
+            try:
+                result = session.call(self.timeout, release=request)
+            except SessionLost:  # the session's leases ended with it; ask over an RPC
+                pass
+            else:
+                if result.WhichOneof("outcome") == "release":
+                    return int(result.release.released)
+                raise from_call_error(result.error)
         reply = self._call(lambda md, to: self._stub.Release(request, timeout=to, metadata=md))
         return int(reply.released)
 

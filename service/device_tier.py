@@ -24,6 +24,7 @@ from .device_pool import DevicePool, Residency, upload
 from .device_routing import PeerRates, copy_between_pools
 from .errors import DeviceUnavailable, PoolExhausted
 from .leases import Lease
+from .ready_events import ReadyEvents
 
 if TYPE_CHECKING:
     from .engine import CacheEngine
@@ -82,6 +83,13 @@ class PendingGet:
             return True
         return False
 
+    def unfinished(self) -> list[torch.cuda.Event]:
+        """The copy events that have not fired yet (never blocks; empty: ``done()``)."""
+        left = [ev for ev in self._events if not ev.query()]
+        if not left:
+            self._finish()
+        return left
+
     def wait(self) -> tuple[list[DeviceLease | None], torch.Tensor | None]:
         for ev in self._events:
             ev.synchronize()
@@ -100,6 +108,7 @@ class DeviceTier:
         self._engine = engine
         self.pools = list(pools)
         self._put_streams: dict[int, torch.cuda.Stream] = {}
+        self._ready: dict[int, ReadyEvents] = {}  # pool index -> its ring of IPC events
         self._config = kernels.TransferConfig(sm_budget=engine.settings.copy_sm_budget)
         # Measured host->GPU and GPU->GPU rates decide where a device copy comes from.
         self.rates = PeerRates.calibrate(self.pools, engine.host_pool.tensor)
@@ -227,6 +236,19 @@ class DeviceTier:
         events = list({id(p[1].event): p[1].event for p in placed if p and p[1].event}.values())
         nbytes = sum(entry.nbytes for entry, _ in loads)
         return PendingGet(results, table, events, nbytes, self._observe)
+
+    def ready_event(self, pending: PendingGet, device: int) -> bytes | None:
+        """An interprocess event handle that fires once ``pending``'s copies are complete,
+        for a client that waits on the GPU (see ``ready_events.py``); None when they are
+        complete already or the pool is not on a GPU."""
+        left = pending.unfinished()
+        pool = self.pool(device)
+        if not left or pool.stream is None:
+            return None
+        ring = self._ready.get(device)
+        if ring is None:
+            ring = self._ready.setdefault(device, ReadyEvents(pool.device))
+        return ring.mark(pool.stream, left)
 
     def get_to_device(
         self, keys: Sequence[str], owner: str, *, ttl_s: float | None, device: int, read_table: bool

@@ -519,6 +519,12 @@ class CacheEngine:
             defer_tables=defer_tables,
         )
 
+    def ready_event(self, pending: PendingGet, device: int = 0) -> bytes | None:
+        """For a client that waits on the GPU: an interprocess event handle that fires once
+        ``pending``'s copies are complete, so its results may be handed out now (None: they
+        are complete already, or the pool is not on a GPU)."""
+        return self.device_tier.ready_event(pending, device)
+
     def flush_device_tables(self, device: int = 0) -> None:
         """Launch device ``device``'s deferred page-table updates."""
         self.device_tier.flush_tables(device)

@@ -110,6 +110,19 @@ async def wait_copies(pending: PendingGet) -> None:
     await asyncio.to_thread(pending.wait)
 
 
+def observe_later(pending: PendingGet, period_s: float = 0.001, limit_s: float = 10.0) -> None:
+    """Poll a get's copies from loop timers until they are done, so its copy time reaches
+    the metrics even though nobody waits for it (a reply sent with a ready event)."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + limit_s
+
+    def poll() -> None:
+        if not pending.done() and loop.time() < give_up:
+            loop.call_later(period_s, poll)
+
+    loop.call_later(period_s, poll)
+
+
 @dataclass(frozen=True, slots=True)
 class IpcTensor:
     """A validated ``CudaIpcTensor``: contiguous bytes in a client allocation."""
@@ -147,10 +160,16 @@ class DevicePlane:
             keys, owner, ttl_s=ttl, device=index, fill_misses=False, defer_tables=True
         )
         try:
-            # The reply says where the bytes will be, so it is built while they are copied;
-            # it leaves only once the copy is complete.
+            # The reply says where the bytes will be, so it is built while they are copied.
+            # It leaves once the copy is complete, or at once with an event that fires then
+            # when the client waits on the GPU (ready_event).
             reply = self._get_reply(keys, pending.results, pool)
-            await wait_copies(pending)
+            event = e.ready_event(pending, index) if request.ready_event else None
+            if event is not None:
+                reply.event_handle = event
+                observe_later(pending)
+            else:
+                await wait_copies(pending)
             if not alive(owner):  # the session ended meanwhile: its leases would outlive it
                 raise UnknownSession("session ended during the call", session=owner)
             return reply

@@ -38,7 +38,7 @@ def grpc_code(error: EmbCacheError) -> grpc.StatusCode:
     return grpc.StatusCode[status_for(error).grpc_code]
 
 
-def _details(error: EmbCacheError) -> str:
+def details_of(error: EmbCacheError) -> str:
     if not error.details:
         return error.message
     extras = ", ".join(f"{k}={v!r}" for k, v in error.details.items())
@@ -63,9 +63,9 @@ def rpc(name: str) -> Callable[[Handler[S]], Handler[S]]:
                 return await method(self, request, context)
             except EmbCacheError as err:
                 code = status_for(err).grpc_code
-                log.info("%s -> %s: %s", name, code, _details(err))
+                log.info("%s -> %s: %s", name, code, details_of(err))
                 context.set_trailing_metadata(((ERROR_TYPE_KEY, type(err).__name__),))
-                await context.abort(grpc_code(err), _details(err))
+                await context.abort(grpc_code(err), details_of(err))
             except asyncio.CancelledError:
                 code = "CANCELLED"
                 raise

@@ -23,6 +23,7 @@ from ..engine import CacheEngine, EvictOutcome
 from ..errors import InvalidArgument, NotFound
 from ..ipc_cache import IpcCache
 from .descriptors import describer_for
+from .grpc_calls import SessionCalls
 from .grpc_device import DevicePlane, meta_of, pool_handle_of
 from .grpc_errors import RpcMetrics, rpc
 from .grpc_sessions import SessionRegistry, UnknownSession
@@ -102,9 +103,12 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
     ) -> pb.GetResponse:
         if request.gpu_uuid:
             self.engine.device_tier.pool_for(request.gpu_uuid)  # no such pool: fail first
-            owner = self.sessions.owner_for(context)
+        return await self._get(request, self.sessions.owner_for(context))
+
+    async def _get(self, request: pb.GetRequest, owner: str) -> pb.GetResponse:
+        """A Get for ``owner``: the RPC's and a session call's."""
+        if request.gpu_uuid:
             return await self.device.get(request, owner, self.sessions.alive)
-        owner = self.sessions.owner_for(context)
         ttl = request.ttl_s if request.HasField("ttl_s") else None
         leases = self.engine.get(list(request.keys), owner, ttl_s=ttl)
         if not self.sessions.alive(owner):
@@ -168,6 +172,9 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
     async def Release(
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseResponse:
+        return self._release(request)
+
+    def _release(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
         return pb.ReleaseResponse(released=self.engine.release(request.lease_ids))
 
     @rpc("Renew")
@@ -229,25 +236,36 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
     ) -> None:
         session_id = self.sessions.open()
         hello = ""
+        writing = asyncio.Lock()  # calls finish concurrently; one write at a time
+
+        async def send(msg: pb.SessionResponse) -> None:
+            async with writing:
+                await context.write(msg)
+
+        calls = SessionCalls(session_id, send, self._get, self._release, self.metrics)
         try:
             opened = pb.SessionOpened(
                 session_id=session_id,
                 lease_ttl_s=self.settings.lease_ttl_s,
                 daemon_version=_version(),
+                calls=True,
             )
-            await context.write(pb.SessionResponse(opened=opened))
+            await send(pb.SessionResponse(opened=opened))
             async for msg in request_iterator:
                 if not isinstance(msg, pb.SessionRequest):
                     raise InvalidArgument("undecodable Session message")
                 kind = msg.WhichOneof("kind")
-                if kind == "ping":
-                    await context.write(pb.SessionResponse(pong=msg.ping))
+                if kind == "call":
+                    calls.start(msg.call)
+                elif kind == "ping":
+                    await send(pb.SessionResponse(pong=msg.ping))
                 elif kind == "hello":
                     hello = f"{msg.hello.client_name} pid {msg.hello.pid}"
                     log.debug("session %s is %s (%s)", session_id, hello, context.peer())
         finally:
             # Ended for any reason: closed, cancelled, connection lost, server stopping.
             self.sessions.close(session_id)
+            await calls.close()
             dropped = self.engine.drop_owner(session_id)
             self.device.ipc.drop_owner(session_id)
             if dropped:

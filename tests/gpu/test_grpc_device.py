@@ -123,7 +123,9 @@ with EmbCacheClient(sys.argv[1]) as client, EmbCacheClient(sys.argv[1]) as other
                 view = lo <= g.data_ptr() < hi
                 assert view == ("contig" in key), (key, view)  # frag entries are gathered
     out["opens"] = process_device_pools().opens
+    out["events"] = len(process_device_pools()._events)
     assert not client._no_device and not other._no_device, "fell back to the host path"
+    assert client._ready_events and other._ready_events, "ready events were refused"
     # get_into a buffer of our own: packed slots, then explicit offsets
     buf = torch.full((32 * 2**20,), 0xAB, dtype=torch.uint8, device="cuda")
     stats0 = client.stats()["bytes_copied"]
@@ -177,9 +179,44 @@ def test_encoder_then_decoder(daemon: Daemon) -> None:
     assert enc["d2h"] >= enc["device_bytes"] > 0, enc  # PutFromDevice did the copies
     dec = run(DECODER, daemon.target)
     assert dec["opens"] == 1, dec  # one pool, opened once for two clients and three gets
+    assert dec["events"] >= 1, dec  # cold gets replied before their copies finished
     assert dec["leases"] == 0
     with EmbCacheClient(daemon.target) as client:
         assert client.stats()["leases_active"] == 0
+
+
+READY = """
+import json, sys, torch
+from embcache.clients import EmbCacheClient
+from embcache.clients.device import process_device_pools
+MiB = 2**20
+mismatches = 0
+with EmbCacheClient(sys.argv[1]) as client:
+    for r in range(6):
+        g = torch.Generator().manual_seed(r)
+        keys = [f"ready-{r}-{i}" for i in range(12)]
+        want = [torch.randint(0, 256, (8 * MiB + 16 * i,), dtype=torch.uint8, generator=g)
+                for i in range(12)]
+        for k, t in zip(keys, want):
+            client.put(k, t)
+        on_gpu = [t.cuda() for t in want]
+        torch.cuda.synchronize()
+        # Read at once: only the stream's wait on the reply's event orders this after the copy
+        with client.get(keys, device="cuda") as got:
+            mismatches += sum(int(not torch.equal(a, b)) for a, b in zip(got, on_gpu))
+        client.evict(keys)  # the next round reuses these device pages
+    events = len(process_device_pools()._events)
+    assert client._ready_events and not client._no_device, "fell back"
+print(json.dumps({"mismatches": mismatches, "events": events}))
+"""
+
+
+def test_reads_wait_for_ready_events(daemon: Daemon) -> None:
+    """Cold gets reply while their copies run; the client's reads wait on the GPU for the
+    reply's event. Reading at once, every byte is right, and events were in use."""
+    out = run(READY, daemon.target)
+    assert out["mismatches"] == 0, out
+    assert out["events"] >= 1, out
 
 
 HOLDER = """

@@ -186,6 +186,25 @@ def test_device_locations_over_the_wire(dev_server: Server, stub) -> None:
     assert c is None and a is not None and b is not None
     assert torch.equal(a.view(-1), data["big"]) and torch.equal(b.view(-1), data["f1"])
     assert stub.Release(pb.ReleaseRequest(lease_ids=decoded.lease_ids)).released == 2
+    # Asking for a ready event: a pool without a stream has copied by reply time, so none.
+    again = stub.Get(pb.GetRequest(keys=["big"], gpu_uuid="CPU-0", ready_event=True))
+    assert again.results[0].found and not again.HasField("event_handle")
+    stub.Release(pb.ReleaseRequest(lease_ids=[again.results[0].lease_id]))
+
+
+def test_client_reports_an_event_it_cannot_open(dev_server: Server, stub) -> None:
+    engine, _, _ = dev_server
+    engine.put("k", blob(PAGE, 3))
+    reply = stub.Get(pb.GetRequest(keys=["k"], gpu_uuid="CPU-0"))
+    reply.event_handle = bytes(64)  # as a GPU daemon would send while its copy runs
+
+    class NoEvents(FakePools):
+        def ready_event(self, handle: bytes, device: torch.device) -> None:
+            raise RuntimeError("CUDA error: invalid resource handle")
+
+    with pytest.raises(dr.EventOpenError, match="invalid resource handle"):
+        dr.decode_device_get(reply, NoEvents(engine.device_tier.pool(0)))  # type: ignore[arg-type]
+    stub.Release(pb.ReleaseRequest(lease_ids=[reply.results[0].lease_id]))
 
 
 def test_device_get_errors(dev_server: Server, stub) -> None:

@@ -1,0 +1,102 @@
+"""Calls carried on a Session stream (``SessionCall``): Get and Release without a new RPC.
+
+A message on an open stream costs about half a unary call in Python gRPC (no new HTTP/2
+stream, headers, deadline or trailers; measured on loopback: 262 against 482 us per round
+trip), and device gets are latency-bound. The request, the reply and the error table are
+those of the unary RPCs; the leases belong to the session that carries the call.
+
+Calls run as tasks, so a slow one (a shared-tier fill) does not hold up the next; results
+go back as they finish, tagged with the client's call id. When the stream ends, the
+session's running calls are cancelled and awaited before its leases are dropped, so none
+can take a lease that outlives the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from ...proto.embcache.v1 import embcache_pb2 as pb
+from ..errors import EmbCacheError, InvalidArgument, status_for
+from .grpc_errors import RpcMetrics, details_of
+
+log = logging.getLogger("embcache.grpc")
+
+GetHandler = Callable[[pb.GetRequest, str], Awaitable[pb.GetResponse]]
+ReleaseHandler = Callable[[pb.ReleaseRequest], pb.ReleaseResponse]
+Send = Callable[[pb.SessionResponse], Awaitable[None]]
+
+
+class SessionCalls:
+    """The calls in flight on one Session stream."""
+
+    def __init__(
+        self,
+        owner: str,
+        send: Send,
+        get: GetHandler,
+        release: ReleaseHandler,
+        metrics: RpcMetrics | None,
+    ) -> None:
+        self.owner = owner
+        self._send = send
+        self._get = get
+        self._release = release
+        self._metrics = metrics
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self, call: pb.SessionCall) -> None:
+        task = asyncio.get_running_loop().create_task(self._run(call))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        """Cancel the calls still running and wait until each has undone its work."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run(self, call: pb.SessionCall) -> None:
+        start = time.perf_counter()
+        kind = call.WhichOneof("request")
+        result = pb.SessionResult(call_id=call.call_id)
+        code = "OK"
+        try:
+            if kind == "get":
+                result.get.CopyFrom(await self._get(call.get, self.owner))
+            elif kind == "release":
+                result.release.CopyFrom(self._release(call.release))
+            else:
+                raise InvalidArgument("a session call carries a get or a release request")
+        except EmbCacheError as err:
+            code = status_for(err).grpc_code
+            log.info("Session.%s -> %s: %s", kind, code, details_of(err))
+            result.error.CopyFrom(
+                pb.CallError(code=code, message=details_of(err), error_type=type(err).__name__)
+            )
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        except Exception:
+            code = "INTERNAL"
+            log.exception("Session.%s failed unexpectedly", kind)
+            result.error.CopyFrom(pb.CallError(code=code, message=f"internal error in {kind}"))
+        finally:
+            if self._metrics is not None:
+                name = f"Session.{kind.capitalize() if kind else 'Unknown'}"
+                self._metrics.observe_rpc("grpc", name, code, time.perf_counter() - start)
+        try:
+            await self._send(pb.SessionResponse(result=result))
+        except BaseException:
+            # Nobody will read this result: give back the leases it hands out.
+            if result.WhichOneof("outcome") == "get":
+                self._release(pb.ReleaseRequest(lease_ids=_lease_ids(result.get)))
+            raise
+
+
+def _lease_ids(reply: pb.GetResponse) -> list[int]:
+    return [r.lease_id for r in reply.results if r.found]

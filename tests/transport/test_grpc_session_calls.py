@@ -1,0 +1,192 @@
+"""Get and Release carried on the Session stream (``SessionCall``), client and raw wire."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+
+from embcache.clients import AsyncEmbCacheClient, EmbCacheClient
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.service.engine import CacheEngine
+from embcache.service.errors import InvalidArgument
+from embcache.service.transport.grpc_thread import GrpcServerThread
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+@pytest.fixture
+def server(counting_server):  # type: ignore[no-untyped-def]
+    return counting_server
+
+
+def target(server: tuple[CacheEngine, GrpcServerThread]) -> str:
+    return f"unix:{server[1].service.socket_path}"
+
+
+def wait_until(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(predicate())
+
+
+def test_client_gets_and_releases_on_its_session(server) -> None:
+    engine, thread = server
+    calls = thread.service.servicer.metrics.calls
+    with EmbCacheClient(target(server), timeout=10) as client:
+        src = torch.randn(300, 7)
+        client.put("k", src)
+        with client.get(["k", "nope"]) as (got, miss):
+            assert miss is None and torch.equal(got, src)
+            assert client._session is not None and client._session.serves_calls
+            assert engine.stats().leases_active == 1
+        assert engine.stats().leases_active == 0
+        held = client.get("k")  # the session owns the lease: closing the client ends it
+    assert wait_until(lambda: engine.stats().leases_active == 0)
+    held.tensors.clear()
+    assert ("Session.Get", "OK") in calls and ("Session.Release", "OK") in calls
+    assert ("Get", "OK") not in calls and ("Release", "OK") not in calls
+
+
+def test_errors_come_back_typed_and_the_stream_stays_open(server) -> None:
+    engine, _ = server
+    with EmbCacheClient(target(server), timeout=10) as client:
+        client.put("k", torch.ones(3))
+        session = None
+        for bad in (1e12, float("inf")):  # lease lifetimes the daemon refuses
+            with pytest.raises(InvalidArgument) as err:
+                client.get("k", ttl_s=bad)
+            assert err.value.grpc_status == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+            session = session or client._session
+            assert client._session is session and session is not None and session.alive
+        with client.get("k") as (t,):
+            assert torch.equal(t, torch.ones(3))
+    assert engine.stats().leases_active == 0
+
+
+def test_concurrent_calls_on_one_session(server) -> None:
+    engine, _ = server
+    data = {f"k{i}": torch.full((100 + i,), float(i)) for i in range(8)}
+    errors: list[BaseException] = []
+    with EmbCacheClient(target(server), timeout=10) as client:
+        for k, t in data.items():
+            client.put(k, t)
+
+        def reader(seed: int) -> None:
+            try:
+                for j in range(40):
+                    key = f"k{(seed + j) % 8}"
+                    with client.get([key, "nope"]) as (got, miss):
+                        assert miss is None and torch.equal(got, data[key])
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=reader, args=(s,)) for s in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert not errors, errors[0]
+        assert len({id(client._session)}) == 1
+    assert engine.stats().leases_active == 0
+
+
+def test_a_result_nobody_waits_for_has_its_leases_released(server) -> None:
+    engine, _ = server
+    with EmbCacheClient(target(server), timeout=10) as client:
+        client.put("k", torch.ones(8))
+        reply = client._get_call(pb.GetRequest(keys=["k", "k"]))
+        assert engine.stats().leases_active == 2
+        session = client._open_session()
+        # As if the caller had timed out: a result for a call id nobody waits on.
+        session._deliver(pb.SessionResult(call_id=10**9, get=reply))
+        assert wait_until(lambda: engine.stats().leases_active == 0)
+
+
+def test_daemon_without_session_calls_gets_rpcs(server) -> None:
+    """A daemon that does not announce ``calls`` (an older one) is asked with RPCs."""
+    _, thread = server
+    calls = thread.service.servicer.metrics.calls
+    with EmbCacheClient(target(server), timeout=10) as client:
+        client.put("k", torch.ones(2))
+        client._open_session().serves_calls = False
+        with client.get("k") as (t,):
+            assert torch.equal(t, torch.ones(2))
+    assert ("Get", "OK") in calls and ("Release", "OK") in calls
+
+
+def test_async_client_uses_its_session(server) -> None:
+    engine, thread = server
+    calls = thread.service.servicer.metrics.calls
+
+    async def main() -> None:
+        async with AsyncEmbCacheClient(target(server), timeout=10) as client:
+            src = torch.arange(50.0)
+            await client.put("a", src)
+            results = await asyncio.gather(*(client.get(["a", "nope"]) for _ in range(6)))
+            for leased in results:
+                async with leased as (got, miss):
+                    assert miss is None and torch.equal(got, src)
+            with pytest.raises(InvalidArgument):
+                await client.get("a", ttl_s=1e12)
+            async with await client.get("a") as (again,):
+                assert torch.equal(again, src)
+
+    asyncio.run(main())
+    assert engine.stats().leases_active == 0
+    assert calls.count(("Session.Get", "OK")) == 7 and ("Session.Release", "OK") in calls
+
+
+def test_raw_session_calls(server) -> None:
+    """The wire contract with generated stubs only: calls tagged by id, typed errors, a
+    call without a request, and leases that end with the stream."""
+    engine, _ = server
+    engine.put("k", torch.ones(16))
+    requests: queue.SimpleQueue[pb.SessionRequest | None] = queue.SimpleQueue()
+
+    def stream() -> Iterator[pb.SessionRequest]:
+        while (msg := requests.get()) is not None:
+            yield msg
+
+    with grpc.insecure_channel(target(server)) as channel:
+        replies = pb_grpc.EmbeddingCacheStub(channel).Session(stream())
+        first = next(replies)
+        assert first.WhichOneof("kind") == "opened" and first.opened.calls
+        requests.put(
+            pb.SessionRequest(call=pb.SessionCall(call_id=7, get=pb.GetRequest(keys=["k"])))
+        )
+        got = next(replies).result
+        assert got.call_id == 7 and got.get.results[0].found
+        lease_id = got.get.results[0].lease_id
+        requests.put(
+            pb.SessionRequest(
+                call=pb.SessionCall(call_id=8, get=pb.GetRequest(keys=["k"], ttl_s=-1))
+            )
+        )
+        bad = next(replies).result
+        assert bad.call_id == 8 and bad.error.code == "INVALID_ARGUMENT"
+        assert bad.error.error_type == "InvalidArgument" and bad.error.message
+        requests.put(pb.SessionRequest(call=pb.SessionCall(call_id=9)))  # no request inside
+        empty = next(replies).result
+        assert empty.call_id == 9 and empty.error.code == "INVALID_ARGUMENT"
+        wrong_gpu = pb.GetRequest(keys=["k"], gpu_uuid="GPU-none")
+        requests.put(pb.SessionRequest(call=pb.SessionCall(call_id=10, get=wrong_gpu)))
+        assert next(replies).result.error.code == "FAILED_PRECONDITION"
+        assert engine.stats().leases_active == 1  # only call 7's lease
+        release = pb.ReleaseRequest(lease_ids=[lease_id, lease_id])
+        requests.put(pb.SessionRequest(call=pb.SessionCall(call_id=11, release=release)))
+        assert next(replies).result.release.released == 1
+        requests.put(
+            pb.SessionRequest(call=pb.SessionCall(call_id=12, get=pb.GetRequest(keys=["k"])))
+        )
+        assert next(replies).result.get.results[0].found
+        requests.put(None)  # end the stream: the session's lease ends with it
+        assert wait_until(lambda: engine.stats().leases_active == 0)
