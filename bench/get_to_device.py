@@ -2,7 +2,8 @@
 
 A batch of 16 x 4 MiB entries stored in 256 KiB host pages, fragmented (every page of an
 entry is its own run). Prints GB/s of cold get_to_device per backend, the resident-hit
-latency, put_from_device GB/s, and how much a concurrent 8192^3 bf16 GEMM slows down while
+latency, put_from_device GB/s (one call per tensor, and a batch with
+put_from_device_many), and how much a concurrent 8192^3 bf16 GEMM slows down while
 cold batches stream in. JSON goes to bench/results/get_to_device.json (or --out-dir).
 
     python bench/get_to_device.py [--reps 20]
@@ -107,7 +108,7 @@ def put_from_device_rates(e: CacheEngine, reps: int) -> dict[str, dict[str, floa
         srcs = [torch.randn(size // 2, device="cuda").to(torch.bfloat16) for _ in range(count)]
         host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         torch.cuda.synchronize()
-        base, ours = [], []
+        base, ours, base_many, many = [], [], [], []
         for rep in range(max(3, reps // 2)):
             t0 = time.perf_counter()
             for src in srcs:  # baseline: one synchronous contiguous D2H per call
@@ -119,10 +120,22 @@ def put_from_device_rates(e: CacheEngine, reps: int) -> dict[str, dict[str, floa
             for i, src in enumerate(srcs):
                 e.put_from_device(f"pfd-{size}-{rep}-{i}", src)
             ours.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for src in srcs:  # baseline: the same copies queued back to back, one wait
+                host.copy_(src.view(torch.uint8), non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+            base_many.append(time.perf_counter() - t0)
+            e.evict_bytes(count * size)
+            t0 = time.perf_counter()
+            e.put_from_device_many([(f"pfm-{size}-{rep}-{i}", src) for i, src in enumerate(srcs)])
+            many.append(time.perf_counter() - t0)
         total = count * size
         out[f"{size // MiB}MiB"] = {
             "put_from_device_GBps": total / statistics.median(ours) / 1e9,
             "contiguous_d2h_per_call_GBps": total / statistics.median(base) / 1e9,
+            "put_from_device_many_GBps": total / statistics.median(many) / 1e9,
+            "contiguous_d2h_one_wait_GBps": total / statistics.median(base_many) / 1e9,
+            "count": count,
         }
     return out
 
@@ -255,6 +268,20 @@ def main() -> None:
                 f"put_from_device, {size} tensors",
                 r["put_from_device_GBps"],
                 r["put_from_device_GBps"] / r["contiguous_d2h_per_call_GBps"],
+            )
+        )
+        rows.append(
+            (
+                f"contiguous D2H, {r['count']} x {size} queued, one wait (baseline)",
+                r["contiguous_d2h_one_wait_GBps"],
+                1.0,
+            )
+        )
+        rows.append(
+            (
+                f"put_from_device_many, {r['count']} x {size} tensors",
+                r["put_from_device_many_GBps"],
+                r["put_from_device_many_GBps"] / r["contiguous_d2h_one_wait_GBps"],
             )
         )
     w = max(len(r[0]) for r in rows)

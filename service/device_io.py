@@ -7,6 +7,7 @@ device tensor into a new entry of the host pool.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Sequence
@@ -123,45 +124,112 @@ def put_from_device(
     tier: DeviceTier, key: str, src: torch.Tensor, owner: str, checksum: int | None
 ) -> bool:
     """Copy a device tensor into a new entry; returns once the bytes are in the pool."""
-    dt = from_torch(src.dtype)
-    if dt is None:
-        raise InvalidArgument("unsupported dtype", dtype=str(src.dtype))
-    if not src.is_contiguous():
-        raise InvalidArgument("source tensor must be contiguous")
+    _check_source(src)
     e = tier._engine
-    handle = e.begin_put(key, dt.name, tuple(src.shape), owner=owner, checksum=checksum)
+    handle = e.begin_put(key, _dtype_name(src), tuple(src.shape), owner=owner, checksum=checksum)
     with handle:
         if handle.exists_already:
             handle.skip_bytes()
             return handle.commit()
-        nbytes = handle.nbytes
-        flat = src.reshape(-1).view(torch.uint8)
-        row = row_bytes_for(flat.data_ptr(), nbytes)
+        start = time.perf_counter()
+        stream = None
 
         def copy(byte_runs: tuple[tuple[int, int], ...]) -> None:
-            # The source is one run, so the plan is the entry's host byte runs, each fed
-            # from the next bytes of the source. ``row`` divides nbytes and the pointer.
-            if not nbytes:
-                return
-            lengths = np.array([n for _, n in byte_runs], dtype=np.int64)
-            dst_rows = np.array([off for off, _ in byte_runs], dtype=np.int64) // row
-            src_rows = (np.cumsum(lengths) - lengths) // row
-            stream = tier._stream_for(src)
-            if stream is not None:  # an in-process producer may still be writing src
-                stream.wait_stream(torch.cuda.current_stream(src.device))
-            start = time.perf_counter()
-            tier._transfer(
-                flat.view(-1, row),
-                e.host_pool.tensor.view(-1, row),
-                src_rows,
-                dst_rows,
-                lengths // row,
-                stream,
-            )
+            nonlocal stream
+            stream = _queue_d2h(tier, src, byte_runs)
             if stream is not None:
-                stream.synchronize()
-            tier._observe("d2h", nbytes, time.perf_counter() - start)
-            e._count_copy("d2h", nbytes)
+                stream.synchronize()  # before fill_with reads the bytes for a checksum
 
         handle.fill_with(copy)
+        _count_d2h(tier, handle.nbytes, start)
         return handle.commit()
+
+
+def put_from_device_many(
+    tier: DeviceTier, items: Sequence[tuple[str, torch.Tensor]], owner: str
+) -> list[bool]:
+    """Copy several device tensors into new entries; returns once all their bytes are in
+    the pool. Each copy is queued as soon as its pages are reserved, so the copy engine
+    moves one tensor while the next is being reserved and planned, and the batch waits once.
+    All or nothing: if any put fails, none of the batch becomes visible."""
+    keys = [key for key, _ in items]
+    if len(set(keys)) != len(keys):
+        raise InvalidArgument("a key appears more than once in the batch")
+    for _, src in items:
+        _check_source(src)
+    e = tier._engine
+    start = time.perf_counter()
+    streams: dict[int, torch.cuda.Stream] = {}
+    nbytes = 0
+    with contextlib.ExitStack() as stack:  # aborts every put not committed when it unwinds
+        handles = []
+        try:
+            for key, src in items:
+                handle = e.begin_put(key, _dtype_name(src), tuple(src.shape), owner=owner)
+                stack.enter_context(handle)
+                handles.append(handle)
+                if handle.exists_already:
+                    handle.skip_bytes()
+                    continue
+
+                def copy(byte_runs: tuple[tuple[int, int], ...], src: torch.Tensor = src) -> None:
+                    stream = _queue_d2h(tier, src, byte_runs)
+                    if stream is not None:
+                        streams[id(stream)] = stream
+
+                handle.fill_with(copy)
+                nbytes += handle.nbytes
+        finally:
+            # Before anything is aborted too: freed pages must not still be copied into.
+            for stream in streams.values():
+                stream.synchronize()
+        _count_d2h(tier, nbytes, start)
+        return [handle.commit() for handle in handles]
+
+
+def _check_source(src: torch.Tensor) -> None:
+    if from_torch(src.dtype) is None:
+        raise InvalidArgument("unsupported dtype", dtype=str(src.dtype))
+    if not src.is_contiguous():
+        raise InvalidArgument("source tensor must be contiguous")
+
+
+def _dtype_name(src: torch.Tensor) -> str:
+    dt = from_torch(src.dtype)
+    assert dt is not None
+    return dt.name
+
+
+def _queue_d2h(
+    tier: DeviceTier, src: torch.Tensor, byte_runs: tuple[tuple[int, int], ...]
+) -> torch.cuda.Stream | None:
+    """Queue the copy of ``src`` into the host byte runs (one ``transfer_ranges`` call) and
+    return the stream it runs on (None: done already, a CPU tensor)."""
+    nbytes = sum(n for _, n in byte_runs)
+    if not nbytes:
+        return None
+    flat = src.reshape(-1).view(torch.uint8)
+    row = row_bytes_for(flat.data_ptr(), nbytes)
+    # The source is one run, so the plan is the entry's host byte runs, each fed from the
+    # next bytes of the source. ``row`` divides nbytes and the pointer.
+    lengths = np.array([n for _, n in byte_runs], dtype=np.int64)
+    dst_rows = np.array([off for off, _ in byte_runs], dtype=np.int64) // row
+    src_rows = (np.cumsum(lengths) - lengths) // row
+    stream = tier._stream_for(src)
+    if stream is not None:  # an in-process producer may still be writing src
+        stream.wait_stream(torch.cuda.current_stream(src.device))
+    tier._transfer(
+        flat.view(-1, row),
+        tier._engine.host_pool.tensor.view(-1, row),
+        src_rows,
+        dst_rows,
+        lengths // row,
+        stream,
+    )
+    return stream
+
+
+def _count_d2h(tier: DeviceTier, nbytes: int, start: float) -> None:
+    if nbytes:
+        tier._observe("d2h", nbytes, time.perf_counter() - start)
+        tier._engine._count_copy("d2h", nbytes)

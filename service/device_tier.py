@@ -377,6 +377,12 @@ class DeviceTier:
         """Copy a device tensor into a new entry; returns once the bytes are in the pool."""
         return device_io.put_from_device(self, key, src, owner, checksum)
 
+    def put_from_device_many(
+        self, items: Sequence[tuple[str, torch.Tensor]], owner: str
+    ) -> list[bool]:
+        """Copy several device tensors into new entries, waiting once for all the copies."""
+        return device_io.put_from_device_many(self, items, owner)
+
     # -- plumbing ------------------------------------------------------------------------
     def _transfer(
         self,

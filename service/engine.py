@@ -547,6 +547,14 @@ class CacheEngine:
         """Store a (device) tensor; returns once its bytes are in the host pool."""
         return self.device_tier.put_from_device(key, src, owner, checksum)
 
+    def put_from_device_many(
+        self, items: Sequence[tuple[str, torch.Tensor]], *, owner: str = "local"
+    ) -> list[bool]:
+        """Store several (device) tensors, ``(key, tensor)`` each; returns once all their
+        bytes are in the host pool (one wait for the batch). True per created entry. All or
+        nothing: an error leaves none of the batch visible."""
+        return self.device_tier.put_from_device_many(items, owner)
+
     def prefetch(self, keys: Sequence[str], *, device: int | None = None) -> dict[str, int]:
         """Warm the local tiers: fetch missing keys from the shared tier (if any) and, with
         ``device``, make them resident in that device pool. Never fails on a tier outage."""

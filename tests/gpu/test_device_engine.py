@@ -20,6 +20,7 @@ import torch
 from embcache.clients.device import materialize
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
+from embcache.service.errors import PoolExhausted
 from embcache.service.fd_server import FdServer
 
 pytestmark = pytest.mark.gpu
@@ -227,6 +228,31 @@ def test_put_from_device_from_another_process(engine: CacheEngine) -> None:
     [lease] = engine.get(["from-gpu"], "check")
     assert lease is not None and torch.equal(engine.tensor(lease), expect)
     engine.release([lease.lease_id])
+
+
+def test_put_from_device_many(engine: CacheEngine) -> None:
+    """A batch of CUDA tensors lands in fragmented host pages with one wait; a batch that
+    fails midway (copies of earlier items already queued) leaves nothing and no pages."""
+    fragment(engine)
+    srcs = [tensor((512 + 7 * i, 4096), torch.bfloat16, i).cuda() for i in range(12)]
+    srcs.append(torch.arange(37, dtype=torch.float32, device="cuda")[1:])  # odd address
+    items = [(f"m{i}", t) for i, t in enumerate(srcs)]
+    assert engine.put_from_device_many(items) == [True] * len(items)
+    for key, t in items:
+        [lease] = engine.get([key], "dec")
+        assert lease is not None and torch.equal(engine.tensor(lease), t.cpu()), key
+    engine.drop_owner("dec")
+    fillers = [f"filler-{i}" for i in range(1, 200, 2)]
+    engine.get([key for key, _ in items] + fillers, "hold")  # so nothing can be evicted
+    before = engine.stats().host.used_pages
+    chunk = torch.ones(48 * MiB, dtype=torch.uint8, device="cuda")
+    count = engine.stats().host.free_pages * PAGE // chunk.numel() + 1  # the last one fails
+    batch = [("n0", srcs[0].clone())] + [(f"n{i + 1}", chunk) for i in range(count)]
+    with pytest.raises(PoolExhausted):
+        engine.put_from_device_many(batch)
+    assert not any(engine.exists([key for key, _ in batch]))
+    s = engine.stats()
+    assert s.entries_filling == 0 and s.host.used_pages == before
 
 
 def test_get_into_device_buffer(engine: CacheEngine) -> None:

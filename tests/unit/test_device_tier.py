@@ -20,6 +20,7 @@ from embcache.service.errors import (
     ChecksumMismatch,
     DeviceUnavailable,
     InvalidArgument,
+    MetadataConflict,
     PoolExhausted,
 )
 
@@ -213,6 +214,46 @@ def test_put_from_device_into_fragmented_pages(engine: CacheEngine, nbytes: int)
     assert info is not None and len(info.page_runs) == -(-nbytes // PAGE)
     [lease] = engine.get(["x"], "dec")
     assert lease is not None and torch.equal(engine.tensor(lease), src)
+
+
+def test_put_from_device_many(engine: CacheEngine) -> None:
+    engine.put("old", blob(3 * PAGE, 1))
+    items = [
+        ("a", torch.randn(33, 37).to(torch.bfloat16)),
+        ("b", blob(2 * PAGE + 5, 2)),
+        ("c", torch.randn(0, 4)),  # empty
+        ("d", blob(9, 3)[1:]),  # odd address and size
+    ]
+    assert engine.put_from_device_many(items) == [True] * 4
+    for key, t in items:
+        [lease] = engine.get([key], "dec")
+        assert lease is not None and torch.equal(engine.tensor(lease), t), key
+    engine.drop_owner("dec")
+    assert engine.put_from_device_many([items[0], ("e", blob(7, 4))]) == [False, True]
+    assert (
+        engine.stats().bytes_copied["d2h"]
+        == sum(t.numel() * t.element_size() for _, t in items) + 7
+    )
+
+
+@pytest.mark.parametrize("case", ["duplicate", "not contiguous", "conflict", "too large"])
+def test_put_from_device_many_is_all_or_nothing(engine: CacheEngine, case: str) -> None:
+    engine.put("x", blob(100, 1))
+    engine.get(["x"], "hold")  # nothing to evict: the batch fits or fails
+    before = engine.stats()
+    good = [("p", blob(2 * PAGE, 2)), ("q", blob(PAGE + 1, 3))]
+    bad = {
+        "duplicate": ("p", blob(10, 4)),
+        "not contiguous": ("r", torch.randn(8, 6).t()),
+        "conflict": ("x", blob(101, 5)),  # same key, other shape
+        "too large": ("r", blob(60 * PAGE, 6)),  # fits alone, not after p and q
+    }[case]
+    error = {"conflict": MetadataConflict, "too large": PoolExhausted}
+    with pytest.raises(error.get(case, InvalidArgument)):
+        engine.put_from_device_many([*good, bad])
+    assert engine.exists(["p", "q", "r"]) == [False, False, False]
+    after = engine.stats()
+    assert after.entries_filling == 0 and after.host.used_pages == before.host.used_pages
 
 
 def test_no_device_pool(shm_name: str) -> None:
