@@ -58,27 +58,20 @@ def _find_libcudart_path() -> str | None:
 class CudaRuntime:
     """Thin checked wrappers over the loaded CUDA runtime."""
 
-    def __init__(self, lib: ctypes.CDLL, queuing: ctypes.CDLL | None = None) -> None:
+    def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
-        # The calls that only queue work (copies) go through a PyDLL handle of the same
-        # library, which keeps the GIL: they take microseconds, and releasing the GIL around
-        # them lets another thread (the gRPC poller) take it, so the caller waits longer for
-        # the GIL than for the call. Calls that may block (register, sync) release it.
-        q = queuing if queuing is not None else lib
-        self._queue = q
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         lib.cudaGetErrorString.argtypes = (ctypes.c_int,)
         version = ctypes.c_int(0)
         self._check("cudaRuntimeGetVersion", lib.cudaRuntimeGetVersion(ctypes.byref(version)))
         self.version = version.value
-        q.cudaMemcpyAsync.argtypes = (
+        lib.cudaMemcpyAsync.argtypes = (
             ctypes.c_void_p,
             ctypes.c_void_p,
             ctypes.c_size_t,
             ctypes.c_int,
             ctypes.c_void_p,
         )
-        q.cudaMemcpyAsync.restype = ctypes.c_int
         lib.cudaHostGetDevicePointer.argtypes = (
             ctypes.POINTER(ctypes.c_void_p),
             ctypes.c_void_p,
@@ -86,7 +79,7 @@ class CudaRuntime:
         )
         lib.cudaHostRegister.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint)
         lib.cudaHostUnregister.argtypes = (ctypes.c_void_p,)
-        self._batch = self._bind_batch(q)
+        self._batch = self._bind_batch(lib)
 
     def _bind_batch(self, lib: ctypes.CDLL) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
         if self.version < 12080:
@@ -118,7 +111,7 @@ class CudaRuntime:
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self._check(
             "cudaMemcpyAsync",
-            self._queue.cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream),
+            self._lib.cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream),
         )
 
     def memcpy_batch_async(
@@ -181,7 +174,7 @@ def _load() -> CudaRuntime | None:
         if name is None:
             continue
         try:
-            return CudaRuntime(ctypes.CDLL(name), ctypes.PyDLL(name))
+            return CudaRuntime(ctypes.CDLL(name))
         except (OSError, AttributeError):
             continue
     return None
