@@ -37,6 +37,7 @@ from _common import git_commit, latencies_us
 
 from embcache.clients import EmbCacheClient
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.service.config import parse_cpu_list
 from embcache.service.daemon_process import DaemonProcess, read_line, stop
 
 MiB = 1 << 20
@@ -84,10 +85,12 @@ asyncio.run(main())
 """
 
 
-def start_baseline(sock: str) -> tuple[subprocess.Popen[str], int]:
-    """The baseline server and the TCP port it printed."""
-    proc = subprocess.Popen([sys.executable, "-c", BASELINE_SERVER, sock], stdout=subprocess.PIPE,
-                            text=True)  # fmt: skip
+def start_baseline(sock: str, cpus: str = "") -> tuple[subprocess.Popen[str], int]:
+    """The baseline server (on ``cpus``, like the daemon) and the TCP port it printed."""
+    argv = [sys.executable, "-c", BASELINE_SERVER, sock]
+    if cpus:
+        argv = ["taskset", "-c", cpus, *argv]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     try:
         return proc, int(read_line(proc, "", 120))
     except BaseException:
@@ -290,12 +293,12 @@ def device_gets(target: str, iters: int, rounds: int) -> dict[str, Any]:
     return out
 
 
-def gpu_section(tmp: str, iters: int, rounds: int) -> dict[str, Any] | str:
+def gpu_section(tmp: str, iters: int, rounds: int, pin: list[str]) -> dict[str, Any] | str:
     if not torch.cuda.is_available():
         return "no CUDA here: get-to-device not measured"
     sock = os.path.join(tmp, "gpu.sock")
     flags = ["--grpc-socket", sock, "--host-pool-bytes", "4GiB", "--device-pool-bytes", "1GiB"]
-    daemon = DaemonProcess(flags)
+    daemon = DaemonProcess([*flags, *pin])
     try:
         return device_gets(daemon.unix_target, iters, rounds)
     finally:
@@ -311,14 +314,19 @@ def main() -> None:
     ap.add_argument("--device-iters", type=int, default=101)
     ap.add_argument("--device-rounds", type=int, default=5)
     ap.add_argument("--out-dir", type=Path, default=RESULTS.parent)
+    ap.add_argument("--daemon-cpus", default="", help="the daemons' --cpu-affinity, e.g. 2")
+    ap.add_argument("--client-cpus", default="", help="CPUs this process runs on, e.g. 4")
     args = ap.parse_args()
+    if args.client_cpus:  # before any thread starts; threads inherit it
+        os.sched_setaffinity(0, parse_cpu_list(args.client_cpus))
+    pin = ["--cpu-affinity", args.daemon_cpus] if args.daemon_cpus else []
 
     tmp = tempfile.mkdtemp(prefix="ecb-")
     sock, base_sock = os.path.join(tmp, "d.sock"), os.path.join(tmp, "b.sock")
     flags = ["--grpc-socket", sock, "--host-pool-bytes", args.pool, "--max-entry-bytes", "256MiB"]
-    daemon = DaemonProcess(flags)
+    daemon = DaemonProcess([*flags, *pin])
     grpc_port = daemon.ready["grpc_port"]
-    baseline, base_port = start_baseline(base_sock)
+    baseline, base_port = start_baseline(base_sock, args.daemon_cpus)
     rows = []
     try:
         for name, target, base_target in (
@@ -348,7 +356,8 @@ def main() -> None:
     print(
         f"embcache gRPC put-bytes vs raw gRPC streaming baseline  (commit {git_commit()}, "
         f"{platform.processor() or platform.machine()}, grpc {grpc.__version__}, "
-        f"torch {torch.__version__})"
+        f"torch {torch.__version__}; CPUs: daemon {args.daemon_cpus or 'any'}, "
+        f"client {args.client_cpus or 'any'})"
     )
     print(
         f"{'transport':<10}{'entry':>8}{'put+CRC32 MiB/s':>17}{'put MiB/s':>11}"
@@ -369,7 +378,7 @@ def main() -> None:
         f" us, one message each way on an open stream {gets['stream_floor_p50_us']:.0f} us "
         f"(the floors); embcache Exists (unary) p50 {gets['exists_p50_us']:.0f} us"
     )
-    gpu = gpu_section(tmp, args.device_iters, args.device_rounds)
+    gpu = gpu_section(tmp, args.device_iters, args.device_rounds, pin)
     if isinstance(gpu, str):
         print(f"get-to-device: {gpu}")
     else:
@@ -402,6 +411,8 @@ def main() -> None:
                 "torch": torch.__version__,
                 "cpu": platform.processor() or platform.machine(),
                 "cuda": torch.cuda.is_available(),
+                "daemon_cpus": args.daemon_cpus,
+                "client_cpus": args.client_cpus,
                 "put": rows,
                 "get": gets,
                 "get_to_device": gpu,

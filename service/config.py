@@ -84,6 +84,23 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def parse_cpu_list(text: str) -> set[int]:
+    """CPUs of a list like ``0-3,8`` (the kernel's cpu-list syntax); empty text: none."""
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        lo, dash, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi if dash else lo)
+        except ValueError:
+            raise ValueError(f"bad CPU list item {part!r}: use forms like 2, 2-5") from None
+        if first < 0 or last < first:
+            raise ValueError(f"bad CPU range {part!r}")
+        cpus.update(range(first, last + 1))
+    return cpus
+
+
 class Settings(BaseSettings):
     """Everything the daemon can be told. Env var ``EMBCACHE_<FIELD>`` or flag ``--<field>``."""
 
@@ -158,6 +175,12 @@ class Settings(BaseSettings):
     drain_grace_s: float = Field(
         10.0, ge=0, description="Seconds SIGTERM waits for in-flight calls."
     )
+    cpu_affinity: str = Field(
+        "",
+        description="CPUs the daemon runs on, e.g. '2-3' or '2,3' (empty: wherever the "
+        "scheduler puts it). Fixed cores keep a latency-bound daemon's caches warm; pin "
+        "clients to other cores (docs/operators.md).",
+    )
     # Kernels / devices
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="'auto' uses CUDA when present, else CPU mode."
@@ -219,6 +242,15 @@ class Settings(BaseSettings):
         if max(ids) >= visible:
             raise ValueError(f"gpus={self.gpus} but only {visible} GPUs are visible")
         return ids
+
+    @field_validator("cpu_affinity")
+    @classmethod
+    def _cpu_list(cls, v: str) -> str:
+        return ",".join(str(c) for c in sorted(parse_cpu_list(v)))
+
+    def cpus(self) -> set[int] | None:
+        """The CPUs of ``cpu_affinity``, or None when it is empty."""
+        return parse_cpu_list(self.cpu_affinity) or None
 
     @field_validator("shm_mode", "socket_mode")
     @classmethod

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -180,4 +181,28 @@ def serve(settings: Settings) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    pin_cpus(settings)
     return asyncio.run(Daemon(settings).run())
+
+
+def pin_cpus(settings: Settings) -> None:
+    """Apply ``cpu_affinity`` to this process before any thread starts (threads inherit
+    it). OSError naming the CPUs when some are not this process's to use (it stays as it
+    was)."""
+    cpus = settings.cpus()
+    if cpus is None:
+        return
+    before = os.sched_getaffinity(0)
+    try:  # the mask we inherited does not limit us; the cpuset and the online CPUs do
+        os.sched_setaffinity(0, cpus)
+        got = os.sched_getaffinity(0)
+    except OSError:
+        got = set()
+    if got != cpus:
+        os.sched_setaffinity(0, before)
+        raise OSError(
+            errno.EINVAL,
+            f"cpu_affinity={settings.cpu_affinity}: CPUs {sorted(cpus - got)} are not "
+            "available to this process (offline, or outside its cpuset)",
+        )
+    log.info("pinned to CPUs %s", settings.cpu_affinity)

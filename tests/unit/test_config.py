@@ -100,3 +100,42 @@ def test_is_loopback() -> None:
         assert not is_loopback(host), host
     with pytest.raises(ValidationError, match="auth_token"):
         Settings(grpc_host="127.foo.example")
+
+
+@pytest.mark.parametrize(
+    ("text", "cpus"),
+    [("", None), ("2", {2}), ("0-2,5", {0, 1, 2, 5}), (" 3 , 1-2 ", {1, 2, 3}), ("4,4", {4})],
+)
+def test_cpu_affinity(text: str, cpus: set[int] | None) -> None:
+    s = Settings(cpu_affinity=text)
+    assert s.cpus() == cpus
+    assert Settings(cpu_affinity=s.cpu_affinity).cpus() == cpus  # the canonical form parses
+
+
+@pytest.mark.parametrize("text", ["x", "3-1", "-1", "1-", "2-a", "1;2"])
+def test_cpu_affinity_rejects(text: str) -> None:
+    with pytest.raises(ValidationError, match="cpu_affinity"):
+        Settings(cpu_affinity=text)
+
+
+def test_pin_cpus_checks_then_pins() -> None:
+    """Pinning to CPUs the process may not use fails with an OSError naming them; pinning to
+    allowed ones is applied (checked in a child process, which it must not outlive)."""
+    import os
+    import subprocess
+    import sys
+
+    from embcache.service.daemon import pin_cpus
+
+    allowed = sorted(os.sched_getaffinity(0))
+    with pytest.raises(OSError, match=str(max(allowed) + 1000)):
+        pin_cpus(Settings(cpu_affinity=f"{allowed[0]},{max(allowed) + 1000}"))
+    assert sorted(os.sched_getaffinity(0)) == allowed  # untouched
+    code = (
+        "import os; from embcache.service.config import Settings; "
+        "from embcache.service.daemon import pin_cpus; "
+        f"pin_cpus(Settings(cpu_affinity='{allowed[-1]}')); print(sorted(os.sched_getaffinity(0)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == f"[{allowed[-1]}]"
