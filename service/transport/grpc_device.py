@@ -117,7 +117,12 @@ def observe_later(pending: PendingGet, period_s: float = 0.001, limit_s: float =
     give_up = loop.time() + limit_s
 
     def poll() -> None:
-        if not pending.done() and loop.time() < give_up:
+        try:
+            done = pending.done()
+        except RuntimeError as exc:  # a device error: the pool's next call takes it out
+            log.warning("a device get's copy failed after its reply: %s", exc)
+            return
+        if not done and loop.time() < give_up:
             loop.call_later(period_s, poll)
 
     loop.call_later(period_s, poll)

@@ -80,3 +80,25 @@ def test_a_cancelled_device_get_gives_its_leases_back(
 
         asyncio.run(run())
         assert engine.stats().leases_active == 0
+
+
+def test_copies_replied_with_an_event_are_observed_from_loop_timers() -> None:
+    """``observe_later`` polls until the copy is done (so its time reaches the metrics),
+    stops at a device error, and never polls past its limit."""
+
+    class Failing(FakePending):
+        def done(self) -> bool:
+            self.polls += 1
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    async def main() -> tuple[int, int, int]:
+        done_later, failing, stuck = FakePending(3, 1), Failing(0, 1), FakePending(10**9, 1)
+        grpc_device.observe_later(done_later, period_s=0.001)  # type: ignore[arg-type]
+        grpc_device.observe_later(failing, period_s=0.001)  # type: ignore[arg-type]
+        grpc_device.observe_later(stuck, period_s=0.001, limit_s=0.02)  # type: ignore[arg-type]
+        await asyncio.sleep(0.2)
+        return done_later.polls, failing.polls, stuck.polls
+
+    done_polls, failing_polls, stuck_polls = asyncio.run(main())
+    assert done_polls == 4 and failing_polls == 1
+    assert 2 <= stuck_polls <= 25  # stopped near its 20 ms limit, not at 200
