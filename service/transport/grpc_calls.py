@@ -6,9 +6,12 @@ trip), and device gets are latency-bound. The request, the reply and the error t
 those of the unary RPCs; the leases belong to the session that carries the call.
 
 Calls run as tasks, so a slow one (a shared-tier fill) does not hold up the next; results
-go back as they finish, tagged with the client's call id. When the stream ends, the
-session's running calls are cancelled and awaited before its leases are dropped, so none
-can take a lease that outlives the session.
+go back as they finish, tagged with the client's call id. When the stream ends, the session
+is closed first, then its running calls are cancelled and its leases dropped, without
+awaiting anything (a second cancellation of the stream's handler must not skip the drop). A
+call that took leases and is still running gives them back itself: it finds the session
+closed (the Get handlers check) or is cancelled at its next await (they release on the way
+out), so no lease outlives the session.
 """
 
 from __future__ import annotations
@@ -52,13 +55,10 @@ class SessionCalls:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def close(self) -> None:
-        """Cancel the calls still running and wait until each has undone its work."""
-        tasks = list(self._tasks)
-        for task in tasks:
+    def cancel(self) -> None:
+        """Cancel the calls still running (each gives back the leases it took)."""
+        for task in list(self._tasks):
             task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _run(self, call: pb.SessionCall) -> None:
         start = time.perf_counter()

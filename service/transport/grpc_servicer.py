@@ -264,8 +264,10 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
                     log.debug("session %s is %s (%s)", session_id, hello, context.peer())
         finally:
             # Ended for any reason: closed, cancelled, connection lost, server stopping.
+            # Nothing here awaits: a second cancellation must not skip the lease drop. Calls
+            # still running see the session closed and give back what they took.
             self.sessions.close(session_id)
-            await calls.close()
+            calls.cancel()
             dropped = self.engine.drop_owner(session_id)
             self.device.ipc.drop_owner(session_id)
             if dropped:
