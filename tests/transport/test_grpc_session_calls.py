@@ -190,3 +190,23 @@ def test_raw_session_calls(server) -> None:
         assert next(replies).result.get.results[0].found
         requests.put(None)  # end the stream: the session's lease ends with it
         assert wait_until(lambda: engine.stats().leases_active == 0)
+
+
+def test_streams_cut_during_calls_leave_no_leases(server) -> None:
+    """Sessions that end while their calls run (cancelled at once, or half-closed) give
+    back every lease those calls took, whatever the timing."""
+    engine, _ = server
+    engine.put("k", torch.ones(64))
+    with grpc.insecure_channel(target(server)) as channel:
+        stub = pb_grpc.EmbeddingCacheStub(channel)
+        for i in range(20):
+            get = pb.SessionRequest(call=pb.SessionCall(call_id=1, get=pb.GetRequest(keys=["k"])))
+            msgs = [pb.SessionRequest(hello=pb.SessionHello(client_name="cut"))] + [get] * 3
+            replies = stub.Session(iter(msgs))  # the request stream half-closes after these
+            next(replies)  # opened
+            if i % 2:
+                replies.cancel()
+            else:
+                for _ in replies:  # results until the server ends the stream
+                    pass
+    assert wait_until(lambda: engine.stats().leases_active == 0)
