@@ -40,7 +40,12 @@ def translate(err: grpc.RpcError) -> EmbCacheError:
     """The exception to raise for a failed call."""
     code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
     details = (err.details() if callable(getattr(err, "details", None)) else None) or ""
-    name = error_type(err)
+    return _typed(error_type(err), details, code)
+
+
+def _typed(name: str | None, details: str, code: grpc.StatusCode) -> EmbCacheError:
+    """The daemon's error class called ``name`` (RpcFailed for an unknown or absent name),
+    carrying ``details`` and ``grpc_status``."""
     cls = getattr(_errors, name, None) if name else None
     exc: EmbCacheError
     if isinstance(cls, type) and issubclass(cls, EmbCacheError):
@@ -54,14 +59,8 @@ def translate(err: grpc.RpcError) -> EmbCacheError:
 def from_call_error(err: Any) -> EmbCacheError:
     """The exception for a failed session call (a ``CallError``), as :func:`translate`
     builds it for a failed RPC."""
-    cls = getattr(_errors, err.error_type, None) if err.error_type else None
-    exc: EmbCacheError
-    if isinstance(cls, type) and issubclass(cls, EmbCacheError):
-        exc = cls(err.message)
-    else:
-        exc = RpcFailed(err.message or err.code, err.code, error_type=err.error_type or None)
-    exc.grpc_status = getattr(grpc.StatusCode, err.code, grpc.StatusCode.UNKNOWN)  # type: ignore[attr-defined]
-    return exc
+    code = getattr(grpc.StatusCode, err.code, grpc.StatusCode.UNKNOWN)
+    return _typed(err.error_type or None, err.message, code)
 
 
 def is_unknown_session(err: grpc.RpcError) -> bool:

@@ -124,18 +124,16 @@ def put_from_device(
     tier: DeviceTier, key: str, src: torch.Tensor, owner: str, checksum: int | None
 ) -> bool:
     """Copy a device tensor into a new entry; returns once the bytes are in the pool."""
-    _check_source(src)
+    dtype = _source_dtype(src)
     e = tier._engine
-    handle = e.begin_put(key, _dtype_name(src), tuple(src.shape), owner=owner, checksum=checksum)
+    handle = e.begin_put(key, dtype, tuple(src.shape), owner=owner, checksum=checksum)
     with handle:
         if handle.exists_already:
             handle.skip_bytes()
             return handle.commit()
         start = time.perf_counter()
-        stream = None
 
         def copy(byte_runs: tuple[tuple[int, int], ...]) -> None:
-            nonlocal stream
             stream = _queue_d2h(tier, src, byte_runs)
             if stream is not None:
                 stream.synchronize()  # before fill_with reads the bytes for a checksum
@@ -155,8 +153,7 @@ def put_from_device_many(
     keys = [key for key, _ in items]
     if len(set(keys)) != len(keys):
         raise InvalidArgument("a key appears more than once in the batch")
-    for _, src in items:
-        _check_source(src)
+    dtypes = [_source_dtype(src) for _, src in items]
     e = tier._engine
     start = time.perf_counter()
     streams: dict[int, torch.cuda.Stream] = {}
@@ -164,8 +161,8 @@ def put_from_device_many(
     with contextlib.ExitStack() as stack:  # aborts every put not committed when it unwinds
         handles = []
         try:
-            for key, src in items:
-                handle = e.begin_put(key, _dtype_name(src), tuple(src.shape), owner=owner)
+            for (key, src), dtype in zip(items, dtypes, strict=True):
+                handle = e.begin_put(key, dtype, tuple(src.shape), owner=owner)
                 stack.enter_context(handle)
                 handles.append(handle)
                 if handle.exists_already:
@@ -187,16 +184,13 @@ def put_from_device_many(
         return [handle.commit() for handle in handles]
 
 
-def _check_source(src: torch.Tensor) -> None:
-    if from_torch(src.dtype) is None:
+def _source_dtype(src: torch.Tensor) -> str:
+    """The dtype name of a tensor a put may copy from; InvalidArgument if it may not."""
+    dt = from_torch(src.dtype)
+    if dt is None:
         raise InvalidArgument("unsupported dtype", dtype=str(src.dtype))
     if not src.is_contiguous():
         raise InvalidArgument("source tensor must be contiguous")
-
-
-def _dtype_name(src: torch.Tensor) -> str:
-    dt = from_torch(src.dtype)
-    assert dt is not None
     return dt.name
 
 

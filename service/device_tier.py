@@ -78,10 +78,7 @@ class PendingGet:
 
     def done(self) -> bool:
         """True once every copy the results depend on has completed (never blocks)."""
-        if all(ev.query() for ev in self._events):
-            self._finish()
-            return True
-        return False
+        return not self.unfinished()
 
     def unfinished(self) -> list[torch.cuda.Event]:
         """The copy events that have not fired yet (never blocks; empty: ``done()``)."""

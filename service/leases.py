@@ -57,8 +57,9 @@ class Lease:
 
 
 class RandomIds:
-    """Unguessable non-zero 63-bit ids from the OS's random source, read 512 at a time (one
-    ``os.urandom`` call per id costs a system call, and a batch get takes one id per key)."""
+    """Unguessable 63-bit ids from the OS's random source (the table skips 0), read 512 at
+    a time (one ``os.urandom`` call per id costs a system call; a batch get takes one id per
+    key)."""
 
     BATCH = 512
 

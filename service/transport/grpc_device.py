@@ -259,10 +259,7 @@ class DevicePlane:
             raise InvalidArgument("one offset per key", keys=len(keys), offsets=len(offsets))
         if any(off > dest.nbytes for off in offsets):
             raise InvalidArgument("offset outside the destination", destination=dest.nbytes)
-        pool_index = next(
-            (i for i, p in enumerate(self.engine.device_tier.pools) if p.gpu_uuid == buf.gpu_uuid),
-            None,
-        )
+        pool_index = self.engine.device_tier.index_of(buf.gpu_uuid)
 
         def run() -> list[tuple[Lease | None, int]]:
             slots = offsets or self._pack(keys)
