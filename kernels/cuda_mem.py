@@ -15,9 +15,11 @@ every return code checked. Nothing here runs on a machine without CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -105,11 +107,21 @@ def _drv_check(call: str, code: int) -> None:
         raise CudaMemError(f"{call} failed: error {code} ({(msg.value or b'?').decode()})")
 
 
-def _make_current(device: int) -> None:
-    """Bind the device's primary context to this thread (driver calls need one)."""
+@contextlib.contextmanager
+def _on_device(device: int) -> Iterator[None]:
+    """Bind the device's primary context to this thread (driver calls need one), and give
+    the thread its previous current device back afterwards: a multi-GPU caller's current
+    device is not ours to change."""
     rt, _ = _libs()
+    prev = ctypes.c_int(-1)
+    _rt_check("cudaGetDevice", rt.cudaGetDevice(ctypes.byref(prev)))
     _rt_check("cudaSetDevice", rt.cudaSetDevice(ctypes.c_int(device)))
-    _rt_check("cudaFree(0)", rt.cudaFree(ctypes.c_void_p(0)))
+    try:
+        _rt_check("cudaFree(0)", rt.cudaFree(ctypes.c_void_p(0)))
+        yield
+    finally:
+        if prev.value != device:
+            rt.cudaSetDevice(prev)
 
 
 def gpu_uuid(device: int) -> str:
@@ -154,42 +166,54 @@ def wrap_device_bytes(ptr: int, nbytes: int, device: int, owner: object) -> torc
 class DeviceSlab:
     """One device allocation owned by this process: ``cudaMalloc`` or VMM (``cuMemCreate``)."""
 
-    def __init__(self, device: int, nbytes: int, mode: str) -> None:
+    def __init__(self, device: int, nbytes: int, mode: str, peers: Sequence[int] = ()) -> None:
+        """``peers``: other GPUs that copy from or into the slab (peer access). A VMM slab
+        grants them access itself (peer access enabled on a context does not cover VMM
+        memory); a ``cudaMalloc`` slab is reached once the peer's context enables access,
+        as torch does on its first cross-device copy."""
         if mode not in ("legacy", "fd"):
             raise ValueError(f"mode: must be 'legacy' or 'fd', got {mode!r}")
         self.device = device
         self.mode = mode
         self._handle = ctypes.c_ulonglong(0)
         self._closed = False
-        _make_current(device)
+        with _on_device(device):
+            self._allocate(nbytes, peers)
+        self.tensor = wrap_device_bytes(self.ptr, self.nbytes, device, self)
+
+    def _allocate(self, nbytes: int, peers: Sequence[int]) -> None:
         rt, drv = _libs()
-        if mode == "legacy":
+        if self.mode == "legacy":
             self.nbytes = nbytes
             ptr = ctypes.c_void_p(0)
             _rt_check("cudaMalloc", rt.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes)))
             self.ptr = int(ptr.value or 0)
-        else:
-            prop = self._prop(device)
-            gran = ctypes.c_size_t(0)
-            _drv_check(
-                "cuMemGetAllocationGranularity",
-                drv.cuMemGetAllocationGranularity(
-                    ctypes.byref(gran), ctypes.byref(prop), _CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
-                ),
-            )
-            g = gran.value
-            self.nbytes = -(-nbytes // g) * g
-            _drv_check(
-                "cuMemCreate",
-                drv.cuMemCreate(
-                    ctypes.byref(self._handle),
-                    ctypes.c_size_t(self.nbytes),
-                    ctypes.byref(prop),
-                    ctypes.c_ulonglong(0),
-                ),
-            )
-            self.ptr = _map_vmm(self._handle, self.nbytes, device, g)
-        self.tensor = wrap_device_bytes(self.ptr, self.nbytes, device, self)
+            return
+        prop = self._prop(self.device)
+        gran = ctypes.c_size_t(0)
+        _drv_check(
+            "cuMemGetAllocationGranularity",
+            drv.cuMemGetAllocationGranularity(
+                ctypes.byref(gran), ctypes.byref(prop), _CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+            ),
+        )
+        g = gran.value
+        self.nbytes = -(-nbytes // g) * g
+        _drv_check(
+            "cuMemCreate",
+            drv.cuMemCreate(
+                ctypes.byref(self._handle),
+                ctypes.c_size_t(self.nbytes),
+                ctypes.byref(prop),
+                ctypes.c_ulonglong(0),
+            ),
+        )
+        readers = [p for p in peers if p != self.device and _can_access(p, self.device)]
+        try:
+            self.ptr = _map_vmm(self._handle, self.nbytes, self.device, g, readers)
+        except CudaMemError:
+            drv.cuMemRelease(self._handle)
+            raise
 
     @staticmethod
     def _prop(device: int) -> _AllocationProp:
@@ -239,7 +263,15 @@ class DeviceSlab:
             _drv_check("cuMemRelease", drv.cuMemRelease(self._handle))
 
 
-def _map_vmm(handle: ctypes.c_ulonglong, nbytes: int, device: int, align: int) -> int:
+def _can_access(peer: int, device: int) -> bool:
+    """Whether GPU ``peer`` can read and write GPU ``device``'s memory directly."""
+    return bool(torch.cuda.can_device_access_peer(peer, device))
+
+
+def _map_vmm(
+    handle: ctypes.c_ulonglong, nbytes: int, device: int, align: int, peers: Sequence[int] = ()
+) -> int:
+    """Reserve, map and open a VMM allocation to ``device`` (and to ``peers``)."""
     _, drv = _libs()
     ptr = ctypes.c_ulonglong(0)
     _drv_check(
@@ -259,14 +291,19 @@ def _map_vmm(handle: ctypes.c_ulonglong, nbytes: int, device: int, align: int) -
                 ptr, ctypes.c_size_t(nbytes), ctypes.c_size_t(0), handle, ctypes.c_ulonglong(0)
             ),
         )
-        access = _AccessDesc(
-            _MemLocation(_CU_MEM_LOCATION_TYPE_DEVICE, device), _CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        gpus = [device, *peers]
+        access = (_AccessDesc * len(gpus))(
+            *(
+                _AccessDesc(
+                    _MemLocation(_CU_MEM_LOCATION_TYPE_DEVICE, d),
+                    _CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+                )
+                for d in gpus
+            )
         )
         _drv_check(
             "cuMemSetAccess",
-            drv.cuMemSetAccess(
-                ptr, ctypes.c_size_t(nbytes), ctypes.byref(access), ctypes.c_size_t(1)
-            ),
+            drv.cuMemSetAccess(ptr, ctypes.c_size_t(nbytes), access, ctypes.c_size_t(len(gpus))),
         )
     except CudaMemError:
         drv.cuMemUnmap(ptr, ctypes.c_size_t(nbytes))
@@ -319,50 +356,50 @@ def open_legacy(handle: bytes, device: int, nbytes: int) -> ImportedMemory:
     """Open a ``cudaIpcMemHandle_t`` exported by another process (not by this one)."""
     if len(handle) != IPC_HANDLE_BYTES:
         raise ValueError(f"handle: must be {IPC_HANDLE_BYTES} bytes, got {len(handle)}")
-    _make_current(device)
-    rt, _ = _libs()
-    h = _IpcMemHandle.from_buffer_copy(handle)
-    ptr = ctypes.c_void_p(0)
-    rt.cudaIpcOpenMemHandle.argtypes = (
-        ctypes.POINTER(ctypes.c_void_p),
-        _IpcMemHandle,
-        ctypes.c_uint,
-    )
-    _rt_check(
-        "cudaIpcOpenMemHandle",
-        rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), h, _IPC_LAZY_ENABLE_PEER_ACCESS),
-    )
-    return ImportedMemory(device, int(ptr.value or 0), nbytes, "legacy")
+    with _on_device(device):
+        rt, _ = _libs()
+        h = _IpcMemHandle.from_buffer_copy(handle)
+        ptr = ctypes.c_void_p(0)
+        rt.cudaIpcOpenMemHandle.argtypes = (
+            ctypes.POINTER(ctypes.c_void_p),
+            _IpcMemHandle,
+            ctypes.c_uint,
+        )
+        _rt_check(
+            "cudaIpcOpenMemHandle",
+            rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), h, _IPC_LAZY_ENABLE_PEER_ACCESS),
+        )
+        return ImportedMemory(device, int(ptr.value or 0), nbytes, "legacy")
 
 
 def import_fd(fd: int, device: int, nbytes: int) -> ImportedMemory:
     """Map a VMM allocation received as a POSIX fd. The fd is closed here (it was ours)."""
-    _make_current(device)
-    _, drv = _libs()
-    handle = ctypes.c_ulonglong(0)
-    try:
+    with _on_device(device):
+        _, drv = _libs()
+        handle = ctypes.c_ulonglong(0)
+        try:
+            _drv_check(
+                "cuMemImportFromShareableHandle",
+                drv.cuMemImportFromShareableHandle(
+                    ctypes.byref(handle), ctypes.c_void_p(fd), _CU_MEM_HANDLE_TYPE_POSIX_FD
+                ),
+            )
+        finally:
+            os.close(fd)
+        prop = DeviceSlab._prop(device)
+        gran = ctypes.c_size_t(0)
         _drv_check(
-            "cuMemImportFromShareableHandle",
-            drv.cuMemImportFromShareableHandle(
-                ctypes.byref(handle), ctypes.c_void_p(fd), _CU_MEM_HANDLE_TYPE_POSIX_FD
+            "cuMemGetAllocationGranularity",
+            drv.cuMemGetAllocationGranularity(
+                ctypes.byref(gran), ctypes.byref(prop), _CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
             ),
         )
-    finally:
-        os.close(fd)
-    prop = DeviceSlab._prop(device)
-    gran = ctypes.c_size_t(0)
-    _drv_check(
-        "cuMemGetAllocationGranularity",
-        drv.cuMemGetAllocationGranularity(
-            ctypes.byref(gran), ctypes.byref(prop), _CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
-        ),
-    )
-    try:
-        ptr = _map_vmm(handle, nbytes, device, gran.value)
-    except CudaMemError:
-        drv.cuMemRelease(handle)
-        raise
-    return ImportedMemory(device, ptr, nbytes, "fd", handle.value)
+        try:
+            ptr = _map_vmm(handle, nbytes, device, gran.value)
+        except CudaMemError:
+            drv.cuMemRelease(handle)
+            raise
+        return ImportedMemory(device, ptr, nbytes, "fd", handle.value)
 
 
 def allocation_range(ptr: int) -> tuple[int, int]:
@@ -393,19 +430,19 @@ def export_tensor(t: torch.Tensor) -> tuple[bytes, int, int]:
     """
     if t.device.type != "cuda":
         raise ValueError("t: must be a CUDA tensor")
-    _make_current(t.device.index)
-    rt, drv = _libs()
-    base = ctypes.c_ulonglong(0)
-    size = ctypes.c_size_t(0)
-    _drv_check(
-        "cuMemGetAddressRange",
-        drv.cuMemGetAddressRange_v2(
-            ctypes.byref(base), ctypes.byref(size), ctypes.c_ulonglong(t.data_ptr())
-        ),
-    )
-    handle = _IpcMemHandle()
-    _rt_check(
-        "cudaIpcGetMemHandle",
-        rt.cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(base.value)),
-    )
-    return bytes(handle.reserved), t.data_ptr() - base.value, size.value
+    with _on_device(t.device.index):
+        rt, drv = _libs()
+        base = ctypes.c_ulonglong(0)
+        size = ctypes.c_size_t(0)
+        _drv_check(
+            "cuMemGetAddressRange",
+            drv.cuMemGetAddressRange_v2(
+                ctypes.byref(base), ctypes.byref(size), ctypes.c_ulonglong(t.data_ptr())
+            ),
+        )
+        handle = _IpcMemHandle()
+        _rt_check(
+            "cudaIpcGetMemHandle",
+            rt.cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(base.value)),
+        )
+        return bytes(handle.reserved), t.data_ptr() - base.value, size.value

@@ -22,6 +22,7 @@ import contextlib
 import secrets
 import uuid
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +59,7 @@ class DevicePool:
         *,
         ipc_mode: str = "fd",
         index: int = 0,
+        peers: Sequence[int] = (),
     ) -> None:
         assert nbytes % page_bytes == 0 and nbytes > 0, (nbytes, page_bytes)
         self.device = device
@@ -73,7 +75,8 @@ class DevicePool:
         if device.type == "cuda":
             from embcache.kernels import cuda_mem
 
-            self.slab = cuda_mem.DeviceSlab(device.index or 0, nbytes, ipc_mode)
+            # ``peers``: the other served GPUs, which copy from this pool (multi-GPU).
+            self.slab = cuda_mem.DeviceSlab(device.index or 0, nbytes, ipc_mode, peers)
             self.tensor = self.slab.tensor[:nbytes]
             self.gpu_uuid = cuda_mem.gpu_uuid(device.index or 0)
             self.stream: torch.cuda.Stream | None = torch.cuda.Stream(device)

@@ -68,8 +68,12 @@ class PeerRates:
         for dst in cuda:
             rates[(HOST, dst.index)] = _time_copy(dst.tensor[:n], host[:n], dst)
             for src in cuda:
-                if src is not dst:
+                if src is dst:
+                    continue
+                try:
                     rates[(src.index, dst.index)] = _time_copy(dst.tensor[:n], src.tensor[:n], dst)
+                except RuntimeError as exc:  # no peer path: that pair is never chosen
+                    log.warning("no copies from device pool %d to %d: %s", src.index, dst.index, exc)
         log.info(
             "copy rates (GB/s, -1 = host): %s",
             {f"{s}->{d}": round(r, 1) for (s, d), r in rates.items()},

@@ -69,6 +69,7 @@ def default_device_pools(settings: Settings) -> list[DevicePool]:
                     settings.device_page_bytes,
                     ipc_mode=settings.ipc_mode,
                     index=index,
+                    peers=[g for g in gpus if g != gpu],
                 )
             )
     except BaseException:
@@ -124,13 +125,16 @@ class CacheEngine:
         self.remote_exists: Callable[[list[str]], list[bool]] | None = None
         self.commit_listeners: list[Callable[[str, str], None]] = []  # (key, owner)
         self.shared_tier: Any = None  # the attached SharedTier (prefetch, health), if any
+        pools: Sequence[DevicePool] = ()
         try:
-            if device_pools is None:
-                device_pools = default_device_pools(settings)
+            pools = default_device_pools(settings) if device_pools is None else device_pools
+            self.device_tier = DeviceTier(self, pools)
         except BaseException:
+            if device_pools is None:  # ours to close; a caller's pools stay the caller's
+                for pool in pools:
+                    pool.close()
             self.host_pool.close()
             raise
-        self.device_tier = DeviceTier(self, device_pools)
 
     # -- puts ----------------------------------------------------------------------------
     def begin_put(

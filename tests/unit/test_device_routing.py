@@ -3,6 +3,8 @@ rates, a failed pool taken out of service while the others serve."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -122,3 +124,47 @@ def test_gpu_list_setting() -> None:
     for bad in ("x", "1,1", "-1", ""):
         with pytest.raises(ValidationError):
             Settings(gpus=bad)
+
+
+def test_calibration_skips_a_pair_with_no_peer_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two "GPUs" whose 1 -> 0 copy fails (no peer access): the host rates and the working
+    # direction are measured, the failing pair gets no rate and so is never chosen.
+    from types import SimpleNamespace
+
+    from embcache.service import device_routing
+
+    pools = [
+        SimpleNamespace(device=torch.device("cuda", i), index=i, tensor=torch.zeros(64))
+        for i in range(2)
+    ]
+
+    def timed(dst: torch.Tensor, src: torch.Tensor, pool: object) -> float:
+        if src is not None and src.data_ptr() == pools[1].tensor.data_ptr():
+            raise RuntimeError("CUDA error: invalid argument")
+        return 10.0
+
+    monkeypatch.setattr(device_routing, "_time_copy", timed)
+    rates = PeerRates.calibrate(pools, torch.zeros(64), nbytes=64)  # type: ignore[arg-type]
+    assert rates.rates == {(HOST, 0): 10.0, (HOST, 1): 10.0, (0, 1): 10.0}
+    assert not rates.prefer_peer(1, 0)
+
+
+def test_engine_that_fails_to_start_leaves_nothing(
+    shm_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A failure after the host pool exists (here: calibration) unlinks the segment, so the
+    # next start with the same name works; pools the caller passed in stay the caller's.
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("CUDA error: invalid argument")
+
+    s = Settings(host_pool_bytes=64 * PAGE, page_bytes=PAGE, shm_name=shm_name, device="cpu")
+    pool = DevicePool(torch.device("cpu"), 8 * PAGE, PAGE)
+    with monkeypatch.context() as m:
+        m.setattr(PeerRates, "calibrate", broken)
+        with pytest.raises(RuntimeError, match="invalid argument"):
+            CacheEngine(s, device_pools=[pool])
+    assert not os.path.exists(f"/dev/shm/{shm_name}")
+    with CacheEngine(s, device_pools=[pool]) as e:
+        e.put("a", blob(PAGE, 1))
+        [d], _ = e.get_to_device(["a"], "dec", device=0)
+        assert d is not None and torch.equal(read(e, d), blob(PAGE, 1))
