@@ -431,18 +431,11 @@ def export_tensor(t: torch.Tensor) -> tuple[bytes, int, int]:
     if t.device.type != "cuda":
         raise ValueError("t: must be a CUDA tensor")
     with _on_device(t.device.index):
-        rt, drv = _libs()
-        base = ctypes.c_ulonglong(0)
-        size = ctypes.c_size_t(0)
-        _drv_check(
-            "cuMemGetAddressRange",
-            drv.cuMemGetAddressRange_v2(
-                ctypes.byref(base), ctypes.byref(size), ctypes.c_ulonglong(t.data_ptr())
-            ),
-        )
+        rt, _ = _libs()
+        base, size = allocation_range(t.data_ptr())
         handle = _IpcMemHandle()
         _rt_check(
             "cudaIpcGetMemHandle",
-            rt.cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(base.value)),
+            rt.cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(base)),
         )
-        return bytes(handle.reserved), t.data_ptr() - base.value, size.value
+        return bytes(handle.reserved), t.data_ptr() - base, size
