@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The whole GPU suite, for a CUDA machine (the H200 the device tool lends): GPU tests of every
 # part, then the GPU benchmarks. Logs and JSON go to $OUT (default bench/results).
-#   scripts/gpu_suite.sh [PART ...]   parts: kernels device grpc rest reliability
+#   scripts/gpu_suite.sh [PART ...]   parts: kernels device grpc rest reliability multi
 #                                            bench-kernels bench-device bench-grpc bench-rest
-#                                            (default: all)
+#                                            bench-multi
+#                                            (default: all; multi and bench-multi only where
+#                                            torch sees at least two GPUs)
 # .whl/ (not committed) holds cp312 wheels of the dependencies the GPU machine lacks, e.g.
 #   pip download --only-binary=:all: --no-deps --python-version 3.12 -d .whl isal grpcio ...
 # Nothing is installed system-wide: wheels carried in .whl/ go to a private target directory,
@@ -27,7 +29,11 @@ printf '#!/bin/sh\nexec python3 -m embcache.service.cli "$@"\n' >"$pp/bin/embcac
 chmod +x "$pp/bin/embcache"
 export PYTHONPATH="$pp:$PYTHONPATH" PATH="$pp/bin:$PATH"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(kernels device grpc rest reliability bench-kernels bench-device bench-grpc bench-rest)
+if [ ${#parts[@]} -eq 0 ]; then
+  parts=(kernels device grpc rest reliability bench-kernels bench-device bench-grpc bench-rest)
+  gpus="$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null)"
+  [[ "$gpus" =~ ^[0-9]+$ ]] && [ "$gpus" -ge 2 ] && parts+=(multi bench-multi)
+fi
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 python3 -c "import torch, triton, grpc, google.protobuf as pb; print('torch', torch.__version__, 'triton', triton.__version__, 'grpc', grpc.__version__, 'protobuf', pb.__version__)"
@@ -45,6 +51,7 @@ for part in "${parts[@]}"; do
     grpc) [ -e tests/gpu/test_grpc_device.py ] && run_tests grpc tests/gpu/test_grpc_device.py ;;
     rest) run_tests rest tests/transport/test_http_gpu.py $(compgen -G "tests/gpu/test_rest*.py") ;;
     reliability) compgen -G "tests/gpu/test_soak*.py" >/dev/null && run_tests soak tests/gpu/test_soak*.py ;;
+    multi) run_tests multi tests/gpu/test_multi_gpu.py ;;
     bench-kernels)
       python3 bench/transfer.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench_transfer.log" || status=1
       python3 bench/page_table.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench_page_table.log" || status=1 ;;
@@ -52,6 +59,8 @@ for part in "${parts[@]}"; do
       python3 bench/get_to_device.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench_get_to_device.log" || status=1 ;;
     bench-grpc)
       python3 bench/grpc_e2e.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench_grpc.log" || status=1 ;;
+    bench-multi)
+      python3 bench/multi_gpu.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench_multi_gpu.log" || status=1 ;;
     bench-rest)
       [ -e bench/rest_e2e.py ] && { python3 bench/rest_e2e.py --out-dir "$OUT" 2>&1 \
         | tee "$OUT/bench_rest.log" || status=1; } ;;

@@ -73,7 +73,7 @@ class PeerRates:
                 try:
                     rates[(src.index, dst.index)] = _time_copy(dst.tensor[:n], src.tensor[:n], dst)
                 except RuntimeError as exc:  # no peer path: that pair is never chosen
-                    log.warning("no copies from device pool %d to %d: %s", src.index, dst.index, exc)
+                    log.warning("no copies from pool %d to %d: %s", src.index, dst.index, exc)
         log.info(
             "copy rates (GB/s, -1 = host): %s",
             {f"{s}->{d}": round(r, 1) for (s, d), r in rates.items()},
@@ -97,13 +97,18 @@ def _time_copy(dst: torch.Tensor, src: torch.Tensor, pool: DevicePool, reps: int
 def copy_between_pools(
     src_pool: DevicePool, src: Residency, dst_pool: DevicePool, dst: Residency, nbytes: int
 ) -> None:
-    """Queue a device-to-device copy of one entry's pages on the destination's stream."""
-    if dst_pool.stream is not None and src_pool.stream is not None:
-        dst_pool.stream.wait_stream(src_pool.stream)  # the source pages are complete
+    """Queue a device-to-device copy of one entry's pages between the two pools' streams.
+
+    torch runs a cross-device copy on the source device's current stream and orders it
+    after, and before, the destination's current stream; with both pools' streams current,
+    the copy starts once the destination pages are free and the source pages complete, the
+    destination's later work (its ready event) waits for it, and the source pool's later
+    work (a reuse of these pages after an eviction there) comes after it too.
+    """
     so, do, ln = merge_runs(
         page_byte_runs(src.runs, src_pool.page_bytes, nbytes),
         page_byte_runs(dst.runs, dst_pool.page_bytes, nbytes),
     )
-    with dst_pool._on_stream():
+    with src_pool._on_stream(), dst_pool._on_stream():
         for s, d, n in zip(so.tolist(), do.tolist(), ln.tolist(), strict=True):
             dst_pool.tensor[d : d + n].copy_(src_pool.tensor[s : s + n], non_blocking=True)

@@ -251,7 +251,15 @@ class DeviceTier:
         self, keys: Sequence[str], owner: str, *, ttl_s: float | None, device: int, read_table: bool
     ) -> tuple[list[DeviceLease | None], torch.Tensor | None]:
         pending = self.start_get(keys, owner, ttl_s=ttl_s, device=device, read_table=read_table)
-        return pending.wait()
+        try:
+            return pending.wait()
+        except BaseException as exc:  # nobody receives these leases
+            self._engine.release(d.lease.lease_id for d in pending.results if d is not None)
+            if _take_out_of_service(self._at(device), exc):
+                raise DeviceUnavailable(
+                    "device error; pool taken out of service", device=device, reason=str(exc)
+                ) from exc
+            raise
 
     @staticmethod
     def _device_lease(pool: DevicePool, lease: Lease, res: Residency, hit: bool) -> DeviceLease:
