@@ -280,6 +280,7 @@ class DeviceTier:
         """Fill fresh residencies: one ``transfer_ranges`` call gathers every entry that
         comes from the host; entries resident on a faster peer GPU are copied from there."""
         from_host: list[tuple[Entry, Residency]] = []
+        from_peers: dict[int, list[tuple[Residency, Residency, int]]] = {}
         peer_bytes = 0
         for entry, res in loads:
             src_index = self.rates.best_source(entry, pool.index, self.pools)
@@ -287,11 +288,12 @@ class DeviceTier:
                 if entry.nbytes:
                     from_host.append((entry, res))
                 continue
-            src_pool = self.pools[src_index]
-            src_res = src_pool.peek(entry)
+            src_res = self.pools[src_index].peek(entry)
             assert src_res is not None
-            copy_between_pools(src_pool, src_res, pool, res, entry.nbytes)
+            from_peers.setdefault(src_index, []).append((src_res, res, entry.nbytes))
             peer_bytes += entry.nbytes
+        for src_index, items in from_peers.items():  # one queue of copies per source GPU
+            copy_between_pools(self.pools[src_index], pool, items)
         host_bytes = sum(entry.nbytes for entry, _ in from_host)
         # The copy is queued first, so the copy engine starts as soon as possible; the
         # table updates (tombstones of this batch's evictions, then one bind launch) are
