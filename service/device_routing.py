@@ -17,7 +17,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from .allocator import page_byte_runs
@@ -47,13 +46,15 @@ class PeerRates:
         for pool in pools:
             if pool.index == dst or pool.failed or not pool.is_resident(entry):
                 continue
+            if not self.prefer_peer(pool.index, dst):
+                continue
+            rate = self.rates[(pool.index, dst)]
+            if best is not None and rate <= best[0]:
+                continue
             res = pool.peek(entry)
             if res is None or (res.event is not None and not res.event.query()):
                 continue  # still loading there: the host copy is ready now
-            if self.prefer_peer(pool.index, dst):
-                rate = self.rates[(pool.index, dst)]
-                if best is None or rate > best[0]:
-                    best = (rate, pool.index)
+            best = (rate, pool.index)
         return None if best is None else best[1]
 
     @classmethod
@@ -101,35 +102,42 @@ def copy_between_pools(
     """Queue device-to-device copies of several entries' pages, ``(source residency,
     destination residency, nbytes)`` each, from ``src_pool`` to ``dst_pool``.
 
-    On GPUs: one ``cudaMemcpyAsync`` per piece on the source pool's stream, between two
-    cross-stream waits: the copies start once the destination's earlier work is done (its
-    freed pages), the destination's later work (its ready event) waits for them, and the
-    source pool's later work (reusing these pages after an eviction there) comes after them
-    by stream order. (A torch ``copy_`` per piece costs two cross-device event syncs each:
-    a 4 MiB entry over NVLink took longer than from the host.)
+    On GPUs: one ``cudaMemcpyAsync`` per piece on the destination pool's stream (the
+    destination GPU pulls over the interconnect), so the get's ready event covers them by
+    stream order. The source residencies are complete already (``best_source`` takes only
+    those), so nothing waits before the copies; after them, the source pool's stream waits
+    for this one, so a reuse of those pages after an eviction there comes after the reads.
+    (A torch ``copy_`` per piece paid two cross-device event syncs each: 16 x 4 MiB over
+    NVLink ran slower than from the host.)
     """
-    pieces = [
-        merge_runs(
+    so: list[int] = []
+    do: list[int] = []
+    ln: list[int] = []
+    for src, dst, nbytes in items:
+        if not nbytes:
+            continue
+        if len(src.runs) == 1 and len(dst.runs) == 1:  # the usual case: one piece
+            so.append(src.runs[0][0] * src_pool.page_bytes)
+            do.append(dst.runs[0][0] * dst_pool.page_bytes)
+            ln.append(nbytes)
+            continue
+        s, d, n = merge_runs(
             page_byte_runs(src.runs, src_pool.page_bytes, nbytes),
             page_byte_runs(dst.runs, dst_pool.page_bytes, nbytes),
         )
-        for src, dst, nbytes in items
-        if nbytes
-    ]
-    if not pieces:
-        return
-    so, do, ln = (np.concatenate(col).tolist() for col in zip(*pieces, strict=True))
+        so += s.tolist()
+        do += d.tolist()
+        ln += n.tolist()
     from embcache.kernels import _cudart
 
-    rt = _cudart.runtime() if src_pool.stream is not None else None
+    rt = _cudart.runtime() if dst_pool.stream is not None else None
     if rt is None or src_pool.stream is None or dst_pool.stream is None:  # CPU test pools
-        for s, d, n in zip(so, do, ln, strict=True):
-            dst_pool.tensor[d : d + n].copy_(src_pool.tensor[s : s + n])
+        for s_, d_, n_ in zip(so, do, ln, strict=True):
+            dst_pool.tensor[d_ : d_ + n_].copy_(src_pool.tensor[s_ : s_ + n_])
         return
-    stream = src_pool.stream
-    stream.wait_stream(dst_pool.stream)
+    stream = dst_pool.stream
     src_base, dst_base = src_pool.tensor.data_ptr(), dst_pool.tensor.data_ptr()
-    with torch.cuda.device(src_pool.device):
-        for s, d, n in zip(so, do, ln, strict=True):
-            rt.memcpy_async(dst_base + d, src_base + s, n, stream.cuda_stream)
-    dst_pool.stream.wait_stream(stream)
+    with torch.cuda.device(dst_pool.device):
+        for s_, d_, n_ in zip(so, do, ln, strict=True):
+            rt.memcpy_async(dst_base + d_, src_base + s_, n_, stream.cuda_stream)
+    src_pool.stream.wait_stream(stream)
