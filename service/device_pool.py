@@ -115,7 +115,7 @@ class DevicePool:
     def fail(self, reason: str) -> None:
         """Take the pool out of service after a device error; forget what it held."""
         self.failed = True
-        self.failure = reason
+        self.failure = reason or "device error"
         self._resident.clear()
         self._table_ops.clear()
 
@@ -279,6 +279,7 @@ class DevicePool:
             free,
             self._pages.largest_free_run,
             self._pages.num_free_runs,
+            self.failure if self.failed else "",
         )
 
     @property

@@ -106,6 +106,11 @@ class EngineCollector(Collector):
             gauge(
                 "pool_free_runs", "Number of free page runs (fragmentation).", ["tier", "device"]
             ),
+            gauge(
+                "pool_in_service",
+                "1 while the pool serves; 0 once a device error took it out.",
+                ["tier", "device"],
+            ),
             gauge("entries", "Entries by state.", ["state"]),
             gauge("entries_by_runs", "READY entries by number of page runs.", ["runs"]),
             gauge("reserved_filling_bytes", "Bytes reserved by puts still filling."),
@@ -139,6 +144,7 @@ class EngineCollector(Collector):
             add("pool_pages", [*tier, "free"], pool.free_pages)
             add("pool_largest_free_run_pages", tier, pool.largest_free_run_pages)
             add("pool_free_runs", tier, pool.free_runs)
+            add("pool_in_service", tier, 0.0 if pool.out_of_service else 1.0)
         add("entries", ["ready"], s.entries_ready)
         add("entries", ["filling"], s.entries_filling)
         for bucket, count in sorted(s.runs_per_entry.items()):

@@ -18,6 +18,7 @@ class PoolStats:
     free_pages: int
     largest_free_run_pages: int
     free_runs: int
+    out_of_service: str = ""  # a device pool a device error took out: why (empty: serving)
 
 
 @dataclass(frozen=True, slots=True)

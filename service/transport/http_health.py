@@ -26,11 +26,14 @@ def readiness(engine: Any) -> Readiness:
     draining = bool(engine.draining)
     ok = pool_allocated and cuda_ready is not False and not draining
     ok = bool(getattr(engine, "ready", ok)) and ok  # the engine's own verdict where it has one
+    tier = getattr(engine, "device_tier", None)
+    failed = [p.index for p in getattr(tier, "pools", ()) if p.failed]
     return Readiness(
         status="ready" if ok else "not_ready",
         pool_allocated=pool_allocated,
         cuda_ready=cuda_ready,
         draining=draining,
+        devices_out_of_service=failed,
     )
 
 

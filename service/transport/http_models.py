@@ -43,6 +43,9 @@ class PoolStatsModel(_OpenModel):
     free_pages: int
     largest_free_run_pages: int
     free_runs: int
+    out_of_service: str = Field(
+        "", description="Device pools only: why a device error took it out (empty: serving)."
+    )
 
 
 class StatsResponse(_OpenModel):
@@ -147,6 +150,10 @@ class Readiness(_Model):
     pool_allocated: bool
     cuda_ready: bool | None = Field(description="None on a machine without CUDA.")
     draining: bool
+    devices_out_of_service: list[int] = Field(
+        default_factory=list,
+        description="Device pools a device error took out; the others keep serving.",
+    )
 
 
 class PoolMapTier(_Model):

@@ -168,3 +168,29 @@ def test_engine_that_fails_to_start_leaves_nothing(
         e.put("a", blob(PAGE, 1))
         [d], _ = e.get_to_device(["a"], "dec", device=0)
         assert d is not None and torch.equal(read(e, d), blob(PAGE, 1))
+
+
+def test_a_failed_pool_shows_in_stats_metrics_and_readiness(
+    engine: CacheEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prometheus_client import generate_latest
+
+    from embcache.service.metrics import Metrics
+    from embcache.service.transport.http_health import readiness
+
+    engine.put("a", blob(PAGE, 1))
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with monkeypatch.context() as m:
+        m.setattr(engine.device_tier, "_transfer", broken)
+        with pytest.raises(DeviceUnavailable):
+            engine.get_to_device(["a"], "dec", device=1)
+    pools = engine.stats().device
+    assert pools[0].out_of_service == "" and "illegal memory access" in pools[1].out_of_service
+    text = generate_latest(Metrics(engine).registry).decode()
+    assert 'embcache_pool_in_service{device="0",tier="device"} 1.0' in text
+    assert 'embcache_pool_in_service{device="1",tier="device"} 0.0' in text
+    state = readiness(engine)
+    assert state.status == "ready" and state.devices_out_of_service == [1]  # GPU 0 serves
