@@ -102,7 +102,7 @@ class AsyncEmbCacheClient:
         self._maps = process_pool_maps()
         self._pool_local: bool | None = None
         self._device_pools = _device.process_device_pools()
-        self._no_device: set[str] = set()
+        self._no_device = _device.HostFallbacks()
         self._device_puts = True
         self._ready_events = True  # ask device Gets for a ready event (False: it failed)
 
@@ -258,8 +258,8 @@ class AsyncEmbCacheClient:
             request.ttl_s = ttl_s
         try:
             reply = await self._get_call(request)
-        except DeviceUnavailable:
-            self._no_device.add(uuid)
+        except DeviceUnavailable as exc:
+            self._no_device.add(uuid, exc)
             return None
         try:
             decoded = dr.decode_device_get(reply, self._device_pools)
@@ -270,8 +270,7 @@ class AsyncEmbCacheClient:
                 self._ready_events = False
                 return await self._get_device(names, device, ttl_s)
             if isinstance(exc, dr.PoolOpenError):
-                log.warning("%s; copying through the host instead", exc)
-                self._no_device.add(uuid)
+                self._no_device.add(uuid, exc)
                 return None
             raise
 
@@ -333,8 +332,7 @@ class AsyncEmbCacheClient:
                 lambda md, to: self._stub.GetInto(request, timeout=to, metadata=md), session=True
             )
         except DeviceUnavailable as exc:
-            log.info("daemon cannot write this GPU's memory (%s); copying through the host", exc)
-            self._no_device.add(exported.message.gpu_uuid)
+            self._no_device.add(exported.message.gpu_uuid, exc)
             return None
         finally:
             del exported

@@ -11,14 +11,49 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import socket
 import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
+
+
+class HostFallbacks:
+    """GPUs (by uuid) whose device path failed in this client, so gets for them copy
+    through the host for a while: ``retry_s`` later the device path is tried again (a
+    restarted daemon, a pool back in service). Each fallback is logged as a warning."""
+
+    def __init__(self, retry_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        self.retry_s = retry_s
+        self._clock = clock
+        self._until: dict[str, float] = {}
+
+    def add(self, uuid: str, reason: object) -> None:
+        log.warning("GPU %s: %s; copying through the host for %.0f s", uuid, reason, self.retry_s)
+        self._until[uuid] = self._clock() + self.retry_s
+
+    def __contains__(self, uuid: object) -> bool:
+        until = self._until.get(uuid)  # type: ignore[call-overload]
+        if until is None:
+            return False
+        if self._clock() >= until:
+            self._until.pop(uuid, None)  # type: ignore[call-overload]
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([u for u in list(self._until) if u in self])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def fetch_fd(path: str | Path, pool_id: str, token: int, timeout: float = 5.0) -> int:

@@ -94,7 +94,7 @@ class EmbCacheClient:
         self._maps = process_pool_maps()
         self._pool_local: bool | None = None  # learned from the first hit
         self._device_pools = _device.process_device_pools()
-        self._no_device: set[str] = set()  # GPU uuids the daemon cannot serve directly
+        self._no_device = _device.HostFallbacks()  # GPUs served through the host for now
         self._device_puts = True  # False once the daemon refused PutFromDevice
         self._ready_events = True  # ask device Gets for a ready event (False: it failed)
         self._closed = False
@@ -262,8 +262,8 @@ class EmbCacheClient:
             request.ttl_s = ttl_s
         try:
             reply = self._get_call(request)
-        except DeviceUnavailable:
-            self._no_device.add(uuid)
+        except DeviceUnavailable as exc:
+            self._no_device.add(uuid, exc)
             return None
         try:
             decoded = dr.decode_device_get(reply, self._device_pools)
@@ -274,8 +274,7 @@ class EmbCacheClient:
                 self._ready_events = False
                 return self._get_device(names, device, ttl_s)
             if isinstance(exc, dr.PoolOpenError):
-                log.warning("%s; copying through the host instead", exc)
-                self._no_device.add(uuid)
+                self._no_device.add(uuid, exc)
                 return None
             raise
 
@@ -342,8 +341,7 @@ class EmbCacheClient:
                 lambda md, to: self._stub.GetInto(request, timeout=to, metadata=md), session=True
             )
         except DeviceUnavailable as exc:
-            log.info("daemon cannot write this GPU's memory (%s); copying through the host", exc)
-            self._no_device.add(exported.message.gpu_uuid)
+            self._no_device.add(exported.message.gpu_uuid, exc)
             return None
         finally:
             del exported

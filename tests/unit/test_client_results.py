@@ -22,3 +22,20 @@ def test_release_reports_leases_that_ended_early() -> None:
     # while another exception is leaving the block, it is not hidden by LeaseExpired
     with pytest.raises(KeyError), LeasedTensors(t, [1], lambda ids: 0):
         raise KeyError("boom")
+
+
+def test_host_fallbacks_expire_so_the_device_path_is_tried_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from embcache.clients.device import HostFallbacks
+
+    now = [100.0]
+    fb = HostFallbacks(retry_s=30.0, clock=lambda: now[0])
+    assert "GPU-a" not in fb and not fb
+    with caplog.at_level("WARNING"):
+        fb.add("GPU-a", "device pool out of service")
+    assert "out of service" in caplog.text and "30 s" in caplog.text
+    now[0] = 129.9
+    assert "GPU-a" in fb and list(fb) == ["GPU-a"] and "GPU-b" not in fb
+    now[0] = 130.0  # a restarted daemon, or a pool back in service, gets its chance again
+    assert "GPU-a" not in fb and len(fb) == 0
