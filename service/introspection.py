@@ -119,7 +119,8 @@ def page_states(self: CacheEngine) -> np.ndarray:
 
 
 def device_page_states(self: CacheEngine, index: int = 0) -> np.ndarray:
-    """One uint8 per page of device pool ``index``: 0 free, 1 resident, 2 leased."""
-    pool = self.device_tier.pool(index)
+    """One uint8 per page of device pool ``index``: 0 free, 1 resident, 2 leased (a pool
+    out of service holds nothing). DeviceUnavailable when there is no such pool."""
+    pool = self.device_tier._at(index)
     with self._lock:
         return pool.page_states()

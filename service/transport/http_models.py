@@ -44,7 +44,7 @@ class PoolStatsModel(_OpenModel):
     largest_free_run_pages: int
     free_runs: int
     out_of_service: str = Field(
-        "", description="Device pools only: why a device error took it out (empty: serving)."
+        default="", description="Device pools only: why a device error took it out (empty: serving)."
     )
 
 
@@ -158,6 +158,11 @@ class Readiness(_Model):
 
 class PoolMapTier(_Model):
     tier: TierName
+    index: int | None = Field(default=None, description="Device pools: which one this map draws.")
+    pools: int | None = Field(default=None, description="Device pools: how many the daemon has.")
+    out_of_service: str = Field(
+        default="", description="Device pools: why a device error took it out."
+    )
     states: list[str] = Field(description="State names; a digit in 'cells' indexes this list.")
     num_pages: int
     page_bytes: int

@@ -179,6 +179,7 @@ def evict(request: Request, body: EvictRequest) -> EvictResponse:
 def pool_map(
     request: Request,
     max_cells: Annotated[int, Query(ge=16, le=16384)] = 4096,
+    device: Annotated[int, Query(ge=0, description="Device pool to draw (index)")] = 0,
 ) -> PoolMapResponse:
     state = request.app.state
     engine = state.engine
@@ -186,14 +187,18 @@ def pool_map(
     history.maybe_sample()
     stats = engine.stats()
     host = downsample(engine.page_states(), HOST_STATES, max_cells)
-    device = None
-    if stats.device:  # the map shows the first device pool (GPU 0 of this daemon)
-        dev = downsample(engine.device_page_states(0), DEVICE_STATES, max_cells)
-        device = PoolMapTier(
+    device_map: PoolMapTier | None = None
+    if stats.device:  # one device pool per map: ``device`` (a pool out of service too)
+        dev = downsample(engine.device_page_states(device), DEVICE_STATES, max_cells)
+        pool = engine.device_tier.pools[device]  # it exists: device_page_states checked
+        device_map = PoolMapTier(
             tier="device",
+            index=device,
+            pools=len(stats.device),
+            out_of_service=stats.device[device].out_of_service,
             states=list(DEVICE_STATES),
             num_pages=dev.num_pages,
-            page_bytes=stats.device[0].page_bytes,
+            page_bytes=pool.page_bytes,
             pages_per_cell=dev.pages_per_cell,
             cells=dev.cells,
             counts=dev.counts,
@@ -224,7 +229,7 @@ def pool_map(
             cells=host.cells,
             counts=host.counts,
         ),
-        device=device,
+        device=device_map,
         history=PoolMapHistory(
             interval_s=history.interval_s,
             window_s=history.window_s,

@@ -194,6 +194,28 @@ def test_pool_map(client: httpx.Client, engine: CacheEngine) -> None:
     assert client.get("/v1/pool-map", params={"max_cells": 1}).status_code == 422
 
 
+def test_pool_map_draws_each_device_pool(shm_name: str) -> None:
+    # Two CPU "GPUs": the map draws the pool asked for, says how many there are, and still
+    # draws (empty) a pool a device error took out, with the reason; no such pool: 409.
+    from embcache.service.device_pool import DevicePool
+
+    settings = Settings(host_pool_bytes=64 * PAGE, page_bytes=PAGE, shm_name=shm_name, device="cpu")
+    pools = [DevicePool(torch.device("cpu"), 8 * PAGE, PAGE, index=i) for i in range(2)]
+    with CacheEngine(settings, device_pools=pools) as engine:
+        engine.put("a", torch.ones(8, 256))  # 2 pages
+        engine.get_to_device(["a"], "t", device=1)  # leased on pool 1
+        for client in _serve(engine, None):
+            zero = client.get("/v1/pool-map").json()["device"]
+            one = client.get("/v1/pool-map", params={"device": 1}).json()["device"]
+            assert (zero["index"], zero["pools"], zero["counts"]["leased"]) == (0, 2, 0)
+            assert (one["index"], one["counts"]["leased"], one["out_of_service"]) == (1, 2, "")
+            pools[1].fail("CUDA error: test")
+            one = client.get("/v1/pool-map", params={"device": 1}).json()["device"]
+            assert one["out_of_service"] == "CUDA error: test" and one["counts"]["leased"] == 0
+            missing = client.get("/v1/pool-map", params={"device": 2})
+            assert missing.status_code == 409, missing.text
+
+
 def test_page_and_assets(client: httpx.Client) -> None:
     page = client.get("/")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
