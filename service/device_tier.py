@@ -66,13 +66,14 @@ class PendingGet:
         results: list[DeviceLease | None],
         table: torch.Tensor | None,
         events: list[torch.cuda.Event],
-        loaded_bytes: int,
+        copied: dict[str, int],
         observe: Callable[[str, int, float], None],
     ) -> None:
         self.results = results
         self.table = table
         self._events = events
-        self.loaded_bytes = loaded_bytes  # bytes this get copies into the pool (0: all hits)
+        self.copied = copied  # bytes this get copies into the pool by direction ("h2d", "d2d")
+        self.loaded_bytes = sum(copied.values())  # 0: all hits
         self._observe = observe
         self._start: float | None = time.perf_counter()  # None once observed
 
@@ -95,7 +96,10 @@ class PendingGet:
 
     def _finish(self) -> None:
         if self._start is not None and self.loaded_bytes:
-            self._observe("h2d", self.loaded_bytes, time.perf_counter() - self._start)
+            seconds = time.perf_counter() - self._start
+            for direction, nbytes in self.copied.items():
+                if nbytes:
+                    self._observe(direction, nbytes, seconds)
         self._start = None
         self._events = []
 
@@ -182,6 +186,7 @@ class DeviceTier:
         e = self._engine
         pool = self.pool(device)
         loads: list[tuple[Entry, Residency]] = []
+        copied: dict[str, int] = {}
         if fill_misses:
             e.fill_misses(keys)  # shared tier, outside the lock
         with e._lock:
@@ -214,7 +219,7 @@ class DeviceTier:
                     assert res is not None
                     placed.append((lease, res, id(lease.entry) not in loaded))
                 if loads:
-                    self._load(pool, loads)
+                    copied = self._load(pool, loads)
                 if not defer_tables:
                     pool.flush()
             except BaseException as exc:
@@ -231,8 +236,7 @@ class DeviceTier:
             table = self._read_table(pool, placed) if read_table else None
         results = [None if p is None else self._device_lease(pool, *p) for p in placed]
         events = list({id(p[1].event): p[1].event for p in placed if p and p[1].event}.values())
-        nbytes = sum(entry.nbytes for entry, _ in loads)
-        return PendingGet(results, table, events, nbytes, self._observe)
+        return PendingGet(results, table, events, copied, self._observe)
 
     def ready_event(self, pending: PendingGet, device: int) -> bytes | None:
         """An interprocess event handle that fires once ``pending``'s copies are complete,
@@ -276,7 +280,7 @@ class DeviceTier:
             hit,
         )
 
-    def _load(self, pool: DevicePool, loads: list[tuple[Entry, Residency]]) -> None:
+    def _load(self, pool: DevicePool, loads: list[tuple[Entry, Residency]]) -> dict[str, int]:
         """Fill fresh residencies: one ``transfer_ranges`` call gathers every entry that
         comes from the host; entries resident on a faster peer GPU are copied from there."""
         from_host: list[tuple[Entry, Residency]] = []
@@ -311,6 +315,7 @@ class DeviceTier:
         self._engine._count_copy("h2d", host_bytes)
         if peer_bytes:
             self._engine._count_copy("d2d", peer_bytes)
+        return {"h2d": host_bytes, "d2d": peer_bytes}
 
     def _copy_from_host(self, pool: DevicePool, batch: list[tuple[Entry, Residency]]) -> None:
         """One ``transfer_ranges`` call: host page runs against the residencies' device page

@@ -44,7 +44,7 @@ class PoolStatsModel(_OpenModel):
     largest_free_run_pages: int
     free_runs: int
     out_of_service: str = Field(
-        default="", description="Device pools only: why a device error took it out (empty: serving)."
+        default="", description="Device pools only: why a device error took it out (empty if not)."
     )
 
 

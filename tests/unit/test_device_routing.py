@@ -62,11 +62,13 @@ def test_resident_elsewhere_uses_the_faster_source(
     engine.put("a", a)
     engine.get_to_device(["a"], "dec", device=0)  # resident on pool 0
     before = dict(engine.stats().bytes_copied)
+    observed: list[tuple[str, int]] = []
+    engine.copy_observer = lambda direction, nbytes, seconds: observed.append((direction, nbytes))
     [d1], _ = engine.get_to_device(["a"], "dec", device=1)
     after = engine.stats().bytes_copied
     assert d1 is not None and torch.equal(read(engine, d1), a)
     grown = {k for k in after if after[k] > before.get(k, 0)}
-    assert grown == {expect}
+    assert grown == {expect} and observed == [(expect, len(a))]  # the metrics' direction too
     assert engine.entry_info("a").residency == ("host", "device:0", "device:1")  # type: ignore[union-attr]
 
 
