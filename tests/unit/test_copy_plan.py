@@ -180,3 +180,23 @@ def test_plan_entries_copies_every_entry(plan, whole) -> None:  # type: ignore[n
             for col, v in zip(joined, (s, d, n), strict=True):
                 col.append(v)
     assert [[x // row for x in v] for v in ref] == joined
+
+
+@settings(max_examples=300, deadline=None)
+@given(entry_plans())
+def test_small_plans_merge_in_python_to_the_same_pieces(plan) -> None:  # type: ignore[no-untyped-def]
+    """The plain-Python merge of small plans gives exactly the numpy merge's pieces."""
+    from embcache.service import copy_plan
+    from embcache.service.copy_plan import entry_columns, plan_entries
+
+    src, src_page, dst, dst_page, sizes = plan
+    cols = [entry_columns(r, src_page, n, 16) for r, n in zip(src, sizes, strict=True)]
+    rows = [-(-n // 16) for n in sizes]
+    small = plan_entries(cols, dst, dst_page, 16, rows)
+    saved, copy_plan.SMALL_PLAN = copy_plan.SMALL_PLAN, -1  # force the numpy merge
+    try:
+        merged = plan_entries(cols, dst, dst_page, 16, rows)
+    finally:
+        copy_plan.SMALL_PLAN = saved
+    if not all(len(r) == 1 for r in dst):  # else both took the one-run fast path
+        assert [a.tolist() for a in small] == [a.tolist() for a in merged]
