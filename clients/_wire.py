@@ -175,6 +175,17 @@ class BytesCollector:
         return EntryBytes(self.key, self.meta.dtype, tuple(self.meta.shape), self.buf)
 
 
+def evict_request(keys: list[str], device: Any = None) -> pb.EvictRequest:
+    """An Evict request; ``device`` (``"cuda"``, ``"cuda:N"``, an index) limits it to the
+    keys' copies on that GPU (their host copies stay)."""
+    request = pb.EvictRequest(keys=keys)
+    if device is not None:
+        from .device import resolve_device
+
+        request.gpu_uuid = resolve_device(device)[1]
+    return request
+
+
 def prefetch_request(keys: Sequence[str], device: Any = None) -> pb.PrefetchRequest:
     """A Prefetch request; ``device`` (``"cuda"``, ``"cuda:N"``, an index) also warms that GPU."""
     request = pb.PrefetchRequest(keys=list(keys))

@@ -29,6 +29,7 @@ from ._wire import (
     EntryBytes,
     as_keys,
     encode_put,
+    evict_request,
     normalize_target,
     payload_of,
     prefetch_dict,
@@ -398,12 +399,12 @@ class AsyncEmbCacheClient:
         return found[0] if single else found
 
     @overload
-    async def evict(self, keys: str) -> str: ...  # type: ignore[overload-overlap]
+    async def evict(self, keys: str, device: Any = None) -> str: ...  # type: ignore[overload-overlap]
     @overload
-    async def evict(self, keys: Sequence[str]) -> list[str]: ...
-    async def evict(self, keys: str | Sequence[str]) -> str | list[str]:
+    async def evict(self, keys: Sequence[str], device: Any = None) -> list[str]: ...
+    async def evict(self, keys: str | Sequence[str], device: Any = None) -> str | list[str]:
         names, single = as_keys(keys)
-        request = pb.EvictRequest(keys=names)
+        request = evict_request(names, device)
         try:
             reply = await self._call(
                 lambda md, to: self._stub.Evict(request, timeout=to, metadata=md)

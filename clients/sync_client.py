@@ -34,6 +34,7 @@ from ._wire import (
     EntryBytes,
     as_keys,
     encode_put,
+    evict_request,
     normalize_target,
     payload_of,
     prefetch_dict,
@@ -404,14 +405,16 @@ class EmbCacheClient:
         return found[0] if single else found
 
     @overload
-    def evict(self, keys: str) -> str: ...  # type: ignore[overload-overlap]
+    def evict(self, keys: str, device: Any = None) -> str: ...  # type: ignore[overload-overlap]
     @overload
-    def evict(self, keys: Sequence[str]) -> list[str]: ...
-    def evict(self, keys: str | Sequence[str]) -> str | list[str]:
+    def evict(self, keys: Sequence[str], device: Any = None) -> list[str]: ...
+    def evict(self, keys: str | Sequence[str], device: Any = None) -> str | list[str]:
         """One key: "evicted", or raises NotFound / EntryLeased. Several: an outcome each
-        ("evicted", "not_found", "leased"); leased entries are never forced out."""
+        ("evicted", "not_found", "leased"); leased entries are never forced out.
+        ``device`` (``"cuda:N"``, an index): only the copies on that GPU go, their host
+        copies stay ("not_found" then also means no copy there)."""
         names, single = as_keys(keys)
-        request = pb.EvictRequest(keys=names)
+        request = evict_request(names, device)
         try:
             reply = self._call(lambda md, to: self._stub.Evict(request, timeout=to, metadata=md))
         except Exception as exc:

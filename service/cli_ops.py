@@ -195,8 +195,17 @@ def evict(
         str | None,
         typer.Option("--free", help="Instead of keys: free this many bytes by LRU (e.g. 1GiB)."),
     ] = None,
+    device_pool: Annotated[
+        int | None,
+        typer.Option(
+            "--device-pool",
+            min=0,
+            help="Only the copies in this device pool, by index (host copies stay).",
+        ),
+    ] = None,
 ) -> None:
-    """Evict entries by key (leased ones are refused), or free bytes by LRU."""
+    """Evict entries by key (leased ones are refused), or free bytes by LRU; with
+    --device-pool, only one GPU's copies."""
     if bool(keys) == (free is not None):
         raise _fail("give keys or --free SIZE (not both)", code=2)
     body: dict[str, Any] = {"keys": keys}
@@ -205,6 +214,8 @@ def evict(
             body = {"bytes": parse_size(free)}
         except ValueError as exc:
             raise _fail(str(exc), code=2) from None
+    if device_pool is not None:
+        body["device"] = device_pool
     out = _request(settings, "POST", "/v1/evict", json=body)
     for key in out["evicted"]:
         console.print(f"[green]evicted[/]   {key}", highlight=False)

@@ -236,6 +236,29 @@ class DevicePool:
         self.flush()
         return count
 
+    def evict_entries(self, entries: list[Entry]) -> int:
+        """Forget these entries' copies (the caller checked nobody holds them); one table
+        flush for all. Returns how many had a copy here."""
+        count = sum(1 for entry in entries if self._forget(entry))
+        self.evictions += count
+        self.flush()
+        return count
+
+    def evict_bytes(self, nbytes: int) -> tuple[int, int]:
+        """Evict unleased residents, least recently used first, until ``nbytes`` of pages
+        are free again or none is left: (entries, bytes of pages freed)."""
+        count = freed = 0
+        while freed < nbytes:
+            victim = next((e for e in self._resident if e.ref_cnt == 0), None)
+            if victim is None:
+                break
+            freed += self._resident[victim].npages * self.page_bytes
+            self._forget(victim)
+            count += 1
+        self.evictions += count
+        self.flush()
+        return count, freed
+
     def _on_stream(self) -> contextlib.AbstractContextManager[object]:
         if self.stream is None:
             return contextlib.nullcontext()

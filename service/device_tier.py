@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -25,6 +25,8 @@ from .device_routing import PeerRates, copy_between_pools
 from .errors import DeviceUnavailable, PoolExhausted
 from .leases import Lease
 from .ready_events import ReadyEvents
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from .engine import CacheEngine
@@ -166,6 +168,32 @@ class DeviceTier:
         for pool in self.pools:
             pool.drop(entry)
 
+    def evict_copies(self, entries: list[Entry], device: int) -> list[bool]:
+        """Drop these unleased entries' copies in pool ``device`` (host copies stay); per
+        entry, whether it had one. Caller holds the engine lock."""
+        pool = self._at(device)
+        had = [pool.is_resident(entry) for entry in entries]
+        present = [entry for entry in entries if pool.is_resident(entry)]
+        self._guarded(pool, lambda: pool.evict_entries(present))
+        return had
+
+    def evict_pool_bytes(self, device: int, nbytes: int) -> tuple[int, int]:
+        """Free ``nbytes`` of pool ``device`` by LRU over its unleased copies."""
+        pool = self._at(device)
+        return self._guarded(pool, lambda: pool.evict_bytes(nbytes))
+
+    @staticmethod
+    def _guarded(pool: DevicePool, fn: Callable[[], T]) -> T:
+        """``fn()`` on ``pool``; a device error takes the pool out of service."""
+        try:
+            return fn()
+        except BaseException as exc:
+            if _take_out_of_service(pool, exc):
+                raise DeviceUnavailable(
+                    "device error; pool taken out of service", device=pool.index, reason=str(exc)
+                ) from exc
+            raise
+
     # -- get to device -------------------------------------------------------------------
     def start_get(
         self,
@@ -256,13 +284,9 @@ class DeviceTier:
     ) -> tuple[list[DeviceLease | None], torch.Tensor | None]:
         pending = self.start_get(keys, owner, ttl_s=ttl_s, device=device, read_table=read_table)
         try:
-            return pending.wait()
-        except BaseException as exc:  # nobody receives these leases
+            return self._guarded(self._at(device), pending.wait)
+        except BaseException:  # nobody receives these leases
             self._engine.release(d.lease.lease_id for d in pending.results if d is not None)
-            if _take_out_of_service(self._at(device), exc):
-                raise DeviceUnavailable(
-                    "device error; pool taken out of service", device=device, reason=str(exc)
-                ) from exc
             raise
 
     @staticmethod

@@ -88,6 +88,17 @@ def cuda_wanted(settings: Settings) -> bool:
     return available
 
 
+def raise_for_evict(key: str, outcome: EvictOutcome, *, device: int | None = None) -> None:
+    """The typed error of one key's eviction outcome (none when evicted); ``device``: the
+    eviction was of that device pool's copies only."""
+    if outcome is EvictOutcome.NOT_FOUND and device is not None:
+        raise NotFound("no such entry, or no copy in that device pool", key=key, device=device)
+    if outcome is EvictOutcome.NOT_FOUND:
+        raise NotFound("no such entry", key=key)
+    if outcome is EvictOutcome.LEASED:
+        raise EntryLeased("entry is leased; it is evicted only once released", key=key)
+
+
 class CacheEngine:
     def __init__(
         self,
@@ -438,25 +449,52 @@ class CacheEngine:
     def evict(self, keys: Sequence[str]) -> list[EvictOutcome]:
         """Evict each key unless it is leased (never forced)."""
         with self._lock:
-            self._expire_locked(self._clock())
-            out = []
-            for key in keys:
-                entry = self._entries.get(key) if isinstance(key, str) else None
-                if entry is None:
-                    out.append(EvictOutcome.NOT_FOUND)
-                elif entry.ref_cnt:
-                    out.append(EvictOutcome.LEASED)
-                else:
+            out = self._evictable(keys)
+            for _, entry in out:
+                if entry is not None:
                     self._evict_locked(entry)
-                    out.append(EvictOutcome.EVICTED)
-            return out
+            return [outcome for outcome, _ in out]
+
+    def evict_device(self, keys: Sequence[str], device: int) -> list[EvictOutcome]:
+        """Drop each key's copy in device pool ``device``; its host copy stays. NOT_FOUND:
+        no such entry, or no copy there; LEASED: refused (never forced)."""
+        with self._lock:
+            out = self._evictable(keys)
+            todo = [entry for _, entry in out if entry is not None]
+            had = iter(self.device_tier.evict_copies(todo, device))
+            return [
+                EvictOutcome.NOT_FOUND if entry is not None and not next(had) else outcome
+                for outcome, entry in out
+            ]
+
+    def _evictable(self, keys: Sequence[str]) -> list[tuple[EvictOutcome, Entry | None]]:
+        """Each key's outcome, with its entry when it may go (EVICTED); a key named again is
+        NOT_FOUND the second time (gone by then). Caller holds the lock."""
+        self._expire_locked(self._clock())
+        out: list[tuple[EvictOutcome, Entry | None]] = []
+        seen: set[int] = set()
+        for key in keys:
+            entry = self._entries.get(key) if isinstance(key, str) else None
+            if entry is None or id(entry) in seen:
+                out.append((EvictOutcome.NOT_FOUND, None))
+            elif entry.ref_cnt:
+                out.append((EvictOutcome.LEASED, None))
+            else:
+                seen.add(id(entry))
+                out.append((EvictOutcome.EVICTED, entry))
+        return out
+
+    def evict_device_bytes(self, device: int, nbytes: int) -> tuple[int, int]:
+        """Free ``nbytes`` of device pool ``device`` by LRU over its unleased copies (host
+        copies stay): (entries, bytes of pages freed)."""
+        if nbytes < 0:
+            raise InvalidArgument("nbytes must be >= 0", nbytes=nbytes)
+        with self._lock:
+            self._expire_locked(self._clock())
+            return self.device_tier.evict_pool_bytes(device, nbytes)
 
     def evict_one(self, key: str) -> None:
-        outcome = self.evict([key])[0]
-        if outcome is EvictOutcome.NOT_FOUND:
-            raise NotFound("no such entry", key=key)
-        if outcome is EvictOutcome.LEASED:
-            raise EntryLeased("entry is leased; it is evicted only once released", key=key)
+        raise_for_evict(key, self.evict([key])[0])
 
     def evict_bytes(self, nbytes: int) -> tuple[int, int]:
         """Evict LRU entries until ``nbytes`` are freed or none is left. (entries, bytes)."""

@@ -19,7 +19,7 @@ from google.protobuf import struct_pb2
 from ...proto.embcache.v1 import embcache_pb2 as pb
 from ...proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
 from ..config import Settings
-from ..engine import CacheEngine, EvictOutcome
+from ..engine import CacheEngine, EvictOutcome, raise_for_evict
 from ..errors import InvalidArgument, NotFound
 from ..ipc_cache import IpcCache
 from .descriptors import describer_for
@@ -196,7 +196,12 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         self, request: pb.EvictRequest, context: grpc.aio.ServicerContext
     ) -> pb.EvictResponse:
         keys = list(request.keys)
-        if len(keys) == 1:  # a single key fails loudly: NOT_FOUND / FAILED_PRECONDITION
+        if request.gpu_uuid:  # that GPU's copies only (DeviceUnavailable if it has no pool)
+            index, _ = self.engine.device_tier.pool_for(request.gpu_uuid)
+            outcomes = self.engine.evict_device(keys, index)
+            if len(keys) == 1:  # a single key fails loudly, as below
+                raise_for_evict(keys[0], outcomes[0], device=index)
+        elif len(keys) == 1:  # a single key fails loudly: NOT_FOUND / FAILED_PRECONDITION
             self.engine.evict_one(keys[0])
             outcomes = [EvictOutcome.EVICTED]
         else:

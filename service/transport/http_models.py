@@ -113,11 +113,17 @@ class EntryPage(_Model):
 
 
 class EvictRequest(_Model):
-    """Either ``keys`` to evict (leased ones are refused, never forced) or ``bytes`` to free."""
+    """Either ``keys`` to evict (leased ones are refused, never forced) or ``bytes`` to free.
+    With ``device``, only copies in that device pool go; host copies stay."""
 
     keys: list[str] | None = Field(None, max_length=10_000)
     bytes: ByteSize | None = Field(
         None, description="Free at least this many bytes by LRU eviction (e.g. 1048576 or '1MiB')."
+    )
+    device: int | None = Field(
+        default=None,
+        ge=0,
+        description="Device pool index: evict its copies only (host copies stay).",
     )
 
     @model_validator(mode="after")

@@ -149,11 +149,18 @@ def delete_entry(request: Request, key: str) -> DeleteResponse:
     return DeleteResponse(key=key, evicted=True, freed_bytes=info.nbytes if info else 0)
 
 
-@router.post("/evict", response_model=EvictResponse, summary="Evict keys, or free bytes by LRU")
+@router.post(
+    "/evict",
+    response_model=EvictResponse,
+    summary="Evict keys, or free bytes by LRU (from one device pool with 'device')",
+)
 def evict(request: Request, body: EvictRequest) -> EvictResponse:
     engine = _engine(request)
     if body.bytes is not None:
-        count, freed = engine.evict_bytes(body.bytes)
+        if body.device is None:
+            count, freed = engine.evict_bytes(body.bytes)
+        else:  # DeviceUnavailable -> 409 when there is no such pool
+            count, freed = engine.evict_device_bytes(body.device, body.bytes)
         return EvictResponse(
             evicted=[], not_found=[], leased=[], freed_entries=count, freed_bytes=freed
         )
@@ -163,7 +170,9 @@ def evict(request: Request, body: EvictRequest) -> EvictResponse:
         info = engine.entry_info(key)
         sizes[key] = info.nbytes if info is not None else 0
     out: dict[EvictOutcome, list[str]] = {o: [] for o in EvictOutcome}
-    for key, outcome in zip(keys, engine.evict(keys), strict=True):
+    device = body.device
+    outcomes = engine.evict(keys) if device is None else engine.evict_device(keys, device)
+    for key, outcome in zip(keys, outcomes, strict=True):
         out[outcome].append(key)
     evicted = out[EvictOutcome.EVICTED]
     return EvictResponse(

@@ -104,6 +104,9 @@ def test_evict(cli: Any, tmp_path: Path) -> None:
     assert result.exit_code == 0 and "freed" in result.output
     assert cli("evict").exit_code == 2
     assert cli("evict", "--free", "lots").exit_code == 2
+    result = cli("evict", "ev/1", "--device-pool", "0")  # no device pools here: 409
+    assert result.exit_code == 1 and "409" in result.output, result.output
+    assert cli("evict", "ev/1", "--device-pool", "-1").exit_code == 2
 
 
 def test_auth_token_is_required(cli: Any) -> None:

@@ -255,6 +255,31 @@ def test_client_falls_back_without_a_device_pool(dev_server: Server, monkeypatch
         assert set(client._no_device) == {"GPU-x"} and calls == ["cuda"]
 
 
+def test_evict_one_gpus_copies(dev_server: Server, stub, monkeypatch) -> None:
+    # Evict with gpu_uuid drops that GPU's copies only: the entry and its host copy stay.
+    engine, service, _ = dev_server
+    for key, seed in (("a", 1), ("b", 2)):
+        engine.put(key, blob(PAGE, seed))
+    gpu = engine.device_tier.pool(0).gpu_uuid
+    reply = stub.Get(pb.GetRequest(keys=["a", "b"], gpu_uuid=gpu))
+    stub.Release(pb.ReleaseRequest(lease_ids=[reply.results[0].lease_id]))
+    out = stub.Evict(pb.EvictRequest(keys=["a", "b", "zz"], gpu_uuid=gpu))
+    assert [r.outcome for r in out.results] == [pb.EVICTED, pb.LEASED, pb.NOT_FOUND]
+    assert engine.entry_info("a").residency == ("host",)  # type: ignore[union-attr]
+    assert list(stub.Exists(pb.ExistsRequest(keys=["a"])).exists) == [True]
+    with pytest.raises(grpc.RpcError) as err:  # one key fails loudly: no copy there now
+        stub.Evict(pb.EvictRequest(keys=["a"], gpu_uuid=gpu))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Evict(pb.EvictRequest(keys=["a"], gpu_uuid="GPU-none"))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    monkeypatch.setattr(client_device, "resolve_device", lambda d: (torch.device("cpu"), gpu))
+    stub.Release(pb.ReleaseRequest(lease_ids=[reply.results[1].lease_id]))
+    with EmbCacheClient(f"unix:{service.socket_path}", timeout=10) as client:
+        assert client.evict(["b", "a"], device="cuda") == ["evicted", "not_found"]
+        assert client.exists(["a", "b"]) == [True, True]
+
+
 # -- PutFromDevice ---------------------------------------------------------------------------
 def ipc_tensor(handle: bytes, t: torch.Tensor, offset: int, alloc: int, **kw) -> pb.CudaIpcTensor:
     return pb.CudaIpcTensor(

@@ -216,6 +216,29 @@ def test_pool_map_draws_each_device_pool(shm_name: str) -> None:
             assert missing.status_code == 409, missing.text
 
 
+def test_evict_from_one_device_pool(shm_name: str) -> None:
+    # 'device' evicts copies in that device pool only: the entry, its host copy and its
+    # copy on the other pool stay; by bytes, LRU within that pool. No such pool: 409.
+    from embcache.service.device_pool import DevicePool
+
+    settings = Settings(host_pool_bytes=64 * PAGE, page_bytes=PAGE, shm_name=shm_name, device="cpu")
+    pools = [DevicePool(torch.device("cpu"), 8 * PAGE, PAGE, index=i) for i in range(2)]
+    with CacheEngine(settings, device_pools=pools) as engine:
+        engine.put("a", torch.ones(8, 256))  # 2 pages
+        for device in (0, 1):
+            leased, _ = engine.get_to_device(["a"], "t", device=device)
+            engine.release([d.lease.lease_id for d in leased if d is not None])
+        for client in _serve(engine, None):
+            out = client.post("/v1/evict", json={"keys": ["a", "zz"], "device": 1}).json()
+            assert out["evicted"] == ["a"] and out["not_found"] == ["zz"], out
+            assert engine.entry_info("a").residency == ("host", "device:0")  # type: ignore[union-attr]
+            out = client.post("/v1/evict", json={"bytes": 1, "device": 0}).json()
+            assert (out["freed_entries"], out["freed_bytes"]) == (1, 2 * PAGE), out
+            assert engine.entry_info("a").residency == ("host",)  # type: ignore[union-attr]
+            assert client.post("/v1/evict", json={"keys": ["a"], "device": 2}).status_code == 409
+            assert client.post("/v1/evict", json={"keys": ["a"], "device": -1}).status_code == 422
+
+
 def test_page_and_assets(client: httpx.Client) -> None:
     page = client.get("/")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]

@@ -13,7 +13,7 @@ from embcache.service.config import Settings
 from embcache.service.device_pool import DevicePool
 from embcache.service.device_routing import HOST, PeerRates
 from embcache.service.engine import CacheEngine
-from embcache.service.errors import DeviceUnavailable
+from embcache.service.errors import DeviceUnavailable, InvalidArgument
 
 PAGE = 4096
 
@@ -196,3 +196,36 @@ def test_a_failed_pool_shows_in_stats_metrics_and_readiness(
     assert 'embcache_pool_in_service{device="1",tier="device"} 0.0' in text
     state = readiness(engine)
     assert state.status == "ready" and state.devices_out_of_service == [1]  # GPU 0 serves
+
+
+def test_evicting_one_device_pool_keeps_the_other_copies(engine: CacheEngine) -> None:
+    from embcache.service.engine import EvictOutcome
+
+    a, b = blob(2 * PAGE, 1), blob(PAGE, 2)
+    engine.put("a", a)
+    engine.put("b", b)
+    for device in (0, 1):
+        [d], _ = engine.get_to_device(["a"], "dec", device=device)
+        engine.release([d.lease.lease_id])  # type: ignore[union-attr]
+    [held], _ = engine.get_to_device(["b"], "dec", device=0)
+    assert engine.evict_device(["a", "b", "nope"], 0) == [
+        EvictOutcome.EVICTED,
+        EvictOutcome.LEASED,  # a leased entry is never dropped
+        EvictOutcome.NOT_FOUND,
+    ]
+    assert engine.entry_info("a").residency == ("host", "device:1")  # type: ignore[union-attr]
+    assert engine.evict_device(["a"], 0) == [EvictOutcome.NOT_FOUND]  # no copy there now
+    assert engine.evict_device(["a", "a"], 1) == [EvictOutcome.EVICTED, EvictOutcome.NOT_FOUND]
+    [again], _ = engine.get_to_device(["a"], "dec", device=1)  # back on pool 1
+    engine.release([again.lease.lease_id])  # type: ignore[union-attr]
+    pools = engine.stats().device
+    assert pools[0].used_pages == 1 and pools[1].used_pages == 2  # b stays; a stays on 1
+    assert engine.evict_device_bytes(1, 1) == (1, 2 * PAGE)  # LRU on pool 1 only: a
+    assert engine.stats().device[1].used_pages == 0
+    engine.release([held.lease.lease_id])  # type: ignore[union-attr]
+    [d0], _ = engine.get_to_device(["a"], "dec", device=0)  # copied again from the host
+    assert d0 is not None and torch.equal(read(engine, d0), a)
+    with pytest.raises(DeviceUnavailable):
+        engine.evict_device(["a"], 2)
+    with pytest.raises(InvalidArgument):
+        engine.evict_device_bytes(0, -1)

@@ -232,6 +232,9 @@ def test_evict_api(engine: CacheEngine) -> None:
     assert engine.evict_bytes(2 * PAGE + 1) == (3, 3 * PAGE)
     assert engine.exists([f"k{i}" for i in range(6)]) == [False] * 3 + [True] * 3
     assert engine.evict_bytes(0) == (0, 0)
+    # a key named twice goes once (its pages are freed once); the second time it is gone
+    assert engine.evict(["k3", "k3"]) == [EvictOutcome.EVICTED, EvictOutcome.NOT_FOUND]
+    assert engine.stats().host.used_pages == 2
 
 
 def test_ttl_expiry_and_renew(engine: CacheEngine, clock: FakeClock) -> None:
