@@ -37,7 +37,7 @@ from ._wire import (
 )
 from .errors import backoff_s, from_call_error, is_unknown_session, should_retry, translate
 from .results import AsyncLeasedTensors, copy_into, decode_get
-from .sessions import AsyncSession, SessionLost
+from .sessions import AsyncSession, SessionLost, retry_step
 from .shm import process_pool_maps
 from .stats import EVICT_NAMES, stats_dict
 from .sync_client import _outcome_of, _wants_device_put
@@ -140,16 +140,11 @@ class AsyncEmbCacheClient:
                 continue
             if result.WhichOneof("outcome") == "get":
                 return result.get
-            err = from_call_error(result.error)
-            if result.error.error_type == "UnknownSession" and attempt < self.retries:
+            if retry_step(result, attempt, self.retries) == "new_session":
                 await self._drop_session()  # the daemon forgot it: start a new one
-                attempt += 1
-                continue
-            if result.error.code == "UNAVAILABLE" and attempt < self.retries:
+            else:
                 await asyncio.sleep(backoff_s(attempt))
-                attempt += 1
-                continue
-            raise err
+            attempt += 1
 
     async def _drop_session(self) -> None:
         async with self._session_lock:

@@ -26,7 +26,7 @@ import grpc
 
 from ..proto.embcache.v1 import embcache_pb2 as pb
 from ..proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
-from .errors import RpcFailed
+from .errors import RpcFailed, from_call_error
 
 
 class SessionLost(RpcFailed):
@@ -35,6 +35,18 @@ class SessionLost(RpcFailed):
 
     def __init__(self, message: str = "the Session stream ended during the call") -> None:
         super().__init__(message, "UNAVAILABLE")
+
+
+def retry_step(result: pb.SessionResult, attempt: int, retries: int) -> str:
+    """After a session call that failed: ``"new_session"`` (the daemon forgot the session)
+    or ``"backoff"`` (UNAVAILABLE) while ``attempt < retries``; otherwise raise its typed
+    error, as an RPC would."""
+    if attempt < retries:
+        if result.error.error_type == "UnknownSession":
+            return "new_session"
+        if result.error.code == "UNAVAILABLE":
+            return "backoff"
+    raise from_call_error(result.error)
 
 
 class _Waiter:

@@ -49,7 +49,7 @@ from .errors import (
     translate,
 )
 from .results import LeasedTensors, copy_into, decode_get
-from .sessions import Session, SessionLost
+from .sessions import Session, SessionLost, retry_step
 from .shm import process_pool_maps
 from .stats import EVICT_NAMES, stats_dict
 
@@ -137,16 +137,11 @@ class EmbCacheClient:
                 continue
             if result.WhichOneof("outcome") == "get":
                 return result.get
-            err = from_call_error(result.error)
-            if result.error.error_type == "UnknownSession" and attempt < self.retries:
+            if retry_step(result, attempt, self.retries) == "new_session":
                 self._drop_session()  # the daemon forgot it: start a new one
-                attempt += 1
-                continue
-            if result.error.code == "UNAVAILABLE" and attempt < self.retries:
+            else:
                 time.sleep(backoff_s(attempt))
-                attempt += 1
-                continue
-            raise err
+            attempt += 1
 
     def _drop_session(self) -> None:
         with self._session_lock:

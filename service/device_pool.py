@@ -140,7 +140,7 @@ class DevicePool:
         if total > self.num_pages:
             return None
         while self._pages.num_free_pages < total or self._vpages.largest_free_run < total:
-            if not self._evict_one():
+            if self._evict_one() is None:
                 return None
         vruns = self._vpages.allocate(total)
         runs = self._pages.allocate(total)
@@ -205,13 +205,14 @@ class DevicePool:
         ids = np.concatenate([np.arange(s, s + k, dtype=np.int64) for s, k in runs])
         return upload(torch.from_numpy(ids), self.device)
 
-    def _evict_one(self) -> bool:
-        for entry in self._resident:
+    def _evict_one(self) -> Residency | None:
+        """Forget the least recently used unleased copy; its residency (None: all leased)."""
+        for entry, res in self._resident.items():
             if entry.ref_cnt == 0:
                 self._forget(entry)
                 self.evictions += 1
-                return True
-        return False
+                return res
+        return None
 
     def drop(self, entry: Entry) -> None:
         """Forget ``entry``'s device copy now (the caller knows nobody holds it)."""
@@ -231,7 +232,7 @@ class DevicePool:
 
     def evict_unleased(self) -> int:
         count = 0
-        while self._evict_one():
+        while self._evict_one() is not None:
             count += 1
         self.flush()
         return count
@@ -248,14 +249,9 @@ class DevicePool:
         """Evict unleased residents, least recently used first, until ``nbytes`` of pages
         are free again or none is left: (entries, bytes of pages freed)."""
         count = freed = 0
-        while freed < nbytes:
-            victim = next((e for e in self._resident if e.ref_cnt == 0), None)
-            if victim is None:
-                break
-            freed += self._resident[victim].npages * self.page_bytes
-            self._forget(victim)
+        while freed < nbytes and (res := self._evict_one()) is not None:
+            freed += res.npages * self.page_bytes
             count += 1
-        self.evictions += count
         self.flush()
         return count, freed
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from gpukit import run
 
 from embcache.clients import EmbCacheClient
 from embcache.service.daemon_process import DaemonProcess, read_line, stop
@@ -54,17 +55,6 @@ def daemon(request: pytest.FixtureRequest) -> Iterator[Daemon]:
             yield Daemon(child.proc, f"unix:{sock}", ready, mode)
         finally:
             assert child.stop(timeout=30) == 0
-
-
-def run(code: str, *args: str, timeout: float = 300) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 TENSORS = """

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+from gpukit import run
 
 from embcache.clients import EmbCacheClient
 from embcache.clients.device import materialize
@@ -703,17 +704,6 @@ class Child:
         self._err.close()
 
 
-def run(code: str, *args: str, timeout: float = 120) -> Any:
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 @pytest.fixture(params=["fd", "legacy"])
 def daemon(request: pytest.FixtureRequest) -> Iterator[str]:
     """``embcache serve --gpus 0,1`` with a 256 MiB device pool per GPU; yields its target."""
@@ -788,7 +778,7 @@ def test_decoders_on_two_gpus_read_the_same_entries(daemon: str, tmp_path: Path)
     ]
     try:
         fragment_device_pools(target)
-        enc = run(ENCODER, target)
+        enc = run(ENCODER, target, timeout=120)
         assert enc["sha"] == expected
         assert enc["device_puts"] and enc["d2h"] >= enc["device_bytes"] > 0, enc
         assert [d.answer("ready") for d in decoders] == [0, 1]

@@ -9,18 +9,16 @@ Every process started here is stopped by its pid. Run on a GPU machine with:
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 import tempfile
-import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
 import pytest
 import torch
+from gpukit import run
 
 from embcache.service.daemon_process import DaemonProcess
 
@@ -132,17 +130,6 @@ with httpx.Client(base_url=url, headers=headers, timeout=120) as http:
 print(json.dumps(out))
 """
 )
-
-
-def run(code: str, *args: str, timeout: float = 300) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def raw(t: torch.Tensor) -> bytes:
