@@ -221,19 +221,21 @@ class DeviceTier:
         copied: dict[str, int] = {}
         if fill_misses:
             e.fill_misses(keys)  # shared tier, outside the lock
+        ttl = e._ttl(ttl_s)
         with e._lock:
-            leases = e._get(keys, owner, ttl_s=ttl_s)
+            entries, now = e._pin(keys, owner)
+            leases: list[Lease | None] | None = None
             placed: list[Placed | None] = []
             try:
-                todo: list[Lease] = []  # leases whose entry needs a copy, each entry once
+                todo: list[Entry] = []  # found entries that need a copy, each once
                 seen: set[Entry] = set()
-                for lease in leases:
-                    if lease is None or lease.entry in seen:
+                for entry in entries:
+                    if entry is None or entry in seen:
                         continue
-                    seen.add(lease.entry)
-                    if pool.lookup(lease.entry) is None:
-                        todo.append(lease)
-                fresh = pool.reserve_batch([x.entry for x in todo]) if todo else []
+                    seen.add(entry)
+                    if pool.lookup(entry) is None:
+                        todo.append(entry)
+                fresh = pool.reserve_batch(todo) if todo else []
                 if fresh is None:
                     raise PoolExhausted(
                         "device pool is full of leased entries",
@@ -241,7 +243,12 @@ class DeviceTier:
                         nbytes=sum(x.nbytes for x in todo),
                         device_pages=pool.num_pages,
                     )
-                loads = [(x.entry, res) for x, res in zip(todo, fresh, strict=True)]
+                loads = list(zip(todo, fresh, strict=True))
+                # The copy is queued before the leases are made, so it starts sooner: making
+                # them cannot fail, and the pins keep every entry of the batch in place.
+                if loads:
+                    copied = self._load(pool, loads)
+                leases = e._lease_pinned(entries, owner, now + ttl)
                 loaded = {id(entry) for entry, _ in loads}
                 for lease in leases:
                     if lease is None:
@@ -250,12 +257,13 @@ class DeviceTier:
                     res = pool.peek(lease.entry)
                     assert res is not None
                     placed.append((lease, res, id(lease.entry) not in loaded))
-                if loads:
-                    copied = self._load(pool, loads)
                 if not defer_tables:
                     pool.flush()
             except BaseException as exc:
-                e.release(x.lease_id for x in leases if x is not None)
+                if leases is None:
+                    e._unpin(entries)
+                else:
+                    e.release(x.lease_id for x in leases if x is not None)
                 if _take_out_of_service(pool, exc):
                     raise DeviceUnavailable(
                         "device error; pool taken out of service", device=device, reason=str(exc)

@@ -308,23 +308,43 @@ class CacheEngine:
     ) -> list[Lease | None]:
         ttl = self._ttl(ttl_s)
         with self._lock:
-            self._check_open()
-            now = self._clock()
-            self._expire_locked(now)
-            out: list[Lease | None] = []
-            counted = owner != SHARED_TIER_OWNER  # write-through reads are not client hits
-            for key in keys:
-                entry = self._entries.get(key) if isinstance(key, str) else None
-                if entry is None:
-                    self._counters["misses"] += counted
-                    out.append(None)
-                    continue
-                self._counters["hits"] += counted
-                self._entries.acquire(entry)
-                entry.last_access = now
-                page = self.settings.page_bytes
-                out.append(self._leases.add(entry, owner, now + ttl, page))
-            return out
+            entries, now = self._pin(keys, owner)
+            return self._lease_pinned(entries, owner, now + ttl)
+
+    def _pin(self, keys: Sequence[str], owner: str) -> tuple[list[Entry | None], float]:
+        """Caller holds the lock: look the keys up, count hits and misses, and pin each found
+        entry (a reference, so nothing evicts it) without a lease yet; also the time now.
+        A device get pins first and leases once its copy is queued (:meth:`_lease_pinned`);
+        whoever pins either leases or unpins (:meth:`_unpin`)."""
+        self._check_open()
+        now = self._clock()
+        self._expire_locked(now)
+        out: list[Entry | None] = []
+        counted = owner != SHARED_TIER_OWNER  # write-through reads are not client hits
+        for key in keys:
+            entry = self._entries.get(key) if isinstance(key, str) else None
+            if entry is None:
+                self._counters["misses"] += counted
+                out.append(None)
+                continue
+            self._counters["hits"] += counted
+            self._entries.acquire(entry)
+            entry.last_access = now
+            out.append(entry)
+        return out, now
+
+    def _lease_pinned(
+        self, entries: Sequence[Entry | None], owner: str, expires_at: float
+    ) -> list[Lease | None]:
+        """Caller holds the lock: one lease per entry pinned by :meth:`_pin` (never fails)."""
+        page, add = self.settings.page_bytes, self._leases.add
+        return [None if e is None else add(e, owner, expires_at, page) for e in entries]
+
+    def _unpin(self, entries: Sequence[Entry | None]) -> None:
+        """Caller holds the lock: undo :meth:`_pin` for entries that got no lease."""
+        for entry in entries:
+            if entry is not None:
+                self._entries.release(entry)
 
     def _ttl(self, ttl_s: float | None) -> float:
         if ttl_s is None:
