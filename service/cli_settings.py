@@ -13,6 +13,7 @@ from typing import Any
 
 import typer
 from pydantic import ValidationError
+from rich.markup import escape
 
 from .config import Settings
 
@@ -51,7 +52,7 @@ def with_settings(func: Callable[..., Any]) -> Callable[..., Any]:
                 default=typer.Option(
                     None,
                     flag_name(name),
-                    help=field.description,
+                    help=escape(field.description or ""),  # '[/db]' is no markup
                     rich_help_panel="Settings (env EMBCACHE_<NAME>)",
                 ),
             )
