@@ -293,12 +293,14 @@ def device_gets(target: str, iters: int, rounds: int) -> dict[str, Any]:
     return out
 
 
-def gpu_section(tmp: str, iters: int, rounds: int, pin: list[str]) -> dict[str, Any] | str:
+def gpu_section(
+    tmp: str, iters: int, rounds: int, pin: list[str], extra: tuple[str, ...] = ()
+) -> dict[str, Any] | str:
     if not torch.cuda.is_available():
         return "no CUDA here: get-to-device not measured"
-    sock = os.path.join(tmp, "gpu.sock")
+    sock = os.path.join(tmp, f"gpu{len(extra)}.sock")
     flags = ["--grpc-socket", sock, "--host-pool-bytes", "4GiB", "--device-pool-bytes", "1GiB"]
-    daemon = DaemonProcess([*flags, *pin])
+    daemon = DaemonProcess([*flags, *pin, *extra])
     try:
         return device_gets(daemon.unix_target, iters, rounds)
     finally:
@@ -379,26 +381,34 @@ def main() -> None:
         f"(the floors); embcache Exists (unary) p50 {gets['exists_p50_us']:.0f} us"
     )
     gpu = gpu_section(tmp, args.device_iters, args.device_rounds, pin)
-    if isinstance(gpu, str):
+    # The same with the daemon's loop never polling (busy_poll_us 0), in the same run.
+    no_poll = gpu_section(tmp, args.device_iters, args.device_rounds, pin, ("--busy-poll-us", "0"))
+    if isinstance(gpu, str) or isinstance(no_poll, str):
         print(f"get-to-device: {gpu}")
     else:
         print(f"get-to-device over gRPC ({gpu['gpu']}); session: Get on the Session stream with a")
-        print("ready event (the default); rpc: the Get RPC, reply once copied (same run)")
+        print("ready event (the default); rpc: the Get RPC, reply once copied; no poll: session")
+        print("with the daemon's busy polling off (--busy-poll-us 0); all in the same run")
         head = f"{'1x4MiB cold p50/p99 us':>24}{'hit p50/p99 us':>17}{'16x4MiB frag GB/s':>19}"
         print(f"{'path':<9}{head}")
-        for label, sfx in (("session", ""), ("rpc", "_rpc")):
+        for label, sfx, res in (
+            ("session", "", gpu),
+            ("rpc", "_rpc", gpu),
+            ("no poll", "", no_poll),
+        ):
             print(
-                f"{label:<9}{gpu[f'get_device_cold{sfx}_p50_us']:>15.0f} /"
-                f"{gpu[f'get_device_cold{sfx}_p99_us']:>6.0f}"
-                f"{gpu[f'get_device_hit{sfx}_p50_us']:>10.0f} /"
-                f"{gpu[f'get_device_hit{sfx}_p99_us']:>5.0f}"
-                f"{gpu[f'get_device_16x4MiB_frag{sfx}_gbs']:>19.1f}"
+                f"{label:<9}{res[f'get_device_cold{sfx}_p50_us']:>15.0f} /"
+                f"{res[f'get_device_cold{sfx}_p99_us']:>6.0f}"
+                f"{res[f'get_device_hit{sfx}_p50_us']:>10.0f} /"
+                f"{res[f'get_device_hit{sfx}_p99_us']:>5.0f}"
+                f"{res[f'get_device_16x4MiB_frag{sfx}_gbs']:>19.1f}"
             )
         print(
             f"contiguous copy engine 64 MiB {gpu['copy_engine_64MiB_gbs']:.1f} GB/s: 16 x 4 MiB "
             f"ratio {gpu['ratio_frag_to_copy_engine']:.2f} (rpc "
             f"{gpu['ratio_frag_rpc_to_copy_engine']:.2f}); put-from-device 16 x 4 MiB "
-            f"{gpu['put_from_device_16x4MiB_gbs']:.1f} GB/s"
+            f"{gpu['put_from_device_16x4MiB_gbs']:.1f} GB/s "
+            f"({no_poll['put_from_device_16x4MiB_gbs']:.1f} without busy polling)"
         )
     out = args.out_dir / RESULTS.name
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -416,6 +426,7 @@ def main() -> None:
                 "put": rows,
                 "get": gets,
                 "get_to_device": gpu,
+                "get_to_device_no_busy_poll": no_poll,
             },
             indent=2,
         )

@@ -42,15 +42,20 @@ class SessionCalls:
         get: GetHandler,
         release: ReleaseHandler,
         metrics: RpcMetrics | None,
+        *,
+        on_call: Callable[[], None] | None = None,
     ) -> None:
         self.owner = owner
         self._send = send
         self._get = get
         self._release = release
         self._metrics = metrics
+        self._on_call = on_call  # told of each call as it arrives (busy polling)
         self._tasks: set[asyncio.Task[None]] = set()
 
     def start(self, call: pb.SessionCall) -> None:
+        if self._on_call is not None:
+            self._on_call()
         task = asyncio.get_running_loop().create_task(self._run(call))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -18,6 +18,7 @@ from typing import Any, Protocol, TypeVar
 import grpc
 
 from ..errors import EmbCacheError, InvalidArgument, status_for
+from .busy_poll import BusyPoll
 from .grpc_handlers import Undecodable
 
 log = logging.getLogger("embcache.grpc")
@@ -31,6 +32,7 @@ class RpcMetrics(Protocol):
 
 class HasMetrics(Protocol):
     metrics: RpcMetrics | None
+    busy: BusyPoll
 
 
 def grpc_code(error: EmbCacheError) -> grpc.StatusCode:
@@ -50,13 +52,15 @@ Handler = Callable[[S, Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
 def rpc(name: str) -> Callable[[Handler[S]], Handler[S]]:
-    """Decorate a servicer method: map errors to status codes and record the call."""
+    """Decorate a servicer method: map errors to status codes and record the call (and
+    keep the loop polling for a while: ``busy_poll.py``)."""
 
     def decorate(method: Handler[S]) -> Handler[S]:
         @functools.wraps(method)
         async def wrapper(self: S, request: Any, context: grpc.aio.ServicerContext) -> Any:
             start = time.perf_counter()
             code = "OK"
+            self.busy.poke()
             try:
                 if isinstance(request, Undecodable):
                     raise InvalidArgument("request is not a valid message", reason=request.reason)

@@ -99,6 +99,7 @@ class GrpcService:
         """
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        await self.servicer.busy.stop()
         self.servicer.close()
         if self.socket_path is not None:
             _unlink_socket(self.socket_path)
@@ -126,6 +127,7 @@ async def start_grpc(
         _prepare_socket_path(socket_path)
         server.add_insecure_port(f"unix:{socket_path}")
     await server.start()
+    servicer.busy.start()
     service = GrpcService(
         server, servicer, health_servicer, asyncio.get_running_loop(), ports, socket_path
     )

@@ -22,6 +22,7 @@ from ..config import Settings
 from ..engine import CacheEngine, EvictOutcome, raise_for_evict
 from ..errors import InvalidArgument, NotFound
 from ..ipc_cache import IpcCache
+from .busy_poll import BusyPoll
 from .descriptors import describer_for
 from .grpc_calls import SessionCalls
 from .grpc_device import DevicePlane, meta_of, pool_handle_of
@@ -53,6 +54,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         self.sessions = SessionRegistry()
         self.host_pool = pool_handle_of(describer_for(engine, settings).host_pool())
         self.device = DevicePlane(engine, settings, ipc)
+        self.busy = BusyPoll(settings.busy_poll_us / 1e6)  # started with the server
 
     def close(self) -> None:
         """Close the client allocations opened through IPC (after the server stopped)."""
@@ -247,7 +249,9 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
             async with writing:
                 await context.write(msg)
 
-        calls = SessionCalls(session_id, send, self._get, self._release, self.metrics)
+        calls = SessionCalls(
+            session_id, send, self._get, self._release, self.metrics, on_call=self.busy.poke
+        )
         try:
             opened = pb.SessionOpened(
                 session_id=session_id,
