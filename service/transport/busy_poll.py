@@ -8,20 +8,28 @@ the window the task waits on an event and the loop sleeps as usual: an idle daem
 CPU, a busy one at most the loop's core. (Low-latency data planes such as NCCL proxies and
 RDMA transfer engines poll the same way; here it is bounded by the window.)
 
-The polling step holds the GIL but for the loop's ``select(0)``; worker threads still get
-it. H200 host, scratch runs one after the other, p50 at the client of the session Get path:
+The polling step holds the GIL but for the loop's ``select(0)``, so polling stops while any
+work runs in the loop's worker threads (``asyncio.to_thread``: put_from_device, get_into,
+long copy waits), which need the GIL: the loop's default executor counts them.
+
+H200 host, scratch runs one after the other, p50 at the client of the session Get path:
 cold 1 x 4 MiB device Get 1153 and 1064 us off, 901 us on; resident hit 728 and 715 us off,
 578 us on; put_from_device of 16 x 4 MiB tensors (it runs in a worker thread) 2.17 GB/s off,
 2.49 on. A polite variant that slept 20 us per step was slower than no polling (cold 1226 us,
 hit 859 us, put_from_device 1.47 GB/s), so there is none. ``bench/grpc_e2e.py`` measures
-both settings in one run.
+both settings in one run; in its run at 8c8364c (before polling paused for worker threads)
+put_from_device over gRPC was slower with polling (1.5 against 1.9 GB/s).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 
 class BusyPoll:
@@ -32,6 +40,8 @@ class BusyPoll:
         self._until = 0.0
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+        self._threads = 0  # jobs running in the loop's worker threads
+        self._threads_lock = threading.Lock()
         self.spins = 0  # loop iterations spent polling (for tests and curiosity)
 
     @property
@@ -43,11 +53,23 @@ class BusyPoll:
         """True while the window is open."""
         return time.monotonic() < self._until
 
+    @property
+    def threads(self) -> int:
+        """Jobs running in the loop's worker threads now (polling waits for none)."""
+        return self._threads
+
     def start(self) -> None:
-        """Start the polling task on the running loop (a no-op when disabled)."""
+        """Start the polling task on the running loop (a no-op when disabled); the loop's
+        default executor becomes one that tells this object when its jobs run."""
         if self.enabled and self._task is None:
+            loop = asyncio.get_running_loop()
+            loop.set_default_executor(_CountingExecutor(self._thread_count))
             self._wake = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="busy-poll")
+            self._task = loop.create_task(self._run(), name="busy-poll")
+
+    def _thread_count(self, delta: int) -> None:
+        with self._threads_lock:
+            self._threads += delta
 
     def poke(self) -> None:
         """A call arrived: open (or extend) the window. Call it on the loop's thread."""
@@ -61,7 +83,7 @@ class BusyPoll:
         assert self._wake is not None
         while True:
             await self._wake.wait()
-            while time.monotonic() < self._until:
+            while not self._threads and time.monotonic() < self._until:
                 self.spins += 1
                 await asyncio.sleep(0)
             self._wake.clear()
@@ -72,3 +94,23 @@ class BusyPoll:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+class _CountingExecutor(concurrent.futures.ThreadPoolExecutor):
+    """The loop's default executor, reporting each job's start (+1) and end (-1)."""
+
+    def __init__(self, count: Callable[[int], None]) -> None:
+        super().__init__(thread_name_prefix="embcache-worker")
+        self._count = count
+
+    def submit(
+        self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future[Any]:
+        self._count(1)
+        try:
+            future = super().submit(fn, *args, **kwargs)
+        except BaseException:
+            self._count(-1)
+            raise
+        future.add_done_callback(lambda _: self._count(-1))
+        return future

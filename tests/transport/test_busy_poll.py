@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -61,6 +62,51 @@ def test_window_extends_with_each_poke() -> None:
             assert busy.polling
         await asyncio.sleep(0.08)
         assert not busy.polling
+        await busy.stop()
+
+    asyncio.run(main())
+
+
+def test_polling_pauses_while_worker_threads_run() -> None:
+    """Worker threads need the GIL that a polling loop holds: no polling while one runs."""
+
+    async def main() -> None:
+        busy = BusyPoll(1.0)
+        busy.start()
+        release = threading.Event()
+        job = asyncio.ensure_future(asyncio.to_thread(release.wait, 5.0))
+        await asyncio.sleep(0.01)
+        assert busy.threads == 1
+        busy.poke()  # a call arrives while the job runs
+        await asyncio.sleep(0.02)
+        spun = busy.spins
+        await asyncio.sleep(0.05)
+        assert busy.spins == spun  # paused although the window is open
+        release.set()
+        assert await job
+        assert busy.threads == 0
+        busy.poke()
+        await asyncio.sleep(0.01)
+        assert busy.spins > spun  # the next call polls again
+        await busy.stop()
+
+    asyncio.run(main())
+
+
+def test_failed_submissions_are_not_counted() -> None:
+    async def main() -> None:
+        busy = BusyPoll(1.0)
+        busy.start()
+        loop = asyncio.get_running_loop()
+        await asyncio.to_thread(int, "1")
+        assert busy.threads == 0
+        with pytest.raises(ValueError):
+            await asyncio.to_thread(int, "x")  # a job that raises ends too
+        assert busy.threads == 0
+        await loop.shutdown_default_executor()
+        with pytest.raises(RuntimeError):
+            await asyncio.to_thread(int, "1")  # refused after shutdown: never started
+        assert busy.threads == 0
         await busy.stop()
 
     asyncio.run(main())
