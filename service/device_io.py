@@ -144,15 +144,23 @@ def put_from_device(
 
 
 def put_from_device_many(
-    tier: DeviceTier, items: Sequence[tuple[str, torch.Tensor]], owner: str
+    tier: DeviceTier,
+    items: Sequence[tuple[str, torch.Tensor]],
+    owner: str,
+    checksums: Sequence[int | None] | None = None,
 ) -> list[bool]:
     """Copy several device tensors into new entries; returns once all their bytes are in
     the pool. Each copy is queued as soon as its pages are reserved, so the copy engine
     moves one tensor while the next is being reserved and planned, and the batch waits once.
-    All or nothing: if any put fails, none of the batch becomes visible."""
+    ``checksums``: a CRC32 (or None) per item, checked once the copies are done. All or
+    nothing: if any put fails, none of the batch becomes visible."""
     keys = [key for key, _ in items]
     if len(set(keys)) != len(keys):
         raise InvalidArgument("a key appears more than once in the batch")
+    if checksums is None:
+        checksums = [None] * len(items)
+    elif len(checksums) != len(items):
+        raise InvalidArgument("one checksum per item", items=len(items), checksums=len(checksums))
     dtypes = [_source_dtype(src) for _, src in items]
     e = tier._engine
     start = time.perf_counter()
@@ -161,8 +169,8 @@ def put_from_device_many(
     with contextlib.ExitStack() as stack:  # aborts every put not committed when it unwinds
         handles = []
         try:
-            for (key, src), dtype in zip(items, dtypes, strict=True):
-                handle = e.begin_put(key, dtype, tuple(src.shape), owner=owner)
+            for (key, src), dtype, crc in zip(items, dtypes, checksums, strict=True):
+                handle = e.begin_put(key, dtype, tuple(src.shape), owner=owner, checksum=crc)
                 stack.enter_context(handle)
                 handles.append(handle)
                 if handle.exists_already:
@@ -174,13 +182,16 @@ def put_from_device_many(
                     if stream is not None:
                         streams[id(stream)] = stream
 
-                handle.fill_with(copy)
+                handle.fill_with(copy, complete=False)
                 nbytes += handle.nbytes
         finally:
             # Before anything is aborted too: freed pages must not still be copied into.
             for stream in streams.values():
                 stream.synchronize()
         _count_d2h(tier, nbytes, start)
+        for handle in handles:  # every checksum before any commit: all or nothing
+            handle.filled()
+            handle.check()
         return [handle.commit() for handle in handles]
 
 

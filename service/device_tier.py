@@ -427,10 +427,13 @@ class DeviceTier:
         return device_io.put_from_device(self, key, src, owner, checksum)
 
     def put_from_device_many(
-        self, items: Sequence[tuple[str, torch.Tensor]], owner: str
+        self,
+        items: Sequence[tuple[str, torch.Tensor]],
+        owner: str,
+        checksums: Sequence[int | None] | None = None,
     ) -> list[bool]:
         """Copy several device tensors into new entries, waiting once for all the copies."""
-        return device_io.put_from_device_many(self, items, owner)
+        return device_io.put_from_device_many(self, items, owner, checksums)
 
     # -- plumbing ------------------------------------------------------------------------
     def _transfer(

@@ -610,12 +610,17 @@ class CacheEngine:
         return self.device_tier.put_from_device(key, src, owner, checksum)
 
     def put_from_device_many(
-        self, items: Sequence[tuple[str, torch.Tensor]], *, owner: str = "local"
+        self,
+        items: Sequence[tuple[str, torch.Tensor]],
+        *,
+        owner: str = "local",
+        checksums: Sequence[int | None] | None = None,
     ) -> list[bool]:
         """Store several (device) tensors, ``(key, tensor)`` each; returns once all their
-        bytes are in the host pool (one wait for the batch). True per created entry. All or
-        nothing: an error leaves none of the batch visible."""
-        return self.device_tier.put_from_device_many(items, owner)
+        bytes are in the host pool (one wait for the batch). True per created entry.
+        ``checksums``: a CRC32 or None per item. All or nothing: an error (a checksum
+        mismatch included) leaves none of the batch visible."""
+        return self.device_tier.put_from_device_many(items, owner, checksums)
 
     def prefetch(self, keys: Sequence[str], *, device: int | None = None) -> dict[str, int]:
         """Warm the local tiers: fetch missing keys from the shared tier (if any) and, with

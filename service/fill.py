@@ -111,8 +111,12 @@ class PutHandle:
                 self._run += 1
                 self._run_off = 0
 
-    def fill_with(self, copy: Callable[[tuple[tuple[int, int], ...]], None]) -> None:
-        """Fill every byte at once with ``copy(byte_runs)`` (e.g. a device-to-host copy)."""
+    def fill_with(
+        self, copy: Callable[[tuple[tuple[int, int], ...]], None], *, complete: bool = True
+    ) -> None:
+        """Fill every byte at once with ``copy(byte_runs)`` (e.g. a device-to-host copy).
+        ``complete=False``: the copy is still running when ``copy`` returns; call
+        :meth:`filled` once it is done (the checksum is computed then)."""
         with self._lock:
             if self.done:
                 raise LeaseExpired("put is no longer in progress", key=self.key)
@@ -122,10 +126,31 @@ class PutHandle:
                 raise InvalidArgument("the entry exists already: use skip_bytes()")
             copy(self._byte_runs)
             self.written = self.nbytes
-            if self._checksum is not None:
-                pool = self._engine.host_pool.array
-                for off, length in self._byte_runs:
-                    self._crc = crc32(pool[off : off + length].data, self._crc)
+            if complete:
+                self._checksum_pool()
+
+    def filled(self) -> None:
+        """The copy of a ``fill_with(..., complete=False)`` is done: checksum the bytes."""
+        with self._lock:
+            if self._engine is not None and self.written == self.nbytes:
+                self._checksum_pool()
+
+    def check(self) -> None:
+        """ChecksumMismatch now if the bytes do not match the checksum (commit checks it
+        too): lets a batch check every entry before it commits any."""
+        if self._checksum is not None and self._crc != self._checksum:
+            raise ChecksumMismatch(
+                "payload does not match its checksum",
+                key=self.key,
+                expected=self._checksum,
+                actual=self._crc,
+            )
+
+    def _checksum_pool(self) -> None:
+        if self._checksum is not None and self._engine is not None:
+            pool = self._engine.host_pool.array
+            for off, length in self._byte_runs:
+                self._crc = crc32(pool[off : off + length].data, self._crc)
 
     def skip_bytes(self) -> None:
         """For a put of an existing identical entry: accept without reading the bytes."""
@@ -149,14 +174,11 @@ class PutHandle:
                 nbytes=self.nbytes,
                 received=self.written,
             )
-        if self._checksum is not None and self._crc != self._checksum:
+        try:
+            self.check()
+        except ChecksumMismatch:
             self._discard()
-            raise ChecksumMismatch(
-                "payload does not match its checksum",
-                key=self.key,
-                expected=self._checksum,
-                actual=self._crc,
-            )
+            raise
         if self._engine is None:
             return False
         return self._engine._commit_fill(self._put_id)

@@ -256,6 +256,26 @@ def test_put_from_device_many_is_all_or_nothing(engine: CacheEngine, case: str) 
     assert after.entries_filling == 0 and after.host.used_pages == before.host.used_pages
 
 
+def test_put_from_device_many_checks_checksums_before_any_commit(engine: CacheEngine) -> None:
+    items = [("p", blob(2 * PAGE, 2)), ("q", blob(PAGE + 1, 3)), ("r", blob(77, 4))]
+    crcs = [zlib.crc32(t.numpy().tobytes()) for _, t in items]
+    before = engine.stats()
+    with pytest.raises(ChecksumMismatch):  # the last one is wrong: none of them stays
+        engine.put_from_device_many(items, checksums=[*crcs[:2], crcs[2] ^ 1])
+    assert engine.exists(["p", "q", "r"]) == [False, False, False]
+    after = engine.stats()
+    assert after.entries_filling == 0 and after.host.used_pages == before.host.used_pages
+    with pytest.raises(InvalidArgument, match="one checksum per item"):
+        engine.put_from_device_many(items, checksums=crcs[:2])
+    assert engine.put_from_device_many(items, checksums=[crcs[0], None, crcs[2]]) == [True] * 3
+    for key, t in items:
+        [lease] = engine.get([key], "dec")
+        assert lease is not None and torch.equal(engine.tensor(lease), t), key
+    engine.drop_owner("dec")
+    # existing entries: accepted without reading their bytes, as a single put
+    assert engine.put_from_device_many(items, checksums=[1, 2, 3]) == [False] * 3
+
+
 def test_no_device_pool(shm_name: str) -> None:
     s = Settings(host_pool_bytes=16 * PAGE, page_bytes=PAGE, shm_name=shm_name, device="cpu")
     with CacheEngine(s) as e:
