@@ -281,6 +281,11 @@ def device_gets(target: str, iters: int, rounds: int) -> dict[str, Any]:
         for i, t in enumerate(src):
             client.put(f"pfd-{i}", t)
         out["put_from_device_16x4MiB_gbs"] = 16 * entry / (time.perf_counter() - t0) / 1e9
+        client.put_many({"pfdb-warm": src[0]})
+        t0 = time.perf_counter()
+        created = client.put_many({f"pfdb-{i}": t for i, t in enumerate(src)})  # one call
+        out["put_from_device_batch_16x4MiB_gbs"] = 16 * entry / (time.perf_counter() - t0) / 1e9
+        assert created == [True] * 16 and client._batch_puts
         out["put_from_device_used"] = float(client._device_puts)
     out["copy_engine_64MiB_gbs"] = copy_engine_gbs(16 * entry)
     out["ratio_frag_to_copy_engine"] = (
@@ -409,7 +414,9 @@ def main() -> None:
             f"ratio {gpu['ratio_frag_to_copy_engine']:.2f} (rpc "
             f"{gpu['ratio_frag_rpc_to_copy_engine']:.2f}); put-from-device 16 x 4 MiB "
             f"{gpu['put_from_device_16x4MiB_gbs']:.1f} GB/s "
-            f"({no_poll['put_from_device_16x4MiB_gbs']:.1f} without busy polling)"
+            f"({no_poll['put_from_device_16x4MiB_gbs']:.1f} without busy polling), in one "
+            f"put_many call {gpu['put_from_device_batch_16x4MiB_gbs']:.1f} GB/s "
+            f"({no_poll['put_from_device_batch_16x4MiB_gbs']:.1f})"
         )
     out = args.out_dir / RESULTS.name
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mapping, Sequence
 from typing import Any, TypeVar, overload
 
 import grpc
@@ -20,6 +20,7 @@ from ..proto.embcache.v1 import embcache_pb2 as pb
 from ..proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
 from ..service.errors import DeviceUnavailable, EmbCacheError
 from . import device as _device
+from . import device_puts as dp
 from . import device_results as dr
 from ._wire import (
     CHANNEL_OPTIONS,
@@ -35,7 +36,14 @@ from ._wire import (
     prefetch_dict,
     prefetch_request,
 )
-from .errors import backoff_s, from_call_error, is_unknown_session, should_retry, translate
+from .errors import (
+    RpcFailed,
+    backoff_s,
+    from_call_error,
+    is_unknown_session,
+    should_retry,
+    translate,
+)
 from .results import AsyncLeasedTensors, copy_into, decode_get
 from .sessions import AsyncSession, SessionLost, retry_step
 from .shm import process_pool_maps
@@ -105,6 +113,7 @@ class AsyncEmbCacheClient:
         self._device_pools = _device.process_device_pools()
         self._no_device = _device.HostFallbacks()
         self._device_puts = True
+        self._batch_puts = True  # False once the daemon said it lacks PutFromDeviceBatch
         self._ready_events = True  # ask device Gets for a ready event (False: it failed)
 
     # -- plumbing ------------------------------------------------------------------------
@@ -186,6 +195,39 @@ class AsyncEmbCacheClient:
             )
 
         return bool((await self._call(send)).created)
+
+    async def put_many(
+        self, items: Mapping[str, Any] | Sequence[tuple[str, Any]], *, checksum: bool = True
+    ) -> list[bool]:
+        """:meth:`EmbCacheClient.put_many`: CUDA tensors in ``PutFromDeviceBatch`` calls, the
+        rest streamed one by one."""
+        pairs = dp.as_pairs(items)
+        out: list[bool | None] = [None] * len(pairs)
+        cuda = [(i, k, t) for i, (k, t) in enumerate(pairs) if _wants_device_put(t)]
+        if cuda and self._device_puts and self._batch_puts:
+            for batch in dp.batches(cuda) or []:
+                reply = await self._put_batch(batch)
+                if reply is None:
+                    break
+                for i, r in zip(batch.positions, reply.results, strict=True):
+                    out[i] = r.created
+        return [
+            bool(c) if c is not None else await self.put(k, t, checksum=checksum)
+            for (k, t), c in zip(pairs, out, strict=True)
+        ]
+
+    async def _put_batch(self, batch: dp.Batch) -> pb.PutFromDeviceBatchResponse | None:
+        try:
+            return await self._call(
+                lambda md, to: self._stub.PutFromDeviceBatch(
+                    batch.request, timeout=to, metadata=md
+                ),
+                session=True,
+            )
+        except (DeviceUnavailable, RpcFailed) as exc:
+            if not dp.falls_back(self, exc):
+                raise
+        return None
 
     async def _put_from_device(self, key: str, tensor: torch.Tensor) -> bool | None:
         exported = dr.export_cuda(tensor.detach().contiguous())

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, overload
 
 import grpc
@@ -25,6 +25,7 @@ from ..proto.embcache.v1 import embcache_pb2 as pb
 from ..proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
 from ..service.errors import DeviceUnavailable, EmbCacheError, EntryLeased, NotFound
 from . import device as _device
+from . import device_puts as dp
 from . import device_results as dr
 from ._wire import (
     CHANNEL_OPTIONS,
@@ -97,6 +98,7 @@ class EmbCacheClient:
         self._device_pools = _device.process_device_pools()
         self._no_device = _device.HostFallbacks()  # GPUs served through the host for now
         self._device_puts = True  # False once the daemon refused PutFromDevice
+        self._batch_puts = True  # False once the daemon said it lacks PutFromDeviceBatch
         self._ready_events = True  # ask device Gets for a ready event (False: it failed)
         self._closed = False
 
@@ -187,6 +189,41 @@ class EmbCacheClient:
             )
         )
         return bool(reply.created)
+
+    def put_many(
+        self, items: Mapping[str, Any] | Sequence[tuple[str, Any]], *, checksum: bool = True
+    ) -> list[bool]:
+        """Store several tensors (a mapping or ``(key, tensor)`` pairs); per item, in order,
+        True if created. The CUDA tensors go in ``PutFromDeviceBatch`` calls (one wait per
+        call; a call is all or nothing: ``device_puts.py``); the rest is streamed as by
+        :meth:`put`."""
+        pairs = dp.as_pairs(items)
+        out: list[bool | None] = [None] * len(pairs)
+        cuda = [(i, k, t) for i, (k, t) in enumerate(pairs) if _wants_device_put(t)]
+        if cuda and self._device_puts and self._batch_puts:
+            for batch in dp.batches(cuda) or []:
+                reply = self._put_batch(batch)
+                if reply is None:
+                    break
+                for i, r in zip(batch.positions, reply.results, strict=True):
+                    out[i] = r.created
+        return [
+            bool(c) if c is not None else self.put(k, t, checksum=checksum)
+            for (k, t), c in zip(pairs, out, strict=True)
+        ]
+
+    def _put_batch(self, batch: dp.Batch) -> pb.PutFromDeviceBatchResponse | None:
+        try:
+            return self._call(
+                lambda md, to: self._stub.PutFromDeviceBatch(
+                    batch.request, timeout=to, metadata=md
+                ),
+                session=True,
+            )
+        except (DeviceUnavailable, RpcFailed) as exc:
+            if not dp.falls_back(self, exc):
+                raise
+        return None
 
     def _put_from_device(self, key: str, tensor: torch.Tensor) -> bool | None:
         exported = dr.export_cuda(tensor.detach().contiguous())

@@ -28,6 +28,7 @@ from ..engine import CacheEngine
 from ..errors import DeviceUnavailable, InvalidArgument
 from ..ipc_cache import CudaIpc, IpcCache, check_ipc_handle
 from ..leases import Lease
+from . import grpc_device_puts
 from .descriptors import HostShmPool, PoolDesc, describer_for
 from .grpc_sessions import UnknownSession
 
@@ -216,29 +217,14 @@ class DevicePlane:
             self._handles[pool.pool_id] = handle
         return handle
 
-    # -- PutFromDevice -------------------------------------------------------------------
+    # -- PutFromDevice (grpc_device_puts.py) ---------------------------------------------
     async def put_from_device(self, request: pb.PutFromDeviceRequest, owner: str) -> pb.PutResponse:
-        self._require_cuda("PutFromDevice", request.tensor.gpu_uuid)
-        key = admission.check_key(request.key, self.settings)
-        t = request.tensor
-        meta = admission.check_meta(t.dtype, list(t.shape), None, self.settings)
-        src = self._check_tensor(t, meta.dtype, meta.shape, "tensor")
-        crc = admission.check_checksum(request.checksum if request.HasField("checksum") else None)
+        return await grpc_device_puts.put_from_device(self, request, owner)
 
-        def run() -> bool:
-            if src.nbytes == 0:  # nothing to map
-                empty = torch.empty(src.shape, dtype=src.dtype.torch_dtype)
-                return self.engine.put(key, empty, owner=owner)
-            if src.event is not None:
-                self.ipc.backend.wait_event(src.event, src.device)
-            with self.ipc.tensor(
-                owner, src.handle, src.device, src.alloc_size, src.offset, src.nbytes
-            ) as flat:
-                tensor = flat.view(src.dtype.torch_dtype).view(src.shape)
-                return self.engine.put_from_device(key, tensor, owner=owner, checksum=crc)
-
-        created = await in_thread(run)
-        return pb.PutResponse(created=created, nbytes=src.nbytes)
+    async def put_from_device_batch(
+        self, request: pb.PutFromDeviceBatchRequest, owner: str
+    ) -> pb.PutFromDeviceBatchResponse:
+        return await grpc_device_puts.put_from_device_batch(self, request, owner)
 
     # -- GetInto -------------------------------------------------------------------------
     async def get_into(self, request: pb.GetIntoRequest, owner: str) -> pb.GetIntoResponse:

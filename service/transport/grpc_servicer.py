@@ -98,6 +98,13 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         owner = self.sessions.owner_for(context)
         return await self.device.put_from_device(request, owner)
 
+    @rpc("PutFromDeviceBatch")
+    async def PutFromDeviceBatch(
+        self, request: pb.PutFromDeviceBatchRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PutFromDeviceBatchResponse:
+        owner = self.sessions.owner_for(context)
+        return await self.device.put_from_device_batch(request, owner)
+
     # -- gets ----------------------------------------------------------------------------
     @rpc("Get")
     async def Get(

@@ -1,5 +1,6 @@
 """Device paths end to end on a GPU: ``embcache serve`` with a device pool (fd and legacy IPC),
-an encoder process that puts CUDA tensors (PutFromDevice), a decoder process that gets them
+an encoder process that puts CUDA tensors (PutFromDevice, and PutFromDeviceBatch through
+put_many), a decoder process that gets them
 on its GPU (device locations, pools opened once) and into its own buffer (GetInto), and a
 lease-safety run: a holder re-verifies leased views while another process overfills both
 pools several times over.
@@ -65,7 +66,7 @@ def tensors():
     out = {}
     for dt in ("bfloat16", "float16", "float32"):
         for kind, shape in (("contig", (577, 512)), ("frag", (4 * 2**20 // DT[dt], 1))):
-            for via in ("bytes", "device"):
+            for via in ("bytes", "device", "batch"):
                 t = (torch.randn(*shape, generator=g) * 3).to(getattr(torch, dt))
                 out[f"{dt}-{kind}-{via}"] = t
     return out
@@ -80,12 +81,18 @@ from embcache.clients import EmbCacheClient
 with EmbCacheClient(sys.argv[1]) as client:
     before = client.stats()["bytes_copied"]["d2h"]
     device_bytes = 0
+    batch = {}
     for key, t in tensors().items():
-        if key.endswith("device"):
+        if key.endswith(("device", "batch")):
             t = t.cuda()
             device_bytes += t.numel() * t.element_size()
+        if key.endswith("batch"):  # these go together: PutFromDeviceBatch
+            batch[key] = t
+            continue
         assert client.put(key, t) is True, key
-    assert client._device_puts, "PutFromDevice was refused"
+    assert client.put_many(batch) == [True] * len(batch)
+    assert client.put_many(batch) == [False] * len(batch)  # idempotent
+    assert client._device_puts and client._batch_puts, "PutFromDevice(Batch) was refused"
     d2h = client.stats()["bytes_copied"]["d2h"] - before
 print(json.dumps({"device_bytes": device_bytes, "d2h": d2h}))
 """

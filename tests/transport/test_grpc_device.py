@@ -11,6 +11,7 @@ CUDA paths are tested in tests/gpu/test_grpc_device.py.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 import threading
@@ -23,7 +24,13 @@ import grpc
 import pytest
 import torch
 
-from embcache.clients import EmbCacheClient
+from embcache.clients import (
+    AsyncEmbCacheClient,
+    EmbCacheClient,
+    async_client,
+    device_puts,
+    sync_client,
+)
 from embcache.clients import device as client_device
 from embcache.clients import device_results as dr
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
@@ -371,6 +378,154 @@ def test_put_from_device_validation(dev_server: Server, stub, name: str) -> None
     assert not fake.opened and fake.events == []  # refused before anything was mapped
     s = engine.stats()
     assert s.entries_ready == 0 and s.entries_filling == 0
+
+
+# -- PutFromDeviceBatch ----------------------------------------------------------------------
+def batch_items(fake: FakeIpc, n: int = 3) -> tuple[list[pb.PutFromDeviceRequest], list]:
+    """``n`` tensors in two client allocations (the first two share one), with checksums."""
+    srcs = [blob(3 * KiB + 17 * i, i).view(-1) for i in range(n)]
+    shared = torch.full((64 * KiB,), 0xEE, dtype=torch.uint8)
+    own = torch.full((64 * KiB,), 0xDD, dtype=torch.uint8)
+    h_shared, h_own = fake.register(shared), fake.register(own)
+    items, at = [], 0
+    for i, src in enumerate(srcs):
+        buf, handle, off = (shared, h_shared, at) if i < 2 else (own, h_own, 128)
+        buf[off : off + src.numel()] = src
+        at += 4 * KiB
+        crc = zlib.crc32(src.numpy().tobytes())
+        tensor = ipc_tensor(handle, src, off, buf.numel(), event_handle=bytes([i]) * 64)
+        items.append(pb.PutFromDeviceRequest(key=f"b{i}", tensor=tensor, checksum=crc))
+    return items, srcs
+
+
+def test_put_from_device_batch(dev_server: Server, stub) -> None:
+    engine, _, fake = dev_server
+    items, srcs = batch_items(fake)
+    empty = pb.CudaIpcTensor(gpu_uuid=FAKE_GPU, ipc_handle=b"\1" * 64, dtype="float16", shape=[0])
+    items.append(pb.PutFromDeviceRequest(key="b-empty", tensor=empty))
+    reply = stub.PutFromDeviceBatch(pb.PutFromDeviceBatchRequest(items=items))
+    assert [r.created for r in reply.results] == [True] * 4
+    assert [r.nbytes for r in reply.results] == [t.numel() for t in srcs] + [0]
+    assert len(fake.opened) == 2  # one mapping per client allocation, the empty one none
+    assert sorted(fake.events) == sorted(bytes([i]) * 64 for i in range(3))
+    leases = engine.get([f"b{i}" for i in range(3)], "t")
+    for lease, src in zip(leases, srcs, strict=True):
+        assert lease is not None and torch.equal(engine.tensor(lease), src)
+    engine.drop_owner("t")
+    again = stub.PutFromDeviceBatch(pb.PutFromDeviceBatchRequest(items=items[:2]))
+    assert [r.created for r in again.results] == [False, False]  # idempotent
+    assert stub.PutFromDeviceBatch(pb.PutFromDeviceBatchRequest()).results == []
+
+
+NOPE = b"u" * 64  # a handle the fake IPC backend never registered
+
+
+def nothing_left(engine: CacheEngine, keys: list[str]) -> None:
+    s = engine.stats()
+    assert engine.exists(keys) == [False] * len(keys)
+    assert s.entries_filling == 0 and s.reserved_filling_bytes == 0
+
+
+def test_put_from_device_batch_is_all_or_nothing(dev_server: Server, stub) -> None:
+    engine, _, fake = dev_server
+    items, _ = batch_items(fake)
+    free = engine.stats().host.free_pages
+    items[2].checksum ^= 1  # the last item's bytes do not match: none of the batch stays
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PutFromDeviceBatch(pb.PutFromDeviceBatchRequest(items=items))
+    assert err.value.code() == C.INVALID_ARGUMENT and "checksum" in err.value.details()
+    nothing_left(engine, ["b0", "b1", "b2"])
+    assert engine.stats().host.free_pages == free
+
+
+BAD_BATCHES = {
+    "bad tensor": (lambda it: setattr(it[1].tensor, "offset", 63 * KiB), C.INVALID_ARGUMENT),
+    "bad key": (lambda it: setattr(it[2], "key", ""), C.INVALID_ARGUMENT),
+    "same key twice": (lambda it: setattr(it[2], "key", "b0"), C.INVALID_ARGUMENT),
+    "other gpu": (lambda it: setattr(it[1].tensor, "gpu_uuid", "GPU-9"), C.FAILED_PRECONDITION),
+    "unknown handle": (lambda it: setattr(it[2].tensor, "ipc_handle", NOPE), C.FAILED_PRECONDITION),
+    "too many": (lambda it: it.extend([it[0]] * 1024), C.INVALID_ARGUMENT),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_BATCHES))
+def test_put_from_device_batch_refusals(dev_server: Server, stub, name: str) -> None:
+    engine, _, fake = dev_server
+    items, _ = batch_items(fake)
+    mutate, code = BAD_BATCHES[name]
+    mutate(items)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PutFromDeviceBatch(pb.PutFromDeviceBatchRequest(items=items))
+    assert err.value.code() == code, (name, err.value.details())
+    nothing_left(engine, ["b0", "b1", "b2"])
+    if name != "unknown handle":  # refused before anything was mapped
+        assert not fake.opened and fake.events == []
+
+
+def fake_cuda_puts(monkeypatch, fake: FakeIpc, marked: set[int]) -> None:  # type: ignore[no-untyped-def]
+    """Clients treat the tensors in ``marked`` (by id) as CUDA tensors, exported through the
+    fake IPC backend (their own bytes are the "allocation")."""
+
+    def export(t: torch.Tensor, *, as_bytes: bool = False) -> dr.Exported:
+        raw = t.reshape(-1).view(torch.uint8)
+        return dr.Exported(ipc_tensor(fake.register(raw), t, 0, raw.numel()), (t,))
+
+    wants = lambda t: id(t) in marked  # noqa: E731
+    monkeypatch.setattr(sync_client, "_wants_device_put", wants)
+    monkeypatch.setattr(async_client, "_wants_device_put", wants)
+    monkeypatch.setattr(dr, "export_cuda", export)
+    monkeypatch.setattr(device_puts, "MAX_ITEMS", 2)  # three device tensors: two calls
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_client_put_many(dev_server: Server, monkeypatch, use_async: bool) -> None:
+    engine, service, fake = dev_server
+    tensors = {"d0": blob(5000, 1), "h": torch.randn(7, 3), "d1": blob(300, 2), "d2": blob(9, 3)}
+    fake_cuda_puts(monkeypatch, fake, {id(tensors[k]) for k in ("d0", "d1", "d2")})
+    plane = service.servicer.device
+    batches: list[int] = []
+    real = plane.put_from_device_batch
+
+    async def counting(request, owner):  # type: ignore[no-untyped-def]
+        batches.append(len(request.items))
+        return await real(request, owner)
+
+    monkeypatch.setattr(plane, "put_from_device_batch", counting)
+    target = f"unix:{service.socket_path}"
+
+    def put_twice() -> tuple[list[bool], list[bool]]:
+        if not use_async:
+            with EmbCacheClient(target, timeout=10) as client:
+                return client.put_many(tensors), client.put_many(list(tensors.items()))
+
+        async def main() -> tuple[list[bool], list[bool]]:
+            async with AsyncEmbCacheClient(target, timeout=10) as client:
+                return await client.put_many(tensors), await client.put_many(tensors)
+
+        return asyncio.run(main())
+
+    first, again = put_twice()
+    assert first == [True] * 4 and again == [False] * 4
+    assert batches == [2, 1, 2, 1]  # the host tensor was streamed, not batched
+    for key, src in tensors.items():
+        (lease,) = engine.get([key], "t")
+        assert lease is not None and torch.equal(engine.tensor(lease), src)
+    engine.drop_owner("t")
+
+
+def test_client_put_many_streams_when_the_daemon_cannot_read_the_gpu(
+    dev_server: Server, monkeypatch
+) -> None:
+    engine, service, fake = dev_server
+    tensors = {"d0": blob(5000, 1), "d1": blob(300, 2)}
+    fake_cuda_puts(monkeypatch, fake, {id(t) for t in tensors.values()})
+    monkeypatch.setattr(fake, "available", lambda: False)  # a daemon without CUDA
+    with EmbCacheClient(f"unix:{service.socket_path}", timeout=10) as client:
+        assert client.put_many(tensors) == [True, True]
+        assert not client._device_puts  # later puts stream at once
+        with pytest.raises(ValueError, match="more than once"):
+            client.put_many([("x", tensors["d0"]), ("x", tensors["d1"])])
+    assert engine.exists(["d0", "d1", "x"]) == [True, True, False]
 
 
 # -- GetInto ---------------------------------------------------------------------------------

@@ -489,6 +489,17 @@ def put_from_device_in_cpu_mode(draw: Draw) -> Case:
 
 
 @kind
+def put_from_device_batch_in_cpu_mode(draw: Draw) -> Case:
+    tensor = pb.CudaIpcTensor(
+        gpu_uuid="GPU-x", ipc_handle=draw(st.binary(max_size=64)), dtype="float16", shape=[2]
+    )
+    items = [pb.PutFromDeviceRequest(key=draw(keys()), tensor=tensor)] * draw(st.integers(0, 2))
+    return unary(
+        "PutFromDeviceBatch", pb.PutFromDeviceBatchRequest(items=items), C.FAILED_PRECONDITION
+    )
+
+
+@kind
 def get_into_in_cpu_mode(draw: Draw) -> Case:
     req = pb.GetIntoRequest(keys=[FIXED], offsets=[draw(st.integers(0, 2**40))])
     return unary("GetInto", req, C.FAILED_PRECONDITION)

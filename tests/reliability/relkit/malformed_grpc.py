@@ -32,6 +32,7 @@ Draw = Callable[[st.SearchStrategy[Any]], Any]
 METHODS = {
     "Put": "client_stream",
     "PutFromDevice": "unary",
+    "PutFromDeviceBatch": "unary",
     "Get": "unary",
     "GetInto": "unary",
     "GetBytes": "server_stream",
@@ -128,6 +129,9 @@ _MARK = "QQQQ"
 _UTF8_TEMPLATES: dict[str, bytes] = {
     "Put": header(_MARK, "uint8", [1]),
     "PutFromDevice": pb.PutFromDeviceRequest(key=_MARK).SerializeToString(),
+    "PutFromDeviceBatch": pb.PutFromDeviceBatchRequest(
+        items=[pb.PutFromDeviceRequest(key="ok"), pb.PutFromDeviceRequest(key=_MARK)]
+    ).SerializeToString(),
     "Get": pb.GetRequest(keys=[_MARK]).SerializeToString(),
     "GetInto": pb.GetIntoRequest(keys=[_MARK]).SerializeToString(),
     "GetBytes": pb.GetBytesRequest(key=_MARK).SerializeToString(),
@@ -449,6 +453,25 @@ def _(draw: Draw) -> Case:
     )
     msg = pb.PutFromDeviceRequest(key="m-" + draw(keys()), tensor=t)
     return Case("PutFromDevice", [msg.SerializeToString()], C.FAILED_PRECONDITION)
+
+
+@kind("grpc/PutFromDeviceBatch/on_cpu_daemon")
+def _(draw: Draw) -> Case:
+    items = [
+        pb.PutFromDeviceRequest(
+            key=f"m-{i}-" + draw(keys()),
+            tensor=pb.CudaIpcTensor(
+                gpu_uuid="GPU-x",
+                ipc_handle=draw(st.binary(min_size=64, max_size=64)),
+                dtype="uint8",
+                shape=[8],
+                alloc_size=8,
+            ),
+        )
+        for i in range(draw(st.integers(0, 3)))
+    ]
+    msg = pb.PutFromDeviceBatchRequest(items=items)
+    return Case("PutFromDeviceBatch", [msg.SerializeToString()], C.FAILED_PRECONDITION)
 
 
 @kind("grpc/GetInto/on_cpu_daemon")

@@ -1,0 +1,89 @@
+"""Batched puts of same-node CUDA tensors (``PutFromDeviceBatch``), shared by both clients.
+
+``put_many`` sends every CUDA tensor the daemon can read in as few calls as possible (up to
+:data:`MAX_ITEMS` items and about :data:`MAX_REQUEST_BYTES` of request per call); the daemon
+copies them and waits once per call, and a call is all or nothing. Anything else (host
+tensors, numpy arrays, tensors that cannot be exported) is streamed one by one, as ``put``
+does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..proto.embcache.v1 import embcache_pb2 as pb
+from ..service.errors import DeviceUnavailable
+from . import device_results as dr
+from .errors import RpcFailed
+
+log = logging.getLogger("embcache.client")
+
+MAX_ITEMS = 1024  # the daemon's limit per call
+MAX_REQUEST_BYTES = 1 << 20  # below the daemon's message limit (1 MiB chunk + 128 KiB)
+
+
+def as_pairs(items: Mapping[str, Any] | Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """``(key, tensor)`` pairs from a mapping or a sequence; ValueError on a repeated key."""
+    pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
+    keys = [key for key, _ in pairs]
+    if any(not isinstance(key, str) for key in keys):
+        raise ValueError("items: keys must be strings")
+    if len(set(keys)) != len(keys):
+        raise ValueError("items: a key appears more than once")
+    return pairs
+
+
+def falls_back(client: Any, exc: Exception) -> bool:
+    """After a failed ``PutFromDeviceBatch`` call: True when ``client`` should put the
+    tensors one by one instead (it remembers why, for later calls); False: raise ``exc``."""
+    if isinstance(exc, DeviceUnavailable):
+        log.info("daemon cannot read this GPU's memory (%s); streaming bytes", exc)
+        client._device_puts = False
+        return True
+    if isinstance(exc, RpcFailed) and exc.code == "UNIMPLEMENTED":
+        log.info("daemon has no PutFromDeviceBatch; putting one by one")
+        client._batch_puts = False
+        return True
+    return False
+
+
+@dataclass
+class Batch:
+    """One ``PutFromDeviceBatch`` request and the input positions of its items; ``keep``
+    holds the exported tensors and their events until the call returned."""
+
+    positions: list[int]
+    request: pb.PutFromDeviceBatchRequest
+    keep: list[dr.Exported]
+
+
+def batches(items: Sequence[tuple[int, str, Any]]) -> list[Batch] | None:
+    """The requests for ``(position, key, cuda tensor)`` items; None when a tensor cannot be
+    exported (the caller streams them all instead)."""
+    exported = []
+    for _, _, tensor in items:
+        e = dr.export_cuda(tensor.detach().contiguous())
+        if e is None:
+            return None
+        exported.append(e)
+    return list(_split(items, exported))
+
+
+def _split(items: Sequence[tuple[int, str, Any]], exported: list[dr.Exported]) -> Iterator[Batch]:
+    batch = Batch([], pb.PutFromDeviceBatchRequest(), [])
+    size = 0
+    for (position, key, _), e in zip(items, exported, strict=True):
+        item = pb.PutFromDeviceRequest(key=key, tensor=e.message)
+        n = item.ByteSize() + 8  # the field's tag and length
+        if batch.positions and (len(batch.positions) >= MAX_ITEMS or size + n > MAX_REQUEST_BYTES):
+            yield batch
+            batch, size = Batch([], pb.PutFromDeviceBatchRequest(), []), 0
+        batch.positions.append(position)
+        batch.request.items.append(item)
+        batch.keep.append(e)
+        size += n
+    if batch.positions:
+        yield batch
