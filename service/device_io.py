@@ -124,23 +124,7 @@ def put_from_device(
     tier: DeviceTier, key: str, src: torch.Tensor, owner: str, checksum: int | None
 ) -> bool:
     """Copy a device tensor into a new entry; returns once the bytes are in the pool."""
-    dtype = _source_dtype(src)
-    e = tier._engine
-    handle = e.begin_put(key, dtype, tuple(src.shape), owner=owner, checksum=checksum)
-    with handle:
-        if handle.exists_already:
-            handle.skip_bytes()
-            return handle.commit()
-        start = time.perf_counter()
-
-        def copy(byte_runs: tuple[tuple[int, int], ...]) -> None:
-            stream = _queue_d2h(tier, src, byte_runs)
-            if stream is not None:
-                stream.synchronize()  # before fill_with reads the bytes for a checksum
-
-        handle.fill_with(copy)
-        _count_d2h(tier, handle.nbytes, start)
-        return handle.commit()
+    return put_from_device_many(tier, [(key, src)], owner, [checksum])[0]
 
 
 def put_from_device_many(
@@ -191,7 +175,6 @@ def put_from_device_many(
         _count_d2h(tier, nbytes, start)
         for handle in handles:  # every checksum before any commit: all or nothing
             handle.filled()
-            handle.check()
         return [handle.commit() for handle in handles]
 
 

@@ -130,14 +130,15 @@ class PutHandle:
                 self._checksum_pool()
 
     def filled(self) -> None:
-        """The copy of a ``fill_with(..., complete=False)`` is done: checksum the bytes."""
+        """The copy of a ``fill_with(..., complete=False)`` is done: checksum the bytes;
+        ChecksumMismatch now if they do not match (so a batch checks every entry before it
+        commits any; the handle stays open for the caller to abort)."""
         with self._lock:
             if self._engine is not None and self.written == self.nbytes:
                 self._checksum_pool()
+        self._verify()
 
-    def check(self) -> None:
-        """ChecksumMismatch now if the bytes do not match the checksum (commit checks it
-        too): lets a batch check every entry before it commits any."""
+    def _verify(self) -> None:
         if self._checksum is not None and self._crc != self._checksum:
             raise ChecksumMismatch(
                 "payload does not match its checksum",
@@ -175,7 +176,7 @@ class PutHandle:
                 received=self.written,
             )
         try:
-            self.check()
+            self._verify()
         except ChecksumMismatch:
             self._discard()
             raise

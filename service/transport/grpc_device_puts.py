@@ -61,8 +61,6 @@ async def put_from_device(
     def run() -> bool:
         with contextlib.ExitStack() as stack:
             tensor = _mapped(plane, stack, owner, src)
-            if src.nbytes == 0:
-                return plane.engine.put(key, tensor, owner=owner)
             return plane.engine.put_from_device(key, tensor, owner=owner, checksum=crc)
 
     created = await in_thread(run)
