@@ -209,6 +209,7 @@ class AsyncEmbCacheClient:
                 reply = await self._put_batch(batch)
                 if reply is None:
                     break
+                batch.returned()
                 for i, r in zip(batch.positions, reply.results, strict=True):
                     out[i] = r.created
         return [
@@ -243,8 +244,7 @@ class AsyncEmbCacheClient:
             log.info("daemon cannot read this GPU's memory (%s); streaming bytes", exc)
             self._device_puts = False
             return None
-        finally:
-            del exported
+        exported.returned()  # the daemon has copied: its event may be reused
         return bool(reply.created)
 
     # -- gets ----------------------------------------------------------------------------
@@ -360,7 +360,10 @@ class AsyncEmbCacheClient:
         self, names: list[str], out: torch.Tensor, offsets: Sequence[int] | None
     ) -> list[dr.IntoResult] | None:
         exported = dr.export_cuda(out, as_bytes=True)
-        if exported is None or exported.message.gpu_uuid in self._no_device:
+        if exported is None:
+            return None
+        if exported.message.gpu_uuid in self._no_device:
+            exported.returned()  # never sent
             return None
         request = pb.GetIntoRequest(
             keys=names, destination=pb.DeviceBuffer(buffer=exported.message), offsets=offsets
@@ -372,8 +375,7 @@ class AsyncEmbCacheClient:
         except DeviceUnavailable as exc:
             self._no_device.add(exported.message.gpu_uuid, exc)
             return None
-        finally:
-            del exported
+        exported.returned()  # the daemon has copied: its event may be reused
         return dr.into_results(reply)
 
     async def get_bytes(

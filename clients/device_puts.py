@@ -53,23 +53,38 @@ def falls_back(client: Any, exc: Exception) -> bool:
 @dataclass
 class Batch:
     """One ``PutFromDeviceBatch`` request and the input positions of its items; ``keep``
-    holds the exported tensors and their events until the call returned."""
+    holds the exported tensors until the call returned."""
 
     positions: list[int]
     request: pb.PutFromDeviceBatchRequest
     keep: list[dr.Exported]
 
+    def returned(self) -> None:
+        """The call succeeded: its events may be reused."""
+        for e in self.keep:
+            e.returned()
+
 
 def batches(items: Sequence[tuple[int, str, Any]]) -> list[Batch] | None:
     """The requests for ``(position, key, cuda tensor)`` items; None when a tensor cannot be
-    exported (the caller streams them all instead)."""
+    exported (the caller streams them all instead). One interprocess event per GPU, recorded
+    after every tensor was exported, covers all the writes of the tensors."""
     exported = []
     for _, _, tensor in items:
-        e = dr.export_cuda(tensor.detach().contiguous())
+        e = dr.export_cuda(tensor.detach().contiguous(), event=False)
         if e is None:
             return None
         exported.append(e)
-    return list(_split(items, exported))
+    out = list(_split(items, exported))
+    for batch in out:
+        by_device: dict[Any, list[dr.Exported]] = {}
+        for e in batch.keep:
+            by_device.setdefault(e.tensor.device, []).append(e)
+        for device, group in by_device.items():
+            dr.record_event(device, group)
+        for item, e in zip(batch.request.items, batch.keep, strict=True):
+            item.tensor.event_handle = e.message.event_handle
+    return out
 
 
 def _split(items: Sequence[tuple[int, str, Any]], exported: list[dr.Exported]) -> Iterator[Batch]:
@@ -77,7 +92,7 @@ def _split(items: Sequence[tuple[int, str, Any]], exported: list[dr.Exported]) -
     size = 0
     for (position, key, _), e in zip(items, exported, strict=True):
         item = pb.PutFromDeviceRequest(key=key, tensor=e.message)
-        n = item.ByteSize() + 8  # the field's tag and length
+        n = item.ByteSize() + 8 + 64  # the field's tag and length, the event handle to come
         if batch.positions and (len(batch.positions) >= MAX_ITEMS or size + n > MAX_REQUEST_BYTES):
             yield batch
             batch, size = Batch([], pb.PutFromDeviceBatchRequest(), []), 0

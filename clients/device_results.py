@@ -13,14 +13,14 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 
 from ..proto.embcache.v1 import embcache_pb2 as pb
 from ._wire import torch_dtype
 from .device import DevicePoolCache, DevicePoolHandle, gather_pages
+from .ipc_events import EVENTS, Recorded
 from .results import Decoded
 
 log = logging.getLogger(__name__)
@@ -136,18 +136,26 @@ def sync_device(device: torch.device) -> None:
 
 @dataclass(slots=True)
 class Exported:
-    """A CUDA tensor described for the daemon; ``keep`` must live until the call returns."""
+    """A CUDA tensor described for the daemon; it must live until the call returns, and
+    :meth:`returned` says that the call succeeded (its event may then be reused)."""
 
     message: pb.CudaIpcTensor
-    keep: tuple[Any, ...]
+    tensor: torch.Tensor
+    events: list[Recorded] = field(default_factory=list)
+
+    def returned(self) -> None:
+        for rec in self.events:
+            rec.done()
 
 
-def export_cuda(t: torch.Tensor, *, as_bytes: bool = False) -> Exported | None:
+def export_cuda(t: torch.Tensor, *, as_bytes: bool = False, event: bool = True) -> Exported | None:
     """The IPC description of a contiguous CUDA tensor, or None when its memory cannot be
     exported (expandable segments, or no legacy IPC): the caller then moves bytes instead.
 
-    An interprocess event recorded on the current stream tells the daemon when the work
-    queued so far (writes of the tensor, or reads of a get_into buffer) is done."""
+    With ``event``, an interprocess event recorded on the current stream tells the daemon
+    when the work queued so far (writes of the tensor, or reads of a get_into buffer) is
+    done (:func:`record_event`; callers that describe several tensors record one event
+    after all of them instead)."""
     if t.device.type != "cuda" or not t.is_contiguous():
         raise ValueError("t: must be a contiguous CUDA tensor")
     from embcache.kernels import cuda_mem
@@ -170,17 +178,25 @@ def export_cuda(t: torch.Tensor, *, as_bytes: bool = False) -> Exported | None:
         dtype=dtype,
         shape=shape,
     )
-    stream = torch.cuda.current_stream(t.device)
-    event: torch.cuda.Event | None = None
+    out = Exported(msg, t)
+    if event:
+        record_event(t.device, [out])
+    return out
+
+
+def record_event(device: torch.device, exported: Sequence[Exported]) -> None:
+    """Record one interprocess event on ``device``'s current stream and name it in every
+    message of ``exported``; where this process cannot make one, wait for the stream."""
     try:
-        event = torch.cuda.Event(interprocess=True)
-        event.record(stream)
-        msg.event_handle = bytes(event.ipc_handle())
+        rec = EVENTS.record(device)
     except RuntimeError as exc:  # no IPC events here: finish the work before the call
         log.info("interprocess events unavailable (%s); synchronizing instead", exc)
-        stream.synchronize()
-        event = None
-    return Exported(msg, (t, event))
+        torch.cuda.current_stream(device).synchronize()
+        return
+    for e in exported:
+        e.message.event_handle = rec.handle
+    if exported:
+        exported[0].events.append(rec)
 
 
 # ---------------------------------------------------------------------------- get_into

@@ -205,6 +205,7 @@ class EmbCacheClient:
                 reply = self._put_batch(batch)
                 if reply is None:
                     break
+                batch.returned()
                 for i, r in zip(batch.positions, reply.results, strict=True):
                     out[i] = r.created
         return [
@@ -239,8 +240,7 @@ class EmbCacheClient:
             log.info("daemon cannot read this GPU's memory (%s); streaming bytes", exc)
             self._device_puts = False
             return None
-        finally:
-            del exported  # the tensor and its event may go now: the daemon has copied
+        exported.returned()  # the daemon has copied: its event may be reused
         return bool(reply.created)
 
     # -- gets ----------------------------------------------------------------------------
@@ -364,7 +364,10 @@ class EmbCacheClient:
         self, names: list[str], out: torch.Tensor, offsets: Sequence[int] | None
     ) -> list[dr.IntoResult] | None:
         exported = dr.export_cuda(out, as_bytes=True)
-        if exported is None or exported.message.gpu_uuid in self._no_device:
+        if exported is None:
+            return None
+        if exported.message.gpu_uuid in self._no_device:
+            exported.returned()  # never sent
             return None
         request = pb.GetIntoRequest(
             keys=names, destination=pb.DeviceBuffer(buffer=exported.message), offsets=offsets
@@ -376,8 +379,7 @@ class EmbCacheClient:
         except DeviceUnavailable as exc:
             self._no_device.add(exported.message.gpu_uuid, exc)
             return None
-        finally:
-            del exported
+        exported.returned()  # the daemon has copied: its event may be reused
         return dr.into_results(reply)
 
     def get_bytes(self, key: str, offset: int = 0, length: int | None = None) -> EntryBytes | None:

@@ -4,6 +4,7 @@ Importing this package never imports triton; the Triton kernels load on first us
 """
 
 from embcache.kernels.host_memory import HostRegistration, register_host_memory
+from embcache.kernels.host_runs import copy_to_host_runs
 from embcache.kernels.page_table import (
     alloc_bind_inplace,
     alloc_bind_inplace_reference,
@@ -30,6 +31,7 @@ __all__ = [
     "build_read_table",
     "build_read_table_reference",
     "choose_backend",
+    "copy_to_host_runs",
     "free_unbind_inplace",
     "free_unbind_inplace_reference",
     "register_host_memory",

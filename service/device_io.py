@@ -13,7 +13,6 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from .copy_plan import PlanBuilder, row_bytes_for
@@ -191,29 +190,14 @@ def _source_dtype(src: torch.Tensor) -> str:
 def _queue_d2h(
     tier: DeviceTier, src: torch.Tensor, byte_runs: tuple[tuple[int, int], ...]
 ) -> torch.cuda.Stream | None:
-    """Queue the copy of ``src`` into the host byte runs (one ``transfer_ranges`` call) and
-    return the stream it runs on (None: done already, a CPU tensor)."""
-    nbytes = sum(n for _, n in byte_runs)
-    if not nbytes:
+    """Queue the copy of ``src`` into the host byte runs and return the stream it runs on
+    (None: done already, a CPU tensor, or no bytes)."""
+    if not any(n for _, n in byte_runs):
         return None
-    flat = src.reshape(-1).view(torch.uint8)
-    row = row_bytes_for(flat.data_ptr(), nbytes)
-    # The source is one run, so the plan is the entry's host byte runs, each fed from the
-    # next bytes of the source. ``row`` divides nbytes and the pointer.
-    lengths = np.array([n for _, n in byte_runs], dtype=np.int64)
-    dst_rows = np.array([off for off, _ in byte_runs], dtype=np.int64) // row
-    src_rows = (np.cumsum(lengths) - lengths) // row
     stream = tier._stream_for(src)
     if stream is not None:  # an in-process producer may still be writing src
         stream.wait_stream(torch.cuda.current_stream(src.device))
-    tier._transfer(
-        flat.view(-1, row),
-        tier._engine.host_pool.tensor.view(-1, row),
-        src_rows,
-        dst_rows,
-        lengths // row,
-        stream,
-    )
+    tier._copy_to_host(src, byte_runs, stream)
     return stream
 
 

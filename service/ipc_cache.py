@@ -11,6 +11,12 @@ A handle stays unique for the life of its allocation (CUDA hands out a new one w
 memory is allocated again), so a cached mapping never aliases another allocation. Keeping a
 mapping open keeps the client's memory alive after the client frees it, which is why the
 cache is bounded and tied to owners.
+
+A client's interprocess events (they say when its writes of a tensor are done) are cached
+too, per owner and handle: clients reuse their events from call to call, and opening one
+costs hundreds of microseconds (the first time in a process, ~0.6 ms on the H200's host)
+where waiting on a fired one costs a few. They hold no memory; they go with their owner, or
+the least recently used beyond :data:`MAX_EVENTS`.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from .errors import DeviceUnavailable, InvalidArgument
 log = logging.getLogger(__name__)
 
 MAX_MAPPINGS = 64
+MAX_EVENTS = 256
 IPC_HANDLE_BYTES = 64
 
 
@@ -42,13 +49,19 @@ class Mapping(Protocol):
     def close(self) -> None: ...
 
 
+class IpcEvent(Protocol):
+    """An opened interprocess event (``torch.cuda.Event`` on a GPU)."""
+
+    def synchronize(self) -> None: ...
+
+
 class IpcBackend(Protocol):
     """How the daemon reaches client memory; the CUDA one below, or a fake in CPU tests."""
 
     def available(self) -> bool: ...
     def gpu_index(self, gpu_uuid: str) -> int | None: ...
     def open(self, handle: bytes, device: int, alloc_size: int) -> Mapping: ...
-    def wait_event(self, handle: bytes, device: int) -> None: ...
+    def open_event(self, handle: bytes, device: int) -> IpcEvent: ...
 
 
 class CudaIpc:
@@ -92,12 +105,11 @@ class CudaIpc:
         mem.nbytes = actual  # the mapping covers the whole allocation
         return mem
 
-    def wait_event(self, handle: bytes, device: int) -> None:
+    def open_event(self, handle: bytes, device: int) -> IpcEvent:
         try:
-            event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", device), handle)
-            event.synchronize()
+            return torch.cuda.Event.from_ipc_handle(torch.device("cuda", device), handle)
         except RuntimeError as exc:
-            raise InvalidArgument("cannot open or wait on event_handle", reason=str(exc)) from None
+            raise InvalidArgument("cannot open event_handle", reason=str(exc)) from None
 
 
 def _allocation_bytes(ptr: int) -> int:
@@ -126,8 +138,10 @@ class IpcCache:
         self.max_mappings = max_mappings
         self._lock = threading.Lock()
         self._open: OrderedDict[bytes, _Opened] = OrderedDict()
+        self._events: OrderedDict[tuple[str, bytes, int], IpcEvent] = OrderedDict()
         self.opens = 0
         self.closes = 0
+        self.event_opens = 0
 
     def __len__(self) -> int:
         return len(self._open)
@@ -202,9 +216,34 @@ class IpcCache:
             log.exception("closing an IPC mapping failed")
         self.closes += 1
 
-    def drop_owner(self, owner: str) -> int:
-        """``owner`` ended: close the mappings no other owner used. Returns how many closed."""
+    def wait_event(self, owner: str, handle: bytes, device: int) -> None:
+        """Block until the client's event ``handle`` (on GPU ``device``) has fired; opened
+        once per owner and handle. InvalidArgument when it cannot be opened or waited on."""
+        key = (owner, bytes(handle), device)
         with self._lock:
+            event = self._events.get(key)
+            if event is not None:
+                self._events.move_to_end(key)
+        if event is None:
+            event = self.backend.open_event(key[1], device)  # outside the lock: it is slow
+            with self._lock:
+                event = self._events.setdefault(key, event)
+                self.event_opens += 1
+                while len(self._events) > MAX_EVENTS:
+                    self._events.popitem(last=False)
+        try:
+            event.synchronize()
+        except RuntimeError as exc:
+            with self._lock:
+                self._events.pop(key, None)
+            raise InvalidArgument("cannot wait on event_handle", reason=str(exc)) from None
+
+    def drop_owner(self, owner: str) -> int:
+        """``owner`` ended: close the mappings no other owner used and forget its events.
+        Returns how many mappings closed."""
+        with self._lock:
+            for key in [k for k in self._events if k[0] == owner]:
+                del self._events[key]
             before = self.closes
             for opened in list(self._open.values()):
                 opened.owners.discard(owner)

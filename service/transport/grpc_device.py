@@ -250,7 +250,7 @@ class DevicePlane:
         def run() -> list[tuple[Lease | None, int]]:
             slots = offsets or self._pack(keys)
             if dest.event is not None:
-                self.ipc.backend.wait_event(dest.event, dest.device)
+                self.ipc.wait_event(owner, dest.event, dest.device)
             if dest.nbytes == 0:
                 flat = torch.empty(0, dtype=torch.uint8)
                 return list(zip(self.engine.get_into(keys, owner, flat, slots), slots, strict=True))

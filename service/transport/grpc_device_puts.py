@@ -36,15 +36,20 @@ def _checked(
     return key, src, crc
 
 
+def _wait_events(plane: DevicePlane, owner: str, sources: list[IpcTensor]) -> None:
+    """Wait (worker thread) for the clients' events, each distinct one once: a batch's
+    tensors usually share one event, recorded after all of them were written."""
+    for event, device in dict.fromkeys((s.event, s.device) for s in sources if s.event):
+        plane.ipc.wait_event(owner, event, device)
+
+
 def _mapped(
     plane: DevicePlane, stack: contextlib.ExitStack, owner: str, src: IpcTensor
 ) -> torch.Tensor:
-    """The client's tensor, readable in this process until ``stack`` closes (worker thread:
-    it waits for the client's event first). An empty tensor is not mapped."""
+    """The client's tensor, readable in this process until ``stack`` closes. An empty
+    tensor is not mapped."""
     if src.nbytes == 0:
         return torch.empty(src.shape, dtype=src.dtype.torch_dtype)
-    if src.event is not None:
-        plane.ipc.backend.wait_event(src.event, src.device)
     flat = stack.enter_context(
         plane.ipc.tensor(owner, src.handle, src.device, src.alloc_size, src.offset, src.nbytes)
     )
@@ -59,6 +64,7 @@ async def put_from_device(
     key, src, crc = _checked(plane, request, "tensor", "PutFromDevice")
 
     def run() -> bool:
+        _wait_events(plane, owner, [src])
         with contextlib.ExitStack() as stack:
             tensor = _mapped(plane, stack, owner, src)
             return plane.engine.put_from_device(key, tensor, owner=owner, checksum=crc)
@@ -90,6 +96,7 @@ async def put_from_device_batch(
         return pb.PutFromDeviceBatchResponse()
 
     def run() -> list[bool]:
+        _wait_events(plane, owner, [src for _, src, _ in checked])
         with contextlib.ExitStack() as stack:  # every mapping stays open until all copied
             items = [(key, _mapped(plane, stack, owner, src)) for key, src, _ in checked]
             crcs = [crc for _, _, crc in checked]

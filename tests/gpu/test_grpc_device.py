@@ -94,7 +94,8 @@ with EmbCacheClient(sys.argv[1]) as client:
     assert client.put_many(batch) == [False] * len(batch)  # idempotent
     assert client._device_puts and client._batch_puts, "PutFromDevice(Batch) was refused"
     d2h = client.stats()["bytes_copied"]["d2h"] - before
-print(json.dumps({"device_bytes": device_bytes, "d2h": d2h}))
+from embcache.clients.ipc_events import EVENTS
+print(json.dumps({"device_bytes": device_bytes, "d2h": d2h, "events": EVENTS.created}))
 """
 )
 
@@ -124,7 +125,7 @@ with EmbCacheClient(sys.argv[1]) as client, EmbCacheClient(sys.argv[1]) as other
     assert not client._no_device and not other._no_device, "fell back to the host path"
     assert client._ready_events and other._ready_events, "ready events were refused"
     # get_into a buffer of our own: packed slots, then explicit offsets
-    buf = torch.full((32 * 2**20,), 0xAB, dtype=torch.uint8, device="cuda")
+    buf = torch.full((64 * 2**20,), 0xAB, dtype=torch.uint8, device="cuda")
     stats0 = client.stats()["bytes_copied"]
     res = client.get_into(keys + ["missing"], buf)
     assert not res[-1] and all(res[:-1])
@@ -174,6 +175,7 @@ def test_encoder_then_decoder(daemon: Daemon) -> None:
     fragment_device_pool(daemon.target)
     enc = run(ENCODER, daemon.target)
     assert enc["d2h"] >= enc["device_bytes"] > 0, enc  # PutFromDevice did the copies
+    assert enc["events"] == 1, enc  # one interprocess event, reused by every put
     dec = run(DECODER, daemon.target)
     assert dec["opens"] == 1, dec  # one pool, opened once for two clients and three gets
     assert dec["events"] >= 1, dec  # cold gets replied before their copies finished

@@ -63,13 +63,32 @@ class FakeMapping:
         self.closed = True
 
 
+class FakeEvent:
+    def __init__(self, waits: list[bytes], handle: bytes) -> None:
+        self.waits, self.handle = waits, handle
+
+    def synchronize(self) -> None:
+        self.waits.append(self.handle)
+
+
+class FakeRecorded:
+    def __init__(self, handle: bytes, free: list[FakeRecorded]) -> None:
+        self.handle, self.free = handle, free
+
+    def done(self) -> None:
+        self.free.append(self)
+
+
 class FakeIpc:
     """Client allocations are CPU buffers registered under random 64-byte handles."""
 
     def __init__(self) -> None:
         self.buffers: dict[bytes, torch.Tensor] = {}
         self.opened: list[FakeMapping] = []
-        self.events: list[bytes] = []
+        self.events: list[bytes] = []  # every wait, in order
+        self.event_opens: list[bytes] = []
+        self.free_events: list[FakeRecorded] = []  # client side, for fake_cuda_puts
+        self.made_events: set[bytes] = set()
 
     def register(self, buf: torch.Tensor) -> bytes:
         handle = os.urandom(64)
@@ -92,8 +111,9 @@ class FakeIpc:
         self.opened.append(mapping)
         return mapping
 
-    def wait_event(self, handle: bytes, device: int) -> None:
-        self.events.append(handle)
+    def open_event(self, handle: bytes, device: int) -> FakeEvent:
+        self.event_opens.append(handle)
+        return FakeEvent(self.events, handle)
 
 
 class FakePools:
@@ -313,6 +333,7 @@ def test_put_from_device_and_mapping_cache(dev_server: Server, stub) -> None:
     assert reply.created and reply.nbytes == raw.numel()
     again = stub.PutFromDevice(pb.PutFromDeviceRequest(key="pd2", tensor=tensor))
     assert again.created and len(fake.opened) == 1 and fake.events == [b"e" * 64] * 2
+    assert fake.event_opens == [b"e" * 64]  # the event was opened once, then waited on again
     for key in ("pd", "pd2"):
         (lease,) = engine.get([key], "t")
         assert lease is not None and torch.equal(engine.tensor(lease), src)
@@ -466,14 +487,27 @@ def fake_cuda_puts(monkeypatch, fake: FakeIpc, marked: set[int]) -> None:  # typ
     """Clients treat the tensors in ``marked`` (by id) as CUDA tensors, exported through the
     fake IPC backend (their own bytes are the "allocation")."""
 
-    def export(t: torch.Tensor, *, as_bytes: bool = False) -> dr.Exported:
+    def export(t: torch.Tensor, *, as_bytes: bool = False, event: bool = True) -> dr.Exported:
         raw = t.reshape(-1).view(torch.uint8)
-        return dr.Exported(ipc_tensor(fake.register(raw), t, 0, raw.numel()), (t,))
+        out = dr.Exported(ipc_tensor(fake.register(raw), t, 0, raw.numel()), t)
+        if event:
+            record(t.device, [out])
+        return out
+
+    def record(device: torch.device, exported: list[dr.Exported]) -> None:
+        """One event per call, reused once a call returned (as ``IpcEvents`` does)."""
+        free = fake.free_events
+        rec = free.pop() if free else FakeRecorded(b"%02d" % len(fake.made_events) * 32, free)
+        fake.made_events.add(rec.handle)
+        for e in exported:
+            e.message.event_handle = rec.handle
+        exported[0].events.append(rec)  # type: ignore[arg-type]
 
     wants = lambda t: id(t) in marked  # noqa: E731
     monkeypatch.setattr(sync_client, "_wants_device_put", wants)
     monkeypatch.setattr(async_client, "_wants_device_put", wants)
     monkeypatch.setattr(dr, "export_cuda", export)
+    monkeypatch.setattr(dr, "record_event", record)
     monkeypatch.setattr(device_puts, "MAX_ITEMS", 2)  # three device tensors: two calls
 
 
@@ -507,6 +541,9 @@ def test_client_put_many(dev_server: Server, monkeypatch, use_async: bool) -> No
     first, again = put_twice()
     assert first == [True] * 4 and again == [False] * 4
     assert batches == [2, 1, 2, 1]  # the host tensor was streamed, not batched
+    # one event per batch, waited on once per call; both given back and reused next time
+    assert len(fake.events) == 4 and len(fake.made_events) == 2
+    assert len(fake.event_opens) == 2  # the daemon opened each once (one session)
     for key, src in tensors.items():
         (lease,) = engine.get([key], "t")
         assert lease is not None and torch.equal(engine.tensor(lease), src)

@@ -28,6 +28,14 @@ class Mapping:
         self.closed = True
 
 
+class Event:
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+
+
 class Backend:
     def __init__(self) -> None:
         self.opened: dict[bytes, list[Mapping]] = {}
@@ -45,8 +53,8 @@ class Backend:
         self.opened.setdefault(handle, []).append(mapping)
         return mapping
 
-    def wait_event(self, handle: bytes, device: int) -> None:
-        pass
+    def open_event(self, handle: bytes, device: int) -> Event:
+        return Event()
 
 
 def h(i: int) -> bytes:
@@ -106,6 +114,58 @@ def test_bounds_and_devices() -> None:
     with pytest.raises(InvalidArgument):
         check_ipc_handle(b"x" * 63, "ipc_handle")
     assert check_ipc_handle(h(1), "ipc_handle") == h(1)
+
+
+class EventBackend(Backend):
+    def __init__(self) -> None:
+        super().__init__()
+        self.event_opens: list[tuple[bytes, int]] = []
+        self.events: dict[bytes, Event] = {}
+
+    def open_event(self, handle: bytes, device: int) -> Event:
+        if handle == h(99):
+            raise InvalidArgument("cannot open event_handle")
+        self.event_opens.append((handle, device))
+        return self.events.setdefault(handle, Event())
+
+
+class BrokenEvent(Event):
+    def synchronize(self) -> None:
+        raise RuntimeError("device-side assert")
+
+
+def test_events_opened_once_per_owner_and_handle() -> None:
+    backend = EventBackend()
+    cache = IpcCache(backend)
+    for _ in range(3):
+        cache.wait_event("a", h(1), 0)
+    cache.wait_event("b", h(1), 0)  # another owner opens its own
+    cache.wait_event("a", h(1), 1)  # the same bytes on another GPU are another event
+    assert backend.event_opens == [(h(1), 0), (h(1), 0), (h(1), 1)]
+    assert backend.events[h(1)].waits == 5 and cache.event_opens == 3
+    cache.drop_owner("a")  # forgets a's events, keeps b's
+    cache.wait_event("a", h(1), 0)
+    cache.wait_event("b", h(1), 0)
+    assert len(backend.event_opens) == 4
+    with pytest.raises(InvalidArgument):
+        cache.wait_event("a", h(99), 0)
+
+
+def test_event_cache_is_bounded_and_forgets_an_event_that_fails() -> None:
+    from embcache.service.ipc_cache import MAX_EVENTS
+
+    backend = EventBackend()
+    cache = IpcCache(backend)
+    for i in range(MAX_EVENTS + 5):
+        cache.wait_event(f"o{i}", h(1), 0)
+    assert len(cache._events) == MAX_EVENTS
+    cache.wait_event("o0", h(1), 0)  # the least recently used went first
+    assert len(backend.event_opens) == MAX_EVENTS + 6
+    backend.events[h(2)] = BrokenEvent()
+    for _ in range(2):
+        with pytest.raises(InvalidArgument, match="wait"):
+            cache.wait_event("x", h(2), 0)
+    assert backend.event_opens.count((h(2), 0)) == 2  # not kept after it failed
 
 
 @pytest.mark.parametrize(
