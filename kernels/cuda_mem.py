@@ -333,17 +333,23 @@ class ImportedMemory:
     kind: str  # "legacy" | "fd"
     _handle: int = 0
     _closed: bool = False
+    _whole: torch.Tensor | None = None  # made once: wrapping costs tens of us, a slice ~1
 
     def tensor(self, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
         n = self.nbytes - offset if nbytes is None else nbytes
         if offset < 0 or n < 0 or offset + n > self.nbytes:
             raise ValueError(f"offset/nbytes: [{offset}, {offset + n}) outside {self.nbytes}")
-        return wrap_device_bytes(self.ptr + offset, n, self.device, self)
+        if self._closed:
+            raise ValueError("the mapping is closed")
+        if self._whole is None or self._whole.numel() != self.nbytes:
+            self._whole = wrap_device_bytes(self.ptr, self.nbytes, self.device, self)
+        return self._whole[offset : offset + n]
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._whole = None
         rt, drv = _libs()
         if self.kind == "legacy":
             _rt_check("cudaIpcCloseMemHandle", rt.cudaIpcCloseMemHandle(ctypes.c_void_p(self.ptr)))

@@ -178,7 +178,8 @@ def test_encoder_then_decoder(daemon: Daemon) -> None:
     assert enc["events"] == 1, enc  # one interprocess event, reused by every put
     dec = run(DECODER, daemon.target)
     assert dec["opens"] == 1, dec  # one pool, opened once for two clients and three gets
-    assert dec["events"] >= 1, dec  # cold gets replied before their copies finished
+    # Whether a reply carried a ready event depends on timing here (a fast copy finishes
+    # before the reply is built); test_reads_wait_for_ready_events makes sure of events.
     assert dec["leases"] == 0
     with EmbCacheClient(daemon.target) as client:
         assert client.stats()["leases_active"] == 0
