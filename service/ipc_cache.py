@@ -13,7 +13,7 @@ mapping open keeps the client's memory alive after the client frees it, which is
 cache is bounded and tied to owners.
 
 A client's interprocess events (they say when its writes of a tensor are done) are cached
-too, per owner and handle: clients reuse their events from call to call, and opening one
+too, per session and handle: clients reuse their events from call to call, and opening one
 costs hundreds of microseconds (the first time in a process, ~0.6 ms on the H200's host)
 where waiting on a fired one costs a few. They hold no memory; they go with their owner, or
 the least recently used beyond :data:`MAX_EVENTS`.
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 MAX_MAPPINGS = 64
 MAX_EVENTS = 256
+ANON_PREFIX = "anon:"  # owners of calls without a session (transport/grpc_sessions.py)
 IPC_HANDLE_BYTES = 64
 
 
@@ -222,20 +223,27 @@ class IpcCache:
         self.closes += 1
 
     def wait_event(self, owner: str, handle: bytes, device: int) -> None:
-        """Block until the client's event ``handle`` (on GPU ``device``) has fired; opened
-        once per owner and handle. InvalidArgument when it cannot be opened or waited on."""
+        """Block until the client's event ``handle`` (on GPU ``device``) has fired.
+        InvalidArgument when it cannot be opened or waited on.
+
+        A session's events are opened once and kept until the session ends. A caller without
+        a session (``anon:<peer>``, which many processes may share) gets its event opened
+        each time: nothing would tell the daemon that the process behind a cached event died
+        and another one now sends the same handle bytes."""
         key = (owner, bytes(handle), device)
+        keep = not owner.startswith(ANON_PREFIX)
         with self._lock:
-            event = self._events.get(key)
+            event = self._events.get(key) if keep else None
             if event is not None:
                 self._events.move_to_end(key)
         if event is None:
             event = self.backend.open_event(key[1], device)  # outside the lock: it is slow
             with self._lock:
-                event = self._events.setdefault(key, event)
                 self.event_opens += 1
-                while len(self._events) > MAX_EVENTS:
-                    self._events.popitem(last=False)
+                if keep:
+                    event = self._events.setdefault(key, event)
+                    while len(self._events) > MAX_EVENTS:
+                        self._events.popitem(last=False)
         try:
             event.synchronize()
         except RuntimeError as exc:

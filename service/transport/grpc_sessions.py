@@ -13,6 +13,7 @@ import secrets
 from typing import Any
 
 from ..errors import EmbCacheError
+from ..ipc_cache import ANON_PREFIX
 
 SESSION_KEY = "x-embcache-session"
 _PREFIX = "session:"
@@ -50,4 +51,4 @@ class SessionRegistry:
                 if value not in self._live:
                     raise UnknownSession("session is not open on this server", session=value)
                 return str(value)
-        return f"anon:{context.peer()}"
+        return f"{ANON_PREFIX}{context.peer()}"

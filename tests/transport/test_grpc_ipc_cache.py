@@ -149,6 +149,10 @@ def test_events_opened_once_per_owner_and_handle() -> None:
     assert len(backend.event_opens) == 4
     with pytest.raises(InvalidArgument):
         cache.wait_event("a", h(99), 0)
+    # callers without a session (a peer many processes may share) get no cached events
+    for _ in range(2):
+        cache.wait_event("anon:unix:", h(3), 0)
+    assert backend.event_opens.count((h(3), 0)) == 2 and backend.events[h(3)].waits == 2
 
 
 def test_event_cache_is_bounded_and_forgets_an_event_that_fails() -> None:
