@@ -125,6 +125,18 @@ def _allocation_bytes(ptr: int) -> int:
     return cuda_mem.allocation_bytes(ptr)
 
 
+@dataclass(frozen=True, slots=True)
+class IpcStats:
+    """What the daemon holds of its clients' GPU memory (for metrics)."""
+
+    mappings: int  # client allocations open now
+    mapped_bytes: int  # their sizes: client memory kept alive while mapped
+    opens: int  # allocations opened since start
+    closes: int
+    events: int  # session events kept open now
+    event_opens: int  # events opened since start
+
+
 @dataclass(eq=False)
 class _Opened:
     handle: bytes
@@ -151,6 +163,17 @@ class IpcCache:
 
     def __len__(self) -> int:
         return len(self._open)
+
+    def stats(self) -> IpcStats:
+        with self._lock:
+            return IpcStats(
+                mappings=len(self._open),
+                mapped_bytes=sum(o.size for o in self._open.values()),
+                opens=self.opens,
+                closes=self.closes,
+                events=len(self._events),
+                event_opens=self.event_opens,
+            )
 
     @contextlib.contextmanager
     def tensor(

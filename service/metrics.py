@@ -165,6 +165,49 @@ class EngineCollector(Collector):
             add("copy_bytes", [direction], nbytes)
 
 
+class _IpcSource(Protocol):
+    def stats(self) -> Any: ...
+
+
+class IpcCollector(Collector):
+    """Client GPU memory the daemon holds open through CUDA IPC (``service/ipc_cache.py``):
+    an open mapping keeps a client's allocation alive after the client frees it."""
+
+    def __init__(self, cache: _IpcSource) -> None:
+        self._cache = cache
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        families = self._families()
+        s = self._cache.stats()
+        for family, value in zip(
+            families,
+            (s.mappings, s.mapped_bytes, s.opens, s.closes, s.events, s.event_opens),
+            strict=True,
+        ):
+            family.add_metric([], value)
+        return iter(families)
+
+    @staticmethod
+    def _families() -> list[GaugeMetricFamily | CounterMetricFamily]:
+        return [
+            GaugeMetricFamily(f"{PREFIX}_ipc_mappings", "Client GPU allocations open now."),
+            GaugeMetricFamily(
+                f"{PREFIX}_ipc_mapped_bytes",
+                "Bytes of the client GPU allocations open now (kept alive while open).",
+            ),
+            CounterMetricFamily(f"{PREFIX}_ipc_opens", "Client GPU allocations opened."),
+            CounterMetricFamily(f"{PREFIX}_ipc_closes", "Client GPU allocations closed."),
+            GaugeMetricFamily(f"{PREFIX}_ipc_events", "Client events kept open for sessions."),
+            CounterMetricFamily(
+                f"{PREFIX}_ipc_event_opens",
+                "Client events opened (clients that reuse their events open few).",
+            ),
+        ]
+
+
 class Metrics:
     """All daemon metrics, in one registry of their own.
 
@@ -196,6 +239,10 @@ class Metrics:
         self.registry.register(EngineCollector(engine, self))
         if getattr(engine, "copy_observer", False) is None:
             engine.copy_observer = self.observe_copy  # type: ignore[attr-defined]
+
+    def watch_ipc(self, cache: _IpcSource) -> None:
+        """Export the IPC cache's gauges and counters (once per registry)."""
+        self.registry.register(IpcCollector(cache))
 
     def observe_rpc(self, transport: str, method: str, code: str, seconds: float) -> None:
         """One finished call. ``method`` is a route template or RPC name, never a key."""

@@ -115,6 +115,10 @@ def test_metrics_are_live_and_histograms_have_samples(exported: dict[str, Any]) 
     assert {"grpc", "http"} <= transports
     hits = exported["families"]["embcache_hits"]
     assert [s.value for s in hits.samples if s.name == "embcache_hits_total"] == [1.0]
+    # the gRPC server exports its IPC cache: nothing mapped by a CPU daemon
+    mapped = exported["families"]["embcache_ipc_mapped_bytes"]
+    assert [s.value for s in mapped.samples] == [0.0]
+    assert "embcache_ipc_event_opens_total" in names
 
 
 # -- the dashboard -------------------------------------------------------------------------

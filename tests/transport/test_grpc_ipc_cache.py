@@ -81,6 +81,38 @@ def test_opened_once_shared_by_owners_closed_with_the_last() -> None:
     assert len(backend.opened[h(1)]) == 2
 
 
+def test_stats_and_their_metrics() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from embcache.service.metrics import IpcCollector
+
+    backend = EventBackend()
+    cache = IpcCache(backend, max_mappings=8)
+    use(cache, "s1", h(1))
+    use(cache, "s2", h(2))
+    cache.wait_event("s1", h(5), 0)
+    cache.drop_owner("s2")
+    s = cache.stats()
+    assert (s.mappings, s.mapped_bytes, s.opens, s.closes) == (1, 1024, 2, 1)
+    assert (s.events, s.event_opens) == (1, 1)
+    registry = CollectorRegistry()
+    registry.register(IpcCollector(cache))
+    samples = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for sample in family.samples
+    }
+    assert samples == {
+        "embcache_ipc_mappings": 1,
+        "embcache_ipc_mapped_bytes": 1024,
+        "embcache_ipc_opens_total": 2,
+        "embcache_ipc_closes_total": 1,
+        "embcache_ipc_events": 1,
+        "embcache_ipc_event_opens_total": 1,
+    }
+
+
 def test_lru_bound_skips_mappings_in_use() -> None:
     backend = Backend()
     cache = IpcCache(backend, max_mappings=2)
