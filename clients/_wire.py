@@ -11,10 +11,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import numpy as np
 import torch
 
 from ..proto.embcache.v1 import embcache_pb2 as pb
+from ..proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
 from ..service.checksum import crc32
 
 CHUNK_BYTES = 1 << 20
@@ -44,6 +46,36 @@ def normalize_target(target: str) -> str:
     if target.startswith("/"):
         return f"unix:{target}"
     return target
+
+
+def connect(
+    target: str,
+    *,
+    tls: bool,
+    root_certificates: bytes | None,
+    options: Sequence[tuple[str, Any]],
+    aio: bool,
+) -> tuple[Any, Any, Any]:
+    """``(channel, stub, put)`` of a client: a channel (``grpc.aio`` with ``aio``) with
+    embcache's options, TLS when asked for; the service stub; and the ``Put`` client
+    stream, whose requests use :func:`encode_put` (chunks serialised without a copy)."""
+    opts = [*CHANNEL_OPTIONS, *options]
+    flavour: Any = grpc.aio if aio else grpc
+    if tls or root_certificates is not None:
+        creds = grpc.ssl_channel_credentials(root_certificates)
+        channel = flavour.secure_channel(target, creds, options=opts)
+    else:
+        channel = flavour.insecure_channel(target, options=opts)
+    put = channel.stream_unary(
+        SERVICE + "Put",
+        request_serializer=encode_put,
+        response_deserializer=pb.PutResponse.FromString,
+    )
+    return channel, pb_grpc.EmbeddingCacheStub(channel), put
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
 
 
 @dataclass(frozen=True, slots=True)

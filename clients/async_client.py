@@ -17,24 +17,17 @@ import grpc
 import torch
 
 from ..proto.embcache.v1 import embcache_pb2 as pb
-from ..proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
-from ..service.errors import DeviceUnavailable, EmbCacheError
+from ..service.errors import DeviceUnavailable
 from . import device as _device
 from . import device_puts as dp
 from . import device_results as dr
 from ._wire import (
-    CHANNEL_OPTIONS,
-    SERVICE,
     SESSION_KEY,
-    BytesCollector,
-    EntryBytes,
     as_keys,
-    encode_put,
-    evict_request,
+    auth_metadata,
+    connect,
     normalize_target,
     payload_of,
-    prefetch_dict,
-    prefetch_request,
 )
 from .errors import (
     RpcFailed,
@@ -44,11 +37,10 @@ from .errors import (
     should_retry,
     translate,
 )
+from .plain_calls import AsyncPlainCalls
 from .results import AsyncLeasedTensors, copy_into, decode_get
 from .sessions import AsyncSession, SessionLost, retry_step
 from .shm import process_pool_maps
-from .stats import EVICT_NAMES, stats_dict
-from .sync_client import _outcome_of, _wants_device_put
 
 T = TypeVar("T")
 log = logging.getLogger("embcache.client")
@@ -73,7 +65,7 @@ class _GetCall:
             await self._leased.release()
 
 
-class AsyncEmbCacheClient:
+class AsyncEmbCacheClient(AsyncPlainCalls):
     def __init__(
         self,
         target: str,
@@ -87,24 +79,13 @@ class AsyncEmbCacheClient:
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
         target = normalize_target(target)
-        opts = [*CHANNEL_OPTIONS, *options]
-        if tls or root_certificates is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates)
-            self._channel = grpc.aio.secure_channel(target, creds, options=opts)
-        else:
-            self._channel = grpc.aio.insecure_channel(target, options=opts)
-        self._stub = pb_grpc.EmbeddingCacheStub(self._channel)
-        self._put = self._channel.stream_unary(
-            SERVICE + "Put",
-            request_serializer=encode_put,
-            response_deserializer=pb.PutResponse.FromString,
+        self._channel, self._stub, self._put = connect(
+            target, tls=tls, root_certificates=root_certificates, options=options, aio=True
         )
         self.target = target
         self.timeout = timeout
         self.retries = retries
-        self._auth: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {token}"),) if token else ()
-        )
+        self._auth = auth_metadata(token)
         self._client_name = client_name
         self._session: AsyncSession | None = None
         self._session_lock = asyncio.Lock()
@@ -183,7 +164,7 @@ class AsyncEmbCacheClient:
 
     # -- puts ----------------------------------------------------------------------------
     async def put(self, key: str, tensor: Any, *, checksum: bool = True) -> bool:
-        if self._device_puts and _wants_device_put(tensor):
+        if self._device_puts and dp.wants_device_put(tensor):
             created = await self._put_from_device(key, tensor)
             if created is not None:
                 return created
@@ -203,7 +184,7 @@ class AsyncEmbCacheClient:
         rest streamed one by one."""
         pairs = dp.as_pairs(items)
         out: list[bool | None] = [None] * len(pairs)
-        cuda = [(i, k, t) for i, (k, t) in enumerate(pairs) if _wants_device_put(t)]
+        cuda = [(i, k, t) for i, (k, t) in enumerate(pairs) if dp.wants_device_put(t)]
         if cuda and self._device_puts and self._batch_puts:
             for batch in dp.batches(cuda) or []:
                 reply = await self._put_batch(batch)
@@ -378,26 +359,6 @@ class AsyncEmbCacheClient:
         exported.returned()  # the daemon has copied: its event may be reused
         return dr.into_results(reply)
 
-    async def get_bytes(
-        self, key: str, offset: int = 0, length: int | None = None
-    ) -> EntryBytes | None:
-        request = pb.GetBytesRequest(key=key, offset=offset)
-        if length is not None:
-            request.length = length
-
-        async def fetch(md: Any, to: float) -> EntryBytes:
-            collector = BytesCollector(key)
-            async for msg in self._stub.GetBytes(request, timeout=to, metadata=md):
-                collector.add(msg, length, offset)
-            return collector.result()
-
-        try:
-            return await self._call(fetch)
-        except EmbCacheError as exc:
-            if getattr(exc, "grpc_status", None) == grpc.StatusCode.NOT_FOUND:
-                return None
-            raise
-
     # -- leases --------------------------------------------------------------------------
     async def release(self, lease_ids: Sequence[int]) -> int:
         if not lease_ids:
@@ -417,57 +378,6 @@ class AsyncEmbCacheClient:
             lambda md, to: self._stub.Release(request, timeout=to, metadata=md)
         )
         return int(reply.released)
-
-    async def renew(self, lease_ids: Sequence[int], ttl_s: float | None = None) -> int:
-        request = pb.RenewRequest(lease_ids=lease_ids)
-        if ttl_s is not None:
-            request.ttl_s = ttl_s
-        reply = await self._call(lambda md, to: self._stub.Renew(request, timeout=to, metadata=md))
-        return int(reply.renewed)
-
-    # -- exists / evict / stats ----------------------------------------------------------
-    @overload
-    async def exists(self, keys: str) -> bool: ...  # type: ignore[overload-overlap]
-    @overload
-    async def exists(self, keys: Sequence[str]) -> list[bool]: ...
-    async def exists(self, keys: str | Sequence[str]) -> bool | list[bool]:
-        names, single = as_keys(keys)
-        request = pb.ExistsRequest(keys=names)
-        reply = await self._call(lambda md, to: self._stub.Exists(request, timeout=to, metadata=md))
-        found = list(reply.exists)
-        return found[0] if single else found
-
-    @overload
-    async def evict(self, keys: str, device: Any = None) -> str: ...  # type: ignore[overload-overlap]
-    @overload
-    async def evict(self, keys: Sequence[str], device: Any = None) -> list[str]: ...
-    async def evict(self, keys: str | Sequence[str], device: Any = None) -> str | list[str]:
-        names, single = as_keys(keys)
-        request = evict_request(names, device)
-        try:
-            reply = await self._call(
-                lambda md, to: self._stub.Evict(request, timeout=to, metadata=md)
-            )
-        except Exception as exc:
-            if single or len(names) != 1:
-                raise
-            return [_outcome_of(exc)]
-        outcomes = [EVICT_NAMES[r.outcome] for r in reply.results]
-        return outcomes[0] if single else outcomes
-
-    async def prefetch(self, keys: Sequence[str], device: Any = None) -> dict[str, int]:
-        """Warm the daemon's local tiers (shared tier -> host pool, and ``device``'s GPU)."""
-        request = prefetch_request(keys, device)
-        reply = await self._call(
-            lambda md, to: self._stub.Prefetch(request, timeout=to, metadata=md)
-        )
-        return prefetch_dict(reply)
-
-    async def stats(self) -> dict[str, Any]:
-        reply = await self._call(
-            lambda md, to: self._stub.Stats(pb.StatsRequest(), timeout=to, metadata=md)
-        )
-        return stats_dict(reply)
 
     # -- life cycle ----------------------------------------------------------------------
     async def close(self) -> None:

@@ -14,6 +14,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..proto.embcache.v1 import embcache_pb2 as pb
 from ..service.errors import DeviceUnavailable
 from . import device_results as dr
@@ -23,6 +25,11 @@ log = logging.getLogger("embcache.client")
 
 MAX_ITEMS = 1024  # the daemon's limit per call
 MAX_REQUEST_BYTES = 1 << 20  # below the daemon's message limit (1 MiB chunk + 128 KiB)
+
+
+def wants_device_put(tensor: Any) -> bool:
+    """A non-empty CUDA tensor: a put tries the daemon's copy from this GPU first."""
+    return isinstance(tensor, torch.Tensor) and tensor.is_cuda and tensor.numel() > 0
 
 
 def as_pairs(items: Mapping[str, Any] | Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:

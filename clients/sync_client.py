@@ -22,24 +22,17 @@ import grpc
 import torch
 
 from ..proto.embcache.v1 import embcache_pb2 as pb
-from ..proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
-from ..service.errors import DeviceUnavailable, EmbCacheError, EntryLeased, NotFound
+from ..service.errors import DeviceUnavailable
 from . import device as _device
 from . import device_puts as dp
 from . import device_results as dr
 from ._wire import (
-    CHANNEL_OPTIONS,
-    SERVICE,
     SESSION_KEY,
-    BytesCollector,
-    EntryBytes,
     as_keys,
-    encode_put,
-    evict_request,
+    auth_metadata,
+    connect,
     normalize_target,
     payload_of,
-    prefetch_dict,
-    prefetch_request,
 )
 from .errors import (
     RpcFailed,
@@ -49,16 +42,19 @@ from .errors import (
     should_retry,
     translate,
 )
+from .plain_calls import PlainCalls
 from .results import LeasedTensors, copy_into, decode_get
 from .sessions import Session, SessionLost, retry_step
 from .shm import process_pool_maps
-from .stats import EVICT_NAMES, stats_dict
 
 T = TypeVar("T")
 log = logging.getLogger("embcache.client")
 
 
-class EmbCacheClient:
+class EmbCacheClient(PlainCalls):
+    """The blocking client (module docstring); exists, evict, prefetch, stats, renew and
+    get_bytes come from :class:`~embcache.clients.plain_calls.PlainCalls`."""
+
     def __init__(
         self,
         target: str,
@@ -72,24 +68,13 @@ class EmbCacheClient:
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
         target = normalize_target(target)
-        opts = [*CHANNEL_OPTIONS, *options]
-        if tls or root_certificates is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates)
-            self._channel = grpc.secure_channel(target, creds, options=opts)
-        else:
-            self._channel = grpc.insecure_channel(target, options=opts)
-        self._stub = pb_grpc.EmbeddingCacheStub(self._channel)
-        self._put = self._channel.stream_unary(
-            SERVICE + "Put",
-            request_serializer=encode_put,
-            response_deserializer=pb.PutResponse.FromString,
+        self._channel, self._stub, self._put = connect(
+            target, tls=tls, root_certificates=root_certificates, options=options, aio=False
         )
         self.target = target
         self.timeout = timeout
         self.retries = retries
-        self._auth: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {token}"),) if token else ()
-        )
+        self._auth = auth_metadata(token)
         self._client_name = client_name
         self._session: Session | None = None
         self._session_lock = threading.Lock()
@@ -178,7 +163,7 @@ class EmbCacheClient:
 
         A CUDA tensor goes through PutFromDevice (the daemon copies it from this GPU; no
         checksum) when the daemon can open it, else its bytes are streamed."""
-        if self._device_puts and _wants_device_put(tensor):
+        if self._device_puts and dp.wants_device_put(tensor):
             created = self._put_from_device(key, tensor)
             if created is not None:
                 return created
@@ -199,7 +184,7 @@ class EmbCacheClient:
         :meth:`put`."""
         pairs = dp.as_pairs(items)
         out: list[bool | None] = [None] * len(pairs)
-        cuda = [(i, k, t) for i, (k, t) in enumerate(pairs) if _wants_device_put(t)]
+        cuda = [(i, k, t) for i, (k, t) in enumerate(pairs) if dp.wants_device_put(t)]
         if cuda and self._device_puts and self._batch_puts:
             for batch in dp.batches(cuda) or []:
                 reply = self._put_batch(batch)
@@ -382,25 +367,6 @@ class EmbCacheClient:
         exported.returned()  # the daemon has copied: its event may be reused
         return dr.into_results(reply)
 
-    def get_bytes(self, key: str, offset: int = 0, length: int | None = None) -> EntryBytes | None:
-        """The entry's bytes streamed over gRPC (works from any machine); None if absent."""
-        request = pb.GetBytesRequest(key=key, offset=offset)
-        if length is not None:
-            request.length = length
-
-        def fetch(md: Any, to: float) -> EntryBytes:
-            collector = BytesCollector(key)
-            for msg in self._stub.GetBytes(request, timeout=to, metadata=md):
-                collector.add(msg, length, offset)
-            return collector.result()
-
-        try:
-            return self._call(fetch)
-        except EmbCacheError as exc:
-            if getattr(exc, "grpc_status", None) == grpc.StatusCode.NOT_FOUND:
-                return None
-            raise
-
     # -- leases --------------------------------------------------------------------------
     def release(self, lease_ids: Sequence[int]) -> int:
         if not lease_ids:
@@ -419,57 +385,6 @@ class EmbCacheClient:
         reply = self._call(lambda md, to: self._stub.Release(request, timeout=to, metadata=md))
         return int(reply.released)
 
-    def renew(self, lease_ids: Sequence[int], ttl_s: float | None = None) -> int:
-        request = pb.RenewRequest(lease_ids=lease_ids)
-        if ttl_s is not None:
-            request.ttl_s = ttl_s
-        reply = self._call(lambda md, to: self._stub.Renew(request, timeout=to, metadata=md))
-        return int(reply.renewed)
-
-    # -- exists / evict / stats ----------------------------------------------------------
-    @overload
-    def exists(self, keys: str) -> bool: ...  # type: ignore[overload-overlap]
-    @overload
-    def exists(self, keys: Sequence[str]) -> list[bool]: ...
-    def exists(self, keys: str | Sequence[str]) -> bool | list[bool]:
-        names, single = as_keys(keys)
-        request = pb.ExistsRequest(keys=names)
-        reply = self._call(lambda md, to: self._stub.Exists(request, timeout=to, metadata=md))
-        found = list(reply.exists)
-        return found[0] if single else found
-
-    @overload
-    def evict(self, keys: str, device: Any = None) -> str: ...  # type: ignore[overload-overlap]
-    @overload
-    def evict(self, keys: Sequence[str], device: Any = None) -> list[str]: ...
-    def evict(self, keys: str | Sequence[str], device: Any = None) -> str | list[str]:
-        """One key: "evicted", or raises NotFound / EntryLeased. Several: an outcome each
-        ("evicted", "not_found", "leased"); leased entries are never forced out.
-        ``device`` (``"cuda:N"``, an index): only the copies on that GPU go, their host
-        copies stay ("not_found" then also means no copy there)."""
-        names, single = as_keys(keys)
-        request = evict_request(names, device)
-        try:
-            reply = self._call(lambda md, to: self._stub.Evict(request, timeout=to, metadata=md))
-        except Exception as exc:
-            if single or len(names) != 1:
-                raise
-            return [_outcome_of(exc)]
-        outcomes = [EVICT_NAMES[r.outcome] for r in reply.results]
-        return outcomes[0] if single else outcomes
-
-    def prefetch(self, keys: Sequence[str], device: Any = None) -> dict[str, int]:
-        """Warm the daemon's local tiers (shared tier -> host pool, and ``device``'s GPU)."""
-        request = prefetch_request(keys, device)
-        reply = self._call(lambda md, to: self._stub.Prefetch(request, timeout=to, metadata=md))
-        return prefetch_dict(reply)
-
-    def stats(self) -> dict[str, Any]:
-        reply = self._call(
-            lambda md, to: self._stub.Stats(pb.StatsRequest(), timeout=to, metadata=md)
-        )
-        return stats_dict(reply)
-
     # -- life cycle ----------------------------------------------------------------------
     def close(self) -> None:
         """End the session (the daemon releases its leases) and close the channel."""
@@ -482,15 +397,3 @@ class EmbCacheClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _wants_device_put(tensor: Any) -> bool:
-    return isinstance(tensor, torch.Tensor) and tensor.is_cuda and tensor.numel() > 0
-
-
-def _outcome_of(exc: Exception) -> str:
-    if isinstance(exc, NotFound):
-        return "not_found"
-    if isinstance(exc, EntryLeased):
-        return "leased"
-    raise exc

@@ -27,9 +27,7 @@ import torch
 from embcache.clients import (
     AsyncEmbCacheClient,
     EmbCacheClient,
-    async_client,
     device_puts,
-    sync_client,
 )
 from embcache.clients import device as client_device
 from embcache.clients import device_results as dr
@@ -504,8 +502,7 @@ def fake_cuda_puts(monkeypatch, fake: FakeIpc, marked: set[int]) -> None:  # typ
         exported[0].events.append(rec)  # type: ignore[arg-type]
 
     wants = lambda t: id(t) in marked  # noqa: E731
-    monkeypatch.setattr(sync_client, "_wants_device_put", wants)
-    monkeypatch.setattr(async_client, "_wants_device_put", wants)
+    monkeypatch.setattr(device_puts, "wants_device_put", wants)
     monkeypatch.setattr(dr, "export_cuda", export)
     monkeypatch.setattr(dr, "record_event", record)
     monkeypatch.setattr(device_puts, "MAX_ITEMS", 2)  # three device tensors: two calls
