@@ -7,51 +7,34 @@ daemon's reaper via :meth:`expire_leases`.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
-import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from . import admission, introspection
+from . import introspection
 from .allocator import PageRunAllocator
 from .config import Settings
 from .device_pool import DevicePool
 from .device_tier import CopyObserver, DeviceLease, DeviceTier, PendingGet
-from .dtypes import from_torch
-from .entries import Entry, EntryState, EntryTable
+from .engine_evict import EvictOps, EvictOutcome, raise_for_evict
+from .engine_leases import SHARED_TIER_OWNER, LeaseOps
+from .engine_puts import PutOps
+from .entries import Entry, EntryTable
 from .errors import (
     Draining,
-    EntryLeased,
-    InvalidArgument,
-    LeaseExpired,
-    MetadataConflict,
-    NotFound,
-    PoolExhausted,
-    QuotaExceeded,
 )
-from .fill import PutHandle
 from .host_pool import HostPool
 from .leases import Lease, LeaseTable
-from .stats import EngineStats, EntryInfo, run_bucket
+from .stats import EngineStats, EntryInfo
 
 log = logging.getLogger(__name__)
-
-
-class EvictOutcome(enum.Enum):
-    EVICTED = "evicted"
-    NOT_FOUND = "not_found"
-    LEASED = "leased"
-
-
-SHARED_TIER_OWNER = "shared-tier"  # owner of the shared tier's own leases and fills
 
 
 def default_device_pools(settings: Settings) -> list[DevicePool]:
@@ -88,18 +71,22 @@ def cuda_wanted(settings: Settings) -> bool:
     return available
 
 
-def raise_for_evict(key: str, outcome: EvictOutcome, *, device: int | None = None) -> None:
-    """The typed error of one key's eviction outcome (none when evicted); ``device``: the
-    eviction was of that device pool's copies only."""
-    if outcome is EvictOutcome.NOT_FOUND and device is not None:
-        raise NotFound("no such entry, or no copy in that device pool", key=key, device=device)
-    if outcome is EvictOutcome.NOT_FOUND:
-        raise NotFound("no such entry", key=key)
-    if outcome is EvictOutcome.LEASED:
-        raise EntryLeased("entry is leased; it is evicted only once released", key=key)
+__all__ = [
+    "SHARED_TIER_OWNER",
+    "CacheEngine",
+    "EvictOutcome",
+    "cuda_wanted",
+    "default_device_pools",
+    "raise_for_evict",
+]
 
 
-class CacheEngine:
+class CacheEngine(PutOps, LeaseOps, EvictOps):
+    """The engine (module docstring): puts in ``engine_puts.py``, gets and leases in
+    ``engine_leases.py``, exists and eviction in ``engine_evict.py``, device copies in
+    ``device_tier.py``; this module holds the state, the device-tier and introspection
+    entry points, and the life cycle."""
+
     def __init__(
         self,
         settings: Settings,
@@ -146,396 +133,6 @@ class CacheEngine:
                     pool.close()
             self.host_pool.close()
             raise
-
-    # -- puts ----------------------------------------------------------------------------
-    def begin_put(
-        self,
-        key: str,
-        dtype: str,
-        shape: Sequence[int],
-        *,
-        nbytes: int | None = None,
-        checksum: int | None = None,
-        owner: str = "local",
-    ) -> PutHandle:
-        """Validate, then reserve pages for a new entry (evicting LRU entries if needed)."""
-        key = admission.check_key(key, self.settings)
-        meta = admission.check_meta(dtype, shape, nbytes, self.settings)
-        crc = admission.check_checksum(checksum)
-        npages = -(-meta.nbytes // self.settings.page_bytes)
-        with self._lock:
-            self._check_open()
-            existing = self._entries.get(key)
-            if existing is not None:
-                self._check_same_meta(existing, meta.dtype, meta.shape)
-                self._entries.touch(existing)
-                return PutHandle(None, 0, existing, (), crc)
-            if self._inflight[owner] + meta.nbytes > self.settings.inflight_limit:
-                raise QuotaExceeded(
-                    "too many bytes in unfinished puts",
-                    owner=owner,
-                    inflight=self._inflight[owner],
-                    nbytes=meta.nbytes,
-                    limit=self.settings.inflight_limit,
-                )
-            runs = self._reserve(npages, meta.nbytes)
-            entry = Entry(
-                key,
-                meta.dtype,
-                meta.shape,
-                meta.nbytes,
-                tuple(runs),
-                EntryState.FILLING,
-                crc,
-                0,
-                self._clock(),
-            )
-            put_id = next(self._put_ids)
-            self._filling[put_id] = (entry, owner)
-            self._inflight[owner] += meta.nbytes
-        byte_runs = tuple(self.host_pool.byte_runs(entry.runs, meta.nbytes))
-        return PutHandle(self, put_id, entry, byte_runs, crc)
-
-    def put(self, key: str, tensor: torch.Tensor, *, owner: str = "local") -> bool:
-        """Store a CPU tensor in one call. True if created, False if it already existed."""
-        dt = from_torch(tensor.dtype)
-        if dt is None:
-            raise InvalidArgument("unsupported dtype", dtype=str(tensor.dtype))
-        handle = self.begin_put(key, dt.name, tuple(tensor.shape), owner=owner)
-        with handle:
-            handle.write(tensor.detach().cpu().contiguous())
-            return handle.commit()
-
-    def _reserve(self, npages: int, nbytes: int) -> list[tuple[int, int]]:
-        if self._alloc.num_free_pages + self._entries.evictable_pages < npages:
-            raise PoolExhausted(
-                "no room: the pool is full of leased or filling entries",
-                nbytes=nbytes,
-                free_pages=self._alloc.num_free_pages,
-                evictable_pages=self._entries.evictable_pages,
-            )
-        while self._alloc.num_free_pages < npages:
-            victim = self._entries.lru_oldest()
-            assert victim is not None, "evictable page count out of step with the LRU"
-            self._evict_locked(victim)
-        runs = self._alloc.allocate(npages)
-        assert runs is not None, "allocation failed with enough free pages"
-        return runs
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def _commit_fill(self, put_id: int) -> bool:
-        with self._lock:
-            if put_id not in self._filling:
-                raise Draining("engine closed before the put committed")
-            entry, owner = self._end_fill(put_id)
-            existing = self._entries.get(entry.key)
-            if existing is not None:  # a concurrent put of the same key committed first
-                self._alloc.free(entry.runs)
-                self._check_same_meta(existing, entry.dtype, entry.shape)
-                return False
-            entry.state = EntryState.READY
-            entry.last_access = self._clock()
-            self._entries.add_ready(entry)
-            self._runs_hist[run_bucket(len(entry.runs))] += 1
-            self._counters["puts_committed"] += 1
-            self._counters["put_bytes"] += entry.nbytes
-        self.device_tier.prepare(entry)
-        for listener in self.commit_listeners:
-            try:
-                listener(entry.key, owner)
-            except Exception:  # a listener (e.g. write-through) never fails the put
-                log.exception("commit listener failed for %r", entry.key)
-        return True
-
-    def _abort_fill(self, put_id: int) -> None:
-        with self._lock:
-            if put_id not in self._filling:
-                return  # already dropped by close()
-            entry, _ = self._end_fill(put_id)
-            self._alloc.free(entry.runs)
-            entry.state = EntryState.FREED
-            self._counters["puts_aborted"] += 1
-
-    def _end_fill(self, put_id: int) -> tuple[Entry, str]:
-        entry, owner = self._filling.pop(put_id)
-        self._inflight[owner] -= entry.nbytes
-        if not self._inflight[owner]:
-            del self._inflight[owner]
-        return entry, owner
-
-    @staticmethod
-    def _check_same_meta(existing: Entry, dtype: Any, shape: tuple[int, ...]) -> None:
-        if not existing.same_meta(dtype, shape):
-            raise MetadataConflict(
-                "key exists with different metadata",
-                key=existing.key,
-                existing_dtype=existing.dtype.name,
-                existing_shape=list(existing.shape),
-                dtype=dtype.name,
-                shape=list(shape),
-            )
-
-    # -- gets and leases -----------------------------------------------------------------
-    def get(
-        self, keys: Sequence[str], owner: str, *, ttl_s: float | None = None
-    ) -> list[Lease | None]:
-        """One lease per key found (None for a miss). Leased entries are never evicted.
-
-        With a shared tier, local misses are fetched into the host pool first.
-        """
-        self.fill_misses(keys)
-        return self._get(keys, owner, ttl_s=ttl_s)
-
-    def fill_misses(self, keys: Sequence[str]) -> None:
-        """Ask the shared tier (if any) for keys missing here; never raises."""
-        fetch = self.miss_fetcher
-        if fetch is None:
-            return
-        with self._lock:
-            missing = [k for k in keys if isinstance(k, str) and self._entries.get(k) is None]
-        if not missing:
-            return
-        try:
-            fetch(list(dict.fromkeys(missing)))
-        except Exception:  # an outage of the shared tier is a miss, not an error
-            log.warning("shared tier fetch failed for %d keys", len(missing), exc_info=True)
-
-    def _get(
-        self, keys: Sequence[str], owner: str, *, ttl_s: float | None = None
-    ) -> list[Lease | None]:
-        ttl = self._ttl(ttl_s)
-        with self._lock:
-            entries, now = self._pin(keys, owner)
-            return self._lease_pinned(entries, owner, now + ttl)
-
-    def _pin(self, keys: Sequence[str], owner: str) -> tuple[list[Entry | None], float]:
-        """Caller holds the lock: look the keys up, count hits and misses, and pin each found
-        entry (a reference, so nothing evicts it) without a lease yet; also the time now.
-        A device get pins first and leases once its copy is queued (:meth:`_lease_pinned`);
-        whoever pins either leases or unpins (:meth:`_unpin`)."""
-        self._check_open()
-        now = self._clock()
-        self._expire_locked(now)
-        out: list[Entry | None] = []
-        counted = owner != SHARED_TIER_OWNER  # write-through reads are not client hits
-        for key in keys:
-            entry = self._entries.get(key) if isinstance(key, str) else None
-            if entry is None:
-                self._counters["misses"] += counted
-                out.append(None)
-                continue
-            self._counters["hits"] += counted
-            self._entries.acquire(entry)
-            entry.last_access = now
-            out.append(entry)
-        return out, now
-
-    def _lease_pinned(
-        self, entries: Sequence[Entry | None], owner: str, expires_at: float
-    ) -> list[Lease | None]:
-        """Caller holds the lock: one lease per entry pinned by :meth:`_pin` (never fails)."""
-        page, add = self.settings.page_bytes, self._leases.add
-        return [None if e is None else add(e, owner, expires_at, page) for e in entries]
-
-    def _unpin(self, entries: Sequence[Entry | None]) -> None:
-        """Caller holds the lock: undo :meth:`_pin` for entries that got no lease."""
-        for entry in entries:
-            if entry is not None:
-                self._entries.release(entry)
-
-    def _ttl(self, ttl_s: float | None) -> float:
-        if ttl_s is None:
-            return self.settings.lease_ttl_s
-        if not (isinstance(ttl_s, (int, float)) and math.isfinite(ttl_s) and ttl_s > 0):
-            raise InvalidArgument("ttl_s must be a positive finite number", ttl_s=str(ttl_s))
-        if ttl_s > self.settings.max_lease_ttl_s:
-            raise InvalidArgument(
-                "ttl_s is longer than max_lease_ttl_s",
-                ttl_s=ttl_s,
-                max_lease_ttl_s=self.settings.max_lease_ttl_s,
-            )
-        return float(ttl_s)
-
-    def release(self, lease_ids: Iterable[int]) -> int:
-        """End leases; unknown or already-ended ids are skipped. Returns how many ended."""
-        with self._lock:
-            return sum(self._end_lease(i) for i in lease_ids)
-
-    def _end_lease(self, lease_id: int) -> bool:
-        lease = self._leases.pop(lease_id)
-        if lease is None:
-            return False
-        self._entries.release(lease.entry)
-        return True
-
-    def renew(self, lease_ids: Iterable[int], ttl_s: float | None = None) -> int:
-        ttl = self._ttl(ttl_s)
-        with self._lock:
-            now = self._clock()
-            self._expire_locked(now)
-            renewed = 0
-            for lease_id in lease_ids:
-                lease = self._leases.get(lease_id)
-                if lease is not None:
-                    self._leases.renew(lease, now + ttl)
-                    renewed += 1
-            return renewed
-
-    def lease_alive(self, lease: Lease) -> bool:
-        with self._lock:
-            return self._leases.get(lease.lease_id) is lease and lease.expires_at > self._clock()
-
-    def drop_owner(self, owner: str) -> int:
-        """A client went away: end every lease it holds."""
-        with self._lock:
-            return sum(self._end_lease(i) for i in self._leases.owned_by(owner))
-
-    def expire_leases(self) -> int:
-        with self._lock:
-            return self._expire_locked(self._clock())
-
-    def _expire_locked(self, now: float) -> int:
-        expired = self._leases.pop_expired(now)
-        for lease in expired:
-            self._entries.release(lease.entry)
-        self._counters["leases_expired"] += len(expired)
-        return len(expired)
-
-    # -- reading bytes -------------------------------------------------------------------
-    def tensor(self, lease: Lease) -> torch.Tensor:
-        """The entry as a tensor: a zero-copy view of the pool when it is one run."""
-        self._require(lease)
-        entry = lease.entry
-        pool = self.host_pool.tensor
-        if lease.contiguous:
-            off = lease.byte_runs[0][0] if lease.byte_runs else 0
-            flat = pool[off : off + entry.nbytes]
-        else:
-            flat = torch.empty(entry.nbytes, dtype=torch.uint8)
-            pos = 0
-            for off, length in lease.byte_runs:
-                flat[pos : pos + length].copy_(pool[off : off + length])
-                pos += length
-            self._require(lease)  # copied while the lease lived, so no page was reused
-        return flat.view(entry.dtype.torch_dtype).view(entry.shape)
-
-    def iter_bytes(
-        self, lease: Lease, offset: int = 0, length: int | None = None, chunk_bytes: int = 1 << 20
-    ) -> Iterator[bytes]:
-        """The entry's bytes ``[offset, offset+length)`` in chunks, copied under the lease."""
-        if length is None:
-            length = lease.nbytes - offset
-        if offset < 0 or length < 0 or offset + length > lease.nbytes or chunk_bytes <= 0:
-            raise InvalidArgument(
-                "byte range outside the entry", offset=offset, length=length, nbytes=lease.nbytes
-            )
-        pool = self.host_pool.array
-        end = offset + length
-        base = 0
-        for off, run_len in lease.byte_runs:
-            lo, hi = max(offset, base), min(end, base + run_len)
-            pos = lo
-            while pos < hi:
-                take = min(chunk_bytes, hi - pos)
-                self._require(lease)
-                data = pool[off + pos - base : off + pos - base + take].tobytes()
-                self._require(lease)  # still leased after the copy: the bytes are the entry's
-                yield data
-                pos += take
-            base += run_len
-
-    def _require(self, lease: Lease) -> None:
-        if not self.lease_alive(lease):
-            raise LeaseExpired("lease has ended", lease_id=lease.lease_id, key=lease.key)
-
-    # -- exists / evict ------------------------------------------------------------------
-    def exists(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key can be served; with a shared tier, local misses ask it too."""
-        with self._lock:
-            out = [isinstance(k, str) and self._entries.get(k) is not None for k in keys]
-        remote = self.remote_exists
-        if remote is not None and not all(out):
-            idx = [i for i, hit in enumerate(out) if not hit and isinstance(keys[i], str)]
-            try:
-                for i, hit in zip(idx, remote([keys[i] for i in idx]), strict=True):
-                    out[i] = bool(hit)
-            except Exception:  # an outage of the shared tier: answer from the local tiers
-                log.warning("shared tier exists failed", exc_info=True)
-        return out
-
-    def evict(self, keys: Sequence[str]) -> list[EvictOutcome]:
-        """Evict each key unless it is leased (never forced)."""
-        with self._lock:
-            out = self._evictable(keys)
-            for _, entry in out:
-                if entry is not None:
-                    self._evict_locked(entry)
-            return [outcome for outcome, _ in out]
-
-    def evict_device(self, keys: Sequence[str], device: int) -> list[EvictOutcome]:
-        """Drop each key's copy in device pool ``device``; its host copy stays. NOT_FOUND:
-        no such entry, or no copy there; LEASED: refused (never forced)."""
-        with self._lock:
-            out = self._evictable(keys)
-            todo = [entry for _, entry in out if entry is not None]
-            had = iter(self.device_tier.evict_copies(todo, device))
-            return [
-                EvictOutcome.NOT_FOUND if entry is not None and not next(had) else outcome
-                for outcome, entry in out
-            ]
-
-    def _evictable(self, keys: Sequence[str]) -> list[tuple[EvictOutcome, Entry | None]]:
-        """Each key's outcome, with its entry when it may go (EVICTED); a key named again is
-        NOT_FOUND the second time (gone by then). Caller holds the lock."""
-        self._expire_locked(self._clock())
-        out: list[tuple[EvictOutcome, Entry | None]] = []
-        seen: set[int] = set()
-        for key in keys:
-            entry = self._entries.get(key) if isinstance(key, str) else None
-            if entry is None or id(entry) in seen:
-                out.append((EvictOutcome.NOT_FOUND, None))
-            elif entry.ref_cnt:
-                out.append((EvictOutcome.LEASED, None))
-            else:
-                seen.add(id(entry))
-                out.append((EvictOutcome.EVICTED, entry))
-        return out
-
-    def evict_device_bytes(self, device: int, nbytes: int) -> tuple[int, int]:
-        """Free ``nbytes`` of device pool ``device`` by LRU over its unleased copies (host
-        copies stay): (entries, bytes of pages freed)."""
-        if nbytes < 0:
-            raise InvalidArgument("nbytes must be >= 0", nbytes=nbytes)
-        with self._lock:
-            self._expire_locked(self._clock())
-            return self.device_tier.evict_pool_bytes(device, nbytes)
-
-    def evict_one(self, key: str) -> None:
-        raise_for_evict(key, self.evict([key])[0])
-
-    def evict_bytes(self, nbytes: int) -> tuple[int, int]:
-        """Evict LRU entries until ``nbytes`` are freed or none is left. (entries, bytes)."""
-        if nbytes < 0:
-            raise InvalidArgument("nbytes must be >= 0", nbytes=nbytes)
-        with self._lock:
-            self._expire_locked(self._clock())
-            count = freed = 0
-            while freed < nbytes and (victim := self._entries.lru_oldest()) is not None:
-                freed += victim.num_pages * self.settings.page_bytes
-                self._evict_locked(victim)
-                count += 1
-            return count, freed
-
-    def _evict_locked(self, entry: Entry) -> None:
-        self.device_tier.drop(entry)
-        self._entries.remove(entry)
-        self._alloc.free(entry.runs)
-        self._runs_hist[run_bucket(len(entry.runs))] -= 1
-        self._counters["evictions"] += 1
-        self._counters["evicted_bytes"] += entry.nbytes
 
     # -- device tier (see device_tier.py) ----------------------------------------------
     def get_to_device(

@@ -18,7 +18,7 @@ from .checksum import crc32
 from .errors import ChecksumMismatch, Draining, InvalidArgument, LeaseExpired
 
 if TYPE_CHECKING:
-    from .engine import CacheEngine
+    from .engine_puts import PutOps
     from .entries import Entry
 
 
@@ -43,7 +43,7 @@ class PutHandle:
 
     def __init__(
         self,
-        engine: CacheEngine | None,
+        engine: PutOps | None,
         put_id: int,
         entry: Entry,
         byte_runs: tuple[tuple[int, int], ...],

@@ -1,0 +1,149 @@
+"""Puts of :class:`~embcache.service.engine.CacheEngine`: validate and reserve pages
+(``begin_put``, evicting LRU entries when needed), then commit or abort the fill
+(``fill.py``'s PutHandle calls back here)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import admission
+from .dtypes import from_torch
+from .engine_state import EngineState
+from .entries import Entry, EntryState
+from .errors import Draining, InvalidArgument, MetadataConflict, PoolExhausted, QuotaExceeded
+from .fill import PutHandle
+from .stats import run_bucket
+
+log = logging.getLogger("embcache.service.engine")
+
+
+class PutOps(EngineState):
+    def begin_put(
+        self,
+        key: str,
+        dtype: str,
+        shape: Sequence[int],
+        *,
+        nbytes: int | None = None,
+        checksum: int | None = None,
+        owner: str = "local",
+    ) -> PutHandle:
+        """Validate, then reserve pages for a new entry (evicting LRU entries if needed)."""
+        key = admission.check_key(key, self.settings)
+        meta = admission.check_meta(dtype, shape, nbytes, self.settings)
+        crc = admission.check_checksum(checksum)
+        npages = -(-meta.nbytes // self.settings.page_bytes)
+        with self._lock:
+            self._check_open()
+            existing = self._entries.get(key)
+            if existing is not None:
+                self._check_same_meta(existing, meta.dtype, meta.shape)
+                self._entries.touch(existing)
+                return PutHandle(None, 0, existing, (), crc)
+            if self._inflight[owner] + meta.nbytes > self.settings.inflight_limit:
+                raise QuotaExceeded(
+                    "too many bytes in unfinished puts",
+                    owner=owner,
+                    inflight=self._inflight[owner],
+                    nbytes=meta.nbytes,
+                    limit=self.settings.inflight_limit,
+                )
+            runs = self._reserve(npages, meta.nbytes)
+            entry = Entry(
+                key,
+                meta.dtype,
+                meta.shape,
+                meta.nbytes,
+                tuple(runs),
+                EntryState.FILLING,
+                crc,
+                0,
+                self._clock(),
+            )
+            put_id = next(self._put_ids)
+            self._filling[put_id] = (entry, owner)
+            self._inflight[owner] += meta.nbytes
+        byte_runs = tuple(self.host_pool.byte_runs(entry.runs, meta.nbytes))
+        return PutHandle(self, put_id, entry, byte_runs, crc)
+
+    def put(self, key: str, tensor: torch.Tensor, *, owner: str = "local") -> bool:
+        """Store a CPU tensor in one call. True if created, False if it already existed."""
+        dt = from_torch(tensor.dtype)
+        if dt is None:
+            raise InvalidArgument("unsupported dtype", dtype=str(tensor.dtype))
+        handle = self.begin_put(key, dt.name, tuple(tensor.shape), owner=owner)
+        with handle:
+            handle.write(tensor.detach().cpu().contiguous())
+            return handle.commit()
+
+    def _reserve(self, npages: int, nbytes: int) -> list[tuple[int, int]]:
+        if self._alloc.num_free_pages + self._entries.evictable_pages < npages:
+            raise PoolExhausted(
+                "no room: the pool is full of leased or filling entries",
+                nbytes=nbytes,
+                free_pages=self._alloc.num_free_pages,
+                evictable_pages=self._entries.evictable_pages,
+            )
+        while self._alloc.num_free_pages < npages:
+            victim = self._entries.lru_oldest()
+            assert victim is not None, "evictable page count out of step with the LRU"
+            self._evict_locked(victim)
+        runs = self._alloc.allocate(npages)
+        assert runs is not None, "allocation failed with enough free pages"
+        return runs
+
+    def _commit_fill(self, put_id: int) -> bool:
+        with self._lock:
+            if put_id not in self._filling:
+                raise Draining("engine closed before the put committed")
+            entry, owner = self._end_fill(put_id)
+            existing = self._entries.get(entry.key)
+            if existing is not None:  # a concurrent put of the same key committed first
+                self._alloc.free(entry.runs)
+                self._check_same_meta(existing, entry.dtype, entry.shape)
+                return False
+            entry.state = EntryState.READY
+            entry.last_access = self._clock()
+            self._entries.add_ready(entry)
+            self._runs_hist[run_bucket(len(entry.runs))] += 1
+            self._counters["puts_committed"] += 1
+            self._counters["put_bytes"] += entry.nbytes
+        self.device_tier.prepare(entry)
+        for listener in self.commit_listeners:
+            try:
+                listener(entry.key, owner)
+            except Exception:  # a listener (e.g. write-through) never fails the put
+                log.exception("commit listener failed for %r", entry.key)
+        return True
+
+    def _abort_fill(self, put_id: int) -> None:
+        with self._lock:
+            if put_id not in self._filling:
+                return  # already dropped by close()
+            entry, _ = self._end_fill(put_id)
+            self._alloc.free(entry.runs)
+            entry.state = EntryState.FREED
+            self._counters["puts_aborted"] += 1
+
+    def _end_fill(self, put_id: int) -> tuple[Entry, str]:
+        entry, owner = self._filling.pop(put_id)
+        self._inflight[owner] -= entry.nbytes
+        if not self._inflight[owner]:
+            del self._inflight[owner]
+        return entry, owner
+
+    @staticmethod
+    def _check_same_meta(existing: Entry, dtype: Any, shape: tuple[int, ...]) -> None:
+        if not existing.same_meta(dtype, shape):
+            raise MetadataConflict(
+                "key exists with different metadata",
+                key=existing.key,
+                existing_dtype=existing.dtype.name,
+                existing_shape=list(existing.shape),
+                dtype=dtype.name,
+                shape=list(shape),
+            )

@@ -1,0 +1,61 @@
+"""The state every part of :class:`~embcache.service.engine.CacheEngine` shares.
+
+The engine is one object made of parts, each in a module of its own: puts
+(``engine_puts.py``), gets, leases and reading bytes (``engine_leases.py``), exists and
+eviction (``engine_evict.py``). They share the tables below, guarded by ``_lock`` (see
+``engine.py``), and call each other only through the methods declared here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .allocator import PageRunAllocator
+from .config import Settings
+from .entries import Entry, EntryTable
+from .host_pool import HostPool
+from .leases import LeaseTable
+
+if TYPE_CHECKING:
+    from .device_tier import DeviceTier
+
+
+class EngineState:
+    """Attributes made by ``CacheEngine.__init__``, and the methods the parts share."""
+
+    settings: Settings
+    host_pool: HostPool
+    device_tier: DeviceTier
+    _clock: Callable[[], float]
+    _lock: threading.RLock
+    _alloc: PageRunAllocator
+    _entries: EntryTable
+    _filling: dict[int, tuple[Entry, str]]  # put id -> (entry, owner)
+    _put_ids: itertools.count[int]
+    _inflight: Counter[str]  # owner -> bytes reserved in open puts
+    _leases: LeaseTable
+    _runs_hist: Counter[str]
+    _counters: Counter[str]
+    _draining: bool
+    _closed: bool
+    miss_fetcher: Callable[[list[str]], None] | None
+    remote_exists: Callable[[list[str]], list[bool]] | None
+    commit_listeners: list[Callable[[str, str], None]]
+    shared_tier: Any
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:  # engine.py
+        raise NotImplementedError
+
+    def _expire_locked(self, now: float) -> int:  # engine_leases.py
+        raise NotImplementedError
+
+    def _evict_locked(self, entry: Entry) -> None:  # engine_evict.py
+        raise NotImplementedError
