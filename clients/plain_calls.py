@@ -5,7 +5,7 @@ provides ``_stub`` and ``_call`` (deadline, metadata, retries on UNAVAILABLE).""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import grpc
 
@@ -29,8 +29,9 @@ class PlainCalls:
 
     _stub: Any
 
-    def _call(self, fn: Callable[[Any, float], T], *, session: bool = False) -> T:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # the client's own (sync_client.py)
+
+        def _call(self, fn: Callable[[Any, float], T], *, session: bool = False) -> T: ...
 
     @overload
     def exists(self, keys: str) -> bool: ...  # type: ignore[overload-overlap]
@@ -102,8 +103,11 @@ class AsyncPlainCalls:
 
     _stub: Any
 
-    async def _call(self, fn: Callable[[Any, float], Awaitable[T]], *, session: bool = False) -> T:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # the client's own (async_client.py)
+
+        async def _call(
+            self, fn: Callable[[Any, float], Awaitable[T]], *, session: bool = False
+        ) -> T: ...
 
     @overload
     async def exists(self, keys: str) -> bool: ...  # type: ignore[overload-overlap]

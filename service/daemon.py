@@ -107,6 +107,7 @@ class Daemon:
                 )
             engine.shared_tier = shared_tier
             grpc_service = await start_grpc(engine, s, metrics)
+            metrics.watch_ipc(grpc_service.servicer.device.ipc)
             http_sock = _bind_http(s)
             config = uvicorn.Config(
                 create_app(engine, s, metrics),

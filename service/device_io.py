@@ -13,7 +13,10 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
+
+from embcache import kernels
 
 from .copy_plan import PlanBuilder, row_bytes_for
 from .device_pool import DevicePool
@@ -190,14 +193,33 @@ def _source_dtype(src: torch.Tensor) -> str:
 def _queue_d2h(
     tier: DeviceTier, src: torch.Tensor, byte_runs: tuple[tuple[int, int], ...]
 ) -> torch.cuda.Stream | None:
-    """Queue the copy of ``src`` into the host byte runs and return the stream it runs on
-    (None: done already, a CPU tensor, or no bytes)."""
-    if not any(n for _, n in byte_runs):
+    """Queue the copy of contiguous ``src`` into the host byte runs (filled in order) and
+    return the stream it runs on (None: done already, a CPU tensor, or no bytes).
+
+    Runs of copy-engine size go straight to the copy engine (``copy_to_host_runs``: a put
+    waits for its copy, so the host time before it counts); small runs, or a backend forced
+    in the settings, take ``transfer_ranges``' general path."""
+    total = sum(n for _, n in byte_runs)
+    if not total:
         return None
+    host = tier._engine.host_pool
     stream = tier._stream_for(src)
     if stream is not None:  # an in-process producer may still be writing src
         stream.wait_stream(torch.cuda.current_stream(src.device))
-    tier._copy_to_host(src, byte_runs, stream)
+    big = len(byte_runs) == 1 or total >= len(byte_runs) * tier._config.copy_engine_from_bytes
+    if tier._engine.settings.copy_backend == "auto" and big:
+        kernels.copy_to_host_runs(
+            src, host.tensor, list(byte_runs), stream=stream, host_registered=host.registered
+        )
+        return stream
+    flat = src.reshape(-1).view(torch.uint8)
+    row = row_bytes_for(flat.data_ptr(), total, *(off for off, _ in byte_runs))
+    lengths = np.array([n for _, n in byte_runs], dtype=np.int64)
+    dst_rows = np.array([off for off, _ in byte_runs], dtype=np.int64) // row
+    src_rows = (np.cumsum(lengths) - lengths) // row
+    tier._transfer(
+        flat.view(-1, row), host.tensor.view(-1, row), src_rows, dst_rows, lengths // row, stream
+    )
     return stream
 
 

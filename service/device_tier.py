@@ -19,7 +19,7 @@ import torch
 from embcache import kernels
 
 from . import device_io
-from .copy_plan import entry_columns, plan_entries, row_bytes_for
+from .copy_plan import entry_columns, plan_entries
 from .device_pool import DevicePool, Residency, upload
 from .device_routing import PeerRates, copy_between_pools
 from .errors import DeviceUnavailable, PoolExhausted
@@ -459,38 +459,6 @@ class DeviceTier:
             host_registered=self._engine.host_pool.registered,
             config=cfg,
         )
-
-    def _copy_to_host(
-        self,
-        src: torch.Tensor,
-        byte_runs: Sequence[tuple[int, int]],
-        stream: torch.cuda.Stream | None,
-    ) -> None:
-        """Copy contiguous ``src`` into the host pool's ``byte_runs`` (filled in order).
-
-        Runs of copy-engine size go straight to the copy engine (``copy_to_host_runs``:
-        a put waits for the copy, so the host time before it counts); small runs, or a
-        backend forced in the settings, take ``transfer_ranges``' general path."""
-        backend = self._engine.settings.copy_backend
-        runs = list(byte_runs)
-        total = sum(n for _, n in runs)
-        big = total >= len(runs) * self._config.copy_engine_from_bytes or len(runs) == 1
-        if backend == "auto" and big:
-            kernels.copy_to_host_runs(
-                src,
-                self._engine.host_pool.tensor,
-                runs,
-                stream=stream,
-                host_registered=self._engine.host_pool.registered,
-            )
-            return
-        flat = src.reshape(-1).view(torch.uint8)
-        row = row_bytes_for(flat.data_ptr(), total, *(off for off, _ in runs))
-        lengths = np.array([n for _, n in runs], dtype=np.int64)
-        dst_rows = np.array([off for off, _ in runs], dtype=np.int64) // row
-        src_rows = (np.cumsum(lengths) - lengths) // row
-        pool = self._engine.host_pool.tensor.view(-1, row)
-        self._transfer(flat.view(-1, row), pool, src_rows, dst_rows, lengths // row, stream)
 
     def _stream_for(self, t: torch.Tensor) -> torch.cuda.Stream | None:
         if t.device.type != "cuda":

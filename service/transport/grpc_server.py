@@ -113,9 +113,6 @@ async def start_grpc(
         interceptors.append(TokenAuthInterceptor(settings.auth_token, metrics))
     server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
     servicer = EmbeddingCacheServicer(engine, settings, metrics)
-    watch_ipc = getattr(metrics, "watch_ipc", None)  # the daemon's Metrics (not a test's)
-    if watch_ipc is not None:
-        watch_ipc(servicer.device.ipc)
     add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
