@@ -44,17 +44,17 @@ def copy_to_host_runs(
     pairs = _check(src, host, runs, stream, host_registered)
     if not pairs:
         return "none"
-    if src.device.type == "cpu":
+    if src.is_cpu:
         _torch_copies(src, host, pairs)
         return "torch"
+    index = src.get_device()
     if stream is None:
-        stream = torch.cuda.current_stream(src.device)
+        stream = torch.cuda.current_stream(index)
     rt = _cudart.runtime()
     if rt is None:
         with torch.cuda.stream(stream):
             _torch_copies(src, host, pairs)
         return "torch"
-    index = src.device.index or 0
     here = torch.cuda.current_device() == index
     with contextlib.nullcontext() if here else torch.cuda.device(index):
         return _copy_engine(rt, src.data_ptr(), host.data_ptr(), pairs, stream.cuda_stream)
@@ -98,18 +98,18 @@ def _check(
         raise ValueError("src, host: must be torch.Tensors")
     if not src.is_contiguous() or not host.is_contiguous():
         raise ValueError("src, host: must be contiguous")
-    if host.device.type != "cpu":
+    if not host.is_cpu:
         raise ValueError(f"host: must be in host memory, got {host.device}")
-    if src.device.type == "cuda":
+    if src.is_cuda:  # (is_cuda and get_device: the cheap checks; a put waits for them all)
         if not (host_registered or host.is_pinned()):
             raise ValueError(
                 "host: is pageable memory; pin it, or register it and pass host_registered=True"
             )
         if stream is not None and (
-            not isinstance(stream, torch.cuda.Stream) or stream.device != src.device
+            not isinstance(stream, torch.cuda.Stream) or stream.device_index != src.get_device()
         ):
             raise ValueError(f"stream: must be a torch.cuda.Stream on {src.device}")
-    elif src.device.type == "cpu":
+    elif src.is_cpu:
         if stream is not None:
             raise ValueError("stream: must be None for a CPU src")
     else:
@@ -119,7 +119,7 @@ def _check(
     size = src.numel() * src.element_size()
     if total != size:
         raise ValueError(f"runs: hold {total} bytes, src has {size}")
-    if src.device.type == "cpu" and pairs:
+    if src.is_cpu and pairs:
         s0, h0 = src.data_ptr(), host.data_ptr()
         if s0 < h0 + host.numel() * host.element_size() and h0 < s0 + size:
             raise ValueError("src: shares memory with host")

@@ -140,8 +140,7 @@ def put_from_device_many(
     moves one tensor while the next is being reserved and planned, and the batch waits once.
     ``checksums``: a CRC32 (or None) per item, checked once the copies are done. All or
     nothing: if any put fails, none of the batch becomes visible."""
-    keys = [key for key, _ in items]
-    if len(set(keys)) != len(keys):
+    if len(items) > 1 and len({key for key, _ in items}) != len(items):
         raise InvalidArgument("a key appears more than once in the batch")
     if checksums is None:
         checksums = [None] * len(items)
@@ -170,6 +169,9 @@ def put_from_device_many(
 
                 handle.fill_with(copy, complete=False)
                 nbytes += handle.nbytes
+            for handle in handles:  # while the copies run: what a first get needs planned
+                if not handle.exists_already:
+                    tier.prepare(handle.entry)
         finally:
             # Before anything is aborted too: freed pages must not still be copied into.
             for stream in streams.values():
@@ -204,8 +206,12 @@ def _queue_d2h(
         return None
     host = tier._engine.host_pool
     stream = tier._stream_for(src)
-    if stream is not None:  # an in-process producer may still be writing src
-        stream.wait_stream(torch.cuda.current_stream(src.device))
+    if stream is not None:
+        # An in-process producer may still be writing src on its stream: the copy waits for
+        # that stream's work, unless it has none left (a query costs less than a wait).
+        current = torch.cuda.current_stream(src.get_device())
+        if not current.query():
+            stream.wait_stream(current)
     big = len(byte_runs) == 1 or total >= len(byte_runs) * tier._config.copy_engine_from_bytes
     if tier._engine.settings.copy_backend == "auto" and big:
         kernels.copy_to_host_runs(

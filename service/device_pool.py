@@ -346,6 +346,13 @@ def _deal_runs(runs: list[tuple[int, int]], sizes: list[int]) -> list[tuple[tupl
     stay sorted by size (one sort, then a bisection per step), so a fragmented batch costs
     no sort per entry.
     """
+    if len(runs) == 1:  # one piece holds the batch (the usual case): entries in order
+        start = runs[0][0]
+        out1: list[tuple[tuple[int, int], ...]] = []
+        for need in sizes:
+            out1.append(((start, need),) if need else ())
+            start += need
+        return out1
     pieces = sorted(([s, k] for s, k in runs if k), key=_minus_size)  # largest first
     largest = pieces[0][1] if pieces else 0
     out: list[tuple[tuple[int, int], ...]] = [()] * len(sizes)

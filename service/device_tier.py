@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 ROW = 16  # bytes per row of the host->device plans (pages are multiples of it)
+HEAD_BYTES = 8 << 20
+"""A batch of at least twice this many bytes from the host is queued in two calls: first
+its leading entries up to this many bytes, then the rest, so the copy engine starts on
+the head while the host plans and queues the tail."""
 CopyObserver = Callable[[str, int, float], None]
 Placed = tuple[Lease, Residency, bool]  # lease, residency, resident hit
 
@@ -355,8 +359,13 @@ class DeviceTier:
         return {"h2d": host_bytes, "d2d": peer_bytes}
 
     def _copy_from_host(self, pool: DevicePool, batch: list[tuple[Entry, Residency]]) -> None:
-        """One ``transfer_ranges`` call: host page runs against the residencies' device page
-        runs, each entry padded to 16-byte rows."""
+        """Host page runs against the residencies' device page runs, each entry padded to
+        16-byte rows: one ``transfer_ranges`` call, or two for a large batch (HEAD_BYTES)."""
+        head = _head_length([entry.nbytes for entry, _ in batch], HEAD_BYTES)
+        for part in (batch[:head], batch[head:]) if head else (batch,):
+            self._copy_part(pool, part)
+
+    def _copy_part(self, pool: DevicePool, batch: list[tuple[Entry, Residency]]) -> None:
         host = self._engine.host_pool
         cols = []
         for entry, _ in batch:
@@ -461,9 +470,9 @@ class DeviceTier:
         )
 
     def _stream_for(self, t: torch.Tensor) -> torch.cuda.Stream | None:
-        if t.device.type != "cuda":
+        if not t.is_cuda:
             return None
-        index = t.device.index or 0
+        index = t.get_device()
         if index not in self._put_streams:
             self._put_streams[index] = torch.cuda.Stream(t.device)
         return self._put_streams[index]
@@ -484,6 +493,19 @@ class DeviceTier:
     def close(self) -> None:
         for pool in self.pools:
             pool.close()
+
+
+def _head_length(sizes: list[int], head_bytes: int) -> int:
+    """How many leading entries make the head of a two-call copy: the fewest holding at
+    least ``head_bytes``; 0 (one call) when the batch holds less than twice that."""
+    if sum(sizes) < 2 * head_bytes:
+        return 0
+    held = 0
+    for i, size in enumerate(sizes):
+        held += size
+        if held >= head_bytes:
+            return i + 1 if i + 1 < len(sizes) else 0
+    return 0
 
 
 def _take_out_of_service(pool: DevicePool, exc: BaseException) -> bool:
