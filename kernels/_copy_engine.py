@@ -6,21 +6,27 @@ import numpy as np
 import torch
 
 from embcache.kernels._cudart import CudaRuntime
+from embcache.kernels._env import on_device
 from embcache.kernels._plan import TransferPlan
 
 
 def _addresses(plan: TransferPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Destination and source addresses and byte counts, uint64. Computed in int64 (user
+    addresses and validated offsets stay far below 2**63) and viewed as uint64, no copy."""
     rb = plan.row_bytes
-    srcs = plan.src.data_ptr() + plan.src_starts * rb
-    dsts = plan.dst.data_ptr() + plan.dst_starts * rb
-    return dsts.astype(np.uint64), srcs.astype(np.uint64), (plan.lengths * rb).astype(np.uint64)
+    srcs = plan.src_starts * rb
+    srcs += plan.src.data_ptr()
+    dsts = plan.dst_starts * rb
+    dsts += plan.dst.data_ptr()
+    sizes = plan.lengths * rb
+    return dsts.view(np.uint64), srcs.view(np.uint64), sizes.view(np.uint64)
 
 
 def memcpy_ranges(rt: CudaRuntime, plan: TransferPlan, stream: torch.cuda.Stream) -> None:
     """One ``cudaMemcpyAsync`` per range on ``stream``."""
     dsts, srcs, sizes = _addresses(plan)
     handle = stream.cuda_stream
-    with torch.cuda.device(plan.device):
+    with on_device(plan.device.index or 0):
         for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
             rt.memcpy_async(dst, src, size, handle)
 
@@ -54,7 +60,7 @@ def batch_ranges(
     """
     dsts, srcs, sizes = _addresses(plan)
     num_streams = max(1, min(num_streams, plan.num_ranges))
-    with torch.cuda.device(plan.device):
+    with on_device(plan.device.index or 0):
         if num_streams == 1 and stream.cuda_stream != 0:
             for part in call_slices(len(sizes), first_call):
                 rt.memcpy_batch_async(dsts[part], srcs[part], sizes[part], stream.cuda_stream)

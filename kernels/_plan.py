@@ -214,6 +214,8 @@ def _check_ranges_exact(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`_check_ranges` for any plan: the first fault named, empty ranges dropped,
     destinations in any order."""
+    if not len(n):
+        return s, d, n
     cols = np.stack((s, d, n))
     lo = cols.min(axis=1)
     for name, low in zip(("src_starts", "dst_starts", "lengths"), lo.tolist(), strict=True):
@@ -253,8 +255,17 @@ def _check_ranges_exact(
 def _check_ranges_small(
     s: np.ndarray, d: np.ndarray, n: np.ndarray, src_rows: int, dst_rows: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`_check_ranges` on Python ints, for short plans (same errors)."""
+    """:func:`_check_ranges` on Python ints, for short plans (same errors): one pass
+    accepts a valid plan whose destinations come in order; anything else is checked
+    again step by step, which names the first fault."""
     sl, dl, nl = s.tolist(), d.tolist(), n.tolist()
+    end = 0
+    for a, b, k in zip(sl, dl, nl, strict=True):
+        if a < 0 or b < end or k <= 0 or a + k > src_rows or b + k > dst_rows:
+            break
+        end = b + k
+    else:
+        return s, d, n
     for name, vals in (("src_starts", sl), ("dst_starts", dl), ("lengths", nl)):
         if vals and min(vals) < 0:
             raise ValueError(f"{name}: holds a negative value {min(vals)}")

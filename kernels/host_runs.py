@@ -11,7 +11,6 @@ only what this shape needs is checked, and the copy engine is called directly: o
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from collections.abc import Sequence
 
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 
 from embcache.kernels import _cudart
+from embcache.kernels._env import on_device
 
 MEMCPY_MAX_RUNS = 4  # up to this many runs: one cudaMemcpyAsync each (cheaper than a batch)
 
@@ -55,8 +55,7 @@ def copy_to_host_runs(
         with torch.cuda.stream(stream):
             _torch_copies(src, host, pairs)
         return "torch"
-    here = torch.cuda.current_device() == index
-    with contextlib.nullcontext() if here else torch.cuda.device(index):
+    with on_device(index):
         return _copy_engine(rt, src.data_ptr(), host.data_ptr(), pairs, stream.cuda_stream)
 
 
