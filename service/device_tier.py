@@ -8,9 +8,7 @@ waited for outside it, so a slow copy never blocks other clients' calls.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
@@ -18,12 +16,14 @@ import torch
 
 from embcache import kernels
 
-from . import device_io
-from .copy_plan import entry_columns, plan_entries
-from .device_pool import DevicePool, Residency, upload
-from .device_routing import PeerRates, copy_between_pools
+from . import device_io, device_loads
+from .copy_plan import entry_columns
+from .device_loads import ROW, Placed
+from .device_pool import DevicePool, Residency
+from .device_routing import PeerRates
 from .errors import DeviceUnavailable, PoolExhausted
 from .leases import Lease
+from .pending_get import DeviceLease, PendingGet
 from .ready_events import ReadyEvents
 
 T = TypeVar("T")
@@ -33,85 +33,8 @@ if TYPE_CHECKING:
     from .entries import Entry
 
 log = logging.getLogger(__name__)
-ROW = 16  # bytes per row of the host->device plans (pages are multiples of it)
-HEAD_BYTES = 8 << 20
-"""A batch of at least twice this many bytes from the host is queued in two calls: first
-its leading entries up to this many bytes, then the rest, so the copy engine starts on
-the head while the host plans and queues the tail."""
 CopyObserver = Callable[[str, int, float], None]
-Placed = tuple[Lease, Residency, bool]  # lease, residency, resident hit
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceLease:
-    """Where a leased entry's bytes are in a device pool."""
-
-    lease: Lease
-    pool_id: str
-    gpu_uuid: str
-    page_bytes: int
-    page_ids: tuple[int, ...]  # physical device pages, in order
-    offset: int | None  # byte offset when the pages are one run, else None
-    resident_hit: bool  # True: no copy was needed
-
-    @property
-    def key(self) -> str:
-        return self.lease.key
-
-
-class PendingGet:
-    """A get-to-device whose leases are taken and whose copies are queued.
-
-    ``results`` may be handed out only after ``wait()`` (or once ``done()`` is True): until
-    then the pages of loaded entries are still being written. The leases are the caller's
-    either way (release them if it gives up).
-    """
-
-    def __init__(
-        self,
-        results: list[DeviceLease | None],
-        table: torch.Tensor | None,
-        events: list[torch.cuda.Event],
-        copied: dict[str, int],
-        observe: Callable[[str, int, float], None],
-    ) -> None:
-        self.results = results
-        self.table = table
-        self._events = events
-        self.copied = copied  # bytes this get copies into the pool by direction ("h2d", "d2d")
-        self._observe = observe
-        self._start: float | None = time.perf_counter()  # None once observed
-
-    @property
-    def loaded_bytes(self) -> int:
-        """Bytes this get copies into the device pool (0: all resident hits)."""
-        return sum(self.copied.values())
-
-    def done(self) -> bool:
-        """True once every copy the results depend on has completed (never blocks)."""
-        return not self.unfinished()
-
-    def unfinished(self) -> list[torch.cuda.Event]:
-        """The copy events that have not fired yet (never blocks; empty: ``done()``)."""
-        left = [ev for ev in self._events if not ev.query()]
-        if not left:
-            self._finish()
-        return left
-
-    def wait(self) -> tuple[list[DeviceLease | None], torch.Tensor | None]:
-        for ev in self._events:
-            ev.synchronize()
-        self._finish()
-        return self.results, self.table
-
-    def _finish(self) -> None:
-        if self._start is not None:
-            seconds = time.perf_counter() - self._start
-            for direction, nbytes in self.copied.items():
-                if nbytes:
-                    self._observe(direction, nbytes, seconds)
-        self._start = None
-        self._events = []
+__all__ = ["CopyObserver", "DeviceLease", "DeviceTier", "PendingGet"]
 
 
 class DeviceTier:
@@ -251,7 +174,7 @@ class DeviceTier:
                 # The copy is queued before the leases are made, so it starts sooner: making
                 # them cannot fail, and the pins keep every entry of the batch in place.
                 if loads:
-                    copied = self._load(pool, loads)
+                    copied = device_loads.load(self, pool, loads)
                 leases = e._lease_pinned(entries, owner, now + ttl)
                 loaded = {id(entry) for entry, _ in loads}
                 for lease in leases:
@@ -277,7 +200,7 @@ class DeviceTier:
                 pool.flush()
                 raise
             pool.hits += sum(1 for p in placed if p is not None and p[2])
-            table = self._read_table(pool, placed) if read_table else None
+            table = device_loads.read_table(pool, placed) if read_table else None
         results = [None if p is None else self._device_lease(pool, *p) for p in placed]
         events = list({id(p[1].event): p[1].event for p in placed if p and p[1].event}.values())
         return PendingGet(results, table, events, copied, self._observe)
@@ -320,67 +243,6 @@ class DeviceTier:
             hit,
         )
 
-    def _load(self, pool: DevicePool, loads: list[tuple[Entry, Residency]]) -> dict[str, int]:
-        """Fill fresh residencies: one ``transfer_ranges`` call gathers every entry that
-        comes from the host; entries resident on a faster peer GPU are copied from there."""
-        from_host: list[tuple[Entry, Residency]] = []
-        from_peers: dict[int, list[tuple[Residency, Residency, int]]] = {}
-        peer_bytes = 0
-        for entry, res in loads:
-            src_index = self.rates.best_source(entry, pool.index, self.pools)
-            if src_index is None:
-                if entry.nbytes:
-                    from_host.append((entry, res))
-                continue
-            src_res = self.pools[src_index].peek(entry)
-            assert src_res is not None
-            from_peers.setdefault(src_index, []).append((src_res, res, entry.nbytes))
-            peer_bytes += entry.nbytes
-        for src_index, items in from_peers.items():  # one queue of copies per source GPU
-            copy_between_pools(self.pools[src_index], pool, items)
-        host_bytes = sum(entry.nbytes for entry, _ in from_host)
-        # The copy is queued first, so the copy engine starts as soon as possible; the
-        # table updates (tombstones of this batch's evictions, then one bind launch) are
-        # queued behind it, by the caller's flush. Stream order keeps that safe: the copy
-        # writes pages no reader holds (freed pages, read only by earlier work on this
-        # stream), and copies never read the tables.
-        # (Queuing the copy in one call per entry, to start it sooner, measured no faster
-        # on the H200 and slower when device pages are fragmented: 2756 against 1828 us for
-        # 16 x 4 MiB, although a cudaMemcpyAsync alone never blocks the host.)
-        if from_host:
-            self._copy_from_host(pool, from_host)
-        event = self._record(pool.stream)  # what the results wait for: the copies only
-        for _, res in loads:
-            res.event = event
-        pool.bind([res for _, res in loads])  # one table launch for the whole batch
-        self._engine._count_copy("h2d", host_bytes)
-        if peer_bytes:
-            self._engine._count_copy("d2d", peer_bytes)
-        return {"h2d": host_bytes, "d2d": peer_bytes}
-
-    def _copy_from_host(self, pool: DevicePool, batch: list[tuple[Entry, Residency]]) -> None:
-        """Host page runs against the residencies' device page runs, each entry padded to
-        16-byte rows: one ``transfer_ranges`` call, or two for a large batch (HEAD_BYTES)."""
-        head = _head_length([entry.nbytes for entry, _ in batch], HEAD_BYTES)
-        for part in (batch[:head], batch[head:]) if head else (batch,):
-            self._copy_part(pool, part)
-
-    def _copy_part(self, pool: DevicePool, batch: list[tuple[Entry, Residency]]) -> None:
-        host = self._engine.host_pool
-        cols = []
-        for entry, _ in batch:
-            self.prepare(entry)  # done at commit already, unless a get raced the commit
-            assert entry.host_cols is not None
-            cols.append(entry.host_cols)
-        so, do, ln = plan_entries(
-            cols,
-            [r.runs for _, r in batch],
-            pool.page_bytes,
-            ROW,
-            [-(-e.nbytes // ROW) for e, _ in batch],
-        )
-        self._transfer(host.rows, pool.rows, so, do, ln, pool.stream)
-
     def flush_tables(self, device: int) -> None:
         """Launch the page-table updates a ``defer_tables`` get left queued (if any)."""
         pool = self._at(device)
@@ -392,29 +254,6 @@ class DeviceTier:
             except BaseException as exc:
                 if not _take_out_of_service(pool, exc):
                     raise
-
-    def _read_table(self, pool: DevicePool, placed: list[Placed | None]) -> torch.Tensor:
-        """Physical pages per found key, built on the device by ``build_read_table``."""
-        found = [p for p in placed if p is not None]
-        bs = len(found)
-        max_pages = max((res.npages for _, res, _ in found), default=0)
-        vtable = torch.full((bs, max(max_pages, 1)), -1, dtype=torch.int64)
-        for b, (_, res, _) in enumerate(found):
-            vtable[b, : res.npages] = torch.arange(res.vstart, res.vstart + res.npages)
-        lengths = torch.tensor([lease.nbytes for lease, _, _ in found], dtype=torch.int64)
-        out = torch.full((bs, max(max_pages, 1)), -1, dtype=torch.int64, device=pool.device)
-        with pool._on_stream():
-            kernels.build_read_table(
-                upload(vtable, pool.device),
-                torch.arange(bs, device=pool.device),
-                upload(lengths, pool.device),
-                pool.v2p,
-                out,
-                pool.page_bytes,
-            )
-        if pool.stream is not None:  # the caller reads the table on its own stream
-            torch.cuda.current_stream(pool.device).wait_stream(pool.stream)
-        return out
 
     # -- copies for clients (device_io.py) -------------------------------------------------
     def get_into(
@@ -493,19 +332,6 @@ class DeviceTier:
     def close(self) -> None:
         for pool in self.pools:
             pool.close()
-
-
-def _head_length(sizes: list[int], head_bytes: int) -> int:
-    """How many leading entries make the head of a two-call copy: the fewest holding at
-    least ``head_bytes``; 0 (one call) when the batch holds less than twice that."""
-    if sum(sizes) < 2 * head_bytes:
-        return 0
-    held = 0
-    for i, size in enumerate(sizes):
-        held += size
-        if held >= head_bytes:
-            return i + 1 if i + 1 < len(sizes) else 0
-    return 0
 
 
 def _take_out_of_service(pool: DevicePool, exc: BaseException) -> bool:

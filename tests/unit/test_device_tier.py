@@ -321,9 +321,9 @@ def test_large_batch_is_copied_head_first(
 ) -> None:
     """A batch of at least twice HEAD_BYTES is queued in two transfers, head then tail;
     every entry arrives whole either way."""
-    from embcache.service import device_tier
+    from embcache.service import device_loads, device_tier
 
-    monkeypatch.setattr(device_tier, "HEAD_BYTES", 2 * DEV_PAGE)
+    monkeypatch.setattr(device_loads, "HEAD_BYTES", 2 * DEV_PAGE)
     seen: list[int] = []
     real = device_tier.kernels.transfer_ranges
 
