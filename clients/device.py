@@ -88,7 +88,7 @@ class DevicePoolCache:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._open: dict[str, Any] = {}  # pool id -> kernels.cuda_mem.ImportedMemory
+        self._open: dict[str, Any] = {}  # pool id -> kernels.cuda_ipc.ImportedMemory
         self._tensors: dict[str, torch.Tensor] = {}  # pool id -> uint8 view of its bytes
         self._events: dict[bytes, torch.cuda.Event] = {}  # IPC event handle -> opened event
         self.opens = 0
@@ -98,16 +98,16 @@ class DevicePoolCache:
             mem = self._open.get(handle.pool_id)
             if mem is not None:
                 return mem
-            from embcache.kernels import cuda_mem
+            from embcache.kernels import cuda_ipc, cuda_mem
 
             device = cuda_mem.device_by_uuid(handle.gpu_uuid)
             if device is None:
                 raise RuntimeError(f"GPU {handle.gpu_uuid} is not visible in this process")
             if handle.ipc_handle is not None:
-                mem = cuda_mem.open_legacy(handle.ipc_handle, device, handle.nbytes)
+                mem = cuda_ipc.open_legacy(handle.ipc_handle, device, handle.nbytes)
             elif handle.fd_socket is not None and handle.fd_token is not None:
                 fd = fetch_fd(handle.fd_socket, handle.pool_id, handle.fd_token)
-                mem = cuda_mem.import_fd(fd, device, handle.nbytes)
+                mem = cuda_ipc.import_fd(fd, device, handle.nbytes)
             else:
                 raise ValueError("pool handle carries neither an IPC handle nor an fd socket")
             self._open[handle.pool_id] = mem

@@ -158,10 +158,10 @@ def export_cuda(t: torch.Tensor, *, as_bytes: bool = False, event: bool = True) 
     after all of them instead)."""
     if t.device.type != "cuda" or not t.is_contiguous():
         raise ValueError("t: must be a contiguous CUDA tensor")
-    from embcache.kernels import cuda_mem
+    from embcache.kernels import cuda_ipc, cuda_mem
 
     try:
-        handle, offset, alloc = cuda_mem.export_tensor(t)
+        handle, offset, alloc = cuda_ipc.export_tensor(t)
         uuid = cuda_mem.gpu_uuid(t.device.index or 0)
     except (RuntimeError, ValueError) as exc:
         log.info("cannot export a CUDA tensor over IPC (%s); moving bytes instead", exc)

@@ -42,7 +42,7 @@ IPC_HANDLE_BYTES = 64
 
 
 class Mapping(Protocol):
-    """An opened allocation (``kernels.cuda_mem.ImportedMemory`` on a GPU)."""
+    """An opened allocation (``kernels.cuda_ipc.ImportedMemory`` on a GPU)."""
 
     nbytes: int
 
@@ -85,10 +85,10 @@ class CudaIpc:
         return self._indexes[gpu_uuid]
 
     def open(self, handle: bytes, device: int, alloc_size: int) -> Mapping:
-        from embcache.kernels import cuda_mem
+        from embcache.kernels import cuda_ipc, cuda_mem
 
         try:
-            mem = cuda_mem.open_legacy(handle, device, alloc_size)
+            mem = cuda_ipc.open_legacy(handle, device, alloc_size)
         except (cuda_mem.CudaMemError, ValueError) as exc:
             raise DeviceUnavailable(
                 "cannot open the client's CUDA IPC handle in the daemon (another container "
@@ -120,9 +120,9 @@ class CudaIpc:
 
 def _allocation_bytes(ptr: int) -> int:
     """Bytes from ``ptr`` to the end of its allocation (driver ``cuMemGetAddressRange``)."""
-    from embcache.kernels import cuda_mem
+    from embcache.kernels import cuda_ipc
 
-    return cuda_mem.allocation_bytes(ptr)
+    return cuda_ipc.allocation_bytes(ptr)
 
 
 @dataclass(frozen=True, slots=True)

@@ -188,7 +188,7 @@ def test_other_process_reads_through_ipc(engine: CacheEngine, tmp_path: Path) ->
 
 PRODUCER = r"""
 import json, sys, torch
-from embcache.kernels.cuda_mem import export_tensor
+from embcache.kernels.cuda_ipc import export_tensor
 g = torch.Generator().manual_seed(int(sys.argv[1]))
 t = torch.randn(999, 1024, generator=g).to(torch.bfloat16).cuda()
 handle, offset, size = export_tensor(t)
@@ -199,7 +199,7 @@ sys.stdin.readline()  # keep the tensor alive until the daemon has copied it
 
 
 def test_put_from_device_from_another_process(engine: CacheEngine) -> None:
-    from embcache.kernels import cuda_mem
+    from embcache.kernels import cuda_ipc
 
     with subprocess.Popen(
         [sys.executable, "-c", PRODUCER, "7"],
@@ -211,7 +211,7 @@ def test_put_from_device_from_another_process(engine: CacheEngine) -> None:
         try:
             assert proc.stdout is not None and proc.stdin is not None
             msg = json.loads(proc.stdout.readline())
-            mem = cuda_mem.open_legacy(bytes.fromhex(msg["handle"]), 0, msg["size"])
+            mem = cuda_ipc.open_legacy(bytes.fromhex(msg["handle"]), 0, msg["size"])
             try:
                 nbytes = 999 * 1024 * 2
                 src = mem.tensor(msg["offset"], nbytes).view(torch.bfloat16).view(999, 1024)

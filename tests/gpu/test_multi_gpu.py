@@ -818,7 +818,7 @@ def test_slabs_reach_their_peers_and_leave_the_current_device(mode: str) -> None
     # A slab on GPU 1 made for peer 0 is read by GPU 0 directly (VMM slabs grant the
     # access themselves), and neither making it nor exporting a tensor of GPU 1 changes
     # the caller's current device.
-    from embcache.kernels import cuda_mem
+    from embcache.kernels import cuda_ipc, cuda_mem
 
     torch.cuda.set_device(0)
     slab = cuda_mem.DeviceSlab(1, 4 * MiB, mode, peers=[0])
@@ -830,7 +830,7 @@ def test_slabs_reach_their_peers_and_leave_the_current_device(mode: str) -> None
         here.copy_(slab.tensor[: 4 * MiB])
         torch.cuda.synchronize(0)
         assert bool((here == 7).all())
-        cuda_mem.export_tensor(torch.ones(16, device="cuda:1"))
+        cuda_ipc.export_tensor(torch.ones(16, device="cuda:1"))
         assert torch.cuda.current_device() == 0
     finally:
         slab.close()

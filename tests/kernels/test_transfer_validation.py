@@ -145,9 +145,7 @@ def test_batch_call_slices_cover_the_ranges_in_order(count: int, first: int) -> 
 )
 def test_short_and_long_plan_checks_agree(ranges: list[tuple[int, int, int]]) -> None:
     """Plans up to 64 ranges are checked in Python, longer ones with numpy: same verdicts."""
-    from embcache.kernels._plan import _check_ranges, _check_ranges_small
-
-    from embcache.kernels._plan import _check_ranges_exact
+    from embcache.kernels._plan import _check_ranges, _check_ranges_exact, _check_ranges_small
 
     cols = [np.array([r[i] for r in ranges], dtype=np.int64) for i in range(3)]
     verdicts = []

@@ -1,0 +1,154 @@
+"""Opening device memory another process exported (``open_legacy``, ``import_fd``), and
+exporting a tensor's allocation (``export_tensor``): the importing side of CUDA IPC. The
+daemon's own exported memory is :class:`~embcache.kernels.cuda_mem.DeviceSlab`. ctypes over
+the runtime torch loaded and the driver, every return code checked; CUDA machines only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import torch
+
+from embcache.kernels.cuda_mem import (
+    _CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+    _CU_MEM_HANDLE_TYPE_POSIX_FD,
+    _IPC_LAZY_ENABLE_PEER_ACCESS,
+    IPC_HANDLE_BYTES,
+    CudaMemError,
+    DeviceSlab,
+    _drv_check,
+    _IpcMemHandle,
+    _libs,
+    _map_vmm,
+    _on_device,
+    _rt_check,
+    _unmap_vmm,
+    wrap_device_bytes,
+)
+
+
+@dataclass(eq=False)
+class ImportedMemory:
+    """Another process's device allocation mapped into this one. ``close()`` unmaps it."""
+
+    device: int
+    ptr: int
+    nbytes: int
+    kind: str  # "legacy" | "fd"
+    _handle: int = 0
+    _closed: bool = False
+    _whole: torch.Tensor | None = None  # made once: wrapping costs tens of us, a slice ~1
+
+    def tensor(self, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
+        n = self.nbytes - offset if nbytes is None else nbytes
+        if offset < 0 or n < 0 or offset + n > self.nbytes:
+            raise ValueError(f"offset/nbytes: [{offset}, {offset + n}) outside {self.nbytes}")
+        if self._closed:
+            raise ValueError("the mapping is closed")
+        if self._whole is None or self._whole.numel() != self.nbytes:
+            self._whole = wrap_device_bytes(self.ptr, self.nbytes, self.device, self)
+        return self._whole[offset : offset + n]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._whole = None
+        rt, drv = _libs()
+        if self.kind == "legacy":
+            _rt_check("cudaIpcCloseMemHandle", rt.cudaIpcCloseMemHandle(ctypes.c_void_p(self.ptr)))
+        else:
+            _unmap_vmm(self.ptr, self.nbytes)
+            _drv_check("cuMemRelease", drv.cuMemRelease(ctypes.c_ulonglong(self._handle)))
+
+
+def open_legacy(handle: bytes, device: int, nbytes: int) -> ImportedMemory:
+    """Open a ``cudaIpcMemHandle_t`` exported by another process (not by this one)."""
+    if len(handle) != IPC_HANDLE_BYTES:
+        raise ValueError(f"handle: must be {IPC_HANDLE_BYTES} bytes, got {len(handle)}")
+    with _on_device(device):
+        rt, _ = _libs()
+        h = _IpcMemHandle.from_buffer_copy(handle)
+        ptr = ctypes.c_void_p(0)
+        rt.cudaIpcOpenMemHandle.argtypes = (
+            ctypes.POINTER(ctypes.c_void_p),
+            _IpcMemHandle,
+            ctypes.c_uint,
+        )
+        _rt_check(
+            "cudaIpcOpenMemHandle",
+            rt.cudaIpcOpenMemHandle(ctypes.byref(ptr), h, _IPC_LAZY_ENABLE_PEER_ACCESS),
+        )
+        return ImportedMemory(device, int(ptr.value or 0), nbytes, "legacy")
+
+
+def import_fd(fd: int, device: int, nbytes: int) -> ImportedMemory:
+    """Map a VMM allocation received as a POSIX fd. The fd is closed here (it was ours)."""
+    with _on_device(device):
+        _, drv = _libs()
+        handle = ctypes.c_ulonglong(0)
+        try:
+            _drv_check(
+                "cuMemImportFromShareableHandle",
+                drv.cuMemImportFromShareableHandle(
+                    ctypes.byref(handle), ctypes.c_void_p(fd), _CU_MEM_HANDLE_TYPE_POSIX_FD
+                ),
+            )
+        finally:
+            os.close(fd)
+        prop = DeviceSlab._prop(device)
+        gran = ctypes.c_size_t(0)
+        _drv_check(
+            "cuMemGetAllocationGranularity",
+            drv.cuMemGetAllocationGranularity(
+                ctypes.byref(gran), ctypes.byref(prop), _CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+            ),
+        )
+        try:
+            ptr = _map_vmm(handle, nbytes, device, gran.value)
+        except CudaMemError:
+            drv.cuMemRelease(handle)
+            raise
+        return ImportedMemory(device, ptr, nbytes, "fd", handle.value)
+
+
+def allocation_range(ptr: int) -> tuple[int, int]:
+    """``(base, size)`` of the device allocation that contains ``ptr``."""
+    _, drv = _libs()
+    base = ctypes.c_ulonglong(0)
+    size = ctypes.c_size_t(0)
+    _drv_check(
+        "cuMemGetAddressRange",
+        drv.cuMemGetAddressRange_v2(
+            ctypes.byref(base), ctypes.byref(size), ctypes.c_ulonglong(ptr)
+        ),
+    )
+    return int(base.value), int(size.value)
+
+
+def allocation_bytes(ptr: int) -> int:
+    """Bytes from ``ptr`` to the end of its allocation."""
+    base, size = allocation_range(ptr)
+    return base + size - ptr
+
+
+def export_tensor(t: torch.Tensor) -> tuple[bytes, int, int]:
+    """(legacy IPC handle, byte offset, allocation size) of the allocation holding ``t``.
+
+    Works for torch caching-allocator tensors (each cudaMalloc block is its own allocation);
+    fails cleanly for expandable segments, whose memory cannot take legacy handles.
+    """
+    if t.device.type != "cuda":
+        raise ValueError("t: must be a CUDA tensor")
+    with _on_device(t.device.index):
+        rt, _ = _libs()
+        base, size = allocation_range(t.data_ptr())
+        handle = _IpcMemHandle()
+        _rt_check(
+            "cudaIpcGetMemHandle",
+            rt.cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(base)),
+        )
+        return bytes(handle.reserved), t.data_ptr() - base, size
