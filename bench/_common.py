@@ -129,3 +129,51 @@ def latencies_us(fn: Callable[[], object], iters: int, warmup: int = 1) -> list[
         fn()
         lat.append((time.perf_counter() - t0) * 1e6)
     return sorted(lat)
+
+
+def thread_cpu_ns(pid: int) -> dict[int, int]:
+    """CPU time (ns) each thread of process ``pid`` has used so far (Linux schedstat)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
+            continue
+    return out
+
+
+class CpuMeter:
+    """Cores each process used over a window: ``with CpuMeter({"daemon": pid}) as m: ...``,
+    then ``m.cores()``: {name: cores, name + "_busiest_thread": cores} (1.0: one core busy
+    all the time). A process whose busiest thread is near 1.0 is saturated: its Python (one
+    GIL) is the limit, not the copies it waits for. Another process's threads count when
+    they live at both ends of the window; this process counts whole."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self._before: dict[str, dict[int, int]] = {}
+        self._after: dict[str, dict[int, int]] = {}
+        self._wall = 0.0
+        self._own = 0
+
+    def __enter__(self) -> CpuMeter:
+        self._before = {name: thread_cpu_ns(pid) for name, pid in self.pids.items()}
+        self._own = time.process_time_ns()
+        self._wall = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._wall = time.perf_counter() - self._wall
+        self._own = time.process_time_ns() - self._own
+        self._after = {name: thread_cpu_ns(pid) for name, pid in self.pids.items()}
+
+    def cores(self) -> dict[str, float]:
+        out = {}
+        for name, after in self._after.items():
+            before = self._before[name]
+            used = {tid: ns - before.get(tid, 0) for tid, ns in after.items()}
+            total = self._own if self.pids[name] == os.getpid() else sum(used.values())
+            out[name] = total / 1e9 / self._wall
+            out[f"{name}_busiest_thread"] = max(used.values(), default=0) / 1e9 / self._wall
+        return out

@@ -34,7 +34,7 @@ import grpc
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import git_commit, latencies_us
+from _common import CpuMeter, git_commit, latencies_us
 
 from embcache.clients import EmbCacheClient
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
@@ -219,11 +219,16 @@ def copy_engine_gbs(nbytes: int, reps: int = 10) -> float:
     return nbytes / statistics.median(times[2:]) / 1e9
 
 
-def two_in_flight(client: EmbCacheClient, entry: int, rounds: int, batches: int = 8) -> float:
+def two_in_flight(
+    client: EmbCacheClient, entry: int, rounds: int, daemon_pid: int, batches: int = 8
+) -> tuple[float, dict[str, float]]:
     """GB/s of cold fragmented 16 x 4 MiB gets with two batches in flight (a decoder that
     fetches the next request's embeddings while it uses the current ones): ``batches``
-    batches through two threads sharing the client; median over ``rounds``."""
+    batches through two threads sharing the client; median over ``rounds``. Also the cores
+    the client and the daemon used while the batches ran (all rounds; see CpuMeter): which
+    side's Python is saturated (docs/grpc.md, "What 70% of the copy engine would take")."""
     rates = []
+    cpu: dict[str, list[float]] = {}
     for r in range(rounds):
         keys = [[f"pipe-{r}-{b}-{i}" for i in range(16)] for b in range(batches)]
         for b, batch in enumerate(keys):
@@ -236,14 +241,17 @@ def two_in_flight(client: EmbCacheClient, entry: int, rounds: int, batches: int 
             leased.release()
 
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            t0 = time.perf_counter()
-            list(pool.map(fetch, keys))
-            rates.append(batches * 16 * entry / (time.perf_counter() - t0) / 1e9)
+            with CpuMeter({"client": os.getpid(), "daemon": daemon_pid}) as meter:
+                t0 = time.perf_counter()
+                list(pool.map(fetch, keys))
+                rates.append(batches * 16 * entry / (time.perf_counter() - t0) / 1e9)
+            for name, cores in meter.cores().items():
+                cpu.setdefault(name, []).append(cores)
         client.evict([key for batch in keys for key in batch])
-    return statistics.median(rates)
+    return statistics.median(rates), {name: statistics.median(v) for name, v in cpu.items()}
 
 
-def device_gets(target: str, iters: int, rounds: int) -> dict[str, Any]:
+def device_gets(target: str, iters: int, rounds: int, daemon_pid: int) -> dict[str, Any]:
     """get-to-device over gRPC (the client's tensors are on the GPU when timed)."""
     from embcache.kernels import cuda_mem
 
@@ -297,7 +305,9 @@ def device_gets(target: str, iters: int, rounds: int) -> dict[str, Any]:
             leased.release()
             client.evict(batch)  # every round meets the same holes (none is filled up)
         session.serves_calls = client._ready_events = True
-        out["get_device_16x4MiB_frag_2inflight_gbs"] = two_in_flight(client, entry, rounds)
+        two, cores = two_in_flight(client, entry, rounds, daemon_pid)
+        out["get_device_16x4MiB_frag_2inflight_gbs"] = two
+        out["get_device_16x4MiB_frag_2inflight_cores"] = cores
         out["get_device_16x4MiB_frag_gbs"] = statistics.median(rates[True])
         out["get_device_16x4MiB_frag_rpc_gbs"] = statistics.median(rates[False])
         out["largest_free_device_run_pages"] = largest
@@ -342,7 +352,7 @@ def gpu_section(
     flags = ["--grpc-socket", sock, "--host-pool-bytes", "4GiB", "--device-pool-bytes", "1GiB"]
     daemon = DaemonProcess([*flags, *pin, *extra])
     try:
-        return device_gets(daemon.unix_target, iters, rounds)
+        return device_gets(daemon.unix_target, iters, rounds, daemon.proc.pid)
     finally:
         daemon.stop(timeout=30)
 
@@ -458,6 +468,13 @@ def main() -> None:
             f", ratio {two / gpu['copy_engine_64MiB_gbs']:.2f} "
             f"({no_poll['get_device_16x4MiB_frag_2inflight_gbs']:.1f} GB/s without busy polling)"
         )
+        for label, res in (("", gpu), (" without busy polling", no_poll)):
+            c = res["get_device_16x4MiB_frag_2inflight_cores"]
+            print(
+                f"  cores used meanwhile{label}: client {c['client']:.2f} (busiest thread "
+                f"{c['client_busiest_thread']:.2f}), daemon {c['daemon']:.2f} (busiest thread "
+                f"{c['daemon_busiest_thread']:.2f})"
+            )
     out = args.out_dir / RESULTS.name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
