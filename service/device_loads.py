@@ -20,19 +20,14 @@ if TYPE_CHECKING:
     from .entries import Entry
 
 ROW = 16  # bytes per row of the host->device plans (pages are multiples of it)
-HEAD_BYTES = 8 << 20
-"""A batch of at least twice this many bytes from the host is queued in two calls: first
-its leading entries up to this many bytes, then the rest, so the copy engine starts on
-the head while the host plans and queues the tail."""
 Placed = tuple[Lease, Residency, bool]  # lease, residency, resident hit
 
 
 def load(
     tier: DeviceTier, pool: DevicePool, loads: list[tuple[Entry, Residency]]
 ) -> dict[str, int]:
-    """Fill fresh residencies: ``transfer_ranges`` gathers every entry that comes from the
-    host (one call, or two for a large batch: see HEAD_BYTES); entries resident on a faster
-    peer GPU are copied from there."""
+    """Fill fresh residencies: one ``transfer_ranges`` call gathers every entry that
+    comes from the host; entries resident on a faster peer GPU are copied from there."""
     from_host: list[tuple[Entry, Residency]] = []
     from_peers: dict[int, list[tuple[Residency, Residency, int]]] = {}
     peer_bytes = 0
@@ -56,8 +51,9 @@ def load(
     # stream), and copies never read the tables.
     # (Queuing the copy in one call per entry, to start it sooner, measured no faster
     # on the H200 and slower when device pages are fragmented: 2756 against 1828 us for
-    # 16 x 4 MiB, although a cudaMemcpyAsync alone never blocks the host. Two calls, a
-    # head of 8 MiB then the rest, start the copy engine about 15 us sooner there.)
+    # 16 x 4 MiB, although a cudaMemcpyAsync alone never blocks the host. Two calls, the
+    # first 8 MiB then the rest, started it about 15 us sooner, within what engine
+    # instances differ by.)
     if from_host:
         _copy_from_host(tier, pool, from_host)
     event = tier._record(pool.stream)  # what the results wait for: the copies only
@@ -73,14 +69,8 @@ def load(
 def _copy_from_host(
     tier: DeviceTier, pool: DevicePool, batch: list[tuple[Entry, Residency]]
 ) -> None:
-    """Host page runs against the residencies' device page runs, each entry padded to
-    16-byte rows: one ``transfer_ranges`` call, or two for a large batch (HEAD_BYTES)."""
-    head = _head_length([entry.nbytes for entry, _ in batch], HEAD_BYTES)
-    for part in (batch[:head], batch[head:]) if head else (batch,):
-        _copy_part(tier, pool, part)
-
-
-def _copy_part(tier: DeviceTier, pool: DevicePool, batch: list[tuple[Entry, Residency]]) -> None:
+    """One ``transfer_ranges`` call: host page runs against the residencies' device page
+    runs, each entry padded to 16-byte rows."""
     host = tier._engine.host_pool
     cols = []
     for entry, _ in batch:
@@ -95,19 +85,6 @@ def _copy_part(tier: DeviceTier, pool: DevicePool, batch: list[tuple[Entry, Resi
         [-(-e.nbytes // ROW) for e, _ in batch],
     )
     tier._transfer(host.rows, pool.rows, so, do, ln, pool.stream)
-
-
-def _head_length(sizes: list[int], head_bytes: int) -> int:
-    """How many leading entries make the head of a two-call copy: the fewest holding at
-    least ``head_bytes``; 0 (one call) when the batch holds less than twice that."""
-    if sum(sizes) < 2 * head_bytes:
-        return 0
-    held = 0
-    for i, size in enumerate(sizes):
-        held += size
-        if held >= head_bytes:
-            return i + 1 if i + 1 < len(sizes) else 0
-    return 0
 
 
 def read_table(pool: DevicePool, placed: list[Placed | None]) -> torch.Tensor:

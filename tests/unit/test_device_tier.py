@@ -307,41 +307,6 @@ def test_batch_over_fragmented_device_pages(engine: CacheEngine) -> None:
     check_tables(engine)
 
 
-@pytest.mark.parametrize(
-    ("sizes", "calls"),
-    [
-        ([DEV_PAGE] * 6, 2),  # 2 pages of head, 4 of tail
-        ([100, 2 * DEV_PAGE, 2 * DEV_PAGE], 2),  # the head ends with the entry that reaches it
-        ([DEV_PAGE, 5 * DEV_PAGE], 1),  # the head would be the whole batch
-        ([DEV_PAGE, DEV_PAGE + 9], 1),  # under twice the head: one call
-    ],
-)
-def test_large_batch_is_copied_head_first(
-    engine: CacheEngine, monkeypatch: pytest.MonkeyPatch, sizes: list[int], calls: int
-) -> None:
-    """A batch of at least twice HEAD_BYTES is queued in two transfers, head then tail;
-    every entry arrives whole either way."""
-    from embcache.service import device_loads, device_tier
-
-    monkeypatch.setattr(device_loads, "HEAD_BYTES", 2 * DEV_PAGE)
-    seen: list[int] = []
-    real = device_tier.kernels.transfer_ranges
-
-    def counting(*args: object, **kwargs: object) -> str:
-        seen.append(len(args[2]))  # type: ignore[arg-type]
-        return real(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(device_tier.kernels, "transfer_ranges", counting)
-    blobs = [blob(n, 40 + i) for i, n in enumerate(sizes)]
-    for i, b in enumerate(blobs):
-        engine.put(f"h{i}", b)
-    got, _ = engine.get_to_device([f"h{i}" for i in range(len(sizes))], "dec")
-    assert len(seen) == calls
-    for g, b in zip(got, blobs, strict=True):
-        assert g is not None and torch.equal(device_bytes(engine, g), b)
-    check_tables(engine)
-
-
 def test_batch_keeps_an_entry_that_fits_a_hole_contiguous(engine: CacheEngine) -> None:
     """A batch's pages come from one allocation, but an entry that fits one of its runs
     gets that run whole (a zero-copy view for clients), whatever its place in the batch."""
