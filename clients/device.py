@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -209,22 +210,51 @@ def gather_pages(
     """Copies of several fragmented entries (page ids, nbytes) in one gather: one allocation
     and one ``torch.cat`` launch for the whole batch, no index upload. Each entry's region
     starts 16-byte aligned in the shared buffer (so any dtype can view it)."""
-    parts: list[torch.Tensor] = []
-    spans: list[tuple[int, int]] = []
+    pages = [p for page_ids, _ in entries for p in page_ids]
+    counts = [len(page_ids) for page_ids, _ in entries]
+    flat, starts = gather_runs(pool_bytes, page_bytes, pages, counts, [n for _, n in entries])
+    return [flat[at : at + n] for at, (_, n) in zip(starts, entries, strict=True)]
+
+
+def gather_runs(
+    pool_bytes: torch.Tensor,
+    page_bytes: int,
+    pages: list[int] | np.ndarray,
+    counts: list[int],
+    nbytes: list[int],
+) -> tuple[torch.Tensor, list[int]]:
+    """The gather behind :func:`gather_pages`, with the entries' page ids concatenated
+    (``counts[i]`` of them for entry i, holding its ``nbytes[i]``): the buffer and each
+    entry's byte offset in it. numpy finds where runs of consecutive pages start, so the
+    Python loop goes over runs, not pages."""
+    offsets, left, bounds = [], [], [0]
     at = 0
-    for page_ids, nbytes in entries:
-        left = -(-nbytes // 16) * 16  # pages are multiples of 16 bytes: this stays inside
-        spans.append((at, nbytes))
-        at += left
-        first, count = -1, 0
-        for p in [*page_ids, -1]:  # runs of consecutive pages; -1 ends the last one
-            if count and p == first + count:
-                count += 1
-                continue
-            if count:
-                take = min(count * page_bytes, left)
-                parts.append(pool_bytes[first * page_bytes : first * page_bytes + take])
-                left -= take
-            first, count = p, 1
-    flat = torch.cat(parts) if parts else pool_bytes[:0].clone()
-    return [flat[start : start + n] for start, n in spans]
+    for count, n in zip(counts, nbytes, strict=True):
+        padded = -(-n // 16) * 16  # pages are multiples of 16 bytes: this stays inside
+        if count * page_bytes < padded:
+            raise ValueError("pages: each entry needs pages that hold its bytes")
+        offsets.append(at)
+        left.append(padded)
+        bounds.append(bounds[-1] + count)
+        at += padded
+    ids = np.asarray(pages, dtype=np.int64)
+    if bounds[-1] != ids.size:
+        raise ValueError(f"counts: sum to {bounds[-1]}, but there are {ids.size} page ids")
+    if at == 0:
+        return pool_bytes[:0].clone(), offsets
+    cut = np.empty(ids.size, dtype=bool)  # True where a run starts: a gap, or a new entry
+    cut[0] = True
+    np.not_equal(ids[1:], ids[:-1] + 1, out=cut[1:])
+    cut[[b for b in bounds[:-1] if b < ids.size]] = True
+    starts = np.flatnonzero(cut).tolist()
+    first_pages = ids[starts].tolist()
+    parts, e = [], 0
+    for run, end, page in zip(starts, [*starts[1:], ids.size], first_pages, strict=True):
+        while run >= bounds[e + 1]:  # runs never span entries; skip those with no pages
+            e += 1
+        take = min((end - run) * page_bytes, left[e])
+        if take > 0:
+            src = page * page_bytes
+            parts.append(pool_bytes[src : src + take])
+            left[e] -= take
+    return torch.cat(parts), offsets

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..proto.embcache.v1 import embcache_pb2 as pb
 from ._wire import torch_dtype
-from .device import DevicePoolCache, DevicePoolHandle, gather_pages
+from .device import DevicePoolCache, DevicePoolHandle, gather_runs
 from .ipc_events import EVENTS, Recorded
 from .results import Decoded
 
@@ -62,11 +64,14 @@ def pool_handle(pool: pb.PoolHandle) -> DevicePoolHandle:
 def decode_device_get(reply: pb.GetResponse, cache: DevicePoolCache) -> Decoded:
     """Tensors for a Get with a GPU uuid; each pool is opened once through ``cache``.
     Contiguous entries are views; the fragmented ones of a pool are gathered together
-    (one allocation and one launch: :func:`gather_pages`)."""
+    (one allocation and one launch: :func:`gather_runs`). The page ids of a batch are
+    checked and cut into runs with numpy, and each tensor is made with one ``as_strided``,
+    so the Python work per entry stays small."""
     pools = {p.pool_id: p for p in reply.pools}
     out = Decoded([], [])
-    gathers: dict[str, list[tuple[int, list[int], pb.GetResult]]] = {}
+    gathers: dict[str, _Gather] = {}
     opened: dict[str, tuple[torch.Tensor, int]] = {}
+    typed: _Typed = {}
     for result in reply.results:
         if not result.found:
             out.tensors.append(None)
@@ -84,12 +89,22 @@ def decode_device_get(reply: pb.GetResponse, cache: DevicePoolCache) -> Decoded:
                 raise PoolOpenError(f"cannot open device pool {loc.pool_id}: {exc}") from exc
             opened[loc.pool_id] = (pool, handle.page_bytes)
         pool, page_bytes = opened[loc.pool_id]
-        pages = _check_location(result, pool.numel(), page_bytes)
-        if pages is None:
-            out.tensors.append(_shaped(pool[loc.offset : loc.offset + result.meta.nbytes], result))
-        else:
-            gathers.setdefault(loc.pool_id, []).append((len(out.tensors), pages, result))
-            out.tensors.append(None)  # filled below
+        meta = result.meta
+        if loc.WhichOneof("placement") == "offset":
+            if loc.offset + meta.nbytes > pool.numel():
+                raise ValueError(f"reply for {result.key!r} has a location outside the pool")
+            out.tensors.append(_view(pool, loc.offset, meta, typed))
+            continue
+        g = gathers.get(loc.pool_id)
+        if g is None:
+            g = gathers[loc.pool_id] = _Gather()
+        before = len(g.pages)
+        g.pages.extend(loc.pages.page_ids)
+        if (len(g.pages) - before) * page_bytes < meta.nbytes:
+            raise ValueError(f"reply for {result.key!r} has a location outside the pool")
+        g.counts.append(len(g.pages) - before)
+        g.items.append((len(out.tensors), result))
+        out.tensors.append(None)  # filled below
     if reply.HasField("event_handle") and opened:
         # The copies may still run: this device's current stream waits for them on the
         # GPU, before the gathers below and whatever the caller queues next.
@@ -99,31 +114,64 @@ def decode_device_get(reply: pb.GetResponse, cache: DevicePoolCache) -> Decoded:
         except RuntimeError as exc:
             raise EventOpenError(f"cannot open the reply's ready event: {exc}") from exc
         torch.cuda.current_stream(device).wait_event(event)
-    for pool_id, items in gathers.items():
+    for pool_id, g in gathers.items():
         pool, page_bytes = opened[pool_id]
-        flats = gather_pages(pool, page_bytes, [(pages, r.meta.nbytes) for _, pages, r in items])
-        for (i, _, result), flat in zip(items, flats, strict=True):
-            out.tensors[i] = _shaped(flat, result)
+        ids = np.asarray(g.pages, dtype=np.int64)
+        num_pages = pool.numel() // page_bytes if page_bytes > 0 else 0
+        if ids.size and (ids.min() < 0 or ids.max() >= num_pages):
+            bad = next(r for _, r in g.items if not _pages_inside(r, num_pages))
+            raise ValueError(f"reply for {bad.key!r} has a location outside the pool")
+        sizes = [r.meta.nbytes for _, r in g.items]
+        flat, starts = gather_runs(pool, page_bytes, ids, g.counts, sizes)
+        for (i, result), at in zip(g.items, starts, strict=True):
+            out.tensors[i] = _view(flat, at, result.meta, typed)
     return out
 
 
-def _check_location(result: pb.GetResult, size: int, page_bytes: int) -> list[int] | None:
-    """The entry's page ids (None when it is one run at an offset); ValueError when the
-    location lies outside the pool."""
-    nbytes, loc = result.meta.nbytes, result.device
-    if loc.WhichOneof("placement") == "offset":
-        if loc.offset + nbytes > size:
-            raise ValueError(f"reply for {result.key!r} has a location outside the pool")
-        return None
-    pages = list(loc.pages.page_ids)
-    num_pages = size // page_bytes if page_bytes > 0 else 0
-    if len(pages) * page_bytes < nbytes or any(not 0 <= p < num_pages for p in pages):
-        raise ValueError(f"reply for {result.key!r} has a location outside the pool")
-    return pages
+def _pages_inside(result: pb.GetResult, num_pages: int) -> bool:
+    return all(0 <= p < num_pages for p in result.device.pages.page_ids)
 
 
-def _shaped(flat: torch.Tensor, result: pb.GetResult) -> torch.Tensor:
-    return flat.view(torch_dtype(result.meta.dtype)).view(tuple(result.meta.shape))
+# (id of a base tensor, dtype) -> (that base, the base viewed as dtype), kept for one decode
+_Typed = dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(slots=True)
+class _Gather:
+    """The fragmented entries of one pool in a reply, gathered together."""
+
+    pages: list[int] = field(default_factory=list)  # every entry's page ids, concatenated
+    counts: list[int] = field(default_factory=list)  # page ids per entry
+    items: list[tuple[int, pb.GetResult]] = field(default_factory=list)  # (slot, result)
+
+
+def _view(
+    base: torch.Tensor,
+    offset: int,
+    meta: pb.TensorMeta,
+    typed: _Typed,
+) -> torch.Tensor:
+    """The entry at byte ``offset`` of the uint8 tensor ``base`` as its dtype and shape,
+    with one ``as_strided`` over ``base`` viewed as that dtype (made once per call and
+    kept in ``typed``); ``as_strided`` also refuses anything outside the storage."""
+    dtype = torch_dtype(meta.dtype)
+    shape = tuple(meta.shape)
+    item = dtype.itemsize
+    if math.prod(shape) * item != meta.nbytes or offset % item:
+        raise ValueError(f"reply metadata {meta.dtype}{list(shape)} does not fit its bytes")
+    cached = typed.get((id(base), dtype))
+    if cached is not None and cached[0] is base:
+        view = cached[1]
+    else:
+        if base.numel() % item or base.storage_offset() % item:  # not a typed array: slice
+            return base[offset : offset + meta.nbytes].view(dtype).view(shape)
+        view = base.view(dtype)
+        typed[(id(base), dtype)] = (base, view)  # the base too: an id may be reused
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= dim
+    return view.as_strided(shape, strides[::-1], view.storage_offset() + offset // item)
 
 
 def sync_device(device: torch.device) -> None:

@@ -53,18 +53,19 @@ class PageRunAllocator:
             return None
         runs: list[Run] = []
         remaining = n
+        by_size = self._by_size
         while remaining:
-            i = self._by_size.bisect_left((remaining, -1))
-            if i < len(self._by_size):
-                length, start = self._by_size[i]
-                self._take(start, length, remaining)
-                runs.append((start, remaining))
-                remaining = 0
-            else:
-                length, start = self._by_size[-1]
-                self._take(start, length, length)
+            if by_size[-1][0] < remaining:  # no run fits the rest: take the largest whole
+                length, start = by_size.pop()  # cheaper than remove(): no search
+                del self._by_start[start]
+                del self._by_end[start + length]
                 runs.append((start, length))
                 remaining -= length
+                continue
+            length, start = by_size[by_size.bisect_left((remaining, -1))]
+            self._take(start, length, remaining)
+            runs.append((start, remaining))
+            remaining = 0
         self.num_free_pages -= n
         runs.sort()
         return runs

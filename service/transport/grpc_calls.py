@@ -68,7 +68,9 @@ class SessionCalls:
     async def _run(self, call: pb.SessionCall) -> None:
         start = time.perf_counter()
         kind = call.WhichOneof("request")
-        result = pb.SessionResult(call_id=call.call_id)
+        response = pb.SessionResponse()
+        result = response.result  # filled in place: the reply is copied once, into it
+        result.call_id = call.call_id
         code = "OK"
         try:
             if kind == "get":
@@ -95,7 +97,7 @@ class SessionCalls:
                 name = f"Session.{kind.capitalize() if kind else 'Unknown'}"
                 self._metrics.observe_rpc("grpc", name, code, time.perf_counter() - start)
         try:
-            await self._send(pb.SessionResponse(result=result))
+            await self._send(response)
         except BaseException:
             # Nobody will read this result: give back the leases it hands out.
             if result.WhichOneof("outcome") == "get":

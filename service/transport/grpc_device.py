@@ -188,22 +188,25 @@ class DevicePlane:
             asyncio.get_running_loop().call_soon(e.flush_device_tables, index)
 
     def _get_reply(self, keys: Sequence[str], found: Sequence[Any], pool: DevicePool) -> Any:
+        """The reply, built in place (no per-key temporaries copied into it)."""
         reply = pb.GetResponse()
+        results = reply.results
         for key, dl in zip(keys, found, strict=True):
+            result = results.add(key=key)
             if dl is None:
-                reply.results.append(pb.GetResult(key=key, found=False))
                 continue
-            loc = pb.DeviceLocation(pool_id=dl.pool_id, gpu_uuid=dl.gpu_uuid)
+            lease = dl.lease
+            result.found = True
+            result.lease_id = lease.lease_id
+            meta = result.meta
+            meta.dtype, meta.nbytes = lease.dtype, lease.nbytes
+            meta.shape.extend(lease.shape)
+            loc = result.device
+            loc.pool_id, loc.gpu_uuid = dl.pool_id, dl.gpu_uuid
             if dl.offset is not None:
                 loc.offset = dl.offset
             else:
                 loc.pages.page_ids.extend(dl.page_ids)
-            reply.results.append(
-                pb.GetResult(
-                    key=key, found=True, meta=meta_of(dl.lease), lease_id=dl.lease.lease_id
-                )
-            )
-            reply.results[-1].device.CopyFrom(loc)
         if any(dl is not None for dl in found):
             reply.pools.append(self.pool_handle(pool))
         return reply

@@ -661,3 +661,20 @@ def test_client_checks_device_replies() -> None:
         fake.pool.pool_id = "dev0-x"
         with pytest.raises(ValueError, match="outside the pool"):
             dr.decode_device_get(reply, fake)  # type: ignore[arg-type]
+    # A bad page among several entries is named by its own key.
+    good = pb.DeviceLocation(pool_id="dev0-x", pages=pb.PageList(page_ids=[0, 1]))
+    bad = pb.DeviceLocation(pool_id="dev0-x", pages=pb.PageList(page_ids=[2, 7]))
+    del reply.results[:]
+    for key, loc in (("a", good), ("b", bad)):
+        reply.results.append(pb.GetResult(key=key, found=True, meta=meta, lease_id=1, device=loc))
+    with pytest.raises(ValueError, match="'b' has a location outside"):
+        dr.decode_device_get(reply, fake)  # type: ignore[arg-type]
+    # Metadata that does not match the entry's bytes is refused, not reshaped.
+    for wrong in (
+        pb.TensorMeta(dtype="float16", shape=[3], nbytes=8),
+        pb.TensorMeta(dtype="float32", shape=[2 * PAGE], nbytes=2 * PAGE),
+    ):
+        del reply.results[:]
+        reply.results.append(pb.GetResult(key="k", found=True, meta=wrong, lease_id=1, device=good))
+        with pytest.raises(ValueError, match="does not fit its bytes"):
+            dr.decode_device_get(reply, fake)  # type: ignore[arg-type]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from embcache.clients.device import materialize
 
@@ -48,3 +50,30 @@ def test_a_batch_is_gathered_in_one_buffer_with_aligned_regions() -> None:
     assert all(f.untyped_storage().data_ptr() == base for f in flats)  # one allocation
     assert flats[3].view(torch.int32).numel() == 3  # any dtype can view a region
     assert gather_pages(p, PAGE, [([], 0)])[0].numel() == 0
+
+
+@given(
+    st.lists(
+        st.tuples(st.lists(st.integers(0, 15), max_size=5, unique=True), st.integers(0, PAGE)),
+        max_size=6,
+    )
+)
+@settings(max_examples=200, deadline=None)
+def test_gather_runs_matches_a_page_by_page_copy(raw: list[tuple[list[int], int]]) -> None:
+    from embcache.clients.device import gather_pages
+
+    p = pool()
+    # nbytes: anything the pages hold, down to one byte less than all but the last page
+    entries = [(ids, max(0, len(ids) * PAGE - extra)) for ids, extra in raw if ids or not extra]
+    entries = [(ids, n if n > (len(ids) - 1) * PAGE else len(ids) * PAGE) for ids, n in entries]
+    flats = gather_pages(p, PAGE, entries)
+    for (ids, nbytes), flat in zip(entries, flats, strict=True):
+        want = torch.cat([p[i * PAGE : (i + 1) * PAGE] for i in ids] or [p[:0]])[:nbytes]
+        assert torch.equal(flat, want)
+
+
+def test_gather_refuses_pages_that_cannot_hold_the_bytes() -> None:
+    from embcache.clients.device import gather_pages
+
+    with pytest.raises(ValueError, match="pages"):
+        gather_pages(pool(), PAGE, [([1], PAGE + 1)])
