@@ -168,25 +168,38 @@ class DevicePool:
             self._table_ops.append((kind, items))
 
     def flush(self) -> None:
-        """Launch the queued table updates, in order: one launch per run of binds (all
-        ids unique: a vpage is bound again only after an unbind, which starts a new run)
-        and one per run of unbinds.
+        """Launch the queued table updates: at most two launches, however many gets and
+        evictions queued them. Only the net change reaches the device: the vpages whose
+        binding from an earlier flush has ended are tombstoned (one ``free_unbind``), then
+        the residencies still alive are bound (one ``bind``, or ``alloc_bind`` when their
+        pages are one run). A residency bound and dropped between two flushes never
+        touches the device.
 
         Copies never read the tables (they use the page ids the host allocators hand out),
         so updates may lag behind them; whoever reads the tables flushes first. All of it
         is queued on the pool's stream, after the copies queued before it.
         """
         ops, self._table_ops = self._table_ops, []
+        ended: list[tuple[int, int]] = []  # vpage runs bound on the device, now to tombstone
+        alive: dict[int, Residency] = {}  # bound since the last flush, by first vpage
+        for kind, items in ops:
+            if kind == "bind":
+                alive.update((r.vstart, r) for r in items)
+                continue
+            for vstart, npages in items:  # a residency is always unbound whole
+                if alive.pop(vstart, None) is None:
+                    ended.append((vstart, npages))
+        if not ended and not alive:
+            return
         with self._on_stream():
-            for kind, items in ops:
-                if kind == "unbind":
-                    vruns = _joined(sorted(items))
-                    kernels.free_unbind_inplace(self._ids(vruns), self.v2p, self.p2v)
-                    continue
-                vruns = _joined([(r.vstart, r.npages) for r in items])
+            if ended:
+                vpages = self._ids(_joined(sorted(ended)))
+                kernels.free_unbind_inplace(vpages, self.v2p, self.p2v)
+            if alive:
+                items = list(alive.values())
+                vpages = self._ids(_joined([(r.vstart, r.npages) for r in items]))
                 runs = _joined([run for r in items for run in r.runs])
-                vpages = self._ids(vruns)
-                if len(runs) == 1:  # the usual case: no physical ids to upload
+                if len(runs) == 1:  # no physical ids to upload
                     kernels.alloc_bind_inplace(vpages, runs[0][0], self.v2p, self.p2v)
                 else:
                     kernels.bind_inplace(vpages, self._ids(runs), self.v2p, self.p2v)

@@ -10,7 +10,7 @@ import zlib
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from embcache.service.config import Settings
@@ -370,3 +370,39 @@ def test_prefetch_without_shared_tier_warms_the_device(engine: CacheEngine) -> N
     assert engine.entry_info("a").residency == ("host", "device:0")  # type: ignore[union-attr]
     s = engine.stats()
     assert s.leases_active == 0 and (s.hits, s.misses) == (0, 0)  # prefetch is no client hit
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["get", "get", "evict", "flush"]),
+            st.lists(st.integers(0, 7), min_size=1, max_size=4, unique=True),
+        ),
+        max_size=30,
+    )
+)
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_deferred_table_updates_net_out(
+    engine: CacheEngine, steps: list[tuple[str, list[int]]]
+) -> None:
+    """Gets that defer their table updates (LRU evictions in between), device evictions and
+    flushes in any order: after each flush the tables say exactly what the host knows."""
+    for i in range(8):
+        engine.put(f"t{i}", blob((1 + i % 3) * DEV_PAGE, i))
+    for op, ids in steps:
+        keys = [f"t{i}" for i in ids]
+        if op == "get":
+            if sum(1 + i % 3 for i in ids) > 8:
+                continue  # more than the pool holds
+            results, _ = engine.start_get_to_device(keys, "h", defer_tables=True).wait()
+            engine.release(r.lease.lease_id for r in results if r is not None)
+        elif op == "evict":
+            engine.evict_device(keys, 0)
+            check_tables(engine)  # an eviction flushes
+        else:
+            engine.flush_device_tables(0)
+            check_tables(engine)
+    engine.flush_device_tables(0)
+    check_tables(engine)

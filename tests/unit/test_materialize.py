@@ -77,3 +77,11 @@ def test_gather_refuses_pages_that_cannot_hold_the_bytes() -> None:
 
     with pytest.raises(ValueError, match="pages"):
         gather_pages(pool(), PAGE, [([1], PAGE + 1)])
+
+
+@pytest.mark.parametrize("ids", [[16], [-1], [3, 99]])
+def test_gather_refuses_pages_outside_the_pool(ids: list[int]) -> None:
+    from embcache.clients.device import gather_pages
+
+    with pytest.raises(ValueError, match="ids must lie in"):  # checked before any launch
+        gather_pages(pool(), PAGE, [(ids, PAGE)])
