@@ -212,23 +212,52 @@ def gather_pages(
     starts on a page boundary of the shared buffer (so any dtype can view it)."""
     pages = [p for page_ids, _ in entries for p in page_ids]
     counts = [len(page_ids) for page_ids, _ in entries]
-    flat, starts = gather_runs(pool_bytes, page_bytes, pages, counts, [n for _, n in entries])
-    return [flat[at : at + n] for at, (_, n) in zip(starts, entries, strict=True)]
+    gather = plan_gather(pool_bytes, page_bytes, pages, counts, [n for _, n in entries])
+    flat = gather.run()
+    return [flat[at : at + n] for at, (_, n) in zip(gather.offsets, entries, strict=True)]
 
 
-def gather_runs(
+@dataclass(frozen=True, slots=True)
+class PageGather:
+    """A planned gather of whole pages (:func:`plan_gather`): :meth:`run` launches it, or
+    :meth:`abandon` drops it."""
+
+    rows: torch.Tensor  # the pool as rows of pages (8-byte words when aligned)
+    index: torch.Tensor | None  # page ids in gather order, on the pool's device; None: none
+    offsets: list[int]  # each entry's byte offset in the result
+    ring: Any = None  # uva_ids.UvaIds whose slot ``slot`` holds the index, if any
+    slot: int = -1
+
+    def run(self) -> torch.Tensor:
+        """The gathered bytes (one flat uint8 tensor the caller owns), queued on the current
+        stream."""
+        if self.index is None:
+            return self.rows.new_empty(0, dtype=torch.uint8)
+        out = self.rows.index_select(0, self.index)
+        if self.ring is not None:
+            self.ring.launched(self.slot, torch.cuda.current_stream(self.rows.device))
+        return out.view(torch.uint8).view(-1)
+
+    def abandon(self) -> None:
+        if self.ring is not None:
+            self.ring.abandon(self.slot)
+
+
+def plan_gather(
     pool_bytes: torch.Tensor,
     page_bytes: int,
     pages: list[int] | np.ndarray,
     counts: list[int],
     nbytes: list[int],
-) -> tuple[torch.Tensor, list[int]]:
-    """The gather behind :func:`gather_pages`, with the entries' page ids concatenated
-    (``counts[i]`` of them for entry i, holding its ``nbytes[i]``): the buffer and each
-    entry's byte offset in it. The pages are copied whole, in order, with one
-    ``index_select`` over the pool seen as rows of pages (8-byte words when aligned). On
-    the H200 host that beat a ``torch.cat`` of the runs both in host time (107 against
-    158 us for 32 runs of 8 pages) and on the GPU (100-113 against 150 us for 64 MiB)."""
+) -> PageGather:
+    """Check a gather of the entries' pages, concatenated (``counts[i]`` ids for entry i,
+    holding its ``nbytes[i]``), and put the ids where the GPU reads them. The pages are
+    copied whole, in order, by one ``index_select`` over the pool seen as rows of pages.
+    On a GPU the ids go to a pinned slot the kernel reads directly (``uva_ids.py``: no copy
+    call, which cost the H200 host about 250 us while the daemon's copy ran), else they are
+    uploaded. On the H200 host the gather beat a ``torch.cat`` of the page runs on the GPU
+    (100-113 against 150 us for 32 runs, 64 MiB) and in host time when idle (107 against
+    158 us)."""
     offsets, at = [], 0
     for count, n in zip(counts, nbytes, strict=True):
         if count * page_bytes < n:
@@ -238,15 +267,22 @@ def gather_runs(
     ids = np.asarray(pages, dtype=np.int64)
     if sum(counts) != ids.size:
         raise ValueError(f"counts: sum to {sum(counts)}, but there are {ids.size} page ids")
-    if ids.size == 0:
-        return pool_bytes[:0].clone(), offsets
     num_pages = pool_bytes.numel() // page_bytes
-    if ids.min() < 0 or ids.max() >= num_pages:
-        raise ValueError(f"pages: ids must lie in [0, {num_pages})")
     rows = pool_bytes[: num_pages * page_bytes].view(num_pages, page_bytes)
     if page_bytes % 8 == 0 and rows.storage_offset() % 8 == 0:
         rows = rows.view(torch.int64)  # fewer, wider elements: a faster gather
-    index = torch.from_numpy(ids)
-    if rows.is_cuda:  # pinned: a copy from pageable memory would wait for the stream's work
-        index = index.pin_memory().to(rows.device, non_blocking=True)
-    return rows.index_select(0, index).view(torch.uint8).view(-1), offsets
+    if ids.size == 0:
+        return PageGather(rows, None, offsets)
+    if ids.min() < 0 or ids.max() >= num_pages:
+        raise ValueError(f"pages: ids must lie in [0, {num_pages})")
+    if not rows.is_cuda:
+        return PageGather(rows, torch.from_numpy(ids), offsets)
+    from .uva_ids import ring_for
+
+    ring = ring_for(rows.device)
+    got = ring.put(ids) if ring is not None else None
+    if got is not None:
+        return PageGather(rows, got[0], offsets, ring, got[1])
+    # pinned: a copy from pageable memory would wait for the stream's work
+    index = torch.from_numpy(ids).pin_memory().to(rows.device, non_blocking=True)
+    return PageGather(rows, index, offsets)

@@ -21,7 +21,7 @@ import torch
 
 from ..proto.embcache.v1 import embcache_pb2 as pb
 from ._wire import torch_dtype
-from .device import DevicePoolCache, DevicePoolHandle, gather_runs
+from .device import DevicePoolCache, DevicePoolHandle, PageGather, plan_gather
 from .ipc_events import EVENTS, Recorded
 from .results import Decoded
 
@@ -64,7 +64,7 @@ def pool_handle(pool: pb.PoolHandle) -> DevicePoolHandle:
 def decode_device_get(reply: pb.GetResponse, cache: DevicePoolCache) -> Decoded:
     """Tensors for a Get with a GPU uuid; each pool is opened once through ``cache``.
     Contiguous entries are views; the fragmented ones of a pool are gathered together
-    (one allocation and one launch: :func:`gather_runs`). The page ids of a batch are
+    (one upload and one launch: :func:`plan_gather`). The page ids of a batch are
     checked and cut into runs with numpy, and each tensor is made with one ``as_strided``,
     so the Python work per entry stays small."""
     pools = {p.pool_id: p for p in reply.pools}
@@ -105,25 +105,33 @@ def decode_device_get(reply: pb.GetResponse, cache: DevicePoolCache) -> Decoded:
         g.counts.append(len(g.pages) - before)
         g.items.append((len(out.tensors), result))
         out.tensors.append(None)  # filled below
-    if reply.HasField("event_handle") and opened:
-        # The copies may still run: this device's current stream waits for them on the
-        # GPU, before the gathers below and whatever the caller queues next.
-        device = next(iter(opened.values()))[0].device
-        try:
-            event = cache.ready_event(reply.event_handle, device)
-        except RuntimeError as exc:
-            raise EventOpenError(f"cannot open the reply's ready event: {exc}") from exc
-        torch.cuda.current_stream(device).wait_event(event)
-    for pool_id, g in gathers.items():
-        pool, page_bytes = opened[pool_id]
-        ids = np.asarray(g.pages, dtype=np.int64)
-        num_pages = pool.numel() // page_bytes if page_bytes > 0 else 0
-        if ids.size and (ids.min() < 0 or ids.max() >= num_pages):
-            bad = next(r for _, r in g.items if not _pages_inside(r, num_pages))
-            raise ValueError(f"reply for {bad.key!r} has a location outside the pool")
-        sizes = [r.meta.nbytes for _, r in g.items]
-        flat, starts = gather_runs(pool, page_bytes, ids, g.counts, sizes)
-        for (i, result), at in zip(g.items, starts, strict=True):
+    planned: list[tuple[_Gather, PageGather]] = []  # ids placed before the wait below
+    try:
+        for pool_id, g in gathers.items():
+            pool, page_bytes = opened[pool_id]
+            ids = np.asarray(g.pages, dtype=np.int64)
+            num_pages = pool.numel() // page_bytes if page_bytes > 0 else 0
+            if ids.size and (ids.min() < 0 or ids.max() >= num_pages):
+                bad = next(r for _, r in g.items if not _pages_inside(r, num_pages))
+                raise ValueError(f"reply for {bad.key!r} has a location outside the pool")
+            sizes = [r.meta.nbytes for _, r in g.items]
+            planned.append((g, plan_gather(pool, page_bytes, ids, g.counts, sizes)))
+        if reply.HasField("event_handle") and opened:
+            # The copies may still run: this device's current stream waits for them on the
+            # GPU, before the gathers below and whatever the caller queues next.
+            device = next(iter(opened.values()))[0].device
+            try:
+                event = cache.ready_event(reply.event_handle, device)
+            except RuntimeError as exc:
+                raise EventOpenError(f"cannot open the reply's ready event: {exc}") from exc
+            torch.cuda.current_stream(device).wait_event(event)
+    except BaseException:
+        for _, gather in planned:  # nothing will read their ids
+            gather.abandon()
+        raise
+    for g, gather in planned:
+        flat = gather.run()
+        for (i, result), at in zip(g.items, gather.offsets, strict=True):
             out.tensors[i] = _view(flat, at, result.meta, typed)
     return out
 

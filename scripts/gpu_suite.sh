@@ -47,7 +47,7 @@ for part in "${parts[@]}"; do
   echo "=== $part"
   case "$part" in
     kernels) run_tests kernels tests/kernels ;;
-    device) run_tests device tests/gpu/test_device_engine.py ;;
+    device) run_tests device tests/gpu/test_device_engine.py tests/gpu/test_uva_ids.py ;;
     grpc) [ -e tests/gpu/test_grpc_device.py ] && run_tests grpc tests/gpu/test_grpc_device.py ;;
     rest) run_tests rest tests/transport/test_http_gpu.py $(compgen -G "tests/gpu/test_rest*.py") ;;
     reliability) compgen -G "tests/gpu/test_soak*.py" >/dev/null && run_tests soak tests/gpu/test_soak*.py ;;

@@ -59,7 +59,7 @@ def test_a_batch_is_gathered_in_one_buffer_with_aligned_regions() -> None:
     )
 )
 @settings(max_examples=200, deadline=None)
-def test_gather_runs_matches_a_page_by_page_copy(raw: list[tuple[list[int], int]]) -> None:
+def test_gather_matches_a_page_by_page_copy(raw: list[tuple[list[int], int]]) -> None:
     from embcache.clients.device import gather_pages
 
     p = pool()
