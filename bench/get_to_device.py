@@ -4,7 +4,8 @@ A batch of 16 x 4 MiB entries stored in 256 KiB host pages, fragmented (every pa
 entry is its own run). Prints GB/s of cold get_to_device per backend, the resident-hit
 latency, put_from_device GB/s (one call per tensor, and a batch with
 put_from_device_many), and how much a concurrent 8192^3 bf16 GEMM slows down while
-cold batches stream in. JSON goes to bench/results/get_to_device.json (or --out-dir).
+cold batches stream in: in a process of its own (as a decoder's) and in this one. JSON
+goes to bench/results/get_to_device.json (or --out-dir).
 
     python bench/get_to_device.py [--reps 20]
 """
