@@ -327,6 +327,7 @@ class DevicePool:
 
     def close(self) -> None:
         self._resident.clear()
+        self._table_ops.clear()  # a flush scheduled before the close finds nothing to do
         if self.slab is not None:
             self.slab.close()
 

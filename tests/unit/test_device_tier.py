@@ -372,3 +372,16 @@ def test_deferred_table_updates_net_out(
             check_tables(engine)
     engine.flush_device_tables(0)
     check_tables(engine)
+
+
+def test_a_flush_after_close_does_nothing(engine: CacheEngine) -> None:
+    """The gRPC plane flushes a little after its gets; one that fires after the engine
+    closed finds nothing queued."""
+    engine.put("k", blob(DEV_PAGE, 1))
+    engine.start_get_to_device(["k"], "dec", defer_tables=True).wait()
+    pool = engine.device_tier.pool(0)
+    assert pool.tables_pending
+    engine.close()
+    assert not pool.tables_pending
+    engine.flush_device_tables(0)
+    assert set(pool.v2p.tolist()) == {-1}
