@@ -190,9 +190,7 @@ class AsyncEmbCacheClient(AsyncPlainCalls):
                 reply = await self._put_batch(batch)
                 if reply is None:
                     break
-                batch.returned()
-                for i, r in zip(batch.positions, reply.results, strict=True):
-                    out[i] = r.created
+                batch.returned(reply, out)
         return [
             bool(c) if c is not None else await self.put(k, t, checksum=checksum)
             for (k, t), c in zip(pairs, out, strict=True)
@@ -222,8 +220,7 @@ class AsyncEmbCacheClient(AsyncPlainCalls):
                 session=True,
             )
         except DeviceUnavailable as exc:
-            log.info("daemon cannot read this GPU's memory (%s); streaming bytes", exc)
-            self._device_puts = False
+            dp.falls_back(self, exc)  # streams bytes from now on
             return None
         exported.returned()  # the daemon has copied: its event may be reused
         return bool(reply.created)

@@ -66,10 +66,13 @@ class Batch:
     request: pb.PutFromDeviceBatchRequest
     keep: list[dr.Exported]
 
-    def returned(self) -> None:
-        """The call succeeded: its events may be reused."""
+    def returned(self, reply: pb.PutFromDeviceBatchResponse, created: list[bool | None]) -> None:
+        """The call succeeded: its events may be reused; each item's outcome goes to its
+        input position in ``created``."""
         for e in self.keep:
             e.returned()
+        for i, r in zip(self.positions, reply.results, strict=True):
+            created[i] = r.created
 
 
 def batches(items: Sequence[tuple[int, str, Any]]) -> list[Batch] | None:

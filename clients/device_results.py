@@ -16,7 +16,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from ..proto.embcache.v1 import embcache_pb2 as pb
@@ -109,13 +108,15 @@ def decode_device_get(reply: pb.GetResponse, cache: DevicePoolCache) -> Decoded:
     try:
         for pool_id, g in gathers.items():
             pool, page_bytes = opened[pool_id]
-            ids = np.asarray(g.pages, dtype=np.int64)
-            num_pages = pool.numel() // page_bytes if page_bytes > 0 else 0
-            if ids.size and (ids.min() < 0 or ids.max() >= num_pages):
-                bad = next(r for _, r in g.items if not _pages_inside(r, num_pages))
-                raise ValueError(f"reply for {bad.key!r} has a location outside the pool")
             sizes = [r.meta.nbytes for _, r in g.items]
-            planned.append((g, plan_gather(pool, page_bytes, ids, g.counts, sizes)))
+            try:
+                planned.append((g, plan_gather(pool, page_bytes, g.pages, g.counts, sizes)))
+            except ValueError:  # a page outside the pool: name the entry
+                num_pages = pool.numel() // page_bytes if page_bytes > 0 else 0
+                bad = next((r for _, r in g.items if not _pages_inside(r, num_pages)), None)
+                if bad is None:
+                    raise
+                raise ValueError(f"reply for {bad.key!r} has a location outside the pool") from None
         if reply.HasField("event_handle") and opened:
             # The copies may still run: this device's current stream waits for them on the
             # GPU, before the gathers below and whatever the caller queues next.

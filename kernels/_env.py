@@ -26,3 +26,9 @@ def on_device(index: int) -> contextlib.AbstractContextManager[object]:
     if torch.cuda.current_device() == index:
         return contextlib.nullcontext()
     return torch.cuda.device(index)
+
+
+def on_tensor_device(t: torch.Tensor) -> contextlib.AbstractContextManager[object]:
+    """:func:`on_device` for a tensor's GPU (Triton launches on the current device); nothing
+    for a CPU tensor."""
+    return on_device(t.get_device()) if t.is_cuda else contextlib.nullcontext()

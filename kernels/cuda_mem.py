@@ -123,16 +123,21 @@ def _on_device(device: int) -> Iterator[None]:
             rt.cudaSetDevice(prev)
 
 
+@functools.cache
 def gpu_uuid(device: int) -> str:
-    """``GPU-xxxxxxxx-...``, the name nvidia-smi prints for the device."""
+    """``GPU-xxxxxxxx-...``, the name nvidia-smi prints for the device. Asked on every
+    device get and put, and a process's GPUs never change: computed once per device."""
     return "GPU-" + str(torch.cuda.get_device_properties(device).uuid)
 
 
+@functools.cache
+def _indexes() -> dict[str, int]:
+    return {gpu_uuid(i): i for i in range(torch.cuda.device_count())}
+
+
 def device_by_uuid(uuid: str) -> int | None:
-    for i in range(torch.cuda.device_count()):
-        if gpu_uuid(i) == uuid:
-            return i
-    return None
+    """The index of the visible GPU named ``uuid``, or None."""
+    return _indexes().get(uuid)
 
 
 class _CudaArray:

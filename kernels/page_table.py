@@ -8,11 +8,9 @@ under the interpreter when ``TRITON_INTERPRET=1``, else the reference; there, id
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from embcache.kernels._env import use_kernel
+from embcache.kernels._env import on_tensor_device, use_kernel
 
 _BLOCK = 1024
 
@@ -120,7 +118,7 @@ def alloc_bind_inplace(
     from embcache.kernels import _triton_tables as tt
 
     ptr = first_page if from_ptr else v2p  # unused pointer when the int is passed
-    with _on_device(v2p):
+    with on_tensor_device(v2p):
         tt.alloc_bind_kernel[_grid(n)](
             vpages, ptr, first_int, v2p, p2v, n, v2p.numel(), p2v.numel(),
             FIRST_FROM_PTR=from_ptr, BLOCK=_BLOCK,
@@ -144,7 +142,7 @@ def bind_inplace(
         return
     from embcache.kernels import _triton_tables as tt
 
-    with _on_device(v2p):
+    with on_tensor_device(v2p):
         tt.bind_kernel[_grid(n)](vpages, pages, v2p, p2v, n, v2p.numel(), p2v.numel(), BLOCK=_BLOCK)
 
 
@@ -172,15 +170,8 @@ def free_unbind_inplace(
         return out
     from embcache.kernels import _triton_tables as tt
 
-    with _on_device(v2p):
+    with on_tensor_device(v2p):
         tt.free_unbind_kernel[_grid(n)](
             vpages, v2p, p2v, out, n, v2p.numel(), p2v.numel(), BLOCK=_BLOCK
         )
     return out
-
-
-def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager[object]:
-    """Launch on the tensor's GPU (Triton launches on the current device)."""
-    if t.device.type == "cuda":
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()

@@ -10,11 +10,9 @@ for short entries.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from embcache.kernels._env import use_kernel
+from embcache.kernels._env import on_tensor_device, use_kernel
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -96,10 +94,7 @@ def build_read_table(
     from embcache.kernels import _triton_tables as tt
 
     col_blocks = min(-(-target_blocks // bs), -(-max_cols // block_cols))
-    on_device = (
-        torch.cuda.device(out.device) if out.device.type == "cuda" else contextlib.nullcontext()
-    )
-    with on_device:
+    with on_tensor_device(out):
         tt.read_table_kernel[(bs, col_blocks)](
             vpage_table, vpage_table.stride(0), vpage_table.shape[0], rows, lengths,
             v2p, v2p.numel(), out, out.stride(0), max_cols, page_size, BLOCK_COLS=block_cols,

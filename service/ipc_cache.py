@@ -70,7 +70,6 @@ class CudaIpc:
 
     def __init__(self, cuda_in_use: bool) -> None:
         self._cuda = cuda_in_use
-        self._indexes: dict[str, int | None] = {}  # GPUs do not change under a process
 
     def available(self) -> bool:
         return self._cuda and torch.cuda.is_available()
@@ -78,11 +77,7 @@ class CudaIpc:
     def gpu_index(self, gpu_uuid: str) -> int | None:
         from embcache.kernels import cuda_mem
 
-        if gpu_uuid not in self._indexes:
-            if len(self._indexes) > 1024:  # a client sending made-up uuids
-                self._indexes.clear()
-            self._indexes[gpu_uuid] = cuda_mem.device_by_uuid(gpu_uuid)
-        return self._indexes[gpu_uuid]
+        return cuda_mem.device_by_uuid(gpu_uuid)
 
     def open(self, handle: bytes, device: int, alloc_size: int) -> Mapping:
         from embcache.kernels import cuda_ipc, cuda_mem

@@ -92,8 +92,8 @@ def pool_handle_of(desc: PoolDesc) -> pb.PoolHandle:
 # queuing fell from 0.68 to 0.45 ms against a thread hand-off) and other callbacks still
 # run between polls.
 SPIN_S = 0.01
-FLUSH_EVERY_S = 0.003  # at most one page-table flush per pool this often (_flush_later)
 SPIN_RATE = 20e9  # bytes/s assumed for that estimate (below a host->device copy's rate)
+FLUSH_EVERY_S = 0.003  # at most one page-table flush per pool this often (_flush_later)
 
 
 async def wait_copies(pending: PendingGet) -> None:

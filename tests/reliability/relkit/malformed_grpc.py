@@ -442,32 +442,24 @@ def _(draw: Draw) -> Case:
 
 
 # -- device RPCs on a daemon without CUDA, routing -----------------------------------------
+def _ipc_tensor(draw: Draw) -> pb.CudaIpcTensor:
+    """A well-formed description of 8 bytes on a GPU this daemon does not have."""
+    handle = draw(st.binary(min_size=64, max_size=64))
+    return pb.CudaIpcTensor(
+        gpu_uuid="GPU-x", ipc_handle=handle, dtype="uint8", shape=[8], alloc_size=8
+    )
+
+
 @kind("grpc/PutFromDevice/on_cpu_daemon")
 def _(draw: Draw) -> Case:
-    t = pb.CudaIpcTensor(
-        gpu_uuid="GPU-x",
-        ipc_handle=draw(st.binary(min_size=64, max_size=64)),
-        dtype="uint8",
-        shape=[8],
-        alloc_size=8,
-    )
-    msg = pb.PutFromDeviceRequest(key="m-" + draw(keys()), tensor=t)
+    msg = pb.PutFromDeviceRequest(key="m-" + draw(keys()), tensor=_ipc_tensor(draw))
     return Case("PutFromDevice", [msg.SerializeToString()], C.FAILED_PRECONDITION)
 
 
 @kind("grpc/PutFromDeviceBatch/on_cpu_daemon")
 def _(draw: Draw) -> Case:
     items = [
-        pb.PutFromDeviceRequest(
-            key=f"m-{i}-" + draw(keys()),
-            tensor=pb.CudaIpcTensor(
-                gpu_uuid="GPU-x",
-                ipc_handle=draw(st.binary(min_size=64, max_size=64)),
-                dtype="uint8",
-                shape=[8],
-                alloc_size=8,
-            ),
-        )
+        pb.PutFromDeviceRequest(key=f"m-{i}-" + draw(keys()), tensor=_ipc_tensor(draw))
         for i in range(draw(st.integers(0, 3)))
     ]
     msg = pb.PutFromDeviceBatchRequest(items=items)
