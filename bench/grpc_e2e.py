@@ -219,28 +219,35 @@ def copy_engine_gbs(nbytes: int, reps: int = 10) -> float:
     return nbytes / statistics.median(times[2:]) / 1e9
 
 
-def two_in_flight(
-    client: EmbCacheClient, entry: int, rounds: int, daemon_pid: int, batches: int = 8
+def in_flight(
+    client: EmbCacheClient,
+    entry: int,
+    rounds: int,
+    daemon_pid: int,
+    threads: int,
+    batches: int = 12,
 ) -> tuple[float, dict[str, float]]:
-    """GB/s of cold fragmented 16 x 4 MiB gets with two batches in flight (a decoder that
-    fetches the next request's embeddings while it uses the current ones): ``batches``
-    batches through two threads sharing the client; median over ``rounds``. Also the cores
-    the client and the daemon used while the batches ran (all rounds; see CpuMeter): which
-    side's Python is saturated (docs/grpc.md, "What 70% of the copy engine would take")."""
+    """GB/s of cold fragmented 16 x 4 MiB gets with ``threads`` batches in flight (a decoder
+    that fetches the next requests' embeddings while it uses the current ones): ``batches``
+    batches through ``threads`` threads sharing the client; median over ``rounds``. Also the
+    cores the client and the daemon used while the batches ran (all rounds; see CpuMeter):
+    which side's Python is saturated (docs/grpc.md, "What 70% of the copy engine would take")."""
     rates = []
     cpu: dict[str, list[float]] = {}
+    src = torch.empty(entry, dtype=torch.uint8, device="cuda")
     for r in range(rounds):
-        keys = [[f"pipe-{r}-{b}-{i}" for i in range(16)] for b in range(batches)]
-        for b, batch in enumerate(keys):
-            for key in batch:
-                client.put(key, torch.full((entry,), b, dtype=torch.uint8))
+        keys = [[f"pipe-{threads}-{r}-{b}-{i}" for i in range(16)] for b in range(batches)]
+        for b, batch in enumerate(keys):  # device puts: quick to fill, host tier only
+            src.fill_(b)
+            torch.cuda.current_stream().synchronize()
+            client.put_many(dict.fromkeys(batch, src))
 
         def fetch(batch: list[str]) -> None:
             leased = client.get(batch, device="cuda")
             torch.cuda.current_stream().synchronize()
             leased.release()
 
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             with CpuMeter({"client": os.getpid(), "daemon": daemon_pid}) as meter:
                 t0 = time.perf_counter()
                 list(pool.map(fetch, keys))
@@ -305,9 +312,10 @@ def device_gets(target: str, iters: int, rounds: int, daemon_pid: int) -> dict[s
             leased.release()
             client.evict(batch)  # every round meets the same holes (none is filled up)
         session.serves_calls = client._ready_events = True
-        two, cores = two_in_flight(client, entry, rounds, daemon_pid)
-        out["get_device_16x4MiB_frag_2inflight_gbs"] = two
-        out["get_device_16x4MiB_frag_2inflight_cores"] = cores
+        for threads in (2, 3, 4):
+            gbs, cores = in_flight(client, entry, rounds, daemon_pid, threads)
+            out[f"get_device_16x4MiB_frag_{threads}inflight_gbs"] = gbs
+            out[f"get_device_16x4MiB_frag_{threads}inflight_cores"] = cores
         out["get_device_16x4MiB_frag_gbs"] = statistics.median(rates[True])
         out["get_device_16x4MiB_frag_rpc_gbs"] = statistics.median(rates[False])
         out["largest_free_device_run_pages"] = largest
@@ -462,19 +470,18 @@ def main() -> None:
             f"put_many call {gpu['put_from_device_batch_16x4MiB_gbs']:.1f} GB/s "
             f"({no_poll['put_from_device_batch_16x4MiB_gbs']:.1f})"
         )
-        two = gpu["get_device_16x4MiB_frag_2inflight_gbs"]
-        print(
-            f"16 x 4 MiB frag with two batches in flight (two threads, one client): {two:.1f} GB/s"
-            f", ratio {two / gpu['copy_engine_64MiB_gbs']:.2f} "
-            f"({no_poll['get_device_16x4MiB_frag_2inflight_gbs']:.1f} GB/s without busy polling)"
-        )
-        for label, res in (("", gpu), (" without busy polling", no_poll)):
-            c = res["get_device_16x4MiB_frag_2inflight_cores"]
-            print(
-                f"  cores used meanwhile{label}: client {c['client']:.2f} (busiest thread "
-                f"{c['client_busiest_thread']:.2f}), daemon {c['daemon']:.2f} (busiest thread "
-                f"{c['daemon_busiest_thread']:.2f})"
-            )
+        ce = gpu["copy_engine_64MiB_gbs"]
+        print("16 x 4 MiB frag with N batches in flight (N threads, one client); cores used")
+        print("meanwhile: client (busiest thread) / daemon (busiest thread)")
+        for label, res in (("", gpu), (", no poll", no_poll)):
+            for n in (2, 3, 4):
+                gbs = res[f"get_device_16x4MiB_frag_{n}inflight_gbs"]
+                c = res[f"get_device_16x4MiB_frag_{n}inflight_cores"]
+                print(
+                    f"  N={n}{label}: {gbs:.1f} GB/s, ratio {gbs / ce:.2f}; cores "
+                    f"{c['client']:.2f} ({c['client_busiest_thread']:.2f}) / "
+                    f"{c['daemon']:.2f} ({c['daemon_busiest_thread']:.2f})"
+                )
     out = args.out_dir / RESULTS.name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
