@@ -22,6 +22,7 @@ from typing import Any
 
 import uvicorn
 
+from . import mps
 from .config import Settings
 from .engine import CacheEngine
 from .fd_server import FdServer
@@ -159,6 +160,7 @@ class Daemon:
 
     def _announce(self, grpc_service: Any, http_port: int, engine: CacheEngine) -> None:
         ports = list(getattr(grpc_service, "ports", []) or [])
+        pipe = mps.control_pipe()
         ready = {
             "event": "ready",
             "grpc_port": ports[0] if ports else None,
@@ -170,10 +172,17 @@ class Daemon:
             "ipc_socket": str(self.settings.effective_ipc_socket)
             if any(p.ipc_mode == "fd" for p in engine.device_tier.pools)
             else None,
+            "mps_control": str(pipe) if pipe else None,
         }
         sys.stdout.write(json.dumps(ready) + "\n")
         sys.stdout.flush()
         log.info("ready: %s", ready)
+        if engine.device_tier.pools and pipe is None:
+            log.warning(
+                "no MPS control daemon (CUDA_MPS_PIPE_DIRECTORY): decoders' kernels on these "
+                "GPUs time-slice with this daemon's copies and table updates; run both under "
+                "MPS (docs/deploy.md, MPS)"
+            )
 
 
 def serve(settings: Settings) -> int:

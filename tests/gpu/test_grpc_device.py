@@ -53,6 +53,9 @@ def daemon(request: pytest.FixtureRequest) -> Iterator[Daemon]:
             ready = child.ready
             assert ready["device_pools"], ready
             assert (ready["ipc_socket"] is not None) == (mode == "fd"), ready
+            # scripts/gpu_suite.sh grpc-mps runs these tests under an MPS control daemon
+            if os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
+                assert ready["mps_control"] is not None, ready
             yield Daemon(child.proc, f"unix:{sock}", ready, mode)
         finally:
             assert child.stop(timeout=30) == 0
