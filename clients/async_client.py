@@ -39,7 +39,7 @@ from .errors import (
 )
 from .plain_calls import AsyncPlainCalls
 from .results import AsyncLeasedTensors, copy_into, decode_get
-from .sessions import AsyncSession, SessionLost, retry_step
+from .sessions import AsyncSession, SessionLost, retry_step, serves
 from .shm import process_pool_maps
 
 T = TypeVar("T")
@@ -112,24 +112,31 @@ class AsyncEmbCacheClient(AsyncPlainCalls):
             return self._session
 
     async def _get_call(self, request: pb.GetRequest) -> pb.GetResponse:
-        """A Get on the session stream when the daemon serves calls there, else the RPC
-        (see ``EmbCacheClient._get_call``)."""
+        """A Get in this client's session (see ``EmbCacheClient._session_call``)."""
+        return await self._session_call(
+            "get", request, lambda md, to: self._stub.Get(request, timeout=to, metadata=md)
+        )
+
+    async def _session_call(
+        self, kind: str, request: Any, rpc: Callable[[Any, float], Awaitable[T]]
+    ) -> T:
+        """``request`` as a ``kind`` call on the session stream when the daemon serves those
+        there, else the RPC (``EmbCacheClient._session_call``)."""
         attempt = 0
         while True:
             session = await self._open_session()
-            if not session.serves_calls:
-                return await self._call(
-                    lambda md, to: self._stub.Get(request, timeout=to, metadata=md), session=True
-                )
+            if not serves(session, kind):
+                return await self._call(rpc, session=True)
             try:
-                result = await session.call(self.timeout, get=request)
+                result = await session.call(self.timeout, **{kind: request})
             except SessionLost:
                 if attempt >= self.retries:
                     raise
                 attempt += 1
                 continue
-            if result.WhichOneof("outcome") == "get":
-                return result.get
+            if result.WhichOneof("outcome") == kind:
+                reply: T = getattr(result, kind)
+                return reply
             if retry_step(result, attempt, self.retries) == "new_session":
                 await self._drop_session()  # the daemon forgot it: start a new one
             else:
@@ -198,11 +205,12 @@ class AsyncEmbCacheClient(AsyncPlainCalls):
 
     async def _put_batch(self, batch: dp.Batch) -> pb.PutFromDeviceBatchResponse | None:
         try:
-            return await self._call(
+            return await self._session_call(
+                "put_from_device_batch",
+                batch.request,
                 lambda md, to: self._stub.PutFromDeviceBatch(
                     batch.request, timeout=to, metadata=md
                 ),
-                session=True,
             )
         except (DeviceUnavailable, RpcFailed) as exc:
             if not dp.falls_back(self, exc):
@@ -215,9 +223,10 @@ class AsyncEmbCacheClient(AsyncPlainCalls):
             return None
         request = pb.PutFromDeviceRequest(key=key, tensor=exported.message)
         try:
-            reply = await self._call(
+            reply = await self._session_call(
+                "put_from_device",
+                request,
                 lambda md, to: self._stub.PutFromDevice(request, timeout=to, metadata=md),
-                session=True,
             )
         except DeviceUnavailable as exc:
             dp.falls_back(self, exc)  # streams bytes from now on

@@ -37,6 +37,13 @@ class SessionLost(RpcFailed):
         super().__init__(message, "UNAVAILABLE")
 
 
+def serves(session: Session | AsyncSession, kind: str) -> bool:
+    """Whether the daemon behind ``session`` runs calls of ``kind`` on the stream."""
+    if kind in ("put_from_device", "put_from_device_batch"):
+        return session.serves_calls and session.serves_device_puts
+    return session.serves_calls
+
+
 def retry_step(result: pb.SessionResult, attempt: int, retries: int) -> str:
     """After a session call that failed: ``"new_session"`` (the daemon forgot the session)
     or ``"backoff"`` (UNAVAILABLE) while ``attempt < retries``; otherwise raise its typed
@@ -65,6 +72,7 @@ class Session:
         self._opened = threading.Event()
         self.session_id: str | None = None
         self.serves_calls = False  # the daemon runs SessionCall (it said so when opening)
+        self.serves_device_puts = False  # ... including the device puts
         self.error: BaseException | None = None
         self.alive = True
         self._ids = itertools.count(1)
@@ -94,6 +102,7 @@ class Session:
                 elif kind == "opened":
                     self.session_id = msg.opened.session_id
                     self.serves_calls = msg.opened.calls
+                    self.serves_device_puts = msg.opened.device_puts
                     self._opened.set()
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.CANCELLED:
@@ -120,7 +129,8 @@ class Session:
                 self._queue.put(pb.SessionRequest(call=pb.SessionCall(release=release)))
 
     def call(self, timeout: float, **request: Any) -> pb.SessionResult:
-        """Send ``get=`` or ``release=`` on the stream and wait for its result.
+        """Send a call (``get=``, ``release=``, ``put_from_device=``...) on the stream and
+        wait for its result.
         RpcFailed(DEADLINE_EXCEEDED) after ``timeout``; SessionLost if the stream ends."""
         call_id = next(self._ids)
         waiter = _Waiter()
@@ -151,6 +161,7 @@ class AsyncSession:
         self._call = call
         self.session_id: str | None = None
         self.serves_calls = False
+        self.serves_device_puts = False
         self._reader: asyncio.Task[None] | None = None
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[pb.SessionResult]] = {}
@@ -173,6 +184,7 @@ class AsyncSession:
             raise RpcFailed("the Session stream ended at once", "UNAVAILABLE")
         session.session_id = first.opened.session_id
         session.serves_calls = first.opened.calls
+        session.serves_device_puts = first.opened.device_puts
         session._reader = asyncio.get_running_loop().create_task(session._drain())
         return session
 
@@ -204,7 +216,8 @@ class AsyncSession:
             await self._call.write(msg)
 
     async def call(self, timeout: float, **request: Any) -> pb.SessionResult:
-        """Send ``get=`` or ``release=`` on the stream and wait for its result."""
+        """Send a call (``get=``, ``release=``, ``put_from_device=``...) on the stream and
+        wait for its result."""
         if not self.alive:
             raise SessionLost("the Session stream has ended")
         call_id = next(self._ids)

@@ -44,7 +44,7 @@ from .errors import (
 )
 from .plain_calls import PlainCalls
 from .results import LeasedTensors, copy_into, decode_get
-from .sessions import Session, SessionLost, retry_step
+from .sessions import Session, SessionLost, retry_step, serves
 from .shm import process_pool_maps
 
 T = TypeVar("T")
@@ -104,26 +104,31 @@ class EmbCacheClient(PlainCalls):
             return self._session
 
     def _get_call(self, request: pb.GetRequest) -> pb.GetResponse:
-        """A Get whose leases belong to this client's session: carried on the session
-        stream when the daemon serves calls there (half the latency of an RPC), else the
-        Get RPC. Retried like an RPC: on UNAVAILABLE, and once on a new session if the
-        stream ended (its leases ended with it)."""
+        """A Get whose leases belong to this client's session (see :meth:`_session_call`)."""
+        return self._session_call(
+            "get", request, lambda md, to: self._stub.Get(request, timeout=to, metadata=md)
+        )
+
+    def _session_call(self, kind: str, request: Any, rpc: Callable[[Any, float], T]) -> T:
+        """``request`` as a ``kind`` call on the session stream when the daemon serves those
+        there (half the latency of an RPC), else the RPC ``rpc(metadata, timeout)`` in the
+        session. Retried like an RPC: on UNAVAILABLE, and once on a new session if the
+        stream ended (a Get's leases ended with it; a put is idempotent)."""
         attempt = 0
         while True:
             session = self._open_session()
-            if not session.serves_calls:
-                return self._call(
-                    lambda md, to: self._stub.Get(request, timeout=to, metadata=md), session=True
-                )
+            if not serves(session, kind):
+                return self._call(rpc, session=True)
             try:
-                result = session.call(self.timeout, get=request)
+                result = session.call(self.timeout, **{kind: request})
             except SessionLost:
                 if attempt >= self.retries:
                     raise
                 attempt += 1
                 continue
-            if result.WhichOneof("outcome") == "get":
-                return result.get
+            if result.WhichOneof("outcome") == kind:
+                reply: T = getattr(result, kind)
+                return reply
             if retry_step(result, attempt, self.retries) == "new_session":
                 self._drop_session()  # the daemon forgot it: start a new one
             else:
@@ -198,11 +203,12 @@ class EmbCacheClient(PlainCalls):
 
     def _put_batch(self, batch: dp.Batch) -> pb.PutFromDeviceBatchResponse | None:
         try:
-            return self._call(
+            return self._session_call(
+                "put_from_device_batch",
+                batch.request,
                 lambda md, to: self._stub.PutFromDeviceBatch(
                     batch.request, timeout=to, metadata=md
                 ),
-                session=True,
             )
         except (DeviceUnavailable, RpcFailed) as exc:
             if not dp.falls_back(self, exc):
@@ -215,9 +221,10 @@ class EmbCacheClient(PlainCalls):
             return None
         request = pb.PutFromDeviceRequest(key=key, tensor=exported.message)
         try:
-            reply = self._call(
+            reply = self._session_call(
+                "put_from_device",
+                request,
                 lambda md, to: self._stub.PutFromDevice(request, timeout=to, metadata=md),
-                session=True,
             )
         except DeviceUnavailable as exc:
             dp.falls_back(self, exc)  # streams bytes from now on

@@ -24,6 +24,7 @@ from .device_routing import PeerRates
 from .errors import DeviceUnavailable, PoolExhausted
 from .leases import Lease
 from .pending_get import DeviceLease, PendingGet
+from .pending_put import PendingPut, start_puts
 from .ready_events import ReadyEvents
 
 T = TypeVar("T")
@@ -255,7 +256,7 @@ class DeviceTier:
                 if not _take_out_of_service(pool, exc):
                     raise
 
-    # -- copies for clients (device_io.py) -------------------------------------------------
+    # -- copies for clients (device_io.py, pending_put.py) ---------------------------------
     def get_into(
         self,
         keys: Sequence[str],
@@ -272,7 +273,7 @@ class DeviceTier:
         self, key: str, src: torch.Tensor, owner: str, checksum: int | None
     ) -> bool:
         """Copy a device tensor into a new entry; returns once the bytes are in the pool."""
-        return device_io.put_from_device(self, key, src, owner, checksum)
+        return self.start_puts([(key, src)], owner, [checksum]).finish()[0]
 
     def put_from_device_many(
         self,
@@ -281,7 +282,16 @@ class DeviceTier:
         checksums: Sequence[int | None] | None = None,
     ) -> list[bool]:
         """Copy several device tensors into new entries, waiting once for all the copies."""
-        return device_io.put_from_device_many(self, items, owner, checksums)
+        return self.start_puts(items, owner, checksums).finish()
+
+    def start_puts(
+        self,
+        items: Sequence[tuple[str, torch.Tensor]],
+        owner: str,
+        checksums: Sequence[int | None] | None = None,
+    ) -> PendingPut:
+        """:meth:`put_from_device_many` without waiting: copies queued (``pending_put.py``)."""
+        return start_puts(self, items, owner, checksums)
 
     # -- plumbing ------------------------------------------------------------------------
     def _transfer(

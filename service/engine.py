@@ -32,6 +32,7 @@ from .errors import (
 )
 from .host_pool import HostPool
 from .leases import Lease, LeaseTable
+from .pending_put import PendingPut
 from .stats import EngineStats, EntryInfo
 
 log = logging.getLogger(__name__)
@@ -218,6 +219,19 @@ class CacheEngine(PutOps, LeaseOps, EvictOps):
         ``checksums``: a CRC32 or None per item. All or nothing: an error (a checksum
         mismatch included) leaves none of the batch visible."""
         return self.device_tier.put_from_device_many(items, owner, checksums)
+
+    def start_put_from_device_many(
+        self,
+        items: Sequence[tuple[str, torch.Tensor]],
+        *,
+        owner: str = "local",
+        checksums: Sequence[int | None] | None = None,
+    ) -> PendingPut:
+        """:meth:`put_from_device_many` without waiting for the copies, for callers that
+        wait their own way (an event loop): ``pending.finish()`` once ``pending.done()``
+        commits the batch, ``pending.abort()`` gives it up. The tensors must stay readable
+        until then."""
+        return self.device_tier.start_puts(items, owner, checksums)
 
     def prefetch(self, keys: Sequence[str], *, device: int | None = None) -> dict[str, int]:
         """Warm the local tiers: fetch missing keys from the shared tier (if any) and, with

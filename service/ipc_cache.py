@@ -25,7 +25,7 @@ import contextlib
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -54,6 +54,7 @@ class IpcEvent(Protocol):
     """An opened interprocess event (``torch.cuda.Event`` on a GPU)."""
 
     def synchronize(self) -> None: ...
+    def query(self) -> bool: ...
 
 
 class IpcBackend(Protocol):
@@ -242,12 +243,22 @@ class IpcCache:
 
     def wait_event(self, owner: str, handle: bytes, device: int) -> None:
         """Block until the client's event ``handle`` (on GPU ``device``) has fired.
-        InvalidArgument when it cannot be opened or waited on.
+        InvalidArgument when it cannot be opened or waited on (see :meth:`event_fired`)."""
+        self._use_event(owner, handle, device, lambda event: event.synchronize())
+
+    def event_fired(self, owner: str, handle: bytes, device: int) -> bool:
+        """Whether the client's event ``handle`` has fired (never blocks). InvalidArgument
+        when it cannot be opened or queried.
 
         A session's events are opened once and kept until the session ends. A caller without
         a session (``anon:<peer>``, which many processes may share) gets its event opened
         each time: nothing would tell the daemon that the process behind a cached event died
         and another one now sends the same handle bytes."""
+        return bool(self._use_event(owner, handle, device, lambda event: event.query()))
+
+    def _use_event(
+        self, owner: str, handle: bytes, device: int, use: Callable[[IpcEvent], object]
+    ) -> object:
         key = (owner, bytes(handle), device)
         keep = not owner.startswith(ANON_PREFIX)
         with self._lock:
@@ -263,7 +274,7 @@ class IpcCache:
                     while len(self._events) > MAX_EVENTS:
                         self._events.popitem(last=False)
         try:
-            event.synchronize()
+            return use(event)
         except RuntimeError as exc:
             with self._lock:
                 self._events.pop(key, None)

@@ -28,6 +28,7 @@ from ..engine import CacheEngine
 from ..errors import DeviceUnavailable, InvalidArgument
 from ..ipc_cache import CudaIpc, IpcCache, check_ipc_handle
 from ..leases import Lease
+from ..pending_put import PendingPut
 from . import grpc_device_puts
 from .descriptors import HostShmPool, PoolDesc, describer_for
 from .grpc_sessions import UnknownSession
@@ -96,11 +97,11 @@ SPIN_RATE = 20e9  # bytes/s assumed for that estimate (below a host->device copy
 FLUSH_EVERY_S = 0.003  # at most one page-table flush per pool this often (_flush_later)
 
 
-async def wait_copies(pending: PendingGet) -> None:
-    """Wait for a get's copies without blocking the loop. A short copy (the common case: a
-    few MiB, well under a millisecond) is polled between other callbacks, which answers
-    sooner than a thread hand-off; a long one (over ``SPIN_S``) is waited for in a worker
-    thread."""
+async def wait_copies(pending: PendingGet | PendingPut) -> None:
+    """Wait for a get's (or a put's) copies without blocking the loop. A short copy (the
+    common case: a few MiB, well under a millisecond) is polled between other callbacks,
+    which answers sooner than a thread hand-off; a long one (over ``SPIN_S``) is waited for
+    in a worker thread."""
     if pending.done():
         return
     if pending.loaded_bytes / SPIN_RATE < SPIN_S:

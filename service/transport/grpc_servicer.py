@@ -257,7 +257,14 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
                 await context.write(msg)
 
         calls = SessionCalls(
-            session_id, send, self._get, self._release, self.metrics, on_call=self.busy.poke
+            session_id,
+            send,
+            self._get,
+            self._release,
+            self.metrics,
+            put=self.device.put_from_device,
+            put_batch=self.device.put_from_device_batch,
+            on_call=self.busy.poke,
         )
         try:
             opened = pb.SessionOpened(
@@ -265,6 +272,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
                 lease_ttl_s=self.settings.lease_ttl_s,
                 daemon_version=_version(),
                 calls=True,
+                device_puts=True,
             )
             await send(pb.SessionResponse(opened=opened))
             async for msg in request_iterator:

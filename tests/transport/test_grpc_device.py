@@ -31,6 +31,7 @@ from embcache.clients import (
 )
 from embcache.clients import device as client_device
 from embcache.clients import device_results as dr
+from embcache.clients.sessions import AsyncSession, Session
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
 from embcache.service.config import Settings
@@ -67,6 +68,10 @@ class FakeEvent:
 
     def synchronize(self) -> None:
         self.waits.append(self.handle)
+
+    def query(self) -> bool:  # the daemon polls first: fired at once here
+        self.waits.append(self.handle)
+        return True
 
 
 class FakeRecorded:
@@ -523,6 +528,7 @@ def test_client_put_many(dev_server: Server, monkeypatch, use_async: bool) -> No
 
     monkeypatch.setattr(plane, "put_from_device_batch", counting)
     target = f"unix:{service.socket_path}"
+    kinds = session_calls(monkeypatch)
 
     def put_twice() -> tuple[list[bool], list[bool]]:
         if not use_async:
@@ -538,6 +544,7 @@ def test_client_put_many(dev_server: Server, monkeypatch, use_async: bool) -> No
     first, again = put_twice()
     assert first == [True] * 4 and again == [False] * 4
     assert batches == [2, 1, 2, 1]  # the host tensor was streamed, not batched
+    assert kinds == ["put_from_device_batch"] * 4  # on the session stream, not as RPCs
     # one event per batch, waited on once per call; both given back and reused next time
     assert len(fake.events) == 4 and len(fake.made_events) == 2
     assert len(fake.event_opens) == 2  # the daemon opened each once (one session)
@@ -545,6 +552,51 @@ def test_client_put_many(dev_server: Server, monkeypatch, use_async: bool) -> No
         (lease,) = engine.get([key], "t")
         assert lease is not None and torch.equal(engine.tensor(lease), src)
     engine.drop_owner("t")
+
+
+def session_calls(monkeypatch) -> list[str]:  # type: ignore[no-untyped-def]
+    """The kinds of the session calls the clients (sync and async) send from now on."""
+    kinds: list[str] = []
+    sync_call, async_call = Session.call, AsyncSession.call
+
+    def call(self, timeout, **request):  # type: ignore[no-untyped-def]
+        kinds.extend(request)
+        return sync_call(self, timeout, **request)
+
+    async def acall(self, timeout, **request):  # type: ignore[no-untyped-def]
+        kinds.extend(request)
+        return await async_call(self, timeout, **request)
+
+    monkeypatch.setattr(Session, "call", call)
+    monkeypatch.setattr(AsyncSession, "call", acall)
+    return kinds
+
+
+@pytest.mark.parametrize("session_puts", [True, False])
+def test_client_put_of_a_device_tensor(dev_server: Server, monkeypatch, session_puts) -> None:
+    """One PutFromDevice per CUDA tensor: on the session stream, or as an RPC where the
+    daemon does not take puts there (one from before they could)."""
+    engine, service, fake = dev_server
+    src = blob(3 * PAGE + 11, 5)
+    fake_cuda_puts(monkeypatch, fake, {id(src)})
+    plane = service.servicer.device
+    calls: list[str] = []
+    real = plane.put_from_device
+
+    async def counting(request, owner):  # type: ignore[no-untyped-def]
+        calls.append(request.key)
+        return await real(request, owner)
+
+    monkeypatch.setattr(plane, "put_from_device", counting)
+    kinds = session_calls(monkeypatch)
+    with EmbCacheClient(f"unix:{service.socket_path}", timeout=10) as client:
+        client._open_session().serves_device_puts = session_puts
+        assert client.put("one", src) is True and client.put("one", src) is False
+        with client.get(["one"]) as [got]:
+            assert got is not None and torch.equal(got, src)
+    assert calls == ["one", "one"]  # both reached the daemon's device put
+    assert kinds == ["put_from_device"] * 2 * session_puts + ["get", "release"]
+    assert engine.stats().entries_filling == 0
 
 
 def test_client_put_many_streams_when_the_daemon_cannot_read_the_gpu(

@@ -35,6 +35,10 @@ class Event:
     def synchronize(self) -> None:
         self.waits += 1
 
+    def query(self) -> bool:
+        self.waits += 1
+        return True
+
 
 class Backend:
     def __init__(self) -> None:
