@@ -322,14 +322,17 @@ def device_gets(target: str, iters: int, rounds: int, daemon_pid: int) -> dict[s
         src = [torch.full((entry,), i, dtype=torch.uint8, device="cuda") for i in range(16)]
         client.put("pfd-warm", src[0])
         client.put_many({"pfdb-warm": src[0]})
-        one, many = [], []
+        one, one_rpc, many = [], [], []
         for r in range(5):  # each round puts new keys, then evicts them
-            keys = [f"pfd-{r}-{i}" for i in range(16)]
-            t0 = time.perf_counter()
-            for key, t in zip(keys, src, strict=True):
-                client.put(key, t)
-            one.append(16 * entry / (time.perf_counter() - t0) / 1e9)
-            client.evict(keys)
+            for on_stream, rates_of in ((True, one), (False, one_rpc)):
+                session.serves_device_puts = on_stream  # False: the PutFromDevice RPC
+                keys = [f"pfd-{r}-{on_stream}-{i}" for i in range(16)]
+                t0 = time.perf_counter()
+                for key, t in zip(keys, src, strict=True):
+                    client.put(key, t)
+                rates_of.append(16 * entry / (time.perf_counter() - t0) / 1e9)
+                client.evict(keys)
+            session.serves_device_puts = True
             keys = [f"pfdb-{r}-{i}" for i in range(16)]
             t0 = time.perf_counter()
             created = client.put_many(dict(zip(keys, src, strict=True)))  # one call
@@ -337,6 +340,7 @@ def device_gets(target: str, iters: int, rounds: int, daemon_pid: int) -> dict[s
             assert created == [True] * 16 and client._batch_puts
             client.evict(keys)
         out["put_from_device_16x4MiB_gbs"] = statistics.median(one)
+        out["put_from_device_16x4MiB_rpc_gbs"] = statistics.median(one_rpc)
         out["put_from_device_batch_16x4MiB_gbs"] = statistics.median(many)
         out["put_from_device_used"] = float(client._device_puts)
     out["copy_engine_64MiB_gbs"] = copy_engine_gbs(16 * entry)
@@ -465,7 +469,8 @@ def main() -> None:
             f"contiguous copy engine 64 MiB {gpu['copy_engine_64MiB_gbs']:.1f} GB/s: 16 x 4 MiB "
             f"ratio {gpu['ratio_frag_to_copy_engine']:.2f} (rpc "
             f"{gpu['ratio_frag_rpc_to_copy_engine']:.2f}); put-from-device 16 x 4 MiB "
-            f"{gpu['put_from_device_16x4MiB_gbs']:.1f} GB/s "
+            f"{gpu['put_from_device_16x4MiB_gbs']:.1f} GB/s on the session stream, "
+            f"{gpu['put_from_device_16x4MiB_rpc_gbs']:.1f} as RPCs "
             f"({no_poll['put_from_device_16x4MiB_gbs']:.1f} without busy polling), in one "
             f"put_many call {gpu['put_from_device_batch_16x4MiB_gbs']:.1f} GB/s "
             f"({no_poll['put_from_device_batch_16x4MiB_gbs']:.1f})"
