@@ -243,22 +243,16 @@ class IpcCache:
 
     def wait_event(self, owner: str, handle: bytes, device: int) -> None:
         """Block until the client's event ``handle`` (on GPU ``device``) has fired.
-        InvalidArgument when it cannot be opened or waited on (see :meth:`event_fired`)."""
-        self._use_event(owner, handle, device, lambda event: event.synchronize())
+        InvalidArgument when it cannot be opened or waited on."""
+        self.event(owner, handle, device).wait()
 
-    def event_fired(self, owner: str, handle: bytes, device: int) -> bool:
-        """Whether the client's event ``handle`` has fired (never blocks). InvalidArgument
-        when it cannot be opened or queried.
+    def event(self, owner: str, handle: bytes, device: int) -> ClientEvent:
+        """The client's event ``handle`` on GPU ``device``, to poll or wait on.
 
         A session's events are opened once and kept until the session ends. A caller without
         a session (``anon:<peer>``, which many processes may share) gets its event opened
         each time: nothing would tell the daemon that the process behind a cached event died
         and another one now sends the same handle bytes."""
-        return bool(self._use_event(owner, handle, device, lambda event: event.query()))
-
-    def _use_event(
-        self, owner: str, handle: bytes, device: int, use: Callable[[IpcEvent], object]
-    ) -> object:
         key = (owner, bytes(handle), device)
         keep = not owner.startswith(ANON_PREFIX)
         with self._lock:
@@ -273,12 +267,11 @@ class IpcCache:
                     event = self._events.setdefault(key, event)
                     while len(self._events) > MAX_EVENTS:
                         self._events.popitem(last=False)
-        try:
-            return use(event)
-        except RuntimeError as exc:
-            with self._lock:
-                self._events.pop(key, None)
-            raise InvalidArgument("cannot wait on event_handle", reason=str(exc)) from None
+        return ClientEvent(self, key, event)
+
+    def _forget_event(self, key: tuple[str, bytes, int]) -> None:
+        with self._lock:
+            self._events.pop(key, None)
 
     def drop_owner(self, owner: str) -> int:
         """``owner`` ended: close the mappings no other owner used and forget its events.
@@ -299,6 +292,30 @@ class IpcCache:
             for opened in list(self._open.values()):
                 if not opened.doomed:
                     self._doom(opened)
+
+
+@dataclass(frozen=True, slots=True)
+class ClientEvent:
+    """An opened client event (:meth:`IpcCache.event`). An event that fails is forgotten by
+    the cache, and the failure raises InvalidArgument."""
+
+    cache: IpcCache
+    key: tuple[str, bytes, int]
+    event: IpcEvent
+
+    def fired(self) -> bool:
+        """Whether it has fired (never blocks)."""
+        return bool(self._use(self.event.query))
+
+    def wait(self) -> None:
+        self._use(self.event.synchronize)
+
+    def _use(self, fn: Callable[[], object]) -> object:
+        try:
+            return fn()
+        except RuntimeError as exc:
+            self.cache._forget_event(self.key)
+            raise InvalidArgument("cannot wait on event_handle", reason=str(exc)) from None
 
 
 def check_ipc_handle(handle: Any, what: str) -> bytes:

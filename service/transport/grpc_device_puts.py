@@ -54,11 +54,12 @@ async def _wait_events(plane: DevicePlane, owner: str, sources: list[IpcTensor])
     one, recorded after all of them were written); polled on the loop, then in a thread."""
     from .grpc_device import SPIN_S
 
-    for event, device in dict.fromkeys((s.event, s.device) for s in sources if s.event):
+    for handle, device in dict.fromkeys((s.event, s.device) for s in sources if s.event):
+        event = plane.ipc.event(owner, handle, device)
         give_up = time.perf_counter() + SPIN_S
-        while not plane.ipc.event_fired(owner, event, device):
+        while not event.fired():
             if time.perf_counter() > give_up:
-                await asyncio.to_thread(plane.ipc.wait_event, owner, event, device)
+                await asyncio.to_thread(event.wait)
                 break
             await asyncio.sleep(0)
 

@@ -39,6 +39,7 @@ from embcache.service.device_pool import DevicePool
 from embcache.service.engine import CacheEngine
 from embcache.service.errors import DeviceUnavailable, InvalidArgument
 from embcache.service.ipc_cache import IpcCache
+from embcache.service.transport import grpc_device_puts
 from embcache.service.transport.grpc_server import GrpcService
 from embcache.service.transport.grpc_thread import GrpcServerThread
 
@@ -422,7 +423,11 @@ def batch_items(fake: FakeIpc, n: int = 3) -> tuple[list[pb.PutFromDeviceRequest
     return items, srcs
 
 
-def test_put_from_device_batch(dev_server: Server, stub) -> None:
+@pytest.mark.parametrize("inline", [True, False])
+def test_put_from_device_batch(dev_server: Server, stub, monkeypatch, inline: bool) -> None:
+    """On the loop, or in a worker thread (batches of more than INLINE_ITEMS items)."""
+    if not inline:
+        monkeypatch.setattr(grpc_device_puts, "INLINE_ITEMS", 2)
     engine, _, fake = dev_server
     items, srcs = batch_items(fake)
     empty = pb.CudaIpcTensor(gpu_uuid=FAKE_GPU, ipc_handle=b"\1" * 64, dtype="float16", shape=[0])

@@ -208,6 +208,41 @@ def test_event_cache_is_bounded_and_forgets_an_event_that_fails() -> None:
     assert backend.event_opens.count((h(2), 0)) == 2  # not kept after it failed
 
 
+class LateEvent(Event):
+    """Fires on its third query; raises on a query once broken."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queries = 0
+        self.broken = False
+
+    def query(self) -> bool:
+        if self.broken:
+            raise RuntimeError("device-side assert")
+        self.queries += 1
+        return self.queries >= 3
+
+
+def test_a_polled_event_is_opened_once_per_call() -> None:
+    """The daemon polls a put's event on its loop: one open per call even for a caller
+    without a session (whose events are not kept), however many polls."""
+    backend = EventBackend()
+    cache = IpcCache(backend)
+    for owner in ("anon:unix:", "s1"):
+        backend.events[h(4)] = late = LateEvent()
+        event = cache.event(owner, h(4), 0)
+        polls = 1
+        while not event.fired():
+            polls += 1
+        assert polls == 3 and late.queries == 3
+    assert backend.event_opens == [(h(4), 0)] * 2
+    late.broken = True  # a failing query: InvalidArgument, and the session forgets it
+    with pytest.raises(InvalidArgument, match="wait"):
+        cache.event("s1", h(4), 0).fired()
+    cache.event("s1", h(4), 0)
+    assert backend.event_opens == [(h(4), 0)] * 3
+
+
 @pytest.mark.parametrize(
     ("shape", "strides", "contiguous"),
     [
