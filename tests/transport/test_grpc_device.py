@@ -390,16 +390,38 @@ BAD_PUTS: dict[str, tuple[Callable[[pb.CudaIpcTensor], None], grpc.StatusCode]] 
 }
 
 
+def session_call(stub, **request) -> pb.SessionResult:  # type: ignore[no-untyped-def]
+    """One call on a Session stream of its own (raw wire), and its result. The stream stays
+    open until the result is read (ending it would cancel the call)."""
+    read = threading.Event()
+
+    def requests() -> Iterator[pb.SessionRequest]:
+        yield pb.SessionRequest(call=pb.SessionCall(call_id=1, **request))
+        read.wait(10)
+
+    replies = stub.Session(requests())
+    assert next(replies).opened.device_puts
+    result: pb.SessionResult = next(replies).result
+    read.set()
+    replies.cancel()
+    return result
+
+
 @pytest.mark.parametrize("name", sorted(BAD_PUTS))
-def test_put_from_device_validation(dev_server: Server, stub, name: str) -> None:
+@pytest.mark.parametrize("on_session", [False, True])
+def test_put_from_device_validation(dev_server: Server, stub, name: str, on_session) -> None:
     engine, _, fake = dev_server
     src = torch.zeros(100, 33, dtype=torch.bfloat16)
     tensor = ipc_tensor(fake.register(torch.zeros(64 * KiB, dtype=torch.uint8)), src, 0, 64 * KiB)
     mutate, code = BAD_PUTS[name]
     mutate(tensor)
-    with pytest.raises(grpc.RpcError) as err:
-        stub.PutFromDevice(pb.PutFromDeviceRequest(key="bad", tensor=tensor))
-    assert err.value.code() == code, err.value.details()
+    request = pb.PutFromDeviceRequest(key="bad", tensor=tensor)
+    if on_session:  # the same error table on the Session stream
+        assert session_call(stub, put_from_device=request).error.code == code.name
+    else:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.PutFromDevice(request)
+        assert err.value.code() == code, err.value.details()
     assert not fake.opened and fake.events == []  # refused before anything was mapped
     s = engine.stats()
     assert s.entries_ready == 0 and s.entries_filling == 0

@@ -1,4 +1,5 @@
-"""Get and Release carried on the Session stream (``SessionCall``), client and raw wire."""
+"""Calls carried on the Session stream (``SessionCall``), client and raw wire; the device
+puts with a CUDA-capable fake are in test_grpc_device.py."""
 
 from __future__ import annotations
 
@@ -188,6 +189,19 @@ def test_raw_session_calls(server) -> None:
             pb.SessionRequest(call=pb.SessionCall(call_id=12, get=pb.GetRequest(keys=["k"])))
         )
         assert next(replies).result.get.results[0].found
+        assert first.opened.device_puts  # device puts too; a daemon without CUDA refuses them
+        tensor = pb.CudaIpcTensor(gpu_uuid="GPU-x", ipc_handle=b"h" * 64, dtype="uint8", shape=[4])
+        put = pb.PutFromDeviceRequest(key="d", tensor=tensor)
+        batch = pb.PutFromDeviceBatchRequest(items=[put])
+        for call_id, kind in (
+            (13, {"put_from_device": put}),
+            (14, {"put_from_device_batch": batch}),
+        ):
+            requests.put(pb.SessionRequest(call=pb.SessionCall(call_id=call_id, **kind)))
+            refused = next(replies).result
+            assert refused.call_id == call_id and refused.error.code == "FAILED_PRECONDITION"
+            assert refused.error.error_type == "DeviceUnavailable"
+        assert engine.exists(["d"]) == [False] and engine.stats().entries_filling == 0
         requests.put(None)  # end the stream: the session's lease ends with it
         assert wait_until(lambda: engine.stats().leases_active == 0)
 
