@@ -125,14 +125,15 @@ def plan_entries(
     """
     assert dst_page % row == 0, (dst_page, row)
     page = dst_page // row  # rows per destination page
-    cols = src[0] if len(src) == 1 else np.concatenate(src, axis=1)
     if all(len(runs) == 1 for runs in dst_runs):
         if len(src) == 1:
-            return cols[0], cols[2] + dst_runs[0][0][0] * page, cols[1]
+            return src[0][0], src[0][2] + dst_runs[0][0][0] * page, src[0][1]
+        cols = np.concatenate(src, axis=1)
         bases = np.repeat([runs[0][0] * page for runs in dst_runs], [c.shape[1] for c in src])
         return cols[0], cols[2] + bases, cols[1]
     if sum(c.shape[1] for c in src) + sum(len(r) for r in dst_runs) <= SMALL_PLAN:
         return _merge_small(src, dst_runs, page, rows)
+    cols = src[0] if len(src) == 1 else np.concatenate(src, axis=1)
     d: list[tuple[int, int]] = []
     for left, runs in zip(rows, dst_runs, strict=True):
         for p, k in runs:

@@ -25,6 +25,9 @@ def deal_runs(runs: list[tuple[int, int]], sizes: list[int]) -> list[tuple[tuple
     largest = pieces[0][1] if pieces else 0
     out: list[tuple[tuple[int, int], ...]] = [()] * len(sizes)
     order = sorted(range(len(sizes)), key=lambda j: (sizes[j] > largest, -sizes[j]))
+    if min((n for n in sizes if n), default=0) > largest:
+        _cut_all(pieces, sizes, order, out)  # no piece holds any entry whole
+        return out
     for i in order:
         need = sizes[i]
         if not need:
@@ -42,6 +45,30 @@ def deal_runs(runs: list[tuple[int, int]], sizes: list[int]) -> list[tuple[tuple
             need -= take
         out[i] = tuple(mine)
     return out
+
+
+def _cut_all(
+    pieces: list[list[int]],
+    sizes: list[int],
+    order: list[int],
+    out: list[tuple[tuple[int, int], ...]],
+) -> None:
+    """Every entry is cut (none fits in one piece): walk the pieces largest first, each
+    entry taking what is left of the current piece, then the next ones. The same pieces in
+    the same order as the general loop when they are all one size (the fragmented pool's
+    usual state), without re-sorting what is left of a piece."""
+    i, (start, left) = 0, pieces[0]
+    for j in order:
+        need = sizes[j]
+        mine: list[tuple[int, int]] = []
+        while need:
+            if not left:
+                i += 1
+                start, left = pieces[i]
+            take = min(need, left)
+            mine.append((start, take))
+            start, left, need = start + take, left - take, need - take
+        out[j] = tuple(mine)
 
 
 def _minus_size(piece: list[int]) -> int:
