@@ -23,7 +23,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -72,33 +71,6 @@ def modes() -> Iterator[tuple[str, Callable[[], object]]]:
             yield f"embcache_{backend}", functools.partial(g.cold_get, engine, keys)
 
 
-def while_loading(step: Callable[[], object], measure: Callable[[], float]) -> tuple[float, int]:
-    """``measure()`` while a thread runs ``step`` back to back; also the steps it ran."""
-    stop = threading.Event()
-    steps = [0]
-    failed: list[BaseException] = []
-
-    def loop() -> None:
-        try:
-            while not stop.is_set():
-                step()
-                steps[0] += 1
-        except BaseException as exc:  # a loader that stopped would leave the GEMM alone
-            failed.append(exc)
-
-    th = threading.Thread(target=loop)
-    th.start()
-    try:
-        time.sleep(0.2)
-        result = measure()
-    finally:
-        stop.set()
-        th.join()
-    if failed or not steps[0]:
-        raise RuntimeError(f"the loader failed: {failed}")
-    return result, steps[0]
-
-
 def one_pass(seconds: float) -> dict[str, object]:
     """All modes, the GEMM in a worker process (run in a child: CUDA starts here)."""
     import get_to_device as g
@@ -109,7 +81,7 @@ def one_pass(seconds: float) -> dict[str, object]:
         alone = worker(["alone"])
         out["gemm_alone_ms"] = alone
         for name, step in modes():
-            busy, steps = while_loading(step, lambda: worker(["busy", str(seconds)]))
+            busy, steps = g.while_loading(step, lambda: worker(["busy", str(seconds)]))
             out[name] = {"slowdown": busy / alone, "loader_steps": steps}
     finally:
         worker.close()

@@ -13,6 +13,7 @@ goes to bench/results/get_to_device.json (or --out-dir).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
@@ -212,23 +213,26 @@ def gemm_slowdown(e: CacheEngine, keys: list[str], seconds: float = 3.0) -> dict
     try:
         for name, measure in (("other_process", worker), ("same_process", in_process)):
             alone = measure(["alone"])
-            busy = _while_loading(e, keys, lambda m=measure: m(["busy", str(seconds)]))
+            busy, _ = while_loading(
+                functools.partial(cold_get, e, keys), lambda m=measure: m(["busy", str(seconds)])
+            )
             out[name] = busy / alone
     finally:
         worker.close()
     return out
 
 
-def _while_loading(e: CacheEngine, keys: list[str], fn: Callable[[], float]) -> float:
-    """``fn()`` while a thread runs cold gets of ``keys`` back to back."""
+def while_loading(step: Callable[[], object], measure: Callable[[], float]) -> tuple[float, int]:
+    """``measure()`` while a thread runs ``step`` back to back; also how many steps ran."""
     stop = threading.Event()
-    loads: list[float] = []
+    steps = [0]
     failed: list[BaseException] = []
 
     def loader() -> None:
         try:
             while not stop.is_set():
-                loads.append(cold_get(e, keys))
+                step()
+                steps[0] += 1
         except BaseException as exc:  # a loader that stopped would leave the GEMM alone
             failed.append(exc)
 
@@ -236,13 +240,13 @@ def _while_loading(e: CacheEngine, keys: list[str], fn: Callable[[], float]) -> 
     th.start()
     try:
         time.sleep(0.2)
-        result = fn()
+        result = measure()
     finally:
         stop.set()
         th.join()
-    if failed or not loads:
-        raise RuntimeError(f"the cold-get loader failed: {failed}")
-    return result
+    if failed or not steps[0]:
+        raise RuntimeError(f"the loader failed: {failed}")
+    return result, steps[0]
 
 
 def resident_hit_us(e: CacheEngine, key: str, n: int = 2000) -> dict[str, float]:

@@ -98,19 +98,26 @@ FLUSH_EVERY_S = 0.003  # at most one page-table flush per pool this often (_flus
 
 
 async def wait_copies(pending: PendingGet | PendingPut) -> None:
-    """Wait for a get's (or a put's) copies without blocking the loop. A short copy (the
-    common case: a few MiB, well under a millisecond) is polled between other callbacks,
-    which answers sooner than a thread hand-off; a long one (over ``SPIN_S``) is waited for
-    in a worker thread."""
-    if pending.done():
+    """Wait for a get's (or a put's) copies without blocking the loop (:func:`poll_until`);
+    copies expected to take longer than ``SPIN_S`` go straight to a worker thread."""
+    spin = SPIN_S if pending.loaded_bytes / SPIN_RATE < SPIN_S else 0.0
+    await poll_until(pending.done, pending.wait, spin)
+
+
+async def poll_until(
+    done: Callable[[], bool], wait: Callable[[], object], spin_s: float | None = None
+) -> None:
+    """Until ``done()``: polled between the loop's other callbacks for up to ``spin_s``
+    (default ``SPIN_S``; a short wait, the common case, answers sooner than a thread
+    hand-off), then ``wait()`` in a worker thread."""
+    if done():
         return
-    if pending.loaded_bytes / SPIN_RATE < SPIN_S:
-        give_up = time.perf_counter() + SPIN_S
-        while time.perf_counter() < give_up:
-            await asyncio.sleep(0)
-            if pending.done():
-                return
-    await asyncio.to_thread(pending.wait)
+    give_up = time.perf_counter() + (SPIN_S if spin_s is None else spin_s)
+    while time.perf_counter() < give_up:
+        await asyncio.sleep(0)
+        if done():
+            return
+    await asyncio.to_thread(wait)
 
 
 def observe_later(pending: PendingGet, period_s: float = 0.001, limit_s: float = 10.0) -> None:
