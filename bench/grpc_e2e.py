@@ -6,7 +6,9 @@ Starts ``embcache serve`` and a baseline server (a trivial client-streaming serv
 parses and discards the same PutRequest chunks) as subprocesses, measures both from this
 process over a Unix socket and TCP loopback, and reports MiB/s and the ratio to the
 baseline measured in the same run. Also: zero-copy ``get`` latency (shared memory) and
-``get_bytes`` throughput. With CUDA, a second daemon with a 1 GiB device pool: get-to-device
+``get_bytes`` throughput, and the round trip of a session call on the daemon's session lane and
+on a gRPC Session stream. With CUDA, two more daemons with a 1 GiB device pool (session calls
+on the lane, then on the gRPC Session stream): get-to-device
 latency for 1 x 4 MiB (cold and resident hit), GB/s for 16 x 4 MiB cold with fragmented device
 pages, put-from-device GB/s, next to one contiguous copy-engine transfer of the same bytes
 measured in the same run. Prints a table and writes bench/results/grpc_e2e.json.
@@ -37,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import CpuMeter, git_commit, latencies_us
 
 from embcache.clients import EmbCacheClient
+from embcache.clients.lane import LaneSession
+from embcache.clients.sessions import Session
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.config import parse_cpu_list
 from embcache.service.daemon_process import DaemonProcess, read_line, stop
@@ -165,13 +169,27 @@ def measure_floor(target: str, base_target: str, iters: int = 500) -> dict[str, 
             sent.put(req)
             next(replies)
 
+        lane = client._open_session()  # the daemon's session lane (lane.py)
+        assert isinstance(lane, LaneSession), "the daemon serves no session lane"
+        stream = Session(client._stub, client._auth, "bench", 10.0)  # a gRPC Session stream
+        empty = pb.ReleaseRequest()
+
+        def lane_call() -> None:
+            lane.call(10, release=empty)
+
+        def stream_call() -> None:
+            stream.call(10, release=empty)
+
         for name, fn in (("unary_floor", lambda: ping(req, timeout=10)),
                          ("stream_floor", round_trip),
-                         ("exists", lambda: client.exists(["k"]))):  # fmt: skip
+                         ("exists", lambda: client.exists(["k"])),
+                         ("session_lane_call", lane_call),
+                         ("session_stream_call", stream_call)):  # fmt: skip
             lat = latencies_us(fn, iters, warmup=20)
             out[f"{name}_p50_us"], out[f"{name}_p99_us"] = percentiles(lat)
         sent.put(None)
         replies.cancel()
+        stream.close()
     return out
 
 
@@ -258,13 +276,16 @@ def in_flight(
     return statistics.median(rates), {name: statistics.median(v) for name, v in cpu.items()}
 
 
-def device_gets(target: str, iters: int, rounds: int, daemon_pid: int) -> dict[str, Any]:
-    """get-to-device over gRPC (the client's tensors are on the GPU when timed)."""
+def device_gets(
+    target: str, iters: int, rounds: int, daemon_pid: int, lane: bool
+) -> dict[str, Any]:
+    """get-to-device over gRPC (the client's tensors are on the GPU when timed); session
+    calls over the daemon's session lane, or (``lane=False``) over the gRPC Session stream."""
     from embcache.kernels import cuda_mem
 
     entry = 4 * MiB
     out: dict[str, Any] = {}
-    with EmbCacheClient(target) as client:
+    with EmbCacheClient(target, session_lane=lane) as client:
         keys = [f"cold-{i}" for i in range(2 * iters)]
         for i, key in enumerate(keys):
             client.put(key, torch.full((entry,), i % 251, dtype=torch.uint8))
@@ -356,15 +377,15 @@ def device_gets(target: str, iters: int, rounds: int, daemon_pid: int) -> dict[s
 
 
 def gpu_section(
-    tmp: str, iters: int, rounds: int, pin: list[str], extra: tuple[str, ...] = ()
+    tmp: str, iters: int, rounds: int, pin: list[str], lane: bool
 ) -> dict[str, Any] | str:
     if not torch.cuda.is_available():
         return "no CUDA here: get-to-device not measured"
-    sock = os.path.join(tmp, f"gpu{len(extra)}.sock")
+    sock = os.path.join(tmp, f"gpu{int(lane)}.sock")
     flags = ["--grpc-socket", sock, "--host-pool-bytes", "4GiB", "--device-pool-bytes", "1GiB"]
-    daemon = DaemonProcess([*flags, *pin, *extra])
+    daemon = DaemonProcess([*flags, *pin])
     try:
-        return device_gets(daemon.unix_target, iters, rounds, daemon.proc.pid)
+        return device_gets(daemon.unix_target, iters, rounds, daemon.proc.pid, lane)
     finally:
         daemon.stop(timeout=30)
 
@@ -442,21 +463,26 @@ def main() -> None:
         f" us, one message each way on an open stream {gets['stream_floor_p50_us']:.0f} us "
         f"(the floors); embcache Exists (unary) p50 {gets['exists_p50_us']:.0f} us"
     )
-    gpu = gpu_section(tmp, args.device_iters, args.device_rounds, pin)
-    # The same with the daemon's loop never polling (busy_poll_us 0), in the same run.
-    no_poll = gpu_section(tmp, args.device_iters, args.device_rounds, pin, ("--busy-poll-us", "0"))
-    if isinstance(gpu, str) or isinstance(no_poll, str):
+    print(
+        f"session call round trip (empty Release) p50: session lane "
+        f"{gets['session_lane_call_p50_us']:.0f} us, gRPC Session stream "
+        f"{gets['session_stream_call_p50_us']:.0f} us"
+    )
+    gpu = gpu_section(tmp, args.device_iters, args.device_rounds, pin, lane=True)
+    # The same with session calls on the gRPC Session stream (no lane), in the same run.
+    stream = gpu_section(tmp, args.device_iters, args.device_rounds, pin, lane=False)
+    if isinstance(gpu, str) or isinstance(stream, str):
         print(f"get-to-device: {gpu}")
     else:
-        print(f"get-to-device over gRPC ({gpu['gpu']}); session: Get on the Session stream with a")
-        print("ready event (the default); rpc: the Get RPC, reply once copied; no poll: session")
-        print("with the daemon's busy polling off (--busy-poll-us 0); all in the same run")
+        print(f"get-to-device ({gpu['gpu']}); lane: Get on the session lane with a ready event")
+        print("(the default); rpc: the Get RPC, reply once copied; stream: Get on the gRPC Session")
+        print("stream with a ready event (no lane); all in the same run")
         head = f"{'1x4MiB cold p50/p99 us':>24}{'hit p50/p99 us':>17}{'16x4MiB frag GB/s':>19}"
         print(f"{'path':<9}{head}")
         for label, sfx, res in (
-            ("session", "", gpu),
+            ("lane", "", gpu),
             ("rpc", "_rpc", gpu),
-            ("no poll", "", no_poll),
+            ("stream", "", stream),
         ):
             print(
                 f"{label:<9}{res[f'get_device_cold{sfx}_p50_us']:>15.0f} /"
@@ -469,16 +495,16 @@ def main() -> None:
             f"contiguous copy engine 64 MiB {gpu['copy_engine_64MiB_gbs']:.1f} GB/s: 16 x 4 MiB "
             f"ratio {gpu['ratio_frag_to_copy_engine']:.2f} (rpc "
             f"{gpu['ratio_frag_rpc_to_copy_engine']:.2f}); put-from-device 16 x 4 MiB "
-            f"{gpu['put_from_device_16x4MiB_gbs']:.1f} GB/s on the session stream, "
+            f"{gpu['put_from_device_16x4MiB_gbs']:.1f} GB/s on the lane, "
             f"{gpu['put_from_device_16x4MiB_rpc_gbs']:.1f} as RPCs "
-            f"({no_poll['put_from_device_16x4MiB_gbs']:.1f} without busy polling), in one "
+            f"({stream['put_from_device_16x4MiB_gbs']:.1f} on the gRPC stream), in one "
             f"put_many call {gpu['put_from_device_batch_16x4MiB_gbs']:.1f} GB/s "
-            f"({no_poll['put_from_device_batch_16x4MiB_gbs']:.1f})"
+            f"({stream['put_from_device_batch_16x4MiB_gbs']:.1f})"
         )
         ce = gpu["copy_engine_64MiB_gbs"]
         print("16 x 4 MiB frag with N batches in flight (N threads, one client); cores used")
         print("meanwhile: client (busiest thread) / daemon (busiest thread)")
-        for label, res in (("", gpu), (", no poll", no_poll)):
+        for label, res in ((", lane", gpu), (", stream", stream)):
             for n in (2, 3, 4):
                 gbs = res[f"get_device_16x4MiB_frag_{n}inflight_gbs"]
                 c = res[f"get_device_16x4MiB_frag_{n}inflight_cores"]
@@ -503,7 +529,7 @@ def main() -> None:
                 "put": rows,
                 "get": gets,
                 "get_to_device": gpu,
-                "get_to_device_no_busy_poll": no_poll,
+                "get_to_device_grpc_stream": stream,
             },
             indent=2,
         )

@@ -37,6 +37,7 @@ from .errors import (
     should_retry,
     translate,
 )
+from .lane import AsyncLaneSession, lane_path
 from .plain_calls import AsyncPlainCalls
 from .results import AsyncLeasedTensors, copy_into, decode_get
 from .sessions import AsyncSession, SessionLost, retry_step, serves
@@ -77,6 +78,7 @@ class AsyncEmbCacheClient(AsyncPlainCalls):
         tls: bool = False,
         client_name: str = "",
         options: Sequence[tuple[str, Any]] = (),
+        session_lane: bool = True,
     ) -> None:
         target = normalize_target(target)
         self._channel, self._stub, self._put = connect(
@@ -86,8 +88,11 @@ class AsyncEmbCacheClient(AsyncPlainCalls):
         self.timeout = timeout
         self.retries = retries
         self._auth = auth_metadata(token)
+        self._token = token
         self._client_name = client_name
-        self._session: AsyncSession | None = None
+        # Session calls go over the daemon's lane when it has one (lane.py), else gRPC.
+        self._lane = lane_path(target) if session_lane else None
+        self._session: AsyncSession | AsyncLaneSession | None = None
         self._session_lock = asyncio.Lock()
         self._maps = process_pool_maps()
         self._pool_local: bool | None = None
@@ -103,13 +108,30 @@ class AsyncEmbCacheClient(AsyncPlainCalls):
         assert session_id is not None
         return session_id
 
-    async def _open_session(self) -> AsyncSession:
+    async def _open_session(self) -> AsyncSession | AsyncLaneSession:
         async with self._session_lock:
             if self._session is None or not self._session.alive:
-                self._session = await self._call(
+                if self._session is not None:
+                    await self._session.close()  # ended: let go of its socket
+                    self._session = None
+                self._session = await self._open_lane() or await self._call(
                     lambda md, to: AsyncSession.open(self._stub, md, self._client_name, to)
                 )
+            assert self._session is not None
             return self._session
+
+    async def _open_lane(self) -> AsyncLaneSession | None:
+        """A session on the daemon's lane; None (and gRPC from then on) if it has none."""
+        if self._lane is None:
+            return None
+        try:
+            return await AsyncLaneSession.open(
+                self._lane, self._token, self._client_name, self.timeout
+            )
+        except OSError as err:
+            log.debug("no session lane at %s (%s): sessions use gRPC", self._lane, err)
+            self._lane = None
+            return None
 
     async def _get_call(self, request: pb.GetRequest) -> pb.GetResponse:
         """A Get in this client's session (see ``EmbCacheClient._session_call``)."""

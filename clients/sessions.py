@@ -20,7 +20,7 @@ import os
 import queue
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -37,7 +37,14 @@ class SessionLost(RpcFailed):
         super().__init__(message, "UNAVAILABLE")
 
 
-def serves(session: Session | AsyncSession, kind: str) -> bool:
+class CallCarrier(Protocol):
+    """What :func:`serves` reads: a session of either transport (gRPC stream or lane)."""
+
+    serves_calls: bool
+    serves_device_puts: bool
+
+
+def serves(session: CallCarrier, kind: str) -> bool:
     """Whether the daemon behind ``session`` runs calls of ``kind`` on the stream."""
     if kind in ("put_from_device", "put_from_device_batch"):
         return session.serves_calls and session.serves_device_puts
@@ -156,15 +163,89 @@ class Session:
         self._thread.join(timeout=5.0)
 
 
-class AsyncSession:
-    def __init__(self, call: Any) -> None:
-        self._call = call
+class AsyncCalls:
+    """The calls in flight on an asyncio session of either transport (a gRPC Session stream
+    here, the session lane in ``lane.py``): call ids, the futures that wait for results, the
+    deadline, and the leases of results nobody waits for. A subclass sends messages
+    (:meth:`_send`), says whether it is :attr:`alive` and names the errors of its transport."""
+
+    transport_errors: tuple[type[BaseException], ...] = ()
+    what = "the session"
+
+    def __init__(self) -> None:
         self.session_id: str | None = None
         self.serves_calls = False
         self.serves_device_puts = False
-        self._reader: asyncio.Task[None] | None = None
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[pb.SessionResult]] = {}
+
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    async def _send(self, msg: pb.SessionRequest) -> None:
+        raise NotImplementedError
+
+    def _opened(self, opened: pb.SessionOpened) -> None:
+        self.session_id = opened.session_id
+        self.serves_calls = opened.calls
+        self.serves_device_puts = opened.device_puts
+
+    async def _deliver(self, result: pb.SessionResult) -> None:
+        fut = self._waiting.pop(result.call_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(result)
+        elif result.WhichOneof("outcome") == "get":  # its caller gave up: free the leases
+            ids = [r.lease_id for r in result.get.results if r.found]
+            if ids:  # (if the transport is gone, so are the leases)
+                release = pb.SessionCall(release=pb.ReleaseRequest(lease_ids=ids))
+                with contextlib.suppress(*self.transport_errors):
+                    await self._send(pb.SessionRequest(call=release))
+
+    def _fail_waiting(self) -> None:
+        """The transport ended: every waiting caller raises SessionLost."""
+        waiting, self._waiting = self._waiting, {}
+        for fut in waiting.values():
+            if not fut.done():
+                fut.set_exception(SessionLost(f"{self.what} ended during the call"))
+
+    async def call(self, timeout: float, **request: Any) -> pb.SessionResult:
+        """Send a call (``get=``, ``release=``, ``put_from_device=``...) and wait for its
+        result. RpcFailed(DEADLINE_EXCEEDED) after ``timeout``; SessionLost if the session
+        ends first."""
+        if not self.alive:
+            raise SessionLost(f"{self.what} has ended")
+        call_id = next(self._ids)
+        fut: asyncio.Future[pb.SessionResult] = asyncio.get_running_loop().create_future()
+        self._waiting[call_id] = fut
+        try:
+            await self._send(pb.SessionRequest(call=pb.SessionCall(call_id=call_id, **request)))
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            raise RpcFailed(
+                "deadline exceeded waiting for a session call", "DEADLINE_EXCEEDED"
+            ) from None
+        except self.transport_errors as err:
+            raise SessionLost(f"{self.what} failed: {err}") from err
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._waiting.pop(call_id, None)
+                await asyncio.shield(self._deliver(fut.result()))  # unread: release its leases
+            raise
+        finally:
+            self._waiting.pop(call_id, None)
+
+
+class AsyncSession(AsyncCalls):
+    """One gRPC Session stream of the asyncio client, read by a task."""
+
+    transport_errors = (grpc.RpcError,)
+    what = "the Session stream"
+
+    def __init__(self, call: Any) -> None:
+        super().__init__()
+        self._call = call
+        self._reader: asyncio.Task[None] | None = None
         self._writing = asyncio.Lock()
 
     @classmethod
@@ -182,9 +263,7 @@ class AsyncSession:
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "opened":
             session._call.cancel()
             raise RpcFailed("the Session stream ended at once", "UNAVAILABLE")
-        session.session_id = first.opened.session_id
-        session.serves_calls = first.opened.calls
-        session.serves_device_puts = first.opened.device_puts
+        session._opened(first.opened)
         session._reader = asyncio.get_running_loop().create_task(session._drain())
         return session
 
@@ -195,50 +274,11 @@ class AsyncSession:
                     if msg.WhichOneof("kind") == "result":
                         await self._deliver(msg.result)
         finally:
-            waiting, self._waiting = self._waiting, {}
-            for fut in waiting.values():
-                if not fut.done():
-                    fut.set_exception(SessionLost())
+            self._fail_waiting()
 
-    async def _deliver(self, result: pb.SessionResult) -> None:
-        fut = self._waiting.pop(result.call_id, None)
-        if fut is not None and not fut.done():
-            fut.set_result(result)
-        elif result.WhichOneof("outcome") == "get":  # its caller gave up: free the leases
-            ids = [r.lease_id for r in result.get.results if r.found]
-            if ids:
-                await self._write(
-                    pb.SessionRequest(call=pb.SessionCall(release=pb.ReleaseRequest(lease_ids=ids)))
-                )
-
-    async def _write(self, msg: pb.SessionRequest) -> None:
+    async def _send(self, msg: pb.SessionRequest) -> None:
         async with self._writing:
             await self._call.write(msg)
-
-    async def call(self, timeout: float, **request: Any) -> pb.SessionResult:
-        """Send a call (``get=``, ``release=``, ``put_from_device=``...) on the stream and
-        wait for its result."""
-        if not self.alive:
-            raise SessionLost("the Session stream has ended")
-        call_id = next(self._ids)
-        fut: asyncio.Future[pb.SessionResult] = asyncio.get_running_loop().create_future()
-        self._waiting[call_id] = fut
-        try:
-            await self._write(pb.SessionRequest(call=pb.SessionCall(call_id=call_id, **request)))
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except TimeoutError:
-            raise RpcFailed(
-                "deadline exceeded waiting for a session call", "DEADLINE_EXCEEDED"
-            ) from None
-        except grpc.RpcError as err:
-            raise SessionLost(f"the Session stream failed: {err}") from err
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self._waiting.pop(call_id, None)
-                await asyncio.shield(self._deliver(fut.result()))  # unread: release its leases
-            raise
-        finally:
-            self._waiting.pop(call_id, None)
 
     @property
     def alive(self) -> bool:

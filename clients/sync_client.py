@@ -42,6 +42,7 @@ from .errors import (
     should_retry,
     translate,
 )
+from .lane import LaneSession, lane_path
 from .plain_calls import PlainCalls
 from .results import LeasedTensors, copy_into, decode_get
 from .sessions import Session, SessionLost, retry_step, serves
@@ -66,6 +67,7 @@ class EmbCacheClient(PlainCalls):
         tls: bool = False,
         client_name: str = "",
         options: Sequence[tuple[str, Any]] = (),
+        session_lane: bool = True,
     ) -> None:
         target = normalize_target(target)
         self._channel, self._stub, self._put = connect(
@@ -75,8 +77,11 @@ class EmbCacheClient(PlainCalls):
         self.timeout = timeout
         self.retries = retries
         self._auth = auth_metadata(token)
+        self._token = token
         self._client_name = client_name
-        self._session: Session | None = None
+        # Session calls go over the daemon's lane when it has one (lane.py), else gRPC.
+        self._lane = lane_path(target) if session_lane else None
+        self._session: Session | LaneSession | None = None
         self._session_lock = threading.Lock()
         self._maps = process_pool_maps()
         self._pool_local: bool | None = None  # learned from the first hit
@@ -93,15 +98,29 @@ class EmbCacheClient(PlainCalls):
         assert session_id is not None
         return session_id
 
-    def _open_session(self) -> Session:
+    def _open_session(self) -> Session | LaneSession:
         with self._session_lock:
             if self._closed:
                 raise RpcFailed("client is closed", "CANCELLED")
             if self._session is None or not self._session.alive:
-                self._session = self._call(
+                if self._session is not None:
+                    self._session.close()  # ended: let go of its socket and thread
+                    self._session = None
+                self._session = self._open_lane() or self._call(
                     lambda md, to: Session(self._stub, md, self._client_name, to)
                 )
             return self._session
+
+    def _open_lane(self) -> LaneSession | None:
+        """A session on the daemon's lane; None (and gRPC from then on) if it has none."""
+        if self._lane is None:
+            return None
+        try:
+            return LaneSession(self._lane, self._token, self._client_name, self.timeout)
+        except OSError as err:
+            log.debug("no session lane at %s (%s): sessions use gRPC", self._lane, err)
+            self._lane = None
+            return None
 
     def _get_call(self, request: pb.GetRequest) -> pb.GetResponse:
         """A Get whose leases belong to this client's session (see :meth:`_session_call`)."""

@@ -165,6 +165,12 @@ class Settings(BaseSettings):
     grpc_socket: Path | None = Field(
         None, description="gRPC Unix socket path (none: no Unix socket listener)."
     )
+    session_lane: bool = Field(
+        True,
+        description="With a gRPC Unix socket PATH, also serve Session calls on PATH.lane "
+        "(length-prefixed messages without HTTP/2: a same-node round trip costs a third; "
+        "docs/grpc.md, 'Session lane'). Same permissions and token as the gRPC socket.",
+    )
     http_host: str = Field("127.0.0.1", description="HTTP bind address.")
     http_port: int = Field(7471, ge=0, le=65535, description="HTTP port (0 = pick a free one).")
     auth_token: str | None = Field(

@@ -57,8 +57,10 @@ class SessionCalls:
         put: PutHandler | None = None,
         put_batch: PutBatchHandler | None = None,
         on_call: Callable[[], None] | None = None,
+        transport: str = "grpc",
     ) -> None:
         self.owner = owner
+        self._transport = transport  # the metrics' label: "grpc" or "lane"
         self._send = send
         self._get = get
         self._release = release
@@ -118,7 +120,7 @@ class SessionCalls:
         finally:
             if self._metrics is not None:
                 name = f"Session.{NAMES.get(kind or '', 'Unknown')}"
-                self._metrics.observe_rpc("grpc", name, code, time.perf_counter() - start)
+                self._metrics.observe_rpc(self._transport, name, code, time.perf_counter() - start)
         try:
             await self._send(response)
         except BaseException:

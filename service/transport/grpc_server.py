@@ -30,13 +30,12 @@ from ..engine import CacheEngine
 from .grpc_auth import TokenAuthInterceptor
 from .grpc_errors import RpcMetrics
 from .grpc_handlers import add_servicer
-from .grpc_servicer import CHUNK_BYTES, EmbeddingCacheServicer
+from .grpc_servicer import MAX_MESSAGE_BYTES, EmbeddingCacheServicer
+from .lane import LaneServer, lane_path
 
 log = logging.getLogger("embcache.grpc")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EmbeddingCache"].full_name
-# A 1 MiB chunk plus its framing and the largest header (keys are at most 64 KiB).
-MAX_MESSAGE_BYTES = CHUNK_BYTES + 128 * 1024
 
 SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -66,6 +65,7 @@ class GrpcService:
     loop: asyncio.AbstractEventLoop
     ports: list[int] = field(default_factory=list)
     socket_path: Path | None = None
+    lane: LaneServer | None = None  # the session lane next to the Unix socket (lane.py)
 
     def set_serving(self, serving: bool) -> asyncio.Future[None] | concurrent.futures.Future[None]:
         """Report SERVING / NOT_SERVING on grpc.health.v1 (overall and for the service).
@@ -99,6 +99,9 @@ class GrpcService:
         """
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self.lane is not None:  # its calls had the same grace; their sessions end here
+            await self.lane.stop()
+            _unlink_socket(self.lane.path)
         await self.servicer.busy.stop()
         self.servicer.close()
         if self.socket_path is not None:
@@ -126,17 +129,24 @@ async def start_grpc(
         socket_path = Path(settings.grpc_socket)
         _prepare_socket_path(socket_path)
         server.add_insecure_port(f"unix:{socket_path}")
+    lane = None
+    if socket_path is not None and settings.session_lane:
+        lane = LaneServer(servicer, lane_path(socket_path), settings.auth_token)
+        _prepare_socket_path(lane.path)
     await server.start()
+    if lane is not None:
+        await lane.start()
     servicer.busy.start()
     service = GrpcService(
-        server, servicer, health_servicer, asyncio.get_running_loop(), ports, socket_path
+        server, servicer, health_servicer, asyncio.get_running_loop(), ports, socket_path, lane
     )
     await service.apply_serving(True)
     log.info(
-        "gRPC listening on %s:%s%s",
+        "gRPC listening on %s:%s%s%s",
         settings.grpc_host,
         ports[0],
         f" and unix:{socket_path}" if socket_path else "",
+        f" (session lane {lane.path})" if lane else "",
     )
     return service
 

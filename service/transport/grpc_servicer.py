@@ -24,7 +24,7 @@ from ..errors import InvalidArgument, NotFound
 from ..ipc_cache import IpcCache
 from .busy_poll import BusyPoll
 from .descriptors import describer_for
-from .grpc_calls import SessionCalls
+from .grpc_calls import Send, SessionCalls
 from .grpc_device import DevicePlane, meta_of, pool_handle_of
 from .grpc_errors import RpcMetrics, rpc
 from .grpc_sessions import SessionRegistry, UnknownSession
@@ -32,6 +32,7 @@ from .grpc_sessions import SessionRegistry, UnknownSession
 log = logging.getLogger("embcache.grpc")
 
 CHUNK_BYTES = 1 << 20
+MAX_MESSAGE_BYTES = CHUNK_BYTES + 128 * 1024  # a chunk plus its header, either transport
 _EVICT_OUTCOMES = {
     EvictOutcome.EVICTED: pb.EVICTED,
     EvictOutcome.NOT_FOUND: pb.NOT_FOUND,
@@ -248,14 +249,31 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         request_iterator: AsyncIterator[pb.SessionRequest],
         context: grpc.aio.ServicerContext,
     ) -> None:
-        session_id = self.sessions.open()
-        hello = ""
         writing = asyncio.Lock()  # calls finish concurrently; one write at a time
 
         async def send(msg: pb.SessionResponse) -> None:
             async with writing:
                 await context.write(msg)
 
+        session = self.open_session(send, "grpc")
+        try:
+            await send(pb.SessionResponse(opened=session.opened))
+            async for msg in request_iterator:
+                if not isinstance(msg, pb.SessionRequest):
+                    raise InvalidArgument("undecodable Session message")
+                if msg.WhichOneof("kind") == "ping":
+                    await send(pb.SessionResponse(pong=msg.ping))
+                else:
+                    session.handle(msg, context.peer())
+        finally:
+            # Ended for any reason: closed, cancelled, connection lost, server stopping.
+            # Nothing here awaits: a second cancellation must not skip the lease drop.
+            session.end()
+
+    def open_session(self, send: Send, transport: str) -> OpenSession:
+        """A new session whose results go out through ``send`` (a gRPC Session stream's or
+        a lane connection's, ``lane.py``); :meth:`OpenSession.end` ends it."""
+        session_id = self.sessions.open()
         calls = SessionCalls(
             session_id,
             send,
@@ -265,37 +283,52 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
             put=self.device.put_from_device,
             put_batch=self.device.put_from_device_batch,
             on_call=self.busy.poke,
+            transport=transport,
         )
-        try:
-            opened = pb.SessionOpened(
-                session_id=session_id,
-                lease_ttl_s=self.settings.lease_ttl_s,
-                daemon_version=_version(),
-                calls=True,
-                device_puts=True,
+        opened = pb.SessionOpened(
+            session_id=session_id,
+            lease_ttl_s=self.settings.lease_ttl_s,
+            daemon_version=_version(),
+            calls=True,
+            device_puts=True,
+        )
+        return OpenSession(self, calls, opened)
+
+
+class OpenSession:
+    """A session of either transport: its calls, its hello, and its end."""
+
+    def __init__(
+        self, servicer: EmbeddingCacheServicer, calls: SessionCalls, opened: pb.SessionOpened
+    ) -> None:
+        self.servicer = servicer
+        self.calls = calls
+        self.opened = opened
+        self.session_id = opened.session_id
+        self.hello = ""
+
+    def handle(self, msg: pb.SessionRequest, peer: str) -> None:
+        """A call starts as a task; a hello names the session in the logs. (Pings are the
+        transport's: they need a reply in order.)"""
+        kind = msg.WhichOneof("kind")
+        if kind == "call":
+            self.calls.start(msg.call)
+        elif kind == "hello":
+            self.hello = f"{msg.hello.client_name} pid {msg.hello.pid}"
+            log.debug("session %s is %s (%s)", self.session_id, self.hello, peer)
+
+    def end(self) -> None:
+        """Close the session, cancel its running calls (each gives back the leases it took)
+        and drop its leases and the client allocations opened for it. Never awaits."""
+        s = self.servicer
+        s.sessions.close(self.session_id)
+        self.calls.cancel()
+        dropped = s.engine.drop_owner(self.session_id)
+        s.device.ipc.drop_owner(self.session_id)
+        if dropped:
+            log.info(
+                "session %s (%s) ended; released %d leases", self.session_id, self.hello, dropped
             )
-            await send(pb.SessionResponse(opened=opened))
-            async for msg in request_iterator:
-                if not isinstance(msg, pb.SessionRequest):
-                    raise InvalidArgument("undecodable Session message")
-                kind = msg.WhichOneof("kind")
-                if kind == "call":
-                    calls.start(msg.call)
-                elif kind == "ping":
-                    await send(pb.SessionResponse(pong=msg.ping))
-                elif kind == "hello":
-                    hello = f"{msg.hello.client_name} pid {msg.hello.pid}"
-                    log.debug("session %s is %s (%s)", session_id, hello, context.peer())
-        finally:
-            # Ended for any reason: closed, cancelled, connection lost, server stopping.
-            # Nothing here awaits: a second cancellation must not skip the lease drop. Calls
-            # still running see the session closed and give back what they took.
-            self.sessions.close(session_id)
-            calls.cancel()
-            dropped = self.engine.drop_owner(session_id)
-            self.device.ipc.drop_owner(session_id)
-            if dropped:
-                log.info("session %s (%s) ended; released %d leases", session_id, hello, dropped)
 
 
 def _chunk_of(msg: Any) -> memoryview | bytes:

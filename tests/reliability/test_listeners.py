@@ -23,10 +23,12 @@ from relkit import figures
 from relkit import malformed_grpc as mg
 
 from embcache.clients import EmbCacheClient
+from embcache.clients.lane import LaneSession
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.config import Settings
 from embcache.service.device_pool import DevicePool
 from embcache.service.engine import CacheEngine
+from embcache.service.errors import Unauthenticated
 from embcache.service.transport.grpc_thread import GrpcServerThread
 
 TOKEN = "rel-" + uuid.uuid4().hex
@@ -97,7 +99,25 @@ def test_listens_only_on_loopback_and_unix(which: str, request: pytest.FixtureRe
     FIG[f"{which}_unix_listeners"] = unix
     assert {port for _, port in inet} == {d.ready["grpc_port"], d.ready["http_port"]}, inet
     assert all(loopback(ip) for ip, _ in inet), inet
-    assert unix == [str(d.socket_path)], unix  # the gRPC socket and nothing else
+    # The gRPC socket and its session lane, with the same permissions, and nothing else.
+    lane = f"{d.socket_path}.lane"
+    assert sorted(unix) == [str(d.socket_path), lane], unix
+    assert d.ready["session_lane"] == lane
+    assert Path(lane).stat().st_mode & 0o777 == d.socket_path.stat().st_mode & 0o777 == 0o660
+
+
+def test_token_enforced_on_the_session_lane(guarded: dm.Daemon) -> None:
+    """The lane's hello needs the token; without it no session opens."""
+    lane = f"{guarded.socket_path}.lane"
+    for token in (None, "wrong"):
+        with pytest.raises(Unauthenticated):
+            LaneSession(lane, token, "audit", 5.0)
+    session = LaneSession(lane, TOKEN, "audit", 5.0)
+    try:
+        assert session.call(5.0, release=pb.ReleaseRequest()).release.released == 0
+    finally:
+        session.close()
+    FIG["session lane without / with token"] = "UNAUTHENTICATED / opened"
 
 
 EXPOSED = [("--grpc-host", "0.0.0.0"), ("--http-host", "::"), ("--grpc-host", "192.0.2.1")]

@@ -31,6 +31,7 @@ from embcache.clients import (
 )
 from embcache.clients import device as client_device
 from embcache.clients import device_results as dr
+from embcache.clients.lane import AsyncLaneSession, LaneSession
 from embcache.clients.sessions import AsyncSession, Session
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
@@ -584,18 +585,29 @@ def test_client_put_many(dev_server: Server, monkeypatch, use_async: bool) -> No
 def session_calls(monkeypatch) -> list[str]:  # type: ignore[no-untyped-def]
     """The kinds of the session calls the clients (sync and async) send from now on."""
     kinds: list[str] = []
-    sync_call, async_call = Session.call, AsyncSession.call
 
-    def call(self, timeout, **request):  # type: ignore[no-untyped-def]
-        kinds.extend(request)
-        return sync_call(self, timeout, **request)
+    def counted(cls):  # type: ignore[no-untyped-def]
+        real = cls.call
 
-    async def acall(self, timeout, **request):  # type: ignore[no-untyped-def]
-        kinds.extend(request)
-        return await async_call(self, timeout, **request)
+        def call(self, timeout, **request):  # type: ignore[no-untyped-def]
+            kinds.extend(request)
+            return real(self, timeout, **request)
 
-    monkeypatch.setattr(Session, "call", call)
-    monkeypatch.setattr(AsyncSession, "call", acall)
+        monkeypatch.setattr(cls, "call", call)
+
+    def acounted(cls):  # type: ignore[no-untyped-def]
+        real = cls.call
+
+        async def acall(self, timeout, **request):  # type: ignore[no-untyped-def]
+            kinds.extend(request)
+            return await real(self, timeout, **request)
+
+        monkeypatch.setattr(cls, "call", acall)
+
+    counted(Session)  # either transport: the gRPC Session stream or the session lane
+    counted(LaneSession)
+    acounted(AsyncSession)
+    acounted(AsyncLaneSession)
     return kinds
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from embcache.clients import AsyncEmbCacheClient, EmbCacheClient
+from embcache.clients.lane import AsyncLaneSession, LaneSession
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
 from embcache.service.engine import CacheEngine
@@ -28,6 +29,12 @@ def server(counting_server):  # type: ignore[no-untyped-def]
     return counting_server
 
 
+@pytest.fixture(params=[True, False], ids=["lane", "grpc"])
+def lane(request: pytest.FixtureRequest) -> bool:
+    """Session calls over the daemon's lane (lane.py) or over the gRPC Session stream."""
+    return bool(request.param)
+
+
 def target(server: tuple[CacheEngine, GrpcServerThread]) -> str:
     return f"unix:{server[1].service.socket_path}"
 
@@ -39,15 +46,16 @@ def wait_until(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-unty
     return bool(predicate())
 
 
-def test_client_gets_and_releases_on_its_session(server) -> None:
+def test_client_gets_and_releases_on_its_session(server, lane: bool) -> None:
     engine, thread = server
     calls = thread.service.servicer.metrics.calls
-    with EmbCacheClient(target(server), timeout=10) as client:
+    with EmbCacheClient(target(server), timeout=10, session_lane=lane) as client:
         src = torch.randn(300, 7)
         client.put("k", src)
         with client.get(["k", "nope"]) as (got, miss):
             assert miss is None and torch.equal(got, src)
             assert client._session is not None and client._session.serves_calls
+            assert isinstance(client._session, LaneSession) == lane
             assert engine.stats().leases_active == 1
         assert engine.stats().leases_active == 0
         held = client.get("k")  # the session owns the lease: closing the client ends it
@@ -57,9 +65,9 @@ def test_client_gets_and_releases_on_its_session(server) -> None:
     assert ("Get", "OK") not in calls and ("Release", "OK") not in calls
 
 
-def test_errors_come_back_typed_and_the_stream_stays_open(server) -> None:
+def test_errors_come_back_typed_and_the_stream_stays_open(server, lane: bool) -> None:
     engine, _ = server
-    with EmbCacheClient(target(server), timeout=10) as client:
+    with EmbCacheClient(target(server), timeout=10, session_lane=lane) as client:
         client.put("k", torch.ones(3))
         session = None
         for bad in (1e12, float("inf")):  # lease lifetimes the daemon refuses
@@ -73,11 +81,11 @@ def test_errors_come_back_typed_and_the_stream_stays_open(server) -> None:
     assert engine.stats().leases_active == 0
 
 
-def test_concurrent_calls_on_one_session(server) -> None:
+def test_concurrent_calls_on_one_session(server, lane: bool) -> None:
     engine, _ = server
     data = {f"k{i}": torch.full((100 + i,), float(i)) for i in range(8)}
     errors: list[BaseException] = []
-    with EmbCacheClient(target(server), timeout=10) as client:
+    with EmbCacheClient(target(server), timeout=10, session_lane=lane) as client:
         for k, t in data.items():
             client.put(k, t)
 
@@ -100,9 +108,9 @@ def test_concurrent_calls_on_one_session(server) -> None:
     assert engine.stats().leases_active == 0
 
 
-def test_a_result_nobody_waits_for_has_its_leases_released(server) -> None:
+def test_a_result_nobody_waits_for_has_its_leases_released(server, lane: bool) -> None:
     engine, _ = server
-    with EmbCacheClient(target(server), timeout=10) as client:
+    with EmbCacheClient(target(server), timeout=10, session_lane=lane) as client:
         client.put("k", torch.ones(8))
         reply = client._get_call(pb.GetRequest(keys=["k", "k"]))
         assert engine.stats().leases_active == 2
@@ -112,11 +120,11 @@ def test_a_result_nobody_waits_for_has_its_leases_released(server) -> None:
         assert wait_until(lambda: engine.stats().leases_active == 0)
 
 
-def test_daemon_without_session_calls_gets_rpcs(server) -> None:
+def test_daemon_without_session_calls_gets_rpcs(server, lane: bool) -> None:
     """A daemon that does not announce ``calls`` (an older one) is asked with RPCs."""
     _, thread = server
     calls = thread.service.servicer.metrics.calls
-    with EmbCacheClient(target(server), timeout=10) as client:
+    with EmbCacheClient(target(server), timeout=10, session_lane=lane) as client:
         client.put("k", torch.ones(2))
         client._open_session().serves_calls = False
         with client.get("k") as (t,):
@@ -124,15 +132,16 @@ def test_daemon_without_session_calls_gets_rpcs(server) -> None:
     assert ("Get", "OK") in calls and ("Release", "OK") in calls
 
 
-def test_async_client_uses_its_session(server) -> None:
+def test_async_client_uses_its_session(server, lane: bool) -> None:
     engine, thread = server
     calls = thread.service.servicer.metrics.calls
 
     async def main() -> None:
-        async with AsyncEmbCacheClient(target(server), timeout=10) as client:
+        async with AsyncEmbCacheClient(target(server), timeout=10, session_lane=lane) as client:
             src = torch.arange(50.0)
             await client.put("a", src)
             results = await asyncio.gather(*(client.get(["a", "nope"]) for _ in range(6)))
+            assert isinstance(client._session, AsyncLaneSession) == lane
             for leased in results:
                 async with leased as (got, miss):
                     assert miss is None and torch.equal(got, src)

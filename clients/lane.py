@@ -1,0 +1,289 @@
+"""The client end of the session lane: Session calls over the daemon's ``PATH.lane`` socket.
+
+Same calls and results as a gRPC Session stream (``sessions.py``), framed by a 4-byte length
+(the daemon's ``lane.py``; the .proto describes the framing), and no thread of its own: the
+caller writes its call and reads the socket itself. With several callers in flight, one of
+them at a time reads; each result it reads wakes the caller it belongs to, and the reading
+passes to whoever still waits, so no result waits for a thread hop. Closing the connection
+ends the session: the daemon releases its leases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+from google.protobuf.message import DecodeError
+
+from ..proto.embcache.v1 import embcache_pb2 as pb
+from ._wire import MAX_MESSAGE_BYTES
+from .errors import RpcFailed, from_call_error
+from .sessions import AsyncCalls, SessionLost
+
+HEADER = struct.Struct("<I")
+SUFFIX = ".lane"
+_TIMEOUT = object()  # _read_one: nothing complete arrived before the deadline
+
+
+def lane_path(target: str) -> str | None:
+    """The lane of a daemon reached at ``target``: its Unix socket path plus ``.lane``; None
+    for a TCP or abstract-socket target."""
+    if not target.startswith("unix:") or target.startswith("unix-abstract:"):
+        return None
+    path = target[len("unix:") :]
+    if path.startswith("//"):  # unix:///abs/path
+        path = path[2:]
+    return path + SUFFIX if path else None
+
+
+class _Waiter:
+    __slots__ = ("done", "result")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.result: pb.SessionResult | None = None
+
+
+class LaneSession:
+    """One session on the lane; the interface of :class:`~.sessions.Session`."""
+
+    def __init__(self, path: str, token: str | None, name: str, timeout: float) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(path)
+            sock.settimeout(None)  # blocking sends; reads wait in poll() with a deadline
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
+        self._buf = bytearray()
+        self._send_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._reading = False  # a caller is reading the socket
+        self._waiting: dict[int, _Waiter] = {}
+        self._ids = itertools.count(1)
+        self.alive = True
+        self.error: BaseException | None = None
+        self.session_id: str | None = None
+        self.serves_calls = False
+        self.serves_device_puts = False
+        try:
+            hello = pb.SessionHello(client_name=name, pid=os.getpid(), auth_token=token or "")
+            self._send(pb.SessionRequest(hello=hello))
+            first = self._read_one(time.monotonic() + timeout)
+        except BaseException:
+            self.close()
+            raise
+        if first is _TIMEOUT or first is None:
+            self.close()
+            why = "did not open in time" if first is _TIMEOUT else "closed at once"
+            raise RpcFailed(f"the session lane {why}", "UNAVAILABLE")
+        assert isinstance(first, pb.SessionResponse)
+        if first.WhichOneof("kind") != "opened":
+            self.close()
+            if first.WhichOneof("kind") == "result" and first.result.HasField("error"):
+                raise from_call_error(first.result.error)
+            raise RpcFailed("the session lane did not open", "UNKNOWN")
+        self.session_id = first.opened.session_id
+        self.serves_calls = first.opened.calls
+        self.serves_device_puts = first.opened.device_puts
+
+    # -- calls -----------------------------------------------------------------------------
+    def call(self, timeout: float, **request: Any) -> pb.SessionResult:
+        """Send a call (``get=``, ``release=``, ``put_from_device=``...) and wait for its
+        result. RpcFailed(DEADLINE_EXCEEDED) after ``timeout``; SessionLost if the lane
+        closes first."""
+        call_id = next(self._ids)
+        waiter = _Waiter()
+        with self._cond:
+            if not self.alive:
+                raise SessionLost("the session lane has closed")
+            self._waiting[call_id] = waiter
+        try:
+            self._send(pb.SessionRequest(call=pb.SessionCall(call_id=call_id, **request)))
+        except OSError as err:
+            self._lost(err)
+        self._wait(waiter, time.monotonic() + timeout)
+        with self._cond:
+            if waiter.done:
+                assert waiter.result is not None
+                return waiter.result
+            self._waiting.pop(call_id, None)
+            if not self.alive:
+                raise SessionLost("the session lane closed during the call")
+        raise RpcFailed("deadline exceeded waiting for a session call", "DEADLINE_EXCEEDED")
+
+    def _wait(self, waiter: _Waiter, deadline: float) -> None:
+        """Until ``waiter`` has its result, the lane closes or the deadline passes: wait
+        while another caller reads, else read one message and look again."""
+        cond = self._cond
+        while True:
+            with cond:
+                while self._reading and not waiter.done and self.alive:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return
+                    cond.wait(left)
+                if waiter.done or not self.alive or time.monotonic() >= deadline:
+                    return
+                self._reading = True
+            try:
+                msg = self._read_one(deadline)
+            except (OSError, DecodeError) as err:
+                msg = None
+                self.error = err
+            finally:
+                with cond:
+                    self._reading = False
+                    cond.notify_all()
+            if msg is None:
+                self._lost(None)
+            elif msg is not _TIMEOUT:
+                assert isinstance(msg, pb.SessionResponse)
+                self._dispatch(msg)
+
+    def _dispatch(self, msg: pb.SessionResponse) -> None:
+        if msg.WhichOneof("kind") == "result":
+            self._deliver(msg.result)
+        # else a pong
+
+    def _deliver(self, result: pb.SessionResult) -> None:
+        """Wake the caller of ``result``; if none waits (it gave up), free its leases."""
+        with self._cond:
+            waiter = self._waiting.pop(result.call_id, None)
+            if waiter is not None:
+                waiter.result = result
+                waiter.done = True
+                self._cond.notify_all()
+                return
+        if result.WhichOneof("outcome") == "get":  # its caller gave up: free the leases
+            ids = [r.lease_id for r in result.get.results if r.found]
+            if ids:  # call id 0: nobody waits for this result
+                release = pb.SessionCall(release=pb.ReleaseRequest(lease_ids=ids))
+                with contextlib.suppress(OSError):  # if the lane is gone, so are the leases
+                    self._send(pb.SessionRequest(call=release))
+
+    # -- the socket ------------------------------------------------------------------------
+    def _send(self, msg: pb.SessionRequest) -> None:
+        body = msg.SerializeToString()
+        with self._send_lock:
+            self._sock.sendall(HEADER.pack(len(body)) + body)
+
+    def _read_one(self, deadline: float) -> pb.SessionResponse | object | None:
+        """The next message; None at end of stream; ``_TIMEOUT`` at the deadline (a partial
+        message stays buffered for the next reader)."""
+        buf = self._buf
+        while True:
+            if len(buf) >= HEADER.size:
+                (size,) = HEADER.unpack_from(buf)
+                if size > MAX_MESSAGE_BYTES:
+                    raise OSError(f"the session lane sent a message of {size} bytes")
+                end = HEADER.size + size
+                if len(buf) >= end:
+                    msg = pb.SessionResponse.FromString(bytes(buf[HEADER.size : end]))
+                    del buf[:end]
+                    return msg
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._poll.poll(max(1, int(left * 1000) + 1)):
+                return _TIMEOUT
+            data = self._sock.recv(1 << 16)
+            if not data:
+                return None
+            buf += data
+
+    def _lost(self, err: BaseException | None) -> None:
+        with self._cond:
+            self.alive = False
+            if err is not None and self.error is None:
+                self.error = err
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """End the session (the daemon releases its leases) and close the socket."""
+        self._lost(None)
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a caller reading it
+        self._sock.close()
+
+
+class AsyncLaneSession(AsyncCalls):
+    """The asyncio twin of :class:`LaneSession`: a task reads the results."""
+
+    transport_errors = (OSError,)
+    what = "the session lane"
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        super().__init__()
+        self._reader = reader
+        self._writer = writer
+        self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def open(
+        cls, path: str, token: str | None, name: str, timeout: float
+    ) -> AsyncLaneSession:
+        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout)
+        session = cls(reader, writer)
+        try:
+            hello = pb.SessionHello(client_name=name, pid=os.getpid(), auth_token=token or "")
+            await session._send(pb.SessionRequest(hello=hello))
+            first = await asyncio.wait_for(session._read_one(), timeout)
+        except BaseException:
+            writer.close()
+            raise
+        if first is None or first.WhichOneof("kind") != "opened":
+            writer.close()
+            if first is not None and first.WhichOneof("kind") == "result":
+                raise from_call_error(first.result.error)
+            raise RpcFailed("the session lane closed at once", "UNAVAILABLE")
+        session._opened(first.opened)
+        session._task = asyncio.get_running_loop().create_task(session._drain())
+        return session
+
+    async def _read_one(self) -> pb.SessionResponse | None:
+        try:
+            head = await self._reader.readexactly(HEADER.size)
+            (size,) = HEADER.unpack(head)
+            if size > MAX_MESSAGE_BYTES:
+                raise OSError(f"the session lane sent a message of {size} bytes")
+            return pb.SessionResponse.FromString(await self._reader.readexactly(size))
+        except asyncio.IncompleteReadError:
+            return None
+
+    async def _drain(self) -> None:
+        try:
+            with contextlib.suppress(OSError, DecodeError):
+                while (msg := await self._read_one()) is not None:
+                    if msg.WhichOneof("kind") == "result":
+                        await self._deliver(msg.result)
+        finally:
+            self._fail_waiting()
+
+    async def _send(self, msg: pb.SessionRequest) -> None:
+        body = msg.SerializeToString()
+        self._writer.write(HEADER.pack(len(body)) + body)
+        await self._writer.drain()
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def close(self) -> None:
+        self._writer.close()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(OSError):
+            await self._writer.wait_closed()

@@ -1,0 +1,410 @@
+"""The session lane (service/transport/lane.py, clients/lane.py): Session calls over a plain
+Unix socket next to the gRPC one. The calls themselves are tested on both transports in
+test_grpc_session_calls.py; here: the raw wire, bad input, auth, the end of a session, the
+client's deadline and fallback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+
+from embcache.clients import EmbCacheClient
+from embcache.clients.errors import RpcFailed
+from embcache.clients.lane import AsyncLaneSession, LaneSession, lane_path
+from embcache.clients.sessions import Session, SessionLost
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.service.engine import CacheEngine
+from embcache.service.errors import Unauthenticated
+from embcache.service.transport.grpc_servicer import MAX_MESSAGE_BYTES
+from embcache.service.transport.grpc_thread import GrpcServerThread
+
+KiB, MiB = 1 << 10, 1 << 20
+HEADER = struct.Struct("<I")
+
+
+@pytest.fixture
+def server(counting_server):  # type: ignore[no-untyped-def]
+    return counting_server
+
+
+def lane_of(server: tuple[CacheEngine, GrpcServerThread]) -> str:
+    path = lane_path(f"unix:{server[1].service.socket_path}")
+    assert path is not None
+    return path
+
+
+def send(sock: socket.socket, msg: pb.SessionRequest) -> None:
+    body = msg.SerializeToString()
+    sock.sendall(HEADER.pack(len(body)) + body)
+
+
+def recv(sock: socket.socket) -> pb.SessionResponse | None:
+    """The next message, or None once the daemon closed the connection."""
+    head = _exactly(sock, HEADER.size)
+    if head is None:
+        return None
+    body = _exactly(sock, HEADER.unpack(head)[0])
+    return None if body is None else pb.SessionResponse.FromString(body)
+
+
+def _exactly(sock: socket.socket, n: int) -> bytes | None:
+    data = b""
+    while len(data) < n:
+        got = sock.recv(n - len(data))
+        if not got:
+            return None
+        data += got
+    return data
+
+
+def closed_by_daemon(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1 << 16) == b""
+    except ConnectionResetError:
+        return True
+
+
+def connect(server: tuple[CacheEngine, GrpcServerThread], hello: bool = True) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(lane_of(server))
+    if hello:
+        send(sock, pb.SessionRequest(hello=pb.SessionHello(client_name="raw", pid=1)))
+        opened = recv(sock)
+        assert opened is not None and opened.WhichOneof("kind") == "opened"
+    return sock
+
+
+def wait_until(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(predicate())
+
+
+# -- the raw wire ----------------------------------------------------------------------------
+def test_raw_calls_and_the_end_of_the_session(server) -> None:
+    engine, thread = server
+    engine.put("k", torch.arange(6, dtype=torch.int32))
+    with connect(server) as sock:
+        send(sock, pb.SessionRequest(ping=7))
+        assert recv(sock) == pb.SessionResponse(pong=7)
+        get = pb.SessionCall(call_id=5, get=pb.GetRequest(keys=["k", "nope"]))
+        send(sock, pb.SessionRequest(call=get))
+        msg = recv(sock)
+        assert msg is not None and msg.result.call_id == 5
+        found, missing = msg.result.get.results
+        assert found.found and not missing.found
+        assert engine.stats().leases_active == 1
+        assert len(thread.service.servicer.sessions) == 1
+        bad = pb.SessionCall(call_id=6, get=pb.GetRequest(keys=["k"], ttl_s=1e12))
+        send(sock, pb.SessionRequest(call=bad))  # typed error; the session stays open
+        msg = recv(sock)
+        assert msg is not None and msg.result.error.code == "INVALID_ARGUMENT"
+        assert engine.stats().leases_active == 1
+    # Closing the connection ends the session: its lease goes at once.
+    assert wait_until(lambda: engine.stats().leases_active == 0)
+    assert wait_until(lambda: len(thread.service.servicer.sessions) == 0)
+    metrics = thread.service.servicer.metrics
+    assert ("lane", "Session.Get", "OK") in metrics.by_transport
+    assert ("lane", "Session.Get", "INVALID_ARGUMENT") in metrics.by_transport
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        pytest.param(lambda: HEADER.pack(MAX_MESSAGE_BYTES + 1), id="too-large"),
+        pytest.param(lambda: HEADER.pack(3) + b"\xff\xff\xff", id="undecodable"),
+        pytest.param(lambda: HEADER.pack(0), id="empty-message"),
+    ],
+)
+def test_malformed_messages_close_the_connection(server, payload) -> None:
+    engine, thread = server
+    engine.put("k", torch.ones(4))
+    with connect(server) as sock:
+        send(sock, pb.SessionRequest(call=pb.SessionCall(call_id=1, get=pb.GetRequest(keys=["k"]))))
+        assert recv(sock) is not None
+        assert engine.stats().leases_active == 1
+        sock.sendall(payload())
+        assert closed_by_daemon(sock)
+    assert wait_until(lambda: engine.stats().leases_active == 0)
+    assert wait_until(lambda: len(thread.service.servicer.sessions) == 0)
+    with EmbCacheClient(f"unix:{thread.service.socket_path}", timeout=10) as client:
+        assert client.exists(["k"]) == [True]  # the daemon is still serving
+
+
+def test_a_call_before_the_hello_closes_the_connection(server) -> None:
+    engine, thread = server
+    engine.put("k", torch.ones(4))
+    with connect(server, hello=False) as sock:
+        send(sock, pb.SessionRequest(call=pb.SessionCall(call_id=1, get=pb.GetRequest(keys=["k"]))))
+        assert closed_by_daemon(sock)
+    assert engine.stats().leases_active == 0
+    assert len(thread.service.servicer.sessions) == 0
+
+
+@hsettings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(junk=st.lists(st.binary(max_size=64), min_size=1, max_size=4))
+def test_junk_after_the_hello_leaves_nothing_behind(server, junk: list[bytes]) -> None:
+    """Arbitrary frames (whatever they decode to) after a valid hello: the daemon answers or
+    closes the connection; afterwards no lease, session or reserved page is left."""
+    engine, thread = server
+    if not engine.exists(["k"])[0]:
+        engine.put("k", torch.ones(4))
+    with connect(server) as sock:
+        for body in junk:
+            try:
+                sock.sendall(HEADER.pack(len(body)) + body)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+    assert wait_until(lambda: engine.stats().leases_active == 0)
+    assert wait_until(lambda: len(thread.service.servicer.sessions) == 0)
+    assert wait_until(lambda: thread.service.lane.connections == 0)
+    stats = engine.stats()
+    assert stats.entries_filling == 0 and stats.reserved_filling_bytes == 0
+    assert stats.lease_owners == 0
+
+
+# -- auth -------------------------------------------------------------------------------------
+@pytest.fixture
+def token_server(server_factory) -> Iterator[tuple[CacheEngine, GrpcServerThread]]:  # type: ignore[no-untyped-def]
+    with server_factory(auth_token="s3cret") as pair:
+        yield pair
+
+
+def test_the_lane_checks_the_token(token_server) -> None:
+    _, thread = token_server
+    with connect(token_server, hello=False) as sock:
+        send(sock, pb.SessionRequest(hello=pb.SessionHello(client_name="x", auth_token="wrong")))
+        msg = recv(sock)
+        assert msg is not None and msg.result.error.code == "UNAUTHENTICATED"
+        assert closed_by_daemon(sock)
+    assert len(thread.service.servicer.sessions) == 0
+    target = f"unix:{thread.service.socket_path}"
+    with pytest.raises(Unauthenticated):
+        LaneSession(lane_of(token_server), None, "x", 5.0)
+    with EmbCacheClient(target, token="s3cret", timeout=10) as client:
+        client.put("k", torch.ones(3))
+        with client.get("k") as (t,):
+            assert torch.equal(t, torch.ones(3))
+            assert isinstance(client._session, LaneSession)
+    with (
+        EmbCacheClient(target, token="wrong", timeout=10, retries=0) as client,
+        pytest.raises(Unauthenticated),
+    ):
+        client.get("k")
+
+
+# -- the client -------------------------------------------------------------------------------
+def test_a_daemon_without_a_lane_is_reached_over_grpc(server_factory) -> None:
+    with server_factory(session_lane=False) as (_, thread):
+        assert thread.service.lane is None
+        with EmbCacheClient(f"unix:{thread.service.socket_path}", timeout=10) as client:
+            client.put("k", torch.ones(2))
+            with client.get("k") as (t,):
+                assert torch.equal(t, torch.ones(2))
+            assert isinstance(client._session, Session)
+            assert client._lane is None  # not tried again
+
+
+def test_the_lane_path_of_targets() -> None:
+    assert lane_path("unix:/run/embcache/g.sock") == "/run/embcache/g.sock.lane"
+    assert lane_path("unix:///run/g.sock") == "/run/g.sock.lane"
+    assert lane_path("127.0.0.1:7470") is None
+    assert lane_path("unix-abstract:embcache") is None
+
+
+class FakeLane:
+    """A lane that opens sessions and then answers only when told to."""
+
+    def __init__(self, directory: str) -> None:
+        self.path = str(Path(directory) / "fake.sock.lane")
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.path)
+        self.listener.listen(1)
+        self.received: list[pb.SessionRequest] = []
+        self.conn: socket.socket | None = None
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):  # until close()
+            self._serve_one()
+
+    def _serve_one(self) -> None:
+        conn, _ = self.listener.accept()
+        self.conn = conn
+        while (head := _exactly(conn, HEADER.size)) is not None:
+            body = _exactly(conn, HEADER.unpack(head)[0])
+            if body is None:
+                break
+            msg = pb.SessionRequest.FromString(body)
+            self.received.append(msg)
+            if msg.WhichOneof("kind") == "hello":
+                opened = pb.SessionOpened(session_id="session:fake", calls=True)
+                body = pb.SessionResponse(opened=opened).SerializeToString()
+                conn.sendall(HEADER.pack(len(body)) + body)
+                self.ready.set()
+
+    def answer(self, result: pb.SessionResult) -> None:
+        assert self.conn is not None
+        body = pb.SessionResponse(result=result).SerializeToString()
+        self.conn.sendall(HEADER.pack(len(body)) + body)
+
+    def close(self) -> None:
+        if self.conn is not None:
+            with contextlib.suppress(OSError):
+                self.conn.shutdown(socket.SHUT_RDWR)
+            self.conn.close()
+        self.listener.close()
+
+
+def test_deadline_then_a_late_result_is_released() -> None:
+    with tempfile.TemporaryDirectory(prefix="ecl-") as d:
+        fake = FakeLane(d)
+        try:
+            session = LaneSession(fake.path, None, "t", 5.0)
+            assert session.session_id == "session:fake" and session.serves_calls
+            t0 = time.monotonic()
+            with pytest.raises(RpcFailed) as err:
+                session.call(0.2, get=pb.GetRequest(keys=["k"]))
+            assert err.value.code == "DEADLINE_EXCEEDED"
+            assert 0.15 < time.monotonic() - t0 < 3
+            # The result arrives after its caller gave up: its lease is released. The next
+            # call reads it (callers read the socket themselves) and then its own result.
+            late = pb.GetResponse(results=[pb.GetResult(key="k", found=True, lease_id=42)])
+            fake.answer(pb.SessionResult(call_id=1, get=late))
+            fake.answer(pb.SessionResult(call_id=2, release=pb.ReleaseResponse(released=0)))
+            result = session.call(5.0, release=pb.ReleaseRequest(lease_ids=[]))
+            assert result.call_id == 2
+            assert wait_until(
+                lambda: any(
+                    m.WhichOneof("kind") == "call" and list(m.call.release.lease_ids) == [42]
+                    for m in fake.received
+                )
+            )
+            # The lane closing wakes a waiting caller with SessionLost.
+            threading.Timer(0.2, fake.close).start()
+            with pytest.raises(RpcFailed) as lost:
+                session.call(5.0, get=pb.GetRequest(keys=["k"]))
+            assert lost.value.code == "UNAVAILABLE"
+            assert not session.alive
+            session.close()
+        finally:
+            fake.close()
+
+
+def test_concurrent_callers_share_one_lane(server) -> None:
+    """Several threads with calls in flight: each gets its own result, whoever reads it."""
+    engine, thread = server
+    data = {f"k{i}": torch.full((64,), float(i)) for i in range(8)}
+    for key, value in data.items():
+        engine.put(key, value)
+    session = LaneSession(lane_of(server), None, "t", 5.0)
+    errors: list[BaseException] = []
+
+    def caller(seed: int) -> None:
+        try:
+            for j in range(50):
+                key = f"k{(seed + j) % 8}"
+                result = session.call(10.0, get=pb.GetRequest(keys=[key]))
+                (r,) = result.get.results
+                assert r.key == key and r.found
+                released = session.call(10.0, release=pb.ReleaseRequest(lease_ids=[r.lease_id]))
+                assert released.release.released == 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(s,)) for s in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors, errors[0]
+    assert engine.stats().leases_active == 0
+    session.close()
+    assert wait_until(lambda: len(thread.service.servicer.sessions) == 0)
+
+
+def test_stopping_the_server_ends_lane_sessions(server_factory) -> None:
+    with server_factory() as (engine, thread):
+        engine.put("k", torch.ones(4))
+        client = EmbCacheClient(f"unix:{thread.service.socket_path}", timeout=5, retries=0)
+        held = client.get("k")
+        assert engine.stats().leases_active == 1
+        session = client._session
+        assert isinstance(session, LaneSession)
+        path = lane_of((engine, thread))
+        thread.stop()
+        assert engine.stats().leases_active == 0
+        assert not Path(path).exists()
+        with pytest.raises(RpcFailed):
+            session.call(2.0, get=pb.GetRequest(keys=["k"]))
+        held.tensors.clear()
+        client.close()
+
+
+def test_async_lane_deadline_late_result_and_close() -> None:
+    """The asyncio client's lane: a call past its deadline, its late result's lease released,
+    a lane that closes failing the next call with SessionLost."""
+
+    async def main(fake: FakeLane) -> None:
+        session = await AsyncLaneSession.open(fake.path, None, "t", 5.0)
+        assert session.session_id == "session:fake" and session.alive
+        with pytest.raises(RpcFailed) as err:
+            await session.call(0.2, get=pb.GetRequest(keys=["k"]))
+        assert err.value.code == "DEADLINE_EXCEEDED"
+        late = pb.GetResponse(results=[pb.GetResult(key="k", found=True, lease_id=7)])
+        fake.answer(pb.SessionResult(call_id=1, get=late))
+        await asyncio.to_thread(
+            wait_until,
+            lambda: any(
+                m.WhichOneof("kind") == "call" and list(m.call.release.lease_ids) == [7]
+                for m in fake.received
+            ),
+        )
+        fake.close()
+        with pytest.raises(SessionLost):
+            await session.call(5.0, get=pb.GetRequest(keys=["k"]))
+        for _ in range(500):  # the reader task sees the end of the stream
+            if not session.alive:
+                break
+            await asyncio.sleep(0.01)
+        assert not session.alive
+        await session.close()
+
+    with tempfile.TemporaryDirectory(prefix="ecl-") as d:
+        fake = FakeLane(d)
+        try:
+            asyncio.run(main(fake))
+        finally:
+            fake.close()
+
+
+def test_async_lane_checks_the_token(token_server) -> None:
+    async def main() -> None:
+        with pytest.raises(Unauthenticated):
+            await AsyncLaneSession.open(lane_of(token_server), "wrong", "t", 5.0)
+        session = await AsyncLaneSession.open(lane_of(token_server), "s3cret", "t", 5.0)
+        result = await session.call(5.0, release=pb.ReleaseRequest())
+        assert result.release.released == 0
+        await session.close()
+
+    asyncio.run(main())
+    assert wait_until(lambda: len(token_server[1].service.servicer.sessions) == 0)
