@@ -114,14 +114,30 @@ class AsyncEmbCacheClient(AsyncPlainCalls):
                 if self._session is not None:
                     await self._session.close()  # ended: let go of its socket
                     self._session = None
-                self._session = await self._open_lane() or await self._call(
-                    lambda md, to: AsyncSession.open(self._stub, md, self._client_name, to)
-                )
-            assert self._session is not None
+                self._session = await self._new_session()
             return self._session
 
+    async def _new_session(self) -> AsyncSession | AsyncLaneSession:
+        """As ``EmbCacheClient._new_session``."""
+        attempt = 0
+        while True:
+            lane = await self._open_lane()
+            if lane is not None:
+                return lane
+            try:
+                return await AsyncSession.open(
+                    self._stub, self._auth, self._client_name, self.timeout
+                )
+            except grpc.RpcError as err:
+                if should_retry(err) and attempt < self.retries:
+                    await asyncio.sleep(backoff_s(attempt))
+                    attempt += 1
+                    continue
+                raise translate(err) from err
+
     async def _open_lane(self) -> AsyncLaneSession | None:
-        """A session on the daemon's lane; None (and gRPC from then on) if it has none."""
+        """A session on the daemon's lane; None if it has none (this session uses gRPC; the
+        next one looks for the lane again, e.g. after the daemon restarted with one)."""
         if self._lane is None:
             return None
         try:
@@ -129,8 +145,7 @@ class AsyncEmbCacheClient(AsyncPlainCalls):
                 self._lane, self._token, self._client_name, self.timeout
             )
         except OSError as err:
-            log.debug("no session lane at %s (%s): sessions use gRPC", self._lane, err)
-            self._lane = None
+            log.debug("no session lane at %s (%s): this session uses gRPC", self._lane, err)
             return None
 
     async def _get_call(self, request: pb.GetRequest) -> pb.GetResponse:

@@ -106,20 +106,35 @@ class EmbCacheClient(PlainCalls):
                 if self._session is not None:
                     self._session.close()  # ended: let go of its socket and thread
                     self._session = None
-                self._session = self._open_lane() or self._call(
-                    lambda md, to: Session(self._stub, md, self._client_name, to)
-                )
+                self._session = self._new_session()
             return self._session
 
+    def _new_session(self) -> Session | LaneSession:
+        """On the lane if the daemon has one, else a gRPC Session stream; retried on
+        UNAVAILABLE (a restarting daemon), looking for the lane each time."""
+        attempt = 0
+        while True:
+            lane = self._open_lane()
+            if lane is not None:
+                return lane
+            try:
+                return Session(self._stub, self._auth, self._client_name, self.timeout)
+            except grpc.RpcError as err:
+                if should_retry(err) and attempt < self.retries:
+                    time.sleep(backoff_s(attempt))
+                    attempt += 1
+                    continue
+                raise translate(err) from err
+
     def _open_lane(self) -> LaneSession | None:
-        """A session on the daemon's lane; None (and gRPC from then on) if it has none."""
+        """A session on the daemon's lane; None if it has none (this session uses gRPC; the
+        next one looks for the lane again, e.g. after the daemon restarted with one)."""
         if self._lane is None:
             return None
         try:
             return LaneSession(self._lane, self._token, self._client_name, self.timeout)
         except OSError as err:
-            log.debug("no session lane at %s (%s): sessions use gRPC", self._lane, err)
-            self._lane = None
+            log.debug("no session lane at %s (%s): this session uses gRPC", self._lane, err)
             return None
 
     def _get_call(self, request: pb.GetRequest) -> pb.GetResponse:

@@ -133,9 +133,9 @@ async def start_grpc(
     if socket_path is not None and settings.session_lane:
         lane = LaneServer(servicer, lane_path(socket_path), settings.auth_token)
         _prepare_socket_path(lane.path)
-    await server.start()
-    if lane is not None:
+    if lane is not None:  # first: a client that finds the gRPC socket finds the lane too
         await lane.start()
+    await server.start()
     servicer.busy.start()
     service = GrpcService(
         server, servicer, health_servicer, asyncio.get_running_loop(), ports, socket_path, lane

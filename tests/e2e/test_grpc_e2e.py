@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
@@ -26,6 +27,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from embcache.clients import EmbCacheClient
+from embcache.clients.lane import LaneSession
 from embcache.service.daemon_process import DaemonProcess, stop
 from embcache.service.errors import Unauthenticated
 
@@ -152,9 +154,9 @@ def test_encoder_and_decoder_processes(daemon: Daemon) -> None:
 HOLDER = """
 import sys, time, torch
 from embcache.clients import EmbCacheClient
-client = EmbCacheClient(sys.argv[1])
+client = EmbCacheClient(sys.argv[1], session_lane=sys.argv[2] != "stream")
 client.put("held", torch.ones(1000))
-leased = client.get(["held"] * 5)
+leased = client.get(["held"] * 5)  # a session on the lane, or a gRPC stream ("stream")
 if sys.argv[2] == "anon":  # also hold leases outside any session: they end by TTL
     from embcache.proto.embcache.v1 import embcache_pb2 as pb
     client._stub.Get(pb.GetRequest(keys=["held"] * 3))
@@ -163,7 +165,7 @@ time.sleep(60)
 """
 
 
-@pytest.mark.parametrize("mode", ["session", "anon"])
+@pytest.mark.parametrize("mode", ["session", "stream", "anon"])
 def test_sigkilled_decoder_loses_its_leases(daemon: Daemon, mode: str) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-c", HOLDER, daemon.unix, mode], stdout=subprocess.PIPE, text=True
@@ -178,11 +180,11 @@ def test_sigkilled_decoder_loses_its_leases(daemon: Daemon, mode: str) -> None:
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
             # Session leases end when the connection drops; anonymous ones by TTL.
-            bound = 5.0 if mode == "session" else LEASE_TTL_S + 3.0
+            bound = LEASE_TTL_S + 3.0 if mode == "anon" else 5.0
             started = time.monotonic()
             stats = wait_stats(client, lambda s: s["leases_active"] == 0, bound)
             assert stats["leases_active"] == 0, stats
-            if mode == "session":
+            if mode != "anon":
                 assert time.monotonic() - started < 2.0
     finally:
         reap(proc)
@@ -276,3 +278,27 @@ def test_device_rpcs_refused_cleanly_without_cuda(start_daemon) -> None:
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert ("embcache-error", "DeviceUnavailable") in err.value.trailing_metadata()
         assert stub.Exists(pb.ExistsRequest(keys=["k"])).exists == [False]
+
+
+def test_a_client_finds_the_lane_again_after_a_daemon_restart(tmp_path: Path) -> None:
+    """A decoder outlives a daemon restart (a rolling update): its next session is on the new
+    daemon's lane again, not on gRPC for good."""
+    sock = str(tmp_path / "r.sock")
+    flags = ["--grpc-socket", sock, "--host-pool-bytes", "64MiB", "--drain-grace-s", "1"]
+    first = DaemonProcess(flags, timeout=60)
+    second = None
+    try:
+        with EmbCacheClient(f"unix:{sock}", timeout=10) as client:
+            client.put("k", torch.ones(4))
+            with client.get("k"):
+                assert isinstance(client._session, LaneSession)
+            assert first.stop(timeout=30) == 0
+            second = DaemonProcess(flags, timeout=60)
+            client.put("k", torch.full((4,), 2.0))
+            with client.get("k") as (t,):
+                assert torch.equal(t, torch.full((4,), 2.0))
+                assert isinstance(client._session, LaneSession)
+    finally:
+        stop(first.proc, timeout=10, sig=signal.SIGKILL)
+        if second is not None:
+            second.stop(timeout=30)

@@ -219,7 +219,29 @@ def test_a_daemon_without_a_lane_is_reached_over_grpc(server_factory) -> None:
             with client.get("k") as (t,):
                 assert torch.equal(t, torch.ones(2))
             assert isinstance(client._session, Session)
-            assert client._lane is None  # not tried again
+
+
+def test_each_new_session_looks_for_the_lane_again(server, monkeypatch) -> None:
+    """A lane that could not be opened (the daemon was restarting) is tried again with the
+    next session, so a client does not stay on gRPC for good."""
+    engine, thread = server
+    engine.put("k", torch.ones(2))
+    real = LaneSession.__init__
+    failures = [ConnectionRefusedError("the daemon is restarting")]
+
+    def flaky(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if failures:
+            raise failures.pop()
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(LaneSession, "__init__", flaky)
+    with EmbCacheClient(f"unix:{thread.service.socket_path}", timeout=10) as client:
+        with client.get("k"):
+            assert isinstance(client._session, Session)
+        client._drop_session()  # as when the daemon restarts: the stream ends
+        with client.get("k"):
+            assert isinstance(client._session, LaneSession)
+    assert wait_until(lambda: engine.stats().leases_active == 0)
 
 
 def test_the_lane_path_of_targets() -> None:
