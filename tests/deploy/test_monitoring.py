@@ -112,7 +112,7 @@ def test_metrics_are_live_and_histograms_have_samples(exported: dict[str, Any]) 
     assert all(n.startswith("embcache_") for n in names)
     rpc = exported["families"]["embcache_rpc_duration_seconds"]
     transports = {s.labels.get("transport") for s in rpc.samples if s.name.endswith("_count")}
-    assert {"grpc", "http"} <= transports
+    assert {"grpc", "lane", "http"} <= transports  # the client's get went over the session lane
     hits = exported["families"]["embcache_hits"]
     assert [s.value for s in hits.samples if s.name == "embcache_hits_total"] == [1.0]
     # the gRPC server exports its IPC cache: nothing mapped by a CPU daemon
