@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment, print_environment
 
+from embcache.service import device_loads
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
 
@@ -300,6 +301,25 @@ def main() -> None:
                 )
             )
             if name == "auto":
+                # The head-and-tail split of a batch's copy (device_loads.HEAD_BYTES) on and
+                # off, alternating on this engine: engine instances differ by more than it.
+                split = device_loads.HEAD_BYTES
+                ab: dict[bool, list[float]] = {True: [], False: []}
+                for rep in range(2 * args.reps):
+                    on = rep % 2 == 0
+                    device_loads.HEAD_BYTES = split if on else 0
+                    ab[on].append(cold_get(e, keys))
+                device_loads.HEAD_BYTES = split
+                for on, label in ((True, "head and tail"), (False, "one copy call")):
+                    rate = BATCH * ENTRY / statistics.median(ab[on]) / 1e9
+                    gets[f"auto_{label.replace(' ', '_')}"] = rate
+                    rows.append(
+                        (
+                            f"get_to_device 16x4 MiB fragmented, auto, {label} (A/B)",
+                            rate,
+                            rate / base["h2d"],
+                        )
+                    )
                 # The same with 16 MiB entries: per-batch bookkeeping weighs 4x less.
                 for k in keys:
                     e.evict_one(k)

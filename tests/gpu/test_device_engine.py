@@ -111,6 +111,37 @@ def test_get_to_device_bytes_read_table_and_hits(engine: CacheEngine) -> None:
     assert engine.stats().leases_active == 0
 
 
+def test_a_large_batch_in_two_copy_calls(engine: CacheEngine, monkeypatch) -> None:
+    """A 48 MiB cold batch is queued as head and tail (device_loads.HEAD_BYTES), host pages
+    fragmented; every byte lands, on fragmented device pages too."""
+    fragment(engine)
+    pool = engine.device_tier.pool(0)
+    fillers = [f"dev-filler-{i}" for i in range(64)]
+    for key in fillers:
+        engine.put(key, torch.zeros(PAGE, dtype=torch.uint8))
+    engine.get_to_device(fillers, "f")
+    engine.drop_owner("f")
+    for key in fillers[::2]:  # one-page holes in the device pool as well
+        pool.drop(engine._entries.get(key))  # type: ignore[arg-type]
+    want = {f"big{i}": tensor((2048, 2048), torch.bfloat16, 50 + i) for i in range(6)}
+    for key, t in want.items():
+        engine.put(key, t)
+    calls: list[int] = []
+    real = engine.device_tier._transfer
+
+    def counting(*args):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(engine.device_tier, "_transfer", counting)
+    results, _ = engine.get_to_device(list(want), "dec")
+    assert len(calls) == 2
+    for (key, t), dl in zip(want.items(), results, strict=True):
+        assert dl is not None and not dl.resident_hit
+        assert torch.equal(on_device(engine, dl).cpu().view(torch.uint8), t.view(torch.uint8)), key
+    engine.drop_owner("dec")
+
+
 CONSUMER = r"""
 import json, sys, zlib, torch
 from embcache.clients.device import DevicePoolCache, DevicePoolHandle, materialize

@@ -408,6 +408,45 @@ def test_batch_over_fragmented_device_pages(engine: CacheEngine) -> None:
     check_tables(engine)
 
 
+@pytest.mark.parametrize(
+    ("head_bytes", "calls"),
+    # the batch: 8187 + 8192 + 8201 bytes. 0: never split; 12000: the tail would hold less
+    # than that; 16384: the batch holds less than twice that
+    [(0, 1), (8192, 2), (12000, 1), (16384, 1)],
+)
+def test_a_large_batch_is_queued_as_head_and_tail(
+    engine: CacheEngine, monkeypatch, head_bytes: int, calls: int
+) -> None:
+    """The first entries of a batch go in their own copy call when both parts hold at least
+    HEAD_BYTES; every byte lands either way, over fragmented device pages too."""
+    from embcache.service import device_loads
+
+    monkeypatch.setattr(device_loads, "HEAD_BYTES", head_bytes)
+    pool = engine.device_tier.pool(0)
+    for i in range(8):
+        engine.put(f"one{i}", blob(DEV_PAGE, 100 + i))
+    engine.get_to_device([f"one{i}" for i in range(8)], "x")
+    engine.drop_owner("x")
+    for i in range(0, 8, 2):  # four one-page holes
+        pool.drop(engine._entries.get(f"one{i}"))  # type: ignore[arg-type]
+    data = [blob(DEV_PAGE - 5, 1), blob(DEV_PAGE, 2), blob(DEV_PAGE + 9, 3)]  # 1 + 1 + 2 pages
+    for i, d in enumerate(data):
+        engine.put(f"e{i}", d)
+    seen: list[int] = []
+    real = engine.device_tier._transfer
+
+    def counting(src, dst, s, d, n, stream):  # type: ignore[no-untyped-def]
+        seen.append(int(n.sum()))
+        return real(src, dst, s, d, n, stream)
+
+    monkeypatch.setattr(engine.device_tier, "_transfer", counting)
+    got, _ = engine.get_to_device([f"e{i}" for i in range(3)], "dec")
+    assert len(seen) == calls
+    for dl, d in zip(got, data, strict=True):
+        assert dl is not None and torch.equal(device_bytes(engine, dl), d)
+    check_tables(engine)
+
+
 def test_batch_keeps_an_entry_that_fits_a_hole_contiguous(engine: CacheEngine) -> None:
     """A batch's pages come from one allocation, but an entry that fits one of its runs
     gets that run whole (a zero-copy view for clients), whatever its place in the batch."""
