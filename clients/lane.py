@@ -139,19 +139,22 @@ class LaneSession:
                     return
                 self._reading = True
             try:
-                msg = self._read_one(deadline)
-            except (OSError, DecodeError) as err:
-                msg = None
-                self.error = err
+                try:
+                    msg = self._read_one(deadline)
+                except (OSError, DecodeError) as err:
+                    msg = None
+                    self.error = err
+                # Delivered before the reading passes on: a caller that took over the
+                # reading first would sit in poll() while its own result waited here.
+                if msg is None:
+                    self._lost(None)
+                elif msg is not _TIMEOUT:
+                    assert isinstance(msg, pb.SessionResponse)
+                    self._dispatch(msg)
             finally:
                 with cond:
                     self._reading = False
                     cond.notify_all()
-            if msg is None:
-                self._lost(None)
-            elif msg is not _TIMEOUT:
-                assert isinstance(msg, pb.SessionResponse)
-                self._dispatch(msg)
 
     def _dispatch(self, msg: pb.SessionResponse) -> None:
         if msg.WhichOneof("kind") == "result":

@@ -332,6 +332,45 @@ def test_deadline_then_a_late_result_is_released() -> None:
             fake.close()
 
 
+def test_a_result_read_by_another_caller_wakes_its_own_at_once(monkeypatch) -> None:
+    """Caller A reads the socket when B's result arrives: B returns at once, not when the
+    next message (A's, a second later) comes in, however slowly A hands the result over."""
+    real = LaneSession._dispatch
+
+    def slow(self, msg):  # type: ignore[no-untyped-def]
+        time.sleep(0.1)  # as if A's thread were descheduled here
+        real(self, msg)
+
+    monkeypatch.setattr(LaneSession, "_dispatch", slow)
+    with tempfile.TemporaryDirectory(prefix="ecl-") as d:
+        fake = FakeLane(d)
+        try:
+            session = LaneSession(fake.path, None, "t", 5.0)
+            done: dict[str, float] = {}
+
+            def call(name: str) -> None:
+                session.call(5.0, release=pb.ReleaseRequest())
+                done[name] = time.monotonic()
+
+            a = threading.Thread(target=call, args=("a",))  # call id 1: it reads first
+            a.start()
+            time.sleep(0.2)
+            b = threading.Thread(target=call, args=("b",))  # call id 2: waits for the reader
+            b.start()
+            time.sleep(0.2)
+            sent = time.monotonic()
+            fake.answer(pb.SessionResult(call_id=2, release=pb.ReleaseResponse()))
+            time.sleep(1.0)
+            fake.answer(pb.SessionResult(call_id=1, release=pb.ReleaseResponse()))
+            a.join(10)
+            b.join(10)
+            assert done["b"] - sent < 0.5, done["b"] - sent
+            assert done["a"] - sent >= 1.0
+            session.close()
+        finally:
+            fake.close()
+
+
 def test_concurrent_callers_share_one_lane(server) -> None:
     """Several threads with calls in flight: each gets its own result, whoever reads it."""
     engine, thread = server
