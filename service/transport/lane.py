@@ -123,12 +123,18 @@ class _Connection(asyncio.Protocol):
         del buf[:at]
 
     def pause_writing(self) -> None:
+        # A client that sends calls but does not read their results: stop reading its
+        # calls too (backpressure, as HTTP/2 flow control gives a gRPC stream).
         self._writable = asyncio.get_running_loop().create_future()
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
 
     def resume_writing(self) -> None:
         waiter, self._writable = self._writable, None
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+        if waiter is not None and self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lane._conns.discard(self)

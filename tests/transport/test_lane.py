@@ -156,6 +156,30 @@ def test_a_call_before_the_hello_closes_the_connection(server) -> None:
     assert len(thread.service.servicer.sessions) == 0
 
 
+def test_a_client_that_does_not_read_is_held_back(server) -> None:
+    """Calls sent without reading their results: the daemon stops reading the connection
+    once its replies back up, so the sender blocks instead of the daemon's memory growing;
+    closing the connection cleans everything up."""
+    engine, thread = server
+    keys = [f"missing-{i}-" + "x" * 1000 for i in range(50)]  # a ~50 KB reply per call
+    call = pb.SessionRequest(call=pb.SessionCall(call_id=1, get=pb.GetRequest(keys=keys)))
+    body = call.SerializeToString()
+    frame = HEADER.pack(len(body)) + body
+    sent = 0
+    with connect(server) as sock:
+        sock.settimeout(2.0)
+        with pytest.raises(TimeoutError):
+            for _ in range(500):  # 25 MB if nothing held the sender back
+                sock.sendall(frame)
+                sent += 1
+    assert sent < 100, sent
+    assert wait_until(lambda: len(thread.service.servicer.sessions) == 0)
+    assert wait_until(lambda: thread.service.lane.connections == 0)
+    assert engine.stats().leases_active == 0
+    with EmbCacheClient(f"unix:{thread.service.socket_path}", timeout=10) as client:
+        assert client.exists(["nope"]) == [False]
+
+
 @hsettings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
