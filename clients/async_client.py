@@ -114,26 +114,15 @@ class AsyncEmbCacheClient(AsyncPlainCalls):
                 if self._session is not None:
                     await self._session.close()  # ended: let go of its socket
                     self._session = None
-                self._session = await self._new_session()
+                # As in EmbCacheClient: a retry looks for the lane again.
+                self._session = await self._call(self._lane_or_stream)
             return self._session
 
-    async def _new_session(self) -> AsyncSession | AsyncLaneSession:
-        """As ``EmbCacheClient._new_session``."""
-        attempt = 0
-        while True:
-            lane = await self._open_lane()
-            if lane is not None:
-                return lane
-            try:
-                return await AsyncSession.open(
-                    self._stub, self._auth, self._client_name, self.timeout
-                )
-            except grpc.RpcError as err:
-                if should_retry(err) and attempt < self.retries:
-                    await asyncio.sleep(backoff_s(attempt))
-                    attempt += 1
-                    continue
-                raise translate(err) from err
+    async def _lane_or_stream(
+        self, metadata: Any, timeout: float
+    ) -> AsyncSession | AsyncLaneSession:
+        lane = await self._open_lane()
+        return lane or await AsyncSession.open(self._stub, metadata, self._client_name, timeout)
 
     async def _open_lane(self) -> AsyncLaneSession | None:
         """A session on the daemon's lane; None if it has none (this session uses gRPC; the

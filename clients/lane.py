@@ -26,7 +26,7 @@ from google.protobuf.message import DecodeError
 from ..proto.embcache.v1 import embcache_pb2 as pb
 from ._wire import MAX_MESSAGE_BYTES
 from .errors import RpcFailed, from_call_error
-from .sessions import AsyncCalls, SessionLost
+from .sessions import AsyncCalls, SessionLost, unclaimed_release
 
 HEADER = struct.Struct("<I")
 SUFFIX = ".lane"
@@ -170,12 +170,9 @@ class LaneSession:
                 waiter.done = True
                 self._cond.notify_all()
                 return
-        if result.WhichOneof("outcome") == "get":  # its caller gave up: free the leases
-            ids = [r.lease_id for r in result.get.results if r.found]
-            if ids:  # call id 0: nobody waits for this result
-                release = pb.SessionCall(release=pb.ReleaseRequest(lease_ids=ids))
-                with contextlib.suppress(OSError):  # if the lane is gone, so are the leases
-                    self._send(pb.SessionRequest(call=release))
+        if (release := unclaimed_release(result)) is not None:  # its caller gave up
+            with contextlib.suppress(OSError):  # if the lane is gone, so are the leases
+                self._send(release)
 
     # -- the socket ------------------------------------------------------------------------
     def _send(self, msg: pb.SessionRequest) -> None:
@@ -194,7 +191,8 @@ class LaneSession:
                     raise OSError(f"the session lane sent a message of {size} bytes")
                 end = HEADER.size + size
                 if len(buf) >= end:
-                    msg = pb.SessionResponse.FromString(bytes(buf[HEADER.size : end]))
+                    with memoryview(buf) as view:  # parsed in place, not copied first
+                        msg = pb.SessionResponse.FromString(view[HEADER.size : end])
                     del buf[:end]
                     return msg
             left = deadline - time.monotonic()
@@ -223,14 +221,13 @@ class LaneSession:
 class AsyncLaneSession(AsyncCalls):
     """The asyncio twin of :class:`LaneSession`: a task reads the results."""
 
-    transport_errors = (OSError,)
+    transport_errors = (OSError, DecodeError)
     what = "the session lane"
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         super().__init__()
-        self._reader = reader
+        self._stream = reader
         self._writer = writer
-        self._task: asyncio.Task[None] | None = None
 
     @classmethod
     async def open(
@@ -241,7 +238,7 @@ class AsyncLaneSession(AsyncCalls):
         try:
             hello = pb.SessionHello(client_name=name, pid=os.getpid(), auth_token=token or "")
             await session._send(pb.SessionRequest(hello=hello))
-            first = await asyncio.wait_for(session._read_one(), timeout)
+            first = await asyncio.wait_for(session._read(), timeout)
         except BaseException:
             writer.close()
             raise
@@ -251,42 +248,27 @@ class AsyncLaneSession(AsyncCalls):
                 raise from_call_error(first.result.error)
             raise RpcFailed("the session lane closed at once", "UNAVAILABLE")
         session._opened(first.opened)
-        session._task = asyncio.get_running_loop().create_task(session._drain())
         return session
 
-    async def _read_one(self) -> pb.SessionResponse | None:
+    async def _read(self) -> pb.SessionResponse | None:
         try:
-            head = await self._reader.readexactly(HEADER.size)
+            head = await self._stream.readexactly(HEADER.size)
             (size,) = HEADER.unpack(head)
             if size > MAX_MESSAGE_BYTES:
                 raise OSError(f"the session lane sent a message of {size} bytes")
-            return pb.SessionResponse.FromString(await self._reader.readexactly(size))
+            return pb.SessionResponse.FromString(await self._stream.readexactly(size))
         except asyncio.IncompleteReadError:
             return None
-
-    async def _drain(self) -> None:
-        try:
-            with contextlib.suppress(OSError, DecodeError):
-                while (msg := await self._read_one()) is not None:
-                    if msg.WhichOneof("kind") == "result":
-                        await self._deliver(msg.result)
-        finally:
-            self._fail_waiting()
 
     async def _send(self, msg: pb.SessionRequest) -> None:
         body = msg.SerializeToString()
         self._writer.write(HEADER.pack(len(body)) + body)
         await self._writer.drain()
 
-    @property
-    def alive(self) -> bool:
-        return self._task is not None and not self._task.done()
+    def _end_transport(self) -> None:
+        self._writer.close()
 
     async def close(self) -> None:
-        self._writer.close()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await super().close()
         with contextlib.suppress(OSError):
             await self._writer.wait_closed()

@@ -13,6 +13,7 @@ after its caller gave up (deadline) hands out leases nobody holds: they are rele
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import itertools
@@ -61,6 +62,17 @@ def retry_step(result: pb.SessionResult, attempt: int, retries: int) -> str:
         if result.error.code == "UNAVAILABLE":
             return "backoff"
     raise from_call_error(result.error)
+
+
+def unclaimed_release(result: pb.SessionResult) -> pb.SessionRequest | None:
+    """For a result whose caller gave up (deadline): the call that releases the leases it
+    hands out, if any (either transport, sync or asyncio)."""
+    if result.WhichOneof("outcome") != "get":
+        return None
+    ids = [r.lease_id for r in result.get.results if r.found]
+    if not ids:
+        return None
+    return pb.SessionRequest(call=pb.SessionCall(release=pb.ReleaseRequest(lease_ids=ids)))
 
 
 class _Waiter:
@@ -129,11 +141,8 @@ class Session:
                 waiter.result = result
         if waiter is not None:
             waiter.done.set()
-        elif result.WhichOneof("outcome") == "get":  # its caller gave up: free the leases
-            ids = [r.lease_id for r in result.get.results if r.found]
-            if ids:
-                release = pb.ReleaseRequest(lease_ids=ids)
-                self._queue.put(pb.SessionRequest(call=pb.SessionCall(release=release)))
+        elif (release := unclaimed_release(result)) is not None:  # its caller gave up
+            self._queue.put(release)
 
     def call(self, timeout: float, **request: Any) -> pb.SessionResult:
         """Send a call (``get=``, ``release=``, ``put_from_device=``...) on the stream and
@@ -163,11 +172,11 @@ class Session:
         self._thread.join(timeout=5.0)
 
 
-class AsyncCalls:
-    """The calls in flight on an asyncio session of either transport (a gRPC Session stream
-    here, the session lane in ``lane.py``): call ids, the futures that wait for results, the
-    deadline, and the leases of results nobody waits for. A subclass sends messages
-    (:meth:`_send`), says whether it is :attr:`alive` and names the errors of its transport."""
+class AsyncCalls(abc.ABC):
+    """An asyncio session of either transport (a gRPC Session stream here, the session lane in
+    ``lane.py``): the task that reads results, the call ids and the futures that wait for
+    them, the deadline, and the leases of results nobody waits for. A subclass reads and
+    sends messages, ends its transport and names the errors of that transport."""
 
     transport_errors: tuple[type[BaseException], ...] = ()
     what = "the session"
@@ -178,36 +187,49 @@ class AsyncCalls:
         self.serves_device_puts = False
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[pb.SessionResult]] = {}
+        self._reader: asyncio.Task[None] | None = None
 
-    @property
-    def alive(self) -> bool:
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def _read(self) -> pb.SessionResponse | None:
+        """The next message; None at the end of the stream."""
 
-    async def _send(self, msg: pb.SessionRequest) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def _send(self, msg: pb.SessionRequest) -> None: ...
+
+    @abc.abstractmethod
+    def _end_transport(self) -> None:
+        """Cancel the stream or close the socket (which ends the session in the daemon)."""
 
     def _opened(self, opened: pb.SessionOpened) -> None:
+        """The daemon's first message: start reading results."""
         self.session_id = opened.session_id
         self.serves_calls = opened.calls
         self.serves_device_puts = opened.device_puts
+        self._reader = asyncio.get_running_loop().create_task(self._drain())
+
+    @property
+    def alive(self) -> bool:
+        return self._reader is not None and not self._reader.done()
+
+    async def _drain(self) -> None:
+        try:
+            with contextlib.suppress(*self.transport_errors, asyncio.CancelledError):
+                while (msg := await self._read()) is not None:
+                    if msg.WhichOneof("kind") == "result":
+                        await self._deliver(msg.result)
+        finally:
+            waiting, self._waiting = self._waiting, {}
+            for fut in waiting.values():
+                if not fut.done():
+                    fut.set_exception(SessionLost(f"{self.what} ended during the call"))
 
     async def _deliver(self, result: pb.SessionResult) -> None:
         fut = self._waiting.pop(result.call_id, None)
         if fut is not None and not fut.done():
             fut.set_result(result)
-        elif result.WhichOneof("outcome") == "get":  # its caller gave up: free the leases
-            ids = [r.lease_id for r in result.get.results if r.found]
-            if ids:  # (if the transport is gone, so are the leases)
-                release = pb.SessionCall(release=pb.ReleaseRequest(lease_ids=ids))
-                with contextlib.suppress(*self.transport_errors):
-                    await self._send(pb.SessionRequest(call=release))
-
-    def _fail_waiting(self) -> None:
-        """The transport ended: every waiting caller raises SessionLost."""
-        waiting, self._waiting = self._waiting, {}
-        for fut in waiting.values():
-            if not fut.done():
-                fut.set_exception(SessionLost(f"{self.what} ended during the call"))
+        elif (release := unclaimed_release(result)) is not None:  # its caller gave up
+            with contextlib.suppress(*self.transport_errors):  # gone: so are the leases
+                await self._send(release)
 
     async def call(self, timeout: float, **request: Any) -> pb.SessionResult:
         """Send a call (``get=``, ``release=``, ``put_from_device=``...) and wait for its
@@ -235,9 +257,16 @@ class AsyncCalls:
         finally:
             self._waiting.pop(call_id, None)
 
+    async def close(self) -> None:
+        self._end_transport()
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+
 
 class AsyncSession(AsyncCalls):
-    """One gRPC Session stream of the asyncio client, read by a task."""
+    """One gRPC Session stream of the asyncio client."""
 
     transport_errors = (grpc.RpcError,)
     what = "the Session stream"
@@ -245,7 +274,6 @@ class AsyncSession(AsyncCalls):
     def __init__(self, call: Any) -> None:
         super().__init__()
         self._call = call
-        self._reader: asyncio.Task[None] | None = None
         self._writing = asyncio.Lock()
 
     @classmethod
@@ -264,29 +292,15 @@ class AsyncSession(AsyncCalls):
             session._call.cancel()
             raise RpcFailed("the Session stream ended at once", "UNAVAILABLE")
         session._opened(first.opened)
-        session._reader = asyncio.get_running_loop().create_task(session._drain())
         return session
 
-    async def _drain(self) -> None:
-        try:
-            with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
-                while (msg := await self._call.read()) is not grpc.aio.EOF:
-                    if msg.WhichOneof("kind") == "result":
-                        await self._deliver(msg.result)
-        finally:
-            self._fail_waiting()
+    async def _read(self) -> pb.SessionResponse | None:
+        msg = await self._call.read()
+        return None if msg is grpc.aio.EOF else msg
 
     async def _send(self, msg: pb.SessionRequest) -> None:
         async with self._writing:
             await self._call.write(msg)
 
-    @property
-    def alive(self) -> bool:
-        return self._reader is not None and not self._reader.done()
-
-    async def close(self) -> None:
+    def _end_transport(self) -> None:
         self._call.cancel()
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader

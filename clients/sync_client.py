@@ -106,25 +106,14 @@ class EmbCacheClient(PlainCalls):
                 if self._session is not None:
                     self._session.close()  # ended: let go of its socket and thread
                     self._session = None
-                self._session = self._new_session()
+                # On the lane if the daemon has one, else a gRPC Session stream; a retry
+                # (UNAVAILABLE: a restarting daemon) looks for the lane again.
+                self._session = self._call(
+                    lambda md, to: (
+                        self._open_lane() or Session(self._stub, md, self._client_name, to)
+                    )
+                )
             return self._session
-
-    def _new_session(self) -> Session | LaneSession:
-        """On the lane if the daemon has one, else a gRPC Session stream; retried on
-        UNAVAILABLE (a restarting daemon), looking for the lane each time."""
-        attempt = 0
-        while True:
-            lane = self._open_lane()
-            if lane is not None:
-                return lane
-            try:
-                return Session(self._stub, self._auth, self._client_name, self.timeout)
-            except grpc.RpcError as err:
-                if should_retry(err) and attempt < self.retries:
-                    time.sleep(backoff_s(attempt))
-                    attempt += 1
-                    continue
-                raise translate(err) from err
 
     def _open_lane(self) -> LaneSession | None:
         """A session on the daemon's lane; None if it has none (this session uses gRPC; the

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 from google.protobuf.message import DecodeError
 
 from ...proto.embcache.v1 import embcache_pb2 as pb
+from ..errors import EmbCacheError, Unauthenticated, status_for
+from .grpc_errors import details_of
 from .grpc_servicer import MAX_MESSAGE_BYTES
 
 if TYPE_CHECKING:
@@ -112,7 +114,8 @@ class _Connection(asyncio.Protocol):
             if len(buf) < end:
                 break
             try:
-                msg = pb.SessionRequest.FromString(bytes(buf[at + HEADER.size : end]))
+                with memoryview(buf) as view:  # parsed in place, not copied first
+                    msg = pb.SessionRequest.FromString(view[at + HEADER.size : end])
             except DecodeError:
                 self._drop("undecodable message")
                 return
@@ -149,7 +152,7 @@ class _Connection(asyncio.Protocol):
             if kind != "hello":
                 self._drop("the first message must be a hello")
             elif not self.lane.authorized(msg.hello):
-                self._refuse("UNAUTHENTICATED", "missing or invalid auth token")
+                self._refuse(Unauthenticated("missing or invalid auth token"))
             else:
                 self.session = self.lane.servicer.open_session(self._send, "lane")
                 self.session.handle(msg, self._peer())
@@ -173,12 +176,14 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self.transport.write(frame(msg))
 
-    def _refuse(self, code: str, message: str) -> None:
-        log.info("lane: refused a session: %s", message)
+    def _refuse(self, err: EmbCacheError) -> None:
+        """Answer ``err`` as a failed call (code from the one error table) and close."""
+        code = status_for(err).grpc_code
+        log.info("lane: refused a session: %s", err)
         metrics = self.lane.servicer.metrics
         if metrics is not None:
             metrics.observe_rpc("lane", "Session", code, 0.0)
-        error = pb.CallError(code=code, message=message, error_type="Unauthenticated")
+        error = pb.CallError(code=code, message=details_of(err), error_type=type(err).__name__)
         self._write(pb.SessionResponse(result=pb.SessionResult(call_id=0, error=error)))
         self.close()
 
