@@ -301,8 +301,9 @@ def main() -> None:
                 )
             )
             if name == "auto":
-                # The head-and-tail split of a batch's copy (device_loads.HEAD_BYTES) on and
-                # off, alternating on this engine: engine instances differ by more than it.
+                # The head-and-tail split of a batch (device_loads.HEAD_BYTES: the head's
+                # pages reserved and its copy queued before the tail's pages are picked) on
+                # and off, alternating on this engine: engine instances differ by more.
                 split = device_loads.HEAD_BYTES
                 ab: dict[bool, list[float]] = {True: [], False: []}
                 for rep in range(2 * args.reps):

@@ -20,65 +20,57 @@ if TYPE_CHECKING:
     from .entries import Entry
 
 ROW = 16  # bytes per row of the host->device plans (pages are multiples of it)
-# A batch with at least twice this many bytes from the host is queued in two calls: its first
-# entries (this many bytes or more) as soon as their plan is made, then the rest, whose plan
-# and checks run on the host while the copy engine moves the first part (see load()).
+# A batch of at least twice this many bytes is reserved and queued in two parts: its first
+# entries (this many bytes or more), then the rest, whose pages, plan and checks are made on
+# the host while the copy engine moves the first part (see load()).
 HEAD_BYTES = 16 << 20
 Placed = tuple[Lease, Residency, bool]  # lease, residency, resident hit
 
 
 def load(
-    tier: DeviceTier, pool: DevicePool, loads: list[tuple[Entry, Residency]]
-) -> dict[str, int]:
-    """Fill fresh residencies: one ``transfer_ranges`` call gathers the entries that come
-    from the host (two for a large batch, :func:`_head_and_tail`); entries resident on a
-    faster peer GPU are copied from there."""
-    from_host: list[tuple[Entry, Residency]] = []
-    from_peers: dict[int, list[tuple[Residency, Residency, int]]] = {}
-    peer_bytes = 0
-    for entry, res in loads:
-        src_index = tier.rates.best_source(entry, pool.index, tier.pools)
-        if src_index is None:
-            if entry.nbytes:
-                from_host.append((entry, res))
-            continue
-        src_res = tier.pools[src_index].peek(entry)
-        assert src_res is not None
-        from_peers.setdefault(src_index, []).append((src_res, res, entry.nbytes))
-        peer_bytes += entry.nbytes
-    for src_index, items in from_peers.items():  # one queue of copies per source GPU
-        copy_between_pools(tier.pools[src_index], pool, items)
-    host_bytes = sum(entry.nbytes for entry, _ in from_host)
-    # The copy is queued first, so the copy engine starts as soon as possible; the
-    # table updates (tombstones of this batch's evictions, then one bind launch) are
-    # queued behind it, by the caller's flush. Stream order keeps that safe: the copy
-    # writes pages no reader holds (freed pages, read only by earlier work on this
-    # stream), and copies never read the tables.
+    tier: DeviceTier, pool: DevicePool, todo: list[Entry], loads: list[tuple[Entry, Residency]]
+) -> dict[str, int] | None:
+    """Reserve device pages for ``todo`` (found entries with no copy in ``pool``, pinned by
+    the caller) and queue their copies: from the host with one ``transfer_ranges`` call per
+    part (two parts for a large batch, :func:`head_and_tail`), from a faster peer GPU where
+    one holds the entry. Appends each reserved ``(entry, residency)`` to ``loads`` as it is
+    made, so a caller that fails later knows what to drop. None: the pool cannot hold the
+    batch (the parts reserved before are in ``loads``)."""
+    copied = {"h2d": 0, "d2d": 0}
+    # Each part's copy is queued as soon as its pages are picked, so the copy engine starts
+    # after the head's bookkeeping, not the whole batch's; the tail's pages, plan and checks
+    # are made while it copies. The pins keep the head's entries (and so its fresh pages)
+    # from the tail's evictions. The table updates (tombstones of this batch's evictions,
+    # then one bind launch) are queued behind the copies, by the caller's flush. Stream
+    # order keeps that safe: a copy writes pages no reader holds (freed pages, read only by
+    # earlier work on this stream), and copies never read the tables.
     # (Queuing the copy in one call per entry measured no faster on the H200 and slower
-    # when device pages are fragmented: 2756 against 1828 us for 16 x 4 MiB. Splitting only
-    # the copy call after planning the whole batch started it 15 us sooner. Planning and
-    # queuing the head first moves it ahead of the tail's plan and checks.)
-    for part in _head_and_tail(from_host, host_bytes):
-        _copy_from_host(tier, pool, part)
+    # when device pages are fragmented: 2756 against 1828 us for 16 x 4 MiB.)
+    for part in head_and_tail(todo):
+        fresh = pool.reserve_batch(part)
+        if fresh is None:
+            return None
+        reserved = list(zip(part, fresh, strict=True))
+        loads.extend(reserved)
+        _queue_copies(tier, pool, reserved, copied)
     event = tier._record(pool.stream)  # what the results wait for: the copies only
     for _, res in loads:
         res.event = event
     pool.bind([res for _, res in loads])  # one table launch for the whole batch
-    tier._engine._count_copy("h2d", host_bytes)
-    if peer_bytes:
-        tier._engine._count_copy("d2d", peer_bytes)
-    return {"h2d": host_bytes, "d2d": peer_bytes}
+    tier._engine._count_copy("h2d", copied["h2d"])
+    if copied["d2d"]:
+        tier._engine._count_copy("d2d", copied["d2d"])
+    return copied
 
 
-def _head_and_tail(
-    batch: list[tuple[Entry, Residency]], total: int
-) -> list[list[tuple[Entry, Residency]]]:
-    """``batch`` (``total`` bytes) as one part, or as its leading entries that hold
-    ``HEAD_BYTES`` and the rest, when both parts would hold at least that much."""
+def head_and_tail(batch: list[Entry]) -> list[list[Entry]]:
+    """``batch`` as one part, or as its leading entries that hold ``HEAD_BYTES`` and the
+    rest, when both parts would hold at least that much."""
+    total = sum(entry.nbytes for entry in batch)
     if HEAD_BYTES <= 0 or total < 2 * HEAD_BYTES:
         return [batch] if batch else []
     head, cut = 0, len(batch)
-    for i, (entry, _) in enumerate(batch):
+    for i, entry in enumerate(batch):
         head += entry.nbytes
         if head >= HEAD_BYTES:
             cut = i + 1
@@ -86,6 +78,34 @@ def _head_and_tail(
     if total - head < HEAD_BYTES:
         return [batch]
     return [batch[:cut], batch[cut:]]
+
+
+def _queue_copies(
+    tier: DeviceTier,
+    pool: DevicePool,
+    reserved: list[tuple[Entry, Residency]],
+    copied: dict[str, int],
+) -> None:
+    """Queue the copies that fill ``reserved``: one ``transfer_ranges`` call for those from
+    the host, one queue per peer GPU for those a faster peer holds; adds their bytes to
+    ``copied``."""
+    from_host: list[tuple[Entry, Residency]] = []
+    from_peers: dict[int, list[tuple[Residency, Residency, int]]] = {}
+    for entry, res in reserved:
+        src_index = tier.rates.best_source(entry, pool.index, tier.pools)
+        if src_index is None:
+            if entry.nbytes:
+                from_host.append((entry, res))
+                copied["h2d"] += entry.nbytes
+            continue
+        src_res = tier.pools[src_index].peek(entry)
+        assert src_res is not None
+        from_peers.setdefault(src_index, []).append((src_res, res, entry.nbytes))
+        copied["d2d"] += entry.nbytes
+    if from_host:
+        _copy_from_host(tier, pool, from_host)
+    for src_index, items in from_peers.items():  # one queue of copies per source GPU
+        copy_between_pools(tier.pools[src_index], pool, items)
 
 
 def _copy_from_host(

@@ -163,19 +163,18 @@ class DeviceTier:
                     seen.add(entry)
                     if pool.lookup(entry) is None:
                         todo.append(entry)
-                fresh = pool.reserve_batch(todo) if todo else []
-                if fresh is None:
+                # The copies are queued before the leases are made, so they start sooner:
+                # making them cannot fail, and the pins keep every entry of the batch in place.
+                # ``loads`` holds what is reserved so far, for the unwinding below.
+                done = device_loads.load(self, pool, todo, loads) if todo else copied
+                if done is None:
                     raise PoolExhausted(
                         "device pool is full of leased entries",
                         device=device,
                         nbytes=sum(x.nbytes for x in todo),
                         device_pages=pool.num_pages,
                     )
-                loads = list(zip(todo, fresh, strict=True))
-                # The copy is queued before the leases are made, so it starts sooner: making
-                # them cannot fail, and the pins keep every entry of the batch in place.
-                if loads:
-                    copied = device_loads.load(self, pool, loads)
+                copied = done
                 leases = e._lease_pinned(entries, owner, now + ttl)
                 loaded = {id(entry) for entry, _ in loads}
                 for lease in leases:

@@ -112,8 +112,8 @@ def test_get_to_device_bytes_read_table_and_hits(engine: CacheEngine) -> None:
 
 
 def test_a_large_batch_in_two_copy_calls(engine: CacheEngine, monkeypatch) -> None:
-    """A 48 MiB cold batch is queued as head and tail (device_loads.HEAD_BYTES), host pages
-    fragmented; every byte lands, on fragmented device pages too."""
+    """A 48 MiB cold batch is reserved and queued as head and tail (device_loads.HEAD_BYTES),
+    host pages fragmented; every byte lands, on fragmented device pages too."""
     fragment(engine)
     pool = engine.device_tier.pool(0)
     fillers = [f"dev-filler-{i}" for i in range(64)]
@@ -140,6 +140,32 @@ def test_a_large_batch_in_two_copy_calls(engine: CacheEngine, monkeypatch) -> No
         assert dl is not None and not dl.resident_hit
         assert torch.equal(on_device(engine, dl).cpu().view(torch.uint8), t.view(torch.uint8)), key
     engine.drop_owner("dec")
+
+
+def test_a_tail_that_does_not_fit_frees_the_head_behind_its_copy(engine: CacheEngine) -> None:
+    """The head's copy is queued, then the tail finds the pool full of leased entries: the
+    call fails and the head's pages are free at once. The next batch, queued behind that
+    copy on the pool's stream, takes those pages and reads back its own bytes."""
+    held = {f"held{i}": tensor((1024, 1024), torch.bfloat16, 80 + i) for i in range(40)}
+    for key, t in held.items():  # 80 of the pool's 128 MiB, leased below
+        engine.put(key, t)
+    engine.get_to_device(list(held), "holder")
+    want = {f"late{i}": tensor((2048, 2048), torch.bfloat16, 90 + i) for i in range(8)}
+    for key, t in want.items():  # 64 MiB: a 16 MiB head fits, the tail does not
+        engine.put(key, t)
+    free = engine.stats().device[0].free_pages
+    with pytest.raises(PoolExhausted):
+        engine.get_to_device(list(want), "dec")
+    assert engine.stats().device[0].free_pages == free
+    keys = list(want)[:2]  # 16 MiB, into the pages the head's copy is still writing
+    results, _ = engine.get_to_device(keys, "dec")
+    for key, dl in zip(keys, results, strict=True):
+        assert dl is not None
+        got = on_device(engine, dl).cpu().view(torch.uint8)
+        assert torch.equal(got, want[key].view(torch.uint8)), key
+    engine.drop_owner("dec")
+    engine.drop_owner("holder")
+    assert engine.stats().leases_active == 0
 
 
 CONSUMER = r"""

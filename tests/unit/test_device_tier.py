@@ -417,8 +417,9 @@ def test_batch_over_fragmented_device_pages(engine: CacheEngine) -> None:
 def test_a_large_batch_is_queued_as_head_and_tail(
     engine: CacheEngine, monkeypatch, head_bytes: int, calls: int
 ) -> None:
-    """The first entries of a batch go in their own copy call when both parts hold at least
-    HEAD_BYTES; every byte lands either way, over fragmented device pages too."""
+    """The first entries of a batch get their pages and their own copy call before the rest
+    get theirs, when both parts hold at least HEAD_BYTES; every byte lands either way, over
+    fragmented device pages too."""
     from embcache.service import device_loads
 
     monkeypatch.setattr(device_loads, "HEAD_BYTES", head_bytes)
@@ -432,18 +433,61 @@ def test_a_large_batch_is_queued_as_head_and_tail(
     data = [blob(DEV_PAGE - 5, 1), blob(DEV_PAGE, 2), blob(DEV_PAGE + 9, 3)]  # 1 + 1 + 2 pages
     for i, d in enumerate(data):
         engine.put(f"e{i}", d)
-    seen: list[int] = []
+    seen: list[tuple[str, int]] = []
+    real, reserve = engine.device_tier._transfer, pool.reserve_batch
+
+    def counting(src, dst, s, d, n, stream):  # type: ignore[no-untyped-def]
+        seen.append(("copy", int(n.sum())))
+        return real(src, dst, s, d, n, stream)
+
+    def reserving(entries):  # type: ignore[no-untyped-def]
+        seen.append(("reserve", len(entries)))
+        return reserve(entries)
+
+    monkeypatch.setattr(engine.device_tier, "_transfer", counting)
+    monkeypatch.setattr(pool, "reserve_batch", reserving)
+    got, _ = engine.get_to_device([f"e{i}" for i in range(3)], "dec")
+    assert [kind for kind, _ in seen] == ["reserve", "copy"] * calls  # each part in turn
+    assert sum(n for kind, n in seen if kind == "reserve") == 3
+    for dl, d in zip(got, data, strict=True):
+        assert dl is not None and torch.equal(device_bytes(engine, dl), d)
+    check_tables(engine)
+
+
+def test_a_tail_that_does_not_fit_gives_the_head_back(engine: CacheEngine, monkeypatch) -> None:
+    """The head's copy is queued before the tail's pages are picked; when the tail finds
+    no room (the rest of the pool is leased), the call fails as a whole: no lease, no pin,
+    no residency, every page of the head free again and the tables as before."""
+    from embcache.service import device_loads
+
+    monkeypatch.setattr(device_loads, "HEAD_BYTES", 2 * DEV_PAGE)
+    pool = engine.device_tier.pool(0)
+    for i in range(3):
+        engine.put(f"held{i}", blob(DEV_PAGE, 50 + i))
+    held, _ = engine.get_to_device([f"held{i}" for i in range(3)], "holder")  # 3 of 8 pages
+    for i in range(4):
+        engine.put(f"e{i}", blob(2 * DEV_PAGE, i))  # 8 pages: the head (4) fits, the tail not
+    copies: list[int] = []
     real = engine.device_tier._transfer
 
     def counting(src, dst, s, d, n, stream):  # type: ignore[no-untyped-def]
-        seen.append(int(n.sum()))
+        copies.append(int(n.sum()))
         return real(src, dst, s, d, n, stream)
 
     monkeypatch.setattr(engine.device_tier, "_transfer", counting)
-    got, _ = engine.get_to_device([f"e{i}" for i in range(3)], "dec")
-    assert len(seen) == calls
-    for dl, d in zip(got, data, strict=True):
-        assert dl is not None and torch.equal(device_bytes(engine, dl), d)
+    with pytest.raises(PoolExhausted) as info:
+        engine.get_to_device([f"e{i}" for i in range(4)], "dec")
+    assert len(copies) == 1  # the head's copy was queued first
+    assert info.value.details["nbytes"] == 8 * DEV_PAGE  # the whole batch
+    s = engine.stats()
+    assert s.leases_active == 3 and s.device[0].free_pages == 5 and s.device_resident == [3]
+    assert all(engine._entries.get(f"e{i}").ref_cnt == 0 for i in range(4))  # type: ignore[union-attr]
+    assert not any(pool.is_resident(engine._entries.get(f"e{i}")) for i in range(4))  # type: ignore[arg-type]
+    check_tables(engine)
+    engine.release(h.lease.lease_id for h in held if h is not None)
+    got, _ = engine.get_to_device([f"e{i}" for i in range(4)], "dec")  # room now
+    for i, g in enumerate(got):
+        assert g is not None and torch.equal(device_bytes(engine, g), blob(2 * DEV_PAGE, i))
     check_tables(engine)
 
 
