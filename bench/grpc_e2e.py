@@ -319,7 +319,7 @@ def device_gets(
             client.get(fillers[i : i + 64], device="cuda").release()
         client.evict(fillers[1::2])
         largest = client.stats()["device"][0]["largest_free_run_pages"]
-        rates: dict[bool, list[float]] = {True: [], False: []}
+        rates: dict[bool | str, list[float]] = {True: [], False: []}
         for r in range(2 * rounds):
             fast = r % 2 == 0  # alternate: default path, then the RPC path
             session.serves_calls = client._ready_events = fast
@@ -333,12 +333,27 @@ def device_gets(
             leased.release()
             client.evict(batch)  # every round meets the same holes (none is filled up)
         session.serves_calls = client._ready_events = True
+        # The same one batch at a time, with every batch stored first, as a decoder fetches
+        # what encoders put earlier: above, the client has just pushed the batch's 64 MiB
+        # through its own CPU, which leaves the get's Python cache-cold (docs/grpc.md).
+        stored = [[f"stored-{r}-{i}" for i in range(16)] for r in range(rounds)]
+        for r, batch in enumerate(stored):
+            for key in batch:
+                client.put(key, torch.full((entry,), r, dtype=torch.uint8))
+        for batch in stored:
+            t0 = time.perf_counter()
+            leased = client.get(batch, device="cuda")
+            torch.cuda.synchronize()
+            rates.setdefault("stored", []).append(16 * entry / (time.perf_counter() - t0) / 1e9)
+            leased.release()
+            client.evict(batch)  # the same holes for the next batch
         for threads in (2, 3, 4):
             gbs, cores = in_flight(client, entry, rounds, daemon_pid, threads)
             out[f"get_device_16x4MiB_frag_{threads}inflight_gbs"] = gbs
             out[f"get_device_16x4MiB_frag_{threads}inflight_cores"] = cores
         out["get_device_16x4MiB_frag_gbs"] = statistics.median(rates[True])
         out["get_device_16x4MiB_frag_rpc_gbs"] = statistics.median(rates[False])
+        out["get_device_16x4MiB_frag_stored_gbs"] = statistics.median(rates["stored"])
         out["largest_free_device_run_pages"] = largest
         src = [torch.full((entry,), i, dtype=torch.uint8, device="cuda") for i in range(16)]
         client.put("pfd-warm", src[0])
@@ -370,6 +385,9 @@ def device_gets(
     )
     out["ratio_frag_rpc_to_copy_engine"] = (
         out["get_device_16x4MiB_frag_rpc_gbs"] / out["copy_engine_64MiB_gbs"]
+    )
+    out["ratio_frag_stored_to_copy_engine"] = (
+        out["get_device_16x4MiB_frag_stored_gbs"] / out["copy_engine_64MiB_gbs"]
     )
     out["gpu"] = torch.cuda.get_device_name()
     out["gpu_uuid"] = cuda_mem.gpu_uuid(0)
@@ -502,6 +520,13 @@ def main() -> None:
             f"({stream['put_from_device_batch_16x4MiB_gbs']:.1f})"
         )
         ce = gpu["copy_engine_64MiB_gbs"]
+        print(
+            "16 x 4 MiB frag, one batch at a time, every batch stored first (above: each put "
+            f"just before its get): lane {gpu['get_device_16x4MiB_frag_stored_gbs']:.1f} GB/s, "
+            f"ratio {gpu['ratio_frag_stored_to_copy_engine']:.2f}; stream "
+            f"{stream['get_device_16x4MiB_frag_stored_gbs']:.1f} GB/s, ratio "
+            f"{stream['ratio_frag_stored_to_copy_engine']:.2f}"
+        )
         print("16 x 4 MiB frag with N batches in flight (N threads, one client); cores used")
         print("meanwhile: client (busiest thread) / daemon (busiest thread)")
         for label, res in ((", lane", gpu), (", stream", stream)):
