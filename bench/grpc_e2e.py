@@ -319,7 +319,7 @@ def device_gets(
             client.get(fillers[i : i + 64], device="cuda").release()
         client.evict(fillers[1::2])
         largest = client.stats()["device"][0]["largest_free_run_pages"]
-        rates: dict[bool | str, list[float]] = {True: [], False: []}
+        rates: dict[bool, list[float]] = {True: [], False: []}
         for r in range(2 * rounds):
             fast = r % 2 == 0  # alternate: default path, then the RPC path
             session.serves_calls = client._ready_events = fast
@@ -340,11 +340,12 @@ def device_gets(
         for r, batch in enumerate(stored):
             for key in batch:
                 client.put(key, torch.full((entry,), r, dtype=torch.uint8))
+        stored_rates = []
         for batch in stored:
             t0 = time.perf_counter()
             leased = client.get(batch, device="cuda")
             torch.cuda.synchronize()
-            rates.setdefault("stored", []).append(16 * entry / (time.perf_counter() - t0) / 1e9)
+            stored_rates.append(16 * entry / (time.perf_counter() - t0) / 1e9)
             leased.release()
             client.evict(batch)  # the same holes for the next batch
         for threads in (2, 3, 4):
@@ -353,7 +354,7 @@ def device_gets(
             out[f"get_device_16x4MiB_frag_{threads}inflight_cores"] = cores
         out["get_device_16x4MiB_frag_gbs"] = statistics.median(rates[True])
         out["get_device_16x4MiB_frag_rpc_gbs"] = statistics.median(rates[False])
-        out["get_device_16x4MiB_frag_stored_gbs"] = statistics.median(rates["stored"])
+        out["get_device_16x4MiB_frag_stored_gbs"] = statistics.median(stored_rates)
         out["largest_free_device_run_pages"] = largest
         src = [torch.full((entry,), i, dtype=torch.uint8, device="cuda") for i in range(16)]
         client.put("pfd-warm", src[0])

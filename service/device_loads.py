@@ -32,7 +32,7 @@ def load(
 ) -> dict[str, int] | None:
     """Reserve device pages for ``todo`` (found entries with no copy in ``pool``, pinned by
     the caller) and queue their copies: from the host with one ``transfer_ranges`` call per
-    part (two parts for a large batch, :func:`head_and_tail`), from a faster peer GPU where
+    part (two parts for a large batch, :func:`_head_and_tail`), from a faster peer GPU where
     one holds the entry. Appends each reserved ``(entry, residency)`` to ``loads`` as it is
     made, so a caller that fails later knows what to drop. None: the pool cannot hold the
     batch (the parts reserved before are in ``loads``)."""
@@ -46,7 +46,7 @@ def load(
     # earlier work on this stream), and copies never read the tables.
     # (Queuing the copy in one call per entry measured no faster on the H200 and slower
     # when device pages are fragmented: 2756 against 1828 us for 16 x 4 MiB.)
-    for part in head_and_tail(todo):
+    for part in _head_and_tail(todo):
         fresh = pool.reserve_batch(part)
         if fresh is None:
             return None
@@ -63,7 +63,7 @@ def load(
     return copied
 
 
-def head_and_tail(batch: list[Entry]) -> list[list[Entry]]:
+def _head_and_tail(batch: list[Entry]) -> list[list[Entry]]:
     """``batch`` as one part, or as its leading entries that hold ``HEAD_BYTES`` and the
     rest, when both parts would hold at least that much."""
     total = sum(entry.nbytes for entry in batch)

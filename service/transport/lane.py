@@ -180,20 +180,22 @@ class _Connection(asyncio.Protocol):
         """Answer ``err`` as a failed call (code from the one error table) and close."""
         code = status_for(err).grpc_code
         log.info("lane: refused a session: %s", err)
-        metrics = self.lane.servicer.metrics
-        if metrics is not None:
-            metrics.observe_rpc("lane", "Session", code, 0.0)
+        self._count(code)
         error = pb.CallError(code=code, message=details_of(err), error_type=type(err).__name__)
         self._write(pb.SessionResponse(result=pb.SessionResult(call_id=0, error=error)))
         self.close()
 
     def _drop(self, reason: str) -> None:
         log.info("lane: closing a connection: %s", reason)
-        metrics = self.lane.servicer.metrics
-        if metrics is not None:
-            metrics.observe_rpc("lane", "Session", "INVALID_ARGUMENT", 0.0)
+        self._count("INVALID_ARGUMENT")
         assert self.transport is not None
         self.transport.abort()
+
+    def _count(self, code: str) -> None:
+        """A connection refused or dropped, in the metrics as a failed Session call."""
+        metrics = self.lane.servicer.metrics
+        if metrics is not None:
+            metrics.observe_rpc("lane", "Session", code, 0.0)
 
     def close(self) -> None:
         if self.transport is not None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import tempfile
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,3 +60,44 @@ def counting_server(shm_name: str) -> Iterator[tuple[CacheEngine, GrpcServerThre
 def server_factory(shm_name: str) -> Any:
     """:func:`temp_server` for this test's segment name: ``with server_factory(**extra)``."""
     return functools.partial(temp_server, shm_name)
+
+
+def _wait_until(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` passes; whether it holds."""
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(predicate())
+
+
+def _concurrently(work: Callable[[int], None], threads: int, timeout: float = 60.0) -> None:
+    """``work(0)`` ... ``work(threads - 1)`` on as many threads at once; re-raises the first
+    failure once all have ended."""
+    errors: list[BaseException] = []
+
+    def run(seed: int) -> None:
+        try:
+            work(seed)
+        except BaseException as exc:
+            errors.append(exc)
+
+    started = [threading.Thread(target=run, args=(seed,)) for seed in range(threads)]
+    for th in started:
+        th.start()
+    for th in started:
+        th.join(timeout)
+    assert not any(th.is_alive() for th in started), "a thread did not finish in time"
+    if errors:
+        raise errors[0]
+
+
+@pytest.fixture(name="wait_until")
+def wait_until_fixture() -> Callable[..., bool]:
+    """:func:`_wait_until`: ``assert wait_until(lambda: ...)``."""
+    return _wait_until
+
+
+@pytest.fixture(name="concurrently")
+def concurrently_fixture() -> Callable[..., None]:
+    """:func:`_concurrently`: ``concurrently(work, threads)``."""
+    return _concurrently

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import queue
-import threading
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -39,14 +37,7 @@ def target(server: tuple[CacheEngine, GrpcServerThread]) -> str:
     return f"unix:{server[1].service.socket_path}"
 
 
-def wait_until(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return bool(predicate())
-
-
-def test_client_gets_and_releases_on_its_session(server, lane: bool) -> None:
+def test_client_gets_and_releases_on_its_session(server, lane: bool, wait_until) -> None:
     engine, thread = server
     calls = thread.service.servicer.metrics.calls
     with EmbCacheClient(target(server), timeout=10, session_lane=lane) as client:
@@ -81,34 +72,27 @@ def test_errors_come_back_typed_and_the_stream_stays_open(server, lane: bool) ->
     assert engine.stats().leases_active == 0
 
 
-def test_concurrent_calls_on_one_session(server, lane: bool) -> None:
+def test_concurrent_calls_on_one_session(server, lane: bool, concurrently) -> None:
     engine, _ = server
     data = {f"k{i}": torch.full((100 + i,), float(i)) for i in range(8)}
-    errors: list[BaseException] = []
+    sessions: set[int] = set()
     with EmbCacheClient(target(server), timeout=10, session_lane=lane) as client:
         for k, t in data.items():
             client.put(k, t)
 
         def reader(seed: int) -> None:
-            try:
-                for j in range(40):
-                    key = f"k{(seed + j) % 8}"
-                    with client.get([key, "nope"]) as (got, miss):
-                        assert miss is None and torch.equal(got, data[key])
-            except BaseException as exc:
-                errors.append(exc)
+            for j in range(40):
+                key = f"k{(seed + j) % 8}"
+                with client.get([key, "nope"]) as (got, miss):
+                    assert miss is None and torch.equal(got, data[key])
+                    sessions.add(id(client._session))
 
-        threads = [threading.Thread(target=reader, args=(s,)) for s in range(4)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(60)
-        assert not errors, errors[0]
-        assert len({id(client._session)}) == 1
+        concurrently(reader, 4)
+        assert len(sessions) == 1  # every reader's calls went over the one session
     assert engine.stats().leases_active == 0
 
 
-def test_a_result_nobody_waits_for_has_its_leases_released(server, lane: bool) -> None:
+def test_a_result_nobody_waits_for_has_its_leases_released(server, lane: bool, wait_until) -> None:
     engine, _ = server
     with EmbCacheClient(target(server), timeout=10, session_lane=lane) as client:
         client.put("k", torch.ones(8))
@@ -155,7 +139,7 @@ def test_async_client_uses_its_session(server, lane: bool) -> None:
     assert calls.count(("Session.Get", "OK")) == 7 and ("Session.Release", "OK") in calls
 
 
-def test_raw_session_calls(server) -> None:
+def test_raw_session_calls(server, wait_until) -> None:
     """The wire contract with generated stubs only: calls tagged by id, typed errors, a
     call without a request, and leases that end with the stream."""
     engine, _ = server
@@ -215,7 +199,7 @@ def test_raw_session_calls(server) -> None:
         assert wait_until(lambda: engine.stats().leases_active == 0)
 
 
-def test_streams_cut_during_calls_leave_no_leases(server) -> None:
+def test_streams_cut_during_calls_leave_no_leases(server, wait_until) -> None:
     """Sessions that end while their calls run (cancelled at once, or half-closed) give
     back every lease those calls took, whatever the timing."""
     engine, _ = server

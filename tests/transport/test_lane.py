@@ -88,15 +88,8 @@ def connect(server: tuple[CacheEngine, GrpcServerThread], hello: bool = True) ->
     return sock
 
 
-def wait_until(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return bool(predicate())
-
-
 # -- the raw wire ----------------------------------------------------------------------------
-def test_raw_calls_and_the_end_of_the_session(server) -> None:
+def test_raw_calls_and_the_end_of_the_session(server, wait_until) -> None:
     engine, thread = server
     engine.put("k", torch.arange(6, dtype=torch.int32))
     with connect(server) as sock:
@@ -131,7 +124,7 @@ def test_raw_calls_and_the_end_of_the_session(server) -> None:
         pytest.param(lambda: HEADER.pack(0), id="empty-message"),
     ],
 )
-def test_malformed_messages_close_the_connection(server, payload) -> None:
+def test_malformed_messages_close_the_connection(server, payload, wait_until) -> None:
     engine, thread = server
     engine.put("k", torch.ones(4))
     with connect(server) as sock:
@@ -156,7 +149,7 @@ def test_a_call_before_the_hello_closes_the_connection(server) -> None:
     assert len(thread.service.servicer.sessions) == 0
 
 
-def test_a_client_that_does_not_read_is_held_back(server) -> None:
+def test_a_client_that_does_not_read_is_held_back(server, wait_until) -> None:
     """Calls sent without reading their results: the daemon stops reading the connection
     once its replies back up, so the sender blocks instead of the daemon's memory growing;
     closing the connection cleans everything up."""
@@ -184,7 +177,7 @@ def test_a_client_that_does_not_read_is_held_back(server) -> None:
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(junk=st.lists(st.binary(max_size=64), min_size=1, max_size=4))
-def test_junk_after_the_hello_leaves_nothing_behind(server, junk: list[bytes]) -> None:
+def test_junk_after_the_hello_leaves_nothing_behind(server, junk: list[bytes], wait_until) -> None:
     """Arbitrary frames (whatever they decode to) after a valid hello: the daemon answers or
     closes the connection; afterwards no lease, session or reserved page is left."""
     engine, thread = server
@@ -245,7 +238,7 @@ def test_a_daemon_without_a_lane_is_reached_over_grpc(server_factory) -> None:
             assert isinstance(client._session, Session)
 
 
-def test_each_new_session_looks_for_the_lane_again(server, monkeypatch) -> None:
+def test_each_new_session_looks_for_the_lane_again(server, monkeypatch, wait_until) -> None:
     """A lane that could not be opened (the daemon was restarting) is tried again with the
     next session, so a client does not stay on gRPC for good."""
     engine, thread = server
@@ -321,7 +314,7 @@ class FakeLane:
         self.listener.close()
 
 
-def test_deadline_then_a_late_result_is_released() -> None:
+def test_deadline_then_a_late_result_is_released(wait_until) -> None:
     with tempfile.TemporaryDirectory(prefix="ecl-") as d:
         fake = FakeLane(d)
         try:
@@ -395,33 +388,24 @@ def test_a_result_read_by_another_caller_wakes_its_own_at_once(monkeypatch) -> N
             fake.close()
 
 
-def test_concurrent_callers_share_one_lane(server) -> None:
+def test_concurrent_callers_share_one_lane(server, wait_until, concurrently) -> None:
     """Several threads with calls in flight: each gets its own result, whoever reads it."""
     engine, thread = server
     data = {f"k{i}": torch.full((64,), float(i)) for i in range(8)}
     for key, value in data.items():
         engine.put(key, value)
     session = LaneSession(lane_of(server), None, "t", 5.0)
-    errors: list[BaseException] = []
 
     def caller(seed: int) -> None:
-        try:
-            for j in range(50):
-                key = f"k{(seed + j) % 8}"
-                result = session.call(10.0, get=pb.GetRequest(keys=[key]))
-                (r,) = result.get.results
-                assert r.key == key and r.found
-                released = session.call(10.0, release=pb.ReleaseRequest(lease_ids=[r.lease_id]))
-                assert released.release.released == 1
-        except BaseException as exc:
-            errors.append(exc)
+        for j in range(50):
+            key = f"k{(seed + j) % 8}"
+            result = session.call(10.0, get=pb.GetRequest(keys=[key]))
+            (r,) = result.get.results
+            assert r.key == key and r.found
+            released = session.call(10.0, release=pb.ReleaseRequest(lease_ids=[r.lease_id]))
+            assert released.release.released == 1
 
-    threads = [threading.Thread(target=caller, args=(s,)) for s in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
-    assert not errors, errors[0]
+    concurrently(caller, 4)
     assert engine.stats().leases_active == 0
     session.close()
     assert wait_until(lambda: len(thread.service.servicer.sessions) == 0)
@@ -445,7 +429,7 @@ def test_stopping_the_server_ends_lane_sessions(server_factory) -> None:
         client.close()
 
 
-def test_async_lane_deadline_late_result_and_close() -> None:
+def test_async_lane_deadline_late_result_and_close(wait_until) -> None:
     """The asyncio client's lane: a call past its deadline, its late result's lease released,
     a lane that closes failing the next call with SessionLost."""
 
@@ -457,7 +441,7 @@ def test_async_lane_deadline_late_result_and_close() -> None:
         assert err.value.code == "DEADLINE_EXCEEDED"
         late = pb.GetResponse(results=[pb.GetResult(key="k", found=True, lease_id=7)])
         fake.answer(pb.SessionResult(call_id=1, get=late))
-        await asyncio.to_thread(
+        assert await asyncio.to_thread(
             wait_until,
             lambda: any(
                 m.WhichOneof("kind") == "call" and list(m.call.release.lease_ids) == [7]
@@ -482,7 +466,7 @@ def test_async_lane_deadline_late_result_and_close() -> None:
             fake.close()
 
 
-def test_async_lane_checks_the_token(token_server) -> None:
+def test_async_lane_checks_the_token(token_server, wait_until) -> None:
     async def main() -> None:
         with pytest.raises(Unauthenticated):
             await AsyncLaneSession.open(lane_of(token_server), "wrong", "t", 5.0)
