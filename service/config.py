@@ -120,6 +120,14 @@ class Settings(BaseSettings):
         0, description="Device (HBM) pool size per GPU; 0 disables the device tier."
     )
     device_page_bytes: ByteSize = Field(256 * 1024, description="Device page size in bytes.")
+    device_free_reserve: float = Field(
+        1 / 16,
+        ge=0,
+        le=0.5,
+        description="Share of each device pool kept free: after a Get, least recently used "
+        "unleased copies are evicted until this much is free, so a cold Get of up to that "
+        "size takes its pages without evicting on its path (0: evict only on demand).",
+    )
     shm_name: str = Field(
         "",
         description="Name of the POSIX shared-memory segment of the host pool "

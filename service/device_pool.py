@@ -98,6 +98,7 @@ class DevicePool:
         self.failed = False  # a device error took the pool out of service
         self.failure = ""
         self.evictions = 0
+        self.free_target = 0  # pages refill() keeps free (DeviceTier sets it from settings)
         self.hits = 0
         self.loads = 0
 
@@ -227,6 +228,21 @@ class DevicePool:
                 return res
         return None
 
+    def refill(self) -> int:
+        """Evict unleased copies, least recently used first, until ``free_target`` pages
+        (and as many consecutive virtual pages) are free, so a cold get of up to that many
+        pages reserves them without evicting on its path; returns how many went. Host
+        bookkeeping only: the next flush tombstones them."""
+        count = 0
+        target = self.free_target
+        while target and (
+            self._pages.num_free_pages < target or self._vpages.largest_free_run < target
+        ):
+            if self._evict_one() is None:
+                break
+            count += 1
+        return count
+
     def drop(self, entry: Entry) -> None:
         """Forget ``entry``'s device copy now (the caller knows nobody holds it)."""
         if self._forget(entry):
@@ -317,6 +333,18 @@ class DevicePool:
     @property
     def resident_entries(self) -> int:
         return len(self._resident)
+
+    def check_tables(self) -> None:
+        """Assert that the device tables agree with the host side: v2p and p2v are inverse,
+        each residency's vpages map to its runs, and as many pages are bound as the
+        allocator holds. Reads the tables back (and flushes nothing): tests and debugging."""
+        v2p, p2v = self.v2p.tolist(), self.p2v.tolist()
+        bound = {v: p for v, p in enumerate(v2p) if p >= 0}
+        assert {p: v for v, p in bound.items()} == {p: v for p, v in enumerate(p2v) if v >= 0}
+        for res in self._resident.values():
+            pages = [p for s, k in res.runs for p in range(s, s + k)]
+            assert [v2p[res.vstart + j] for j in range(res.npages)] == pages, res
+        assert len(bound) == self.num_pages - self._pages.num_free_pages, "bound != used"
 
     def page_states(self) -> np.ndarray:
         states = np.zeros(self.num_pages, dtype=np.uint8)

@@ -42,6 +42,8 @@ class DeviceTier:
     def __init__(self, engine: CacheEngine, pools: Sequence[DevicePool]) -> None:
         self._engine = engine
         self.pools = list(pools)
+        for pool in self.pools:  # see DevicePool.refill
+            pool.free_target = int(pool.num_pages * engine.settings.device_free_reserve)
         self._put_streams: dict[int, torch.cuda.Stream] = {}
         self._ready: dict[int, ReadyEvents] = {}  # pool index -> its ring of IPC events
         self._config = kernels.TransferConfig(sm_budget=engine.settings.copy_sm_budget)
@@ -185,6 +187,8 @@ class DeviceTier:
                     assert res is not None
                     placed.append((lease, res, id(lease.entry) not in loaded))
                 if not defer_tables:
+                    if todo:  # while the copies run, room for the next cold get
+                        pool.refill()
                     pool.flush()
             except BaseException as exc:
                 if leases is None:
@@ -244,10 +248,14 @@ class DeviceTier:
         )
 
     def flush_tables(self, device: int) -> None:
-        """Launch the page-table updates a ``defer_tables`` get left queued (if any)."""
+        """After a ``defer_tables`` get's reply: evict down to the pool's free reserve
+        (``DevicePool.refill``), then launch the page-table updates left queued (if any)."""
         pool = self._at(device)
         with self._engine._lock:
-            if pool.failed or not pool.tables_pending:
+            if pool.failed:
+                return
+            pool.refill()
+            if not pool.tables_pending:
                 return
             try:
                 pool.flush()
