@@ -3,8 +3,9 @@
 Importing this package never imports triton; the Triton kernels load on first use.
 """
 
+from embcache.kernels._env import current_stream_idle
 from embcache.kernels.host_memory import HostRegistration, register_host_memory
-from embcache.kernels.host_runs import copy_to_host_runs
+from embcache.kernels.host_runs import copy_to_host_runs, queue_to_host_runs
 from embcache.kernels.page_table import (
     alloc_bind_inplace,
     alloc_bind_inplace_reference,
@@ -32,8 +33,10 @@ __all__ = [
     "build_read_table_reference",
     "choose_backend",
     "copy_to_host_runs",
+    "current_stream_idle",
     "free_unbind_inplace",
     "free_unbind_inplace_reference",
+    "queue_to_host_runs",
     "register_host_memory",
     "transfer_ranges",
     "transfer_ranges_reference",

@@ -17,6 +17,7 @@ import numpy as np
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from the pointers (UVA)
 _SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream
+_ERROR_NOT_READY = 600  # cudaErrorNotReady: work still queued
 HOST_REGISTER_PORTABLE = 0x1
 HOST_REGISTER_MAPPED = 0x2
 
@@ -77,6 +78,7 @@ class CudaRuntime:
             ctypes.c_void_p,
             ctypes.c_uint,
         )
+        lib.cudaStreamQuery.argtypes = (ctypes.c_void_p,)
         lib.cudaHostRegister.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint)
         lib.cudaHostUnregister.argtypes = (ctypes.c_void_p,)
         self._batch = self._bind_batch(lib)
@@ -113,6 +115,14 @@ class CudaRuntime:
             "cudaMemcpyAsync",
             self._lib.cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream),
         )
+
+    def stream_idle(self, stream: int) -> bool:
+        """True when ``stream`` (a ``cudaStream_t``) has no work left."""
+        code = self._lib.cudaStreamQuery(stream)
+        if code == _ERROR_NOT_READY:
+            return False
+        self._check("cudaStreamQuery", code)
+        return True
 
     def memcpy_batch_async(
         self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -31,8 +31,16 @@ class PutOps(EngineState):
         nbytes: int | None = None,
         checksum: int | None = None,
         owner: str = "local",
+        copy_in: Callable[[tuple[tuple[int, int], ...]], None] | None = None,
     ) -> PutHandle:
-        """Validate, then reserve pages for a new entry (evicting LRU entries if needed)."""
+        """Validate, then reserve pages for a new entry (evicting LRU entries if needed).
+
+        ``copy_in(byte_runs)``, for a copy that needs no handle (a put from a device): called
+        as soon as the pages are reserved, before the entry is recorded, to queue the copy of
+        every byte into ``byte_runs`` (in order); the handle then counts them as written, and
+        the caller calls ``filled()`` once the copy is complete. Not called when the key
+        exists already. If it raises, the pages go back at once: it must not leave a copy
+        into them running."""
         key = admission.check_key(key, self.settings)
         meta = admission.check_meta(dtype, shape, nbytes, self.settings)
         crc = admission.check_checksum(checksum)
@@ -53,6 +61,13 @@ class PutOps(EngineState):
                     limit=self.settings.inflight_limit,
                 )
             runs = self._reserve(npages, meta.nbytes)
+            byte_runs = tuple(self.host_pool.byte_runs(runs, meta.nbytes))
+            if copy_in is not None:
+                try:
+                    copy_in(byte_runs)
+                except BaseException:
+                    self._alloc.free(runs)
+                    raise
             entry = Entry(
                 key,
                 meta.dtype,
@@ -67,8 +82,8 @@ class PutOps(EngineState):
             put_id = next(self._put_ids)
             self._filling[put_id] = (entry, owner)
             self._inflight[owner] += meta.nbytes
-        byte_runs = tuple(self.host_pool.byte_runs(entry.runs, meta.nbytes))
-        return PutHandle(self, put_id, entry, byte_runs, crc)
+        written = meta.nbytes if copy_in is not None else 0
+        return PutHandle(self, put_id, entry, byte_runs, crc, written)
 
     def put(self, key: str, tensor: torch.Tensor, *, owner: str = "local") -> bool:
         """Store a CPU tensor in one call. True if created, False if it already existed."""

@@ -48,6 +48,7 @@ class PutHandle:
         entry: Entry,
         byte_runs: tuple[tuple[int, int], ...],
         checksum: int | None,
+        written: int = 0,
     ) -> None:
         self._engine = engine  # None: the key already exists; bytes are checked, then dropped
         self._put_id = put_id
@@ -58,7 +59,7 @@ class PutHandle:
         self._lock = threading.Lock()
         self._run = 0  # index of the byte run the next byte goes to
         self._run_off = 0  # offset inside that run
-        self.written = 0
+        self.written = written  # all of it when begin_put's copy_in queued the copy
         self.done = False
 
     @property

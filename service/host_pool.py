@@ -17,6 +17,7 @@ import logging
 import mmap
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -143,6 +144,6 @@ class HostPool:
         return self._closed
 
     # -- access --------------------------------------------------------------------------
-    def byte_runs(self, runs: tuple[tuple[int, int], ...], nbytes: int) -> list[tuple[int, int]]:
+    def byte_runs(self, runs: Sequence[tuple[int, int]], nbytes: int) -> list[tuple[int, int]]:
         """Byte ranges ``(offset, length)`` that hold the first ``nbytes`` of page runs."""
         return page_byte_runs(runs, self.page_bytes, nbytes)

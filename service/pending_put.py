@@ -70,7 +70,6 @@ class PendingPut:
             self.wait()
             if self.loaded_bytes:
                 self._tier._observe("d2h", self.loaded_bytes, time.perf_counter() - self._start)
-                self._tier._engine._count_copy("d2h", self.loaded_bytes)
             for handle in self._handles:  # every checksum before any commit
                 handle.filled()
             return [handle.commit() for handle in self._handles]
@@ -109,23 +108,34 @@ def start_puts(
         handles = []
         try:
             for (key, src), dtype, crc in zip(items, dtypes, checksums, strict=True):
-                handle = e.begin_put(key, dtype, tuple(src.shape), owner=owner, checksum=crc)
+
+                def copy(byte_runs: tuple[tuple[int, int], ...], src: torch.Tensor = src) -> None:
+                    # Queued the moment the pages are reserved (begin_put's copy_in): the
+                    # entry's own bookkeeping runs while the copy engine moves the bytes.
+                    stream = tier._stream_for(src)
+                    try:
+                        _queue_d2h(tier, src, byte_runs, stream)
+                    except BaseException:
+                        if stream is not None:  # the pages go back at once: nothing may
+                            stream.synchronize()  # still be copied into them
+                        raise
+                    if stream is not None:
+                        streams[id(stream)] = stream
+
+                handle = e.begin_put(
+                    key, dtype, tuple(src.shape), owner=owner, checksum=crc, copy_in=copy
+                )
                 stack.enter_context(handle)
                 handles.append(handle)
                 if handle.exists_already:
                     handle.skip_bytes()
                     continue
-
-                def copy(byte_runs: tuple[tuple[int, int], ...], src: torch.Tensor = src) -> None:
-                    stream = _queue_d2h(tier, src, byte_runs)
-                    if stream is not None:
-                        streams[id(stream)] = stream
-
-                handle.fill_with(copy, complete=False)
                 nbytes += handle.nbytes
             for handle in handles:  # while the copies run: what a first get needs planned
                 if not handle.exists_already:
                     tier.prepare(handle.entry)
+            if nbytes:  # counted as queued, in the copies' shadow
+                e._count_copy("d2h", nbytes)
         except BaseException:
             for stream in streams.values():  # freed pages must not still be copied into
                 stream.synchronize()
@@ -145,31 +155,40 @@ def _source_dtype(src: torch.Tensor) -> str:
 
 
 def _queue_d2h(
-    tier: DeviceTier, src: torch.Tensor, byte_runs: tuple[tuple[int, int], ...]
-) -> torch.cuda.Stream | None:
-    """Queue the copy of contiguous ``src`` into the host byte runs (filled in order) and
-    return the stream it runs on (None: done already, a CPU tensor, or no bytes).
+    tier: DeviceTier,
+    src: torch.Tensor,
+    byte_runs: tuple[tuple[int, int], ...],
+    stream: torch.cuda.Stream | None,
+) -> None:
+    """Queue the copy of contiguous ``src`` into the host byte runs (filled in order) on
+    ``stream``, the put stream of ``src``'s device (None: a CPU tensor, copied at once).
 
     Runs of copy-engine size go straight to the copy engine (``copy_to_host_runs``: a put
     waits for its copy, so the host time before it counts); small runs, or a backend forced
     in the settings, take ``transfer_ranges``' general path."""
     total = sum(n for _, n in byte_runs)
     if not total:
-        return None
+        return
     host = tier._engine.host_pool
-    stream = tier._stream_for(src)
     if stream is not None:
         # An in-process producer may still be writing src on its stream: the copy waits for
         # that stream's work, unless it has none left (a query costs less than a wait).
-        current = torch.cuda.current_stream(src.get_device())
-        if not current.query():
-            stream.wait_stream(current)
+        index = src.get_device()
+        if not kernels.current_stream_idle(index):
+            stream.wait_stream(torch.cuda.current_stream(index))
     big = len(byte_runs) == 1 or total >= len(byte_runs) * tier._config.copy_engine_from_bytes
     if tier._engine.settings.copy_backend == "auto" and big:
+        if stream is not None and host.registered:
+            # What copy_to_host_runs would check holds here: src is contiguous on the
+            # stream's device (checked before), the pool registered through the CUDA runtime,
+            # and the runs are the allocator's, adding up to src's bytes (begin_put sized
+            # them from its shape).
+            kernels.queue_to_host_runs(src, host.tensor.data_ptr(), byte_runs, stream)
+            return
         kernels.copy_to_host_runs(
             src, host.tensor, list(byte_runs), stream=stream, host_registered=host.registered
         )
-        return stream
+        return
     flat = src.reshape(-1).view(torch.uint8)
     row = row_bytes_for(flat.data_ptr(), total, *(off for off, _ in byte_runs))
     lengths = np.array([n for _, n in byte_runs], dtype=np.int64)
@@ -178,4 +197,3 @@ def _queue_d2h(
     tier._transfer(
         flat.view(-1, row), host.tensor.view(-1, row), src_rows, dst_rows, lengths // row, stream
     )
-    return stream

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embcache.kernels import copy_to_host_runs
+from embcache.kernels import copy_to_host_runs, queue_to_host_runs
 from embcache.kernels.host_runs import MEMCPY_MAX_RUNS
 
 HOST = 1 << 16
@@ -94,9 +94,10 @@ def test_bad_arguments_raise_and_write_nothing(build, needle) -> None:  # type: 
 
 @pytest.mark.parametrize("count", [1, MEMCPY_MAX_RUNS, MEMCPY_MAX_RUNS + 1, 64, 500])
 @pytest.mark.parametrize("registered", [False, True])
+@pytest.mark.parametrize("checked", [True, False])  # False: queue_to_host_runs
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_matches_the_spec(count: int, registered: bool) -> None:
+def test_cuda_matches_the_spec(count: int, registered: bool, checked: bool) -> None:
     from embcache.kernels import register_host_memory
 
     rng = random.Random(count)
@@ -114,7 +115,10 @@ def test_cuda_matches_the_spec(count: int, registered: bool) -> None:
         want = spec(src, host, runs)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        how = copy_to_host_runs(src, host, runs, stream=stream, host_registered=registered)
+        if checked:
+            how = copy_to_host_runs(src, host, runs, stream=stream, host_registered=registered)
+        else:
+            how = queue_to_host_runs(src, host.data_ptr(), runs, stream)
         stream.synchronize()
         assert how == ("memcpy" if count <= MEMCPY_MAX_RUNS else "batch")
         assert torch.equal(host, want)
