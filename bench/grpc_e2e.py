@@ -402,6 +402,9 @@ def gpu_section(
         return "no CUDA here: get-to-device not measured"
     sock = os.path.join(tmp, f"gpu{int(lane)}.sock")
     flags = ["--grpc-socket", sock, "--host-pool-bytes", "4GiB", "--device-pool-bytes", "1GiB"]
+    # The device pool is fragmented on purpose (device_gets); a free reserve would evict the
+    # oldest fillers into one free run for the batches to land in.
+    flags += ["--device-free-reserve", "0"]
     daemon = DaemonProcess([*flags, *pin])
     try:
         return device_gets(daemon.unix_target, iters, rounds, daemon.proc.pid, lane)

@@ -48,6 +48,7 @@ def daemon(request: pytest.FixtureRequest) -> Iterator[Daemon]:
     with tempfile.TemporaryDirectory(prefix="ecgpu-") as tmp:
         sock = os.path.join(tmp, "g.sock")
         flags = ["--grpc-socket", sock, "--host-pool-bytes", "1GiB", "--device-pool-bytes", "1GiB"]
+        flags += ["--device-free-reserve", "0"]  # the pool is fragmented on purpose below
         child = DaemonProcess([*flags, "--ipc-mode", mode, "--drain-grace-s", "1"], timeout=180)
         try:
             ready = child.ready

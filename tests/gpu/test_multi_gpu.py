@@ -62,6 +62,7 @@ def settings(shm_name: str, *, ipc_mode: str = "fd", gpus: str = "0,1") -> Setti
         device="cuda",
         gpus=gpus,
         max_entry_bytes=64 * MiB,
+        device_free_reserve=0,  # pools are fragmented on purpose (fragment())
     )
 
 
@@ -713,6 +714,7 @@ def daemon(request: pytest.FixtureRequest) -> Iterator[str]:
             *("--grpc-socket", sock, "--host-pool-bytes", "1GiB"),
             *("--device-pool-bytes", "256MiB", "--gpus", "0,1"),
             *("--ipc-mode", request.param, "--drain-grace-s", "1"),
+            *("--device-free-reserve", "0"),  # pools are fragmented on purpose below
         ]
         child = DaemonProcess(flags, timeout=120)
         try:

@@ -47,6 +47,7 @@ def daemon(request: pytest.FixtureRequest) -> Iterator[Daemon]:
     with tempfile.TemporaryDirectory(prefix="ecrest-") as tmp:
         flags = ["--grpc-socket", os.path.join(tmp, "g.sock"), "--host-pool-bytes", "1GiB"]
         flags += ["--device-pool-bytes", "512MiB", "--ipc-mode", mode, "--drain-grace-s", "1"]
+        flags += ["--device-free-reserve", "0"]  # the pool is fragmented on purpose below
         if token:
             flags += ["--auth-token", token]
         child = DaemonProcess(flags, timeout=180)
