@@ -74,6 +74,11 @@ class PutHandle:
     def exists_already(self) -> bool:
         return self._engine is None
 
+    @property
+    def has_checksum(self) -> bool:
+        """A checksum came with the put: :meth:`filled` has bytes to check."""
+        return self._checksum is not None
+
     def write(self, data: Any) -> None:
         """Append ``data`` to the entry; raises InvalidArgument past the declared size."""
         chunk = as_byte_array(data)

@@ -71,7 +71,8 @@ class PendingPut:
             if self.loaded_bytes:
                 self._tier._observe("d2h", self.loaded_bytes, time.perf_counter() - self._start)
             for handle in self._handles:  # every checksum before any commit
-                handle.filled()
+                if handle.has_checksum:
+                    handle.filled()
             return [handle.commit() for handle in self._handles]
 
     def abort(self) -> None:
