@@ -120,6 +120,12 @@ class Settings(BaseSettings):
         0, description="Device (HBM) pool size per GPU; 0 disables the device tier."
     )
     device_page_bytes: ByteSize = Field(256 * 1024, description="Device page size in bytes.")
+    device_put_landing_bytes: ByteSize = Field(
+        64 * 1024**2,
+        description="Host memory set aside for puts from a device (at most 1/16 of the host "
+        "pool): such a put takes its pages from it and queues its copy before it is checked "
+        "and recorded (0: off). Counted as free; taken back whenever room is short.",
+    )
     device_free_reserve: float = Field(
         1 / 16,
         ge=0,

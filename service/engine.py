@@ -33,6 +33,7 @@ from .errors import (
 from .host_pool import HostPool
 from .leases import Lease, LeaseTable
 from .pending_put import PendingPut
+from .put_landing import PutLanding
 from .stats import EngineStats, EntryInfo
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,8 @@ class CacheEngine(PutOps, LeaseOps, EvictOps):
             mode=int(settings.shm_mode, 8),
         )
         self._alloc = PageRunAllocator(self.host_pool.num_pages)
+        landing = settings.device_put_landing_bytes // settings.page_bytes
+        self._landing = PutLanding(min(landing, self._alloc.num_pages // 16))
         self._entries = EntryTable()
         self._filling: dict[int, tuple[Entry, str]] = {}  # put id -> (entry, owner)
         self._put_ids = itertools.count(1)

@@ -32,6 +32,7 @@ class PutOps(EngineState):
         checksum: int | None = None,
         owner: str = "local",
         copy_in: Callable[[tuple[tuple[int, int], ...]], None] | None = None,
+        pages: tuple[tuple[int, int], ...] | None = None,
     ) -> PutHandle:
         """Validate, then reserve pages for a new entry (evicting LRU entries if needed).
 
@@ -40,7 +41,12 @@ class PutOps(EngineState):
         every byte into ``byte_runs`` (in order); the handle then counts them as written, and
         the caller calls ``filled()`` once the copy is complete. Not called when the key
         exists already. If it raises, the pages go back at once: it must not leave a copy
-        into them running."""
+        into them running.
+
+        ``pages``: page runs the caller took from the put landing (:meth:`landing_pages`) and
+        queued the whole copy into already; the entry adopts them, and the handle counts
+        every byte as written. Nothing adopts them when this raises or the key exists
+        already: the caller gives them back (:meth:`return_landing`) once the copy is done."""
         key = admission.check_key(key, self.settings)
         meta = admission.check_meta(dtype, shape, nbytes, self.settings)
         crc = admission.check_checksum(checksum)
@@ -60,7 +66,11 @@ class PutOps(EngineState):
                     nbytes=meta.nbytes,
                     limit=self.settings.inflight_limit,
                 )
-            runs = self._reserve(npages, meta.nbytes)
+            if pages is None:
+                runs = self._reserve(npages, meta.nbytes)
+            else:
+                assert sum(n for _, n in pages) == npages, (pages, npages)
+                runs = list(pages)
             byte_runs = tuple(self.host_pool.byte_runs(runs, meta.nbytes))
             if copy_in is not None:
                 try:
@@ -82,7 +92,7 @@ class PutOps(EngineState):
             put_id = next(self._put_ids)
             self._filling[put_id] = (entry, owner)
             self._inflight[owner] += meta.nbytes
-        written = meta.nbytes if copy_in is not None else 0
+        written = meta.nbytes if copy_in is not None or pages is not None else 0
         return PutHandle(self, put_id, entry, byte_runs, crc, written)
 
     def put(self, key: str, tensor: torch.Tensor, *, owner: str = "local") -> bool:
@@ -95,7 +105,37 @@ class PutOps(EngineState):
             handle.write(tensor.detach().cpu().contiguous())
             return handle.commit()
 
+    # -- the put landing (put_landing.py) ------------------------------------------------
+    def landing_pages(self, key: str, nbytes: int) -> tuple[tuple[int, int], ...] | None:
+        """Pages for a put of ``nbytes`` from the put landing, to copy into before
+        :meth:`begin_put` (``pages=``); None when it has too few, or the key looks stored
+        already (an idempotent put then copies nothing)."""
+        if key in self._entries.by_key:  # a plain dict read; begin_put checks under the lock
+            return None
+        return self._landing.take(-(-nbytes // self.settings.page_bytes))
+
+    def return_landing(self, pages: tuple[tuple[int, int], ...]) -> None:
+        """Pages from :meth:`landing_pages` that no entry adopted (their copy complete)."""
+        self._landing.give_back(pages)
+
+    def top_up_landing(self) -> None:
+        """Refill the put landing to what the last puts asked for, evicting LRU entries as
+        a put would; nothing when the pool has no room to spare. Runs while a put's copy
+        does, so the next put from a device finds its pages ready."""
+        with self._lock:
+            n = self._landing.shortfall()
+            if not n or self._closed:
+                return
+            if self._alloc.num_free_pages + self._entries.evictable_pages < n:
+                return
+            self._make_room(n)
+            runs = self._alloc.allocate(n)
+            assert runs is not None, "allocation failed with enough free pages"
+            self._landing.add(runs)
+
     def _reserve(self, npages: int, nbytes: int) -> list[tuple[int, int]]:
+        if self._alloc.num_free_pages < npages and self._landing.pages:
+            self._alloc.free(self._landing.drain())  # free capacity on loan: room first
         if self._alloc.num_free_pages + self._entries.evictable_pages < npages:
             raise PoolExhausted(
                 "no room: the pool is full of leased or filling entries",
@@ -103,13 +143,18 @@ class PutOps(EngineState):
                 free_pages=self._alloc.num_free_pages,
                 evictable_pages=self._entries.evictable_pages,
             )
+        self._make_room(npages)
+        runs = self._alloc.allocate(npages)
+        assert runs is not None, "allocation failed with enough free pages"
+        return runs
+
+    def _make_room(self, npages: int) -> None:
+        """Evict LRU entries until ``npages`` pages are free (the caller checked there are
+        enough evictable ones)."""
         while self._alloc.num_free_pages < npages:
             victim = self._entries.lru_oldest()
             assert victim is not None, "evictable page count out of step with the LRU"
             self._evict_locked(victim)
-        runs = self._alloc.allocate(npages)
-        assert runs is not None, "allocation failed with enough free pages"
-        return runs
 
     def _commit_fill(self, put_id: int) -> bool:
         with self._lock:

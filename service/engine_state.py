@@ -19,6 +19,7 @@ from .config import Settings
 from .entries import Entry, EntryTable
 from .host_pool import HostPool
 from .leases import LeaseTable
+from .put_landing import PutLanding
 
 if TYPE_CHECKING:
     from .device_tier import DeviceTier
@@ -33,6 +34,7 @@ class EngineState:
     _clock: Callable[[], float]
     _lock: threading.RLock
     _alloc: PageRunAllocator
+    _landing: PutLanding  # host pages on loan to puts from a device (put_landing.py)
     _entries: EntryTable
     _filling: dict[int, tuple[Entry, str]]  # put id -> (entry, owner)
     _put_ids: itertools.count[int]

@@ -21,17 +21,19 @@ def stats(self: CacheEngine) -> EngineStats:
         self._expire_locked(self._clock())
         s = self.settings
         a = self._alloc
-        used_pages = a.num_pages - a.num_free_pages
+        landing = self._landing.pages  # free capacity on loan to device puts: counted free
+        free_pages = a.num_free_pages + landing
+        used_pages = a.num_pages - free_pages
         host = PoolStats(
             "host",
             s.host_pool_bytes,
             used_pages * s.page_bytes,
-            a.num_free_pages * s.page_bytes,
+            free_pages * s.page_bytes,
             s.page_bytes,
             a.num_pages,
             used_pages,
-            a.num_free_pages,
-            a.largest_free_run,
+            free_pages,
+            a.largest_free_run,  # runs the allocator holds (the landing's not among them)
             a.num_free_runs,
         )
         c = self._counters
@@ -56,6 +58,7 @@ def stats(self: CacheEngine) -> EngineStats:
             bytes_copied={d: c[f"copy_{d}"] for d in ("h2d", "d2h", "d2d")},
             device_resident=[pool.resident_entries for pool in self.device_tier.pools],
             draining=self._draining,
+            put_landing_bytes=landing * s.page_bytes,
         )
 
 

@@ -1,8 +1,9 @@
 """Puts from device memory whose copies are queued but not yet waited for.
 
-:func:`start_puts` reserves each item's host pages and queues its device -> host copy as
-soon as they are reserved (the copy engine moves one tensor while the next is reserved),
-then records one event per stream. The caller waits its own way (an event loop polls
+:func:`start_puts` queues each item's device -> host copy as early as it can: into pages
+from the put landing before the item is checked and recorded (``put_landing.py``), else as
+soon as its pages are reserved (the copy engine moves one tensor while the next is
+reserved), then records one event per stream. The caller waits its own way (an event loop polls
 ``done()``, a thread calls ``wait()``), then ``finish()`` checks the checksums and commits
 the batch, all or nothing; ``abort()`` gives the pages back once the copies that write them
 are complete. The source tensors must stay readable until either returns. Nothing of the
@@ -109,25 +110,10 @@ def start_puts(
         handles = []
         try:
             for (key, src), dtype, crc in zip(items, dtypes, checksums, strict=True):
-
-                def copy(byte_runs: tuple[tuple[int, int], ...], src: torch.Tensor = src) -> None:
-                    # Queued the moment the pages are reserved (begin_put's copy_in): the
-                    # entry's own bookkeeping runs while the copy engine moves the bytes.
-                    stream = tier._stream_for(src)
-                    try:
-                        _queue_d2h(tier, src, byte_runs, stream)
-                    except BaseException:
-                        if stream is not None:  # the pages go back at once: nothing may
-                            stream.synchronize()  # still be copied into them
-                        raise
-                    if stream is not None:
-                        streams[id(stream)] = stream
-
-                handle = e.begin_put(
-                    key, dtype, tuple(src.shape), owner=owner, checksum=crc, copy_in=copy
-                )
+                handle = _begin(tier, key, src, dtype, owner, crc, streams)
                 stack.enter_context(handle)
                 handles.append(handle)
+                e.top_up_landing()  # for the next put, while this copy runs
                 if handle.exists_already:
                     handle.skip_bytes()
                     continue
@@ -143,6 +129,69 @@ def start_puts(
             raise
         events = [ev for ev in map(tier._record, streams.values()) if ev is not None]
         return PendingPut(tier, handles, stack.pop_all(), events, nbytes, start)
+
+
+def _begin(
+    tier: DeviceTier,
+    key: str,
+    src: torch.Tensor,
+    dtype: str,
+    owner: str,
+    crc: int | None,
+    streams: dict[int, torch.cuda.Stream],
+) -> PutHandle:
+    """Begin the put of ``src`` with its copy queued as early as it can be: into pages
+    from the put landing before anything else (``put_landing.py``), else the moment
+    ``begin_put`` has reserved pages (its ``copy_in``). Adds the copy's stream to
+    ``streams``. Raises with nothing reserved and no copy left running."""
+    e = tier._engine
+    stream = tier._stream_for(src)
+    shape = tuple(src.shape)
+    nbytes = src.numel() * src.element_size()
+    pages = e.landing_pages(key, nbytes)
+    if pages is None:
+
+        def copy(byte_runs: tuple[tuple[int, int], ...]) -> None:
+            _queue_now(tier, src, byte_runs, stream)
+
+        handle = e.begin_put(key, dtype, shape, owner=owner, checksum=crc, copy_in=copy)
+    else:
+        _queue_now(tier, src, tuple(e.host_pool.byte_runs(pages, nbytes)), stream, pages)
+        try:  # checked and recorded while the copy engine works
+            handle = e.begin_put(key, dtype, shape, owner=owner, checksum=crc, pages=pages)
+        except BaseException:
+            _finish_stream(stream)
+            e.return_landing(pages)
+            raise
+        if handle.exists_already:  # stored meanwhile by another put: the pages go back
+            _finish_stream(stream)
+            e.return_landing(pages)
+    if stream is not None and not handle.exists_already:
+        streams[id(stream)] = stream
+    return handle
+
+
+def _queue_now(
+    tier: DeviceTier,
+    src: torch.Tensor,
+    byte_runs: tuple[tuple[int, int], ...],
+    stream: torch.cuda.Stream | None,
+    pages: tuple[tuple[int, int], ...] | None = None,
+) -> None:
+    """:func:`_queue_d2h`; if it fails, the pages it was copying into go back at once
+    (to the landing when they came from it), so nothing may still be copied into them."""
+    try:
+        _queue_d2h(tier, src, byte_runs, stream)
+    except BaseException:
+        _finish_stream(stream)
+        if pages is not None:
+            tier._engine.return_landing(pages)
+        raise
+
+
+def _finish_stream(stream: torch.cuda.Stream | None) -> None:
+    if stream is not None:
+        stream.synchronize()
 
 
 def _source_dtype(src: torch.Tensor) -> str:

@@ -42,6 +42,7 @@ class EngineStats:
     bytes_copied: dict[str, int] = field(default_factory=dict)  # direction -> bytes
     device_resident: list[int] = field(default_factory=list)  # entries resident per device
     draining: bool = False
+    put_landing_bytes: int = 0  # host pages set aside for puts from a device (free, on loan)
 
     @property
     def hit_rate(self) -> float:

@@ -71,6 +71,9 @@ class StatsResponse(_OpenModel):
         default_factory=list, description="Entries resident on each device pool."
     )
     draining: bool
+    put_landing_bytes: int = Field(
+        0, description="Host pool bytes set aside for puts from a device (counted as free)."
+    )
 
 
 class EntrySummary(_Model):
