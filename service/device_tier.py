@@ -347,6 +347,10 @@ class DeviceTier:
             observer(direction, nbytes, seconds)
 
     def close(self) -> None:
+        # Puts' copies into the host pool may still run (a put the engine dropped as it
+        # closed): they end before the pool is unregistered and unmapped after this.
+        for stream in self._put_streams.values():
+            stream.synchronize()
         for pool in self.pools:
             pool.close()
 

@@ -43,8 +43,8 @@ class PutOps(EngineState):
         exists already. If it raises, the pages go back at once: it must not leave a copy
         into them running.
 
-        ``pages``: page runs the caller took from the put landing (:meth:`landing_pages`) and
-        queued the whole copy into already; the entry adopts them, and the handle counts
+        ``pages``: page runs the caller took from the put landing and queued the whole copy
+        into already (:meth:`landing_copy`); the entry adopts them, and the handle counts
         every byte as written. Nothing adopts them when this raises or the key exists
         already: the caller gives them back (:meth:`return_landing`) once the copy is done."""
         key = admission.check_key(key, self.settings)
@@ -106,16 +106,33 @@ class PutOps(EngineState):
             return handle.commit()
 
     # -- the put landing (put_landing.py) ------------------------------------------------
-    def landing_pages(self, key: str, nbytes: int) -> tuple[tuple[int, int], ...] | None:
-        """Pages for a put of ``nbytes`` from the put landing, to copy into before
-        :meth:`begin_put` (``pages=``); None when it has too few, or the key looks stored
-        already (an idempotent put then copies nothing)."""
-        if key in self._entries.by_key:  # a plain dict read; begin_put checks under the lock
-            return None
-        return self._landing.take(-(-nbytes // self.settings.page_bytes))
+    def landing_copy(
+        self,
+        key: str,
+        nbytes: int,
+        copy_in: Callable[[tuple[tuple[int, int], ...]], None],
+    ) -> tuple[tuple[int, int], ...] | None:
+        """Take pages for a put of ``nbytes`` from the put landing and queue the copy into
+        them at once (``copy_in(byte_runs)``, as for :meth:`begin_put`), before the put is
+        checked; then :meth:`begin_put` with ``pages=``. None, with nothing copied, when
+        the landing has too few pages, the key is stored already (an idempotent put copies
+        nothing) or the engine is closed. Under the engine lock, so ``close`` never unmaps
+        the pool under a copy it has not seen queued."""
+        with self._lock:
+            if self._closed or key in self._entries.by_key:
+                return None
+            pages = self._landing.take(-(-nbytes // self.settings.page_bytes))
+            if pages is None:
+                return None
+            try:
+                copy_in(tuple(self.host_pool.byte_runs(pages, nbytes)))
+            except BaseException:
+                self._landing.give_back(pages)  # copy_in left no copy running
+                raise
+            return pages
 
     def return_landing(self, pages: tuple[tuple[int, int], ...]) -> None:
-        """Pages from :meth:`landing_pages` that no entry adopted (their copy complete)."""
+        """Pages from :meth:`landing_copy` that no entry adopted (their copy complete)."""
         self._landing.give_back(pages)
 
     def top_up_landing(self) -> None:

@@ -147,16 +147,14 @@ def _begin(
     e = tier._engine
     stream = tier._stream_for(src)
     shape = tuple(src.shape)
-    nbytes = src.numel() * src.element_size()
-    pages = e.landing_pages(key, nbytes)
+
+    def copy(byte_runs: tuple[tuple[int, int], ...]) -> None:
+        _queue_now(tier, src, byte_runs, stream)
+
+    pages = e.landing_copy(key, src.numel() * src.element_size(), copy)
     if pages is None:
-
-        def copy(byte_runs: tuple[tuple[int, int], ...]) -> None:
-            _queue_now(tier, src, byte_runs, stream)
-
         handle = e.begin_put(key, dtype, shape, owner=owner, checksum=crc, copy_in=copy)
     else:
-        _queue_now(tier, src, tuple(e.host_pool.byte_runs(pages, nbytes)), stream, pages)
         try:  # checked and recorded while the copy engine works
             handle = e.begin_put(key, dtype, shape, owner=owner, checksum=crc, pages=pages)
         except BaseException:
@@ -176,16 +174,13 @@ def _queue_now(
     src: torch.Tensor,
     byte_runs: tuple[tuple[int, int], ...],
     stream: torch.cuda.Stream | None,
-    pages: tuple[tuple[int, int], ...] | None = None,
 ) -> None:
-    """:func:`_queue_d2h`; if it fails, the pages it was copying into go back at once
-    (to the landing when they came from it), so nothing may still be copied into them."""
+    """:func:`_queue_d2h`, leaving no copy running if it fails: the pages it was copying
+    into go back at once."""
     try:
         _queue_d2h(tier, src, byte_runs, stream)
     except BaseException:
         _finish_stream(stream)
-        if pages is not None:
-            tier._engine.return_landing(pages)
         raise
 
 

@@ -4,8 +4,8 @@ A put from a device returns once its copy is complete, so all the host work befo
 is queued adds to the call: on the lent H200 host about 35 us of checking and reserving ahead
 of a 4 MiB copy of about 90 us. The landing holds a few page runs taken from the host
 allocator ahead of time. A put takes its pages from it (no allocator search, no eviction),
-queues its copy at once, and is checked, recorded and topped up while the copy engine works
-(``pending_put.py``). A put that turns out invalid gives its pages back once its copy is
+queues its copy at once (``CacheEngine.landing_copy``), and is checked, recorded and topped
+up while the copy engine works (``pending_put.py``). A put that turns out invalid gives its pages back once its copy is
 complete; nothing of it becomes visible.
 
 The pages are free capacity on loan: the engine's stats count them as free, and a put or
@@ -22,8 +22,8 @@ Run = tuple[int, int]  # (first page, number of pages)
 
 class PutLanding:
     """Page runs on loan from the host allocator (see the module's docstring). Its own lock
-    guards it, so a put takes pages without the engine lock; the engine lock is taken
-    before this one, never after."""
+    guards it (pages go back without the engine lock); where both are held, the engine
+    lock is taken first."""
 
     def __init__(self, max_pages: int) -> None:
         self.max_pages = max_pages

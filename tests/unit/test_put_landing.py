@@ -128,11 +128,16 @@ def test_a_key_stored_meanwhile_gives_the_pages_back(
     engine: CacheEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine.put_from_device("k", blob(1))
-    # Another put stores the key between the landing's look and begin_put's (the race the
-    # plain dict read cannot see): this put's pages were copied into, then nothing adopts them.
-    monkeypatch.setattr(
-        engine, "landing_pages", lambda key, nbytes: engine._landing.take(-(-nbytes // PAGE))
-    )
+    # Another put stores the key between the landing's look and begin_put's: this put's
+    # pages were copied into, then nothing adopts them.
+
+    def unaware(key: str, nbytes: int, copy_in):  # type: ignore[no-untyped-def]
+        pages = engine._landing.take(-(-nbytes // PAGE))
+        assert pages is not None
+        copy_in(tuple(engine.host_pool.byte_runs(pages, nbytes)))
+        return pages
+
+    monkeypatch.setattr(engine, "landing_copy", unaware)
     assert engine.put_from_device("k", blob(1)) is False
     assert engine._landing.pages == ENTRY_PAGES
     with pytest.raises(MetadataConflict):
@@ -180,3 +185,26 @@ def test_no_landing_when_it_is_off(shm_name: str) -> None:
         e.put_from_device("b", blob(2))
         assert e._landing.pages == 0 and e.stats().put_landing_bytes == 0
         assert torch.equal(read(e, "b"), blob(2))
+
+
+def test_a_failing_copy_gives_the_landing_pages_back(
+    engine: CacheEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine.put_from_device("warm", blob(1))
+
+    def broken(*a):  # type: ignore[no-untyped-def]
+        raise RuntimeError("the copy could not be queued")
+
+    monkeypatch.setattr(pending_put, "_queue_d2h", broken)
+    with pytest.raises(RuntimeError, match="could not be queued"):
+        engine.put_from_device("k", blob(2))
+    assert engine._landing.pages == ENTRY_PAGES
+    stats = engine.stats()
+    assert stats.entries_filling == 0 and stats.host.used_pages == ENTRY_PAGES
+
+
+def test_a_closed_engine_copies_nothing(engine: CacheEngine) -> None:
+    engine.put_from_device("warm", blob(1))
+    engine.close()
+    copies: list[object] = []
+    assert engine.landing_copy("k", NBYTES, copies.append) is None and copies == []
