@@ -114,6 +114,10 @@ class EngineCollector(Collector):
             gauge("entries", "Entries by state.", ["state"]),
             gauge("entries_by_runs", "READY entries by number of page runs.", ["runs"]),
             gauge("reserved_filling_bytes", "Bytes reserved by puts still filling."),
+            gauge(
+                "put_landing_bytes",
+                "Host pool bytes set aside for puts from a device (counted as free).",
+            ),
             gauge("leases_active", "Leases currently held."),
             gauge("lease_owners", "Distinct owners holding leases."),
             gauge("draining", "1 while the daemon drains for shutdown."),
@@ -150,6 +154,7 @@ class EngineCollector(Collector):
         for bucket, count in sorted(s.runs_per_entry.items()):
             add("entries_by_runs", [bucket], count)
         add("reserved_filling_bytes", [], s.reserved_filling_bytes)
+        add("put_landing_bytes", [], s.put_landing_bytes)
         add("leases_active", [], s.leases_active)
         add("lease_owners", [], s.lease_owners)
         add("draining", [], 1.0 if s.draining else 0.0)

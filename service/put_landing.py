@@ -5,8 +5,8 @@ is queued adds to the call: on the lent H200 host about 35 us of checking and re
 of a 4 MiB copy of about 90 us. The landing holds a few page runs taken from the host
 allocator ahead of time. A put takes its pages from it (no allocator search, no eviction),
 queues its copy at once (``CacheEngine.landing_copy``), and is checked, recorded and topped
-up while the copy engine works (``pending_put.py``). A put that turns out invalid gives its pages back once its copy is
-complete; nothing of it becomes visible.
+up while the copy engine works (``pending_put.py``). A put that turns out invalid gives its
+pages back once its copy is complete; nothing of it becomes visible.
 
 The pages are free capacity on loan: the engine's stats count them as free, and a put or
 fetch that needs room takes them all back first (``drain``). The landing aims to hold as

@@ -138,3 +138,13 @@ def test_device_copies_counted_once(shm_name: str) -> None:
         assert value(s, "embcache_pool_used_bytes", **device) == 3 * PAGE
         h2d = value(s, "embcache_copy_bandwidth_bytes_per_second_count", direction="h2d")
         assert h2d == 1
+
+
+def test_the_put_landing_is_free_capacity_on_loan(engine: CacheEngine) -> None:
+    metrics = Metrics(engine)
+    engine.put_from_device("dev", torch.ones(2 * PAGE, dtype=torch.uint8))  # asks for 2 pages
+    s = scrape(metrics)
+    host = {"tier": "host", "device": ""}
+    assert value(s, "embcache_put_landing_bytes") == 2 * PAGE  # topped up for the next one
+    assert value(s, "embcache_pool_used_bytes", **host) == 2 * PAGE  # the entry only
+    assert value(s, "embcache_pool_pages", state="free", **host) == 62
