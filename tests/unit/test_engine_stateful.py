@@ -1,4 +1,7 @@
-"""Random put/abort/get/release/evict/expire sequences against a model of the cache."""
+"""Random put/abort/get/release/evict/expire sequences against a model of the cache.
+
+Puts from a "device" (CPU tensors here) go through the put landing when they fit in it
+(``put_landing.py``): its pages must never overlap an entry's, and must count as free."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import uuid
 import hypothesis.strategies as st
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -39,6 +43,9 @@ class CacheMachine(RuleBasedStateMachine):
             shm_name=f"embcache-sm-{uuid.uuid4().hex[:12]}",
         )
         self.engine = CacheEngine(s, clock=self.clock)
+        # A landing of a quarter of the pool (the engine caps it at 1/16: 2 pages here), so
+        # most keys' puts from a device fit in it and it is often drained for room.
+        self.engine._landing.max_pages = NUM_PAGES // 4
         self.content: dict[str, bytes] = {}  # what a reader must see for each visible key
         self.leases: list = []  # live leases (not released, maybe expired)
         self.handles: list = []  # open puts: (handle, payload)
@@ -62,6 +69,23 @@ class CacheMachine(RuleBasedStateMachine):
             return
         h.write(data)
         if h.commit():
+            assert key not in self.content
+            self.content[key] = data
+
+    @rule(key=st.sampled_from(KEYS))
+    def put_from_device(self, key: str) -> None:
+        self.sync()
+        data = self.payload(key)
+        src = torch.tensor(np.frombuffer(data, dtype=np.uint8))
+        try:
+            created = self.engine.put_from_device(key, src)
+        except PoolExhausted:
+            assert self.pinned_pages() + self.filling_pages() + self.pages(key) > NUM_PAGES
+            return
+        except QuotaExceeded:
+            assert (self.filling_pages() + self.pages(key)) * PAGE > NUM_PAGES * PAGE - PAGE
+            return
+        if created:
             assert key not in self.content
             self.content[key] = data
 
@@ -188,6 +212,12 @@ class CacheMachine(RuleBasedStateMachine):
         assert seen.max(initial=0) <= 1, "two live entries share a page"
         s = e.stats()
         assert s.host.used_pages == int(seen.sum()) <= s.host.total_pages
+        landing = np.zeros(NUM_PAGES, dtype=np.int32)
+        for start, n in e._landing._runs:
+            landing[start : start + n] += 1
+        assert int(landing.sum()) == e._landing.pages == s.put_landing_bytes // PAGE
+        assert (seen + landing).max(initial=0) <= 1, "the landing lends a page in use"
+        assert e._alloc.num_pages - e._alloc.num_free_pages == int(seen.sum() + landing.sum())
         assert s.host.used_bytes <= s.host.capacity_bytes
         assert s.host.free_pages + s.host.used_pages == NUM_PAGES
 
@@ -213,7 +243,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.engine.release(ls.lease_id for ls in self.leases)
             self.engine.evict(KEYS)
             s = self.engine.stats()
-            assert s.host.free_pages == NUM_PAGES, "pages leaked"
+            assert s.host.free_pages == NUM_PAGES, "pages leaked"  # the landing's count free
             assert s.leases_active == 0 and s.entries_filling == 0 and s.entries_ready == 0
         finally:
             self.engine.close()
