@@ -141,37 +141,34 @@ class PutOps(EngineState):
         does, so the next put from a device finds its pages ready."""
         with self._lock:
             n = self._landing.shortfall()
-            if not n or self._closed:
-                return
-            if self._alloc.num_free_pages + self._entries.evictable_pages < n:
-                return
-            self._make_room(n)
-            runs = self._alloc.allocate(n)
-            assert runs is not None, "allocation failed with enough free pages"
-            self._landing.add(runs)
+            if n and not self._closed and (runs := self._take_pages(n)) is not None:
+                self._landing.add(runs)
 
     def _reserve(self, npages: int, nbytes: int) -> list[tuple[int, int]]:
         if self._alloc.num_free_pages < npages and self._landing.pages:
             self._alloc.free(self._landing.drain())  # free capacity on loan: room first
-        if self._alloc.num_free_pages + self._entries.evictable_pages < npages:
+        runs = self._take_pages(npages)
+        if runs is None:
             raise PoolExhausted(
                 "no room: the pool is full of leased or filling entries",
                 nbytes=nbytes,
                 free_pages=self._alloc.num_free_pages,
                 evictable_pages=self._entries.evictable_pages,
             )
-        self._make_room(npages)
-        runs = self._alloc.allocate(npages)
-        assert runs is not None, "allocation failed with enough free pages"
         return runs
 
-    def _make_room(self, npages: int) -> None:
-        """Evict LRU entries until ``npages`` pages are free (the caller checked there are
-        enough evictable ones)."""
+    def _take_pages(self, npages: int) -> list[tuple[int, int]] | None:
+        """``npages`` pages from the allocator, evicting LRU entries until they are free;
+        None (nothing evicted) when even evicting every unleased entry would not do."""
+        if self._alloc.num_free_pages + self._entries.evictable_pages < npages:
+            return None
         while self._alloc.num_free_pages < npages:
             victim = self._entries.lru_oldest()
             assert victim is not None, "evictable page count out of step with the LRU"
             self._evict_locked(victim)
+        runs = self._alloc.allocate(npages)
+        assert runs is not None, "allocation failed with enough free pages"
+        return runs
 
     def _commit_fill(self, put_id: int) -> bool:
         with self._lock:

@@ -149,39 +149,27 @@ def _begin(
     shape = tuple(src.shape)
 
     def copy(byte_runs: tuple[tuple[int, int], ...]) -> None:
-        _queue_now(tier, src, byte_runs, stream)
+        try:
+            _queue_d2h(tier, src, byte_runs, stream)
+        except BaseException:  # the pages go back at once: no copy may still run into them
+            _finish_stream(stream)
+            raise
 
     pages = e.landing_copy(key, src.numel() * src.element_size(), copy)
     if pages is None:
         handle = e.begin_put(key, dtype, shape, owner=owner, checksum=crc, copy_in=copy)
     else:
+        adopted = False
         try:  # checked and recorded while the copy engine works
             handle = e.begin_put(key, dtype, shape, owner=owner, checksum=crc, pages=pages)
-        except BaseException:
-            _finish_stream(stream)
-            e.return_landing(pages)
-            raise
-        if handle.exists_already:  # stored meanwhile by another put: the pages go back
-            _finish_stream(stream)
-            e.return_landing(pages)
+            adopted = not handle.exists_already  # else stored meanwhile by another put
+        finally:
+            if not adopted:  # the pages go back once the copy into them is done
+                _finish_stream(stream)
+                e.return_landing(pages)
     if stream is not None and not handle.exists_already:
         streams[id(stream)] = stream
     return handle
-
-
-def _queue_now(
-    tier: DeviceTier,
-    src: torch.Tensor,
-    byte_runs: tuple[tuple[int, int], ...],
-    stream: torch.cuda.Stream | None,
-) -> None:
-    """:func:`_queue_d2h`, leaving no copy running if it fails: the pages it was copying
-    into go back at once."""
-    try:
-        _queue_d2h(tier, src, byte_runs, stream)
-    except BaseException:
-        _finish_stream(stream)
-        raise
 
 
 def _finish_stream(stream: torch.cuda.Stream | None) -> None:

@@ -55,30 +55,19 @@ class CacheMachine(RuleBasedStateMachine):
         return self.rng.integers(0, 256, SIZES[key], dtype=np.uint8).tobytes()
 
     # -- rules ---------------------------------------------------------------------------
-    @rule(key=st.sampled_from(KEYS))
-    def put(self, key: str) -> None:
+    @rule(key=st.sampled_from(KEYS), from_device=st.booleans())
+    def put(self, key: str, from_device: bool) -> None:
         self.sync()
         data = self.payload(key)
         try:
-            h = self.engine.begin_put(key, "uint8", (len(data),))
-        except PoolExhausted:
-            assert self.pinned_pages() + self.filling_pages() + self.pages(key) > NUM_PAGES
-            return
-        except QuotaExceeded:
-            assert (self.filling_pages() + self.pages(key)) * PAGE > NUM_PAGES * PAGE - PAGE
-            return
-        h.write(data)
-        if h.commit():
-            assert key not in self.content
-            self.content[key] = data
-
-    @rule(key=st.sampled_from(KEYS))
-    def put_from_device(self, key: str) -> None:
-        self.sync()
-        data = self.payload(key)
-        src = torch.tensor(np.frombuffer(data, dtype=np.uint8))
-        try:
-            created = self.engine.put_from_device(key, src)
+            if from_device:  # a CPU "device" tensor, through the put landing when it fits
+                created = self.engine.put_from_device(
+                    key, torch.tensor(np.frombuffer(data, np.uint8))
+                )
+            else:
+                h = self.engine.begin_put(key, "uint8", (len(data),))
+                h.write(data)
+                created = h.commit()
         except PoolExhausted:
             assert self.pinned_pages() + self.filling_pages() + self.pages(key) > NUM_PAGES
             return
