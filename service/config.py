@@ -134,6 +134,14 @@ class Settings(BaseSettings):
         "unleased copies are evicted until this much is free, so a cold Get of up to that "
         "size takes its pages without evicting on its path (0: evict only on demand).",
     )
+    device_table_flush_s: float = Field(
+        0.025,
+        ge=0,
+        le=1.0,
+        description="Longest a device pool's page-table updates wait to be launched together "
+        "(0: after every Get). Copies never read the tables and a reader flushes first; "
+        "fewer launches take fewer GPU time slices from decoders in other processes.",
+    )
     shm_name: str = Field(
         "",
         description="Name of the POSIX shared-memory segment of the host pool "

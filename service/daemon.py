@@ -159,6 +159,7 @@ class Daemon:
             expired = engine.expire_leases()
             if expired:
                 log.info("expired %d leases", expired)
+            engine.device_tier.flush_due()  # page tables catch up once gets stop
 
     def _announce(self, grpc_service: Any, http_port: int, engine: CacheEngine) -> None:
         ports = list(getattr(grpc_service, "ports", []) or [])

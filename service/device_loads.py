@@ -130,7 +130,9 @@ def _copy_from_host(
 
 
 def read_table(pool: DevicePool, placed: list[Placed | None]) -> torch.Tensor:
-    """Physical pages per found key, built on the device by ``build_read_table``."""
+    """Physical pages per found key, built on the device by ``build_read_table`` from the
+    tables, which are brought up to date first."""
+    pool.flush()
     found = [p for p in placed if p is not None]
     bs = len(found)
     max_pages = max((res.npages for _, res, _ in found), default=0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -36,6 +37,7 @@ from .entries import Entry
 from .stats import PoolStats
 
 PAGE_FREE, PAGE_RESIDENT, PAGE_LEASED = 0, 1, 2
+MAX_QUEUED_UPDATES = 4096  # residencies and vpage runs a flush may wait for, at most
 
 
 @dataclass(slots=True, eq=False)
@@ -94,6 +96,9 @@ class DevicePool:
         # Table updates not launched yet, in order: ("bind", residencies) or
         # ("unbind", vpage runs). See :meth:`flush`.
         self._table_ops: list[tuple[str, list[Any]]] = []
+        self._ops_since = 0.0  # monotonic time the oldest of them was queued
+        self._ops_items = 0
+        self.flush_every_s = 0.0  # how long they may wait (DeviceTier sets it from settings)
         self._legacy_handle: bytes | None = None
         self.failed = False  # a device error took the pool out of service
         self.failure = ""
@@ -163,6 +168,9 @@ class DevicePool:
             self._queue("bind", batch)
 
     def _queue(self, kind: str, items: list[Any]) -> None:
+        if not self._table_ops:
+            self._ops_since = time.monotonic()
+        self._ops_items += len(items)
         if self._table_ops and self._table_ops[-1][0] == kind:
             self._table_ops[-1][1].extend(items)  # joins the previous op of its kind
         else:
@@ -181,6 +189,7 @@ class DevicePool:
         is queued on the pool's stream, after the copies queued before it.
         """
         ops, self._table_ops = self._table_ops, []
+        self._ops_items = 0
         ended: list[tuple[int, int]] = []  # vpage runs bound on the device, now to tombstone
         alive: dict[int, Residency] = {}  # bound since the last flush, by first vpage
         for kind, items in ops:
@@ -204,6 +213,21 @@ class DevicePool:
                     kernels.alloc_bind_inplace(vpages, runs[0][0], self.v2p, self.p2v)
                 else:
                     kernels.bind_inplace(vpages, self._ids(runs), self.v2p, self.p2v)
+
+    def flush_if_due(self) -> bool:
+        """:meth:`flush` once the oldest queued update is ``flush_every_s`` old (or too many
+        wait); True when it launched. Without MPS each launch of ours takes a GPU time
+        slice from the decoders' kernels (docs/deploy.md, MPS): a get that flushed every
+        time cost a concurrent GEMM in another process ~15%, one launch every 3 ms ~8%."""
+        if not self._table_ops:
+            return False
+        if (
+            time.monotonic() - self._ops_since < self.flush_every_s
+            and self._ops_items < MAX_QUEUED_UPDATES
+        ):
+            return False
+        self.flush()
+        return True
 
     @property
     def tables_pending(self) -> bool:
@@ -246,7 +270,7 @@ class DevicePool:
     def drop(self, entry: Entry) -> None:
         """Forget ``entry``'s device copy now (the caller knows nobody holds it)."""
         if self._forget(entry):
-            self.flush()
+            self.flush_if_due()
 
     def _forget(self, entry: Entry) -> bool:
         """Free the pages on the host side; the tables are tombstoned by the next flush."""
@@ -263,15 +287,15 @@ class DevicePool:
         count = 0
         while self._evict_one() is not None:
             count += 1
-        self.flush()
+        self.flush_if_due()
         return count
 
     def evict_entries(self, entries: list[Entry]) -> int:
-        """Forget these entries' copies (the caller checked nobody holds them); one table
-        flush for all. Returns how many had a copy here."""
+        """Forget these entries' copies (the caller checked nobody holds them); their
+        table updates join the queue (:meth:`flush_if_due`). Returns how many had a copy here."""
         count = sum(1 for entry in entries if self._forget(entry))
         self.evictions += count
-        self.flush()
+        self.flush_if_due()
         return count
 
     def evict_bytes(self, nbytes: int) -> tuple[int, int]:
@@ -281,7 +305,7 @@ class DevicePool:
         while freed < nbytes and (res := self._evict_one()) is not None:
             freed += res.npages * self.page_bytes
             count += 1
-        self.flush()
+        self.flush_if_due()
         return count, freed
 
     def _on_stream(self) -> contextlib.AbstractContextManager[object]:
@@ -337,7 +361,8 @@ class DevicePool:
     def check_tables(self) -> None:
         """Assert that the device tables agree with the host side: v2p and p2v are inverse,
         each residency's vpages map to its runs, and as many pages are bound as the
-        allocator holds. Reads the tables back (and flushes nothing): tests and debugging."""
+        allocator holds. Flushes, then reads the tables back: tests and debugging."""
+        self.flush()
         v2p, p2v = self.v2p.tolist(), self.p2v.tolist()
         bound = {v: p for v, p in enumerate(v2p) if p >= 0}
         assert {p: v for v, p in bound.items()} == {p: v for p, v in enumerate(p2v) if v >= 0}

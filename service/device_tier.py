@@ -44,6 +44,7 @@ class DeviceTier:
         self.pools = list(pools)
         for pool in self.pools:  # see DevicePool.refill
             pool.free_target = int(pool.num_pages * engine.settings.device_free_reserve)
+            pool.flush_every_s = engine.settings.device_table_flush_s
         self._put_streams: dict[int, torch.cuda.Stream] = {}
         self._ready: dict[int, ReadyEvents] = {}  # pool index -> its ring of IPC events
         self._config = kernels.TransferConfig(sm_budget=engine.settings.copy_sm_budget)
@@ -189,7 +190,7 @@ class DeviceTier:
                 if not defer_tables:
                     if todo:  # while the copies run, room for the next cold get
                         pool.refill()
-                    pool.flush()
+                    pool.flush_if_due()
             except BaseException as exc:
                 if leases is None:
                     e._unpin(entries)
@@ -201,7 +202,6 @@ class DeviceTier:
                     ) from exc
                 for entry, _ in loads:
                     pool.drop(entry)
-                pool.flush()
                 raise
             pool.hits += sum(1 for p in placed if p is not None and p[2])
             table = device_loads.read_table(pool, placed) if read_table else None
@@ -247,18 +247,36 @@ class DeviceTier:
             hit,
         )
 
-    def flush_tables(self, device: int) -> None:
+    def flush_due(self) -> int:
+        """Launch the page-table updates that have waited ``device_table_flush_s`` in any
+        pool (the daemon's reaper calls this, so the tables catch up once gets stop);
+        returns how many pools flushed."""
+        count = 0
+        with self._engine._lock:
+            for pool in self.pools:
+                if pool.failed:
+                    continue
+                try:
+                    count += pool.flush_if_due()
+                except BaseException as exc:
+                    if not _take_out_of_service(pool, exc):
+                        raise
+        return count
+
+    def flush_tables(self, device: int, *, when_due: bool = False) -> None:
         """After a ``defer_tables`` get's reply: evict down to the pool's free reserve
-        (``DevicePool.refill``), then launch the page-table updates left queued (if any)."""
+        (``DevicePool.refill``), then launch the page-table updates left queued (if any;
+        ``when_due``: only once they have waited ``device_table_flush_s``)."""
         pool = self._at(device)
         with self._engine._lock:
             if pool.failed:
                 return
             pool.refill()
-            if not pool.tables_pending:
-                return
             try:
-                pool.flush()
+                if when_due:
+                    pool.flush_if_due()
+                elif pool.tables_pending:
+                    pool.flush()
             except BaseException as exc:
                 if not _take_out_of_service(pool, exc):
                     raise

@@ -170,8 +170,9 @@ class CacheEngine(PutOps, LeaseOps, EvictOps):
         """:meth:`get_to_device` without waiting for the copies: for callers that wait
         their own way (an event loop). Hand out ``pending.results`` only once
         ``pending.done()`` or ``pending.wait()``; the leases are the caller's either way.
-        ``defer_tables``: the caller runs :meth:`flush_device_tables` later, off its
-        critical path (the tables are only read by whoever flushes first)."""
+        ``defer_tables``: the caller runs :meth:`settle_device` (or
+        :meth:`flush_device_tables`) later, off its critical path (the tables are only read
+        by whoever flushes first)."""
         return self.device_tier.start_get(
             keys,
             owner,
@@ -189,8 +190,13 @@ class CacheEngine(PutOps, LeaseOps, EvictOps):
         return self.device_tier.ready_event(pending, device)
 
     def flush_device_tables(self, device: int = 0) -> None:
-        """Launch device ``device``'s deferred page-table updates."""
+        """Launch device ``device``'s deferred page-table updates now."""
         self.device_tier.flush_tables(device)
+
+    def settle_device(self, device: int = 0) -> None:
+        """After a ``defer_tables`` get's reply: refill device ``device``'s free reserve and
+        launch its page-table updates once they have waited ``device_table_flush_s``."""
+        self.device_tier.flush_tables(device, when_due=True)
 
     def get_into(
         self,

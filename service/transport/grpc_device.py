@@ -94,7 +94,6 @@ def pool_handle_of(desc: PoolDesc) -> pb.PoolHandle:
 # run between polls.
 SPIN_S = 0.01
 SPIN_RATE = 20e9  # bytes/s assumed for that estimate (below a host->device copy's rate)
-FLUSH_EVERY_S = 0.003  # at most one page-table flush per pool this often (_flush_later)
 
 
 async def wait_copies(pending: PendingGet | PendingPut) -> None:
@@ -158,8 +157,7 @@ class DevicePlane:
         self.settings = settings
         self.ipc = ipc if ipc is not None else IpcCache(CudaIpc(engine.host_pool.registered))
         self._handles: dict[str, pb.PoolHandle] = {}
-        self._flush_due: set[int] = set()  # pools with a table flush scheduled
-        self._flushed_at: dict[int, float] = {}  # pool -> loop time of its last flush
+        self._settling: set[int] = set()  # pools with a settle() callback scheduled
 
     # -- Get with a GPU uuid -------------------------------------------------------------
     async def get(
@@ -194,32 +192,23 @@ class DevicePlane:
             e.release(d.lease.lease_id for d in pending.results if d is not None)
             raise
         finally:
-            self._flush_later(index)
+            self._settle_later(index)
 
-    def _flush_later(self, index: int) -> None:
-        """Update pool ``index``'s page tables once the reply is on its way: at once when
-        the last flush is ``FLUSH_EVERY_S`` old, else when it will be, for every get until
-        then. A flush costs a few launches whatever it holds (DevicePool.flush), about
-        0.4-0.9 ms of the loop's time on the H200 host: once per get, it was up to 40% of
-        the loop's work per batch with two batches in flight. Nothing on this path reads
-        the tables (a reader flushes first)."""
-        if index in self._flush_due:
+    def _settle_later(self, index: int) -> None:
+        """Once the reply is on its way (a callback runs after this task's current step, in
+        which gRPC serialises and sends it): refill pool ``index``'s free reserve and launch
+        its page-table updates when they are due (``DeviceTier.settle``). A flush costs a
+        few launches whatever it holds, 0.4-0.9 ms of the loop's time on the H200 host;
+        nothing on this path reads the tables (a reader flushes first)."""
+        if index in self._settling:
             return
-        self._flush_due.add(index)
-        loop = asyncio.get_running_loop()
+        self._settling.add(index)
 
-        def flush() -> None:
-            self._flush_due.discard(index)
-            self._flushed_at[index] = loop.time()
-            self.engine.flush_device_tables(index)
+        def settle() -> None:
+            self._settling.discard(index)
+            self.engine.settle_device(index)
 
-        # A callback runs after this task's current step, in which gRPC serialises and
-        # sends the reply.
-        wait = self._flushed_at.get(index, -FLUSH_EVERY_S) + FLUSH_EVERY_S - loop.time()
-        if wait > 0:
-            loop.call_later(wait, flush)
-        else:
-            loop.call_soon(flush)
+        asyncio.get_running_loop().call_soon(settle)
 
     def _get_reply(self, keys: Sequence[str], found: Sequence[Any], pool: DevicePool) -> Any:
         """The reply, built in place (no per-key temporaries copied into it)."""
