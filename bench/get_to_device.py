@@ -274,6 +274,28 @@ def while_loading(step: Callable[[], object], measure: Callable[[], float]) -> t
     return result, steps[0]
 
 
+def head_and_tail_switch() -> Callable[[bool], None]:
+    """Turns the head-and-tail split of a cold batch on and off."""
+    split = device_loads.HEAD_BYTES
+
+    def switch(on: bool) -> None:
+        device_loads.HEAD_BYTES = split if on else 0
+
+    return switch
+
+
+def planned_copy_switch(e: CacheEngine) -> Callable[[bool], None]:
+    """Turns the planned copy (no checks) on, or sends get plans through transfer_ranges."""
+    tier = e.device_tier
+
+    def switch(on: bool) -> None:
+        vars(tier).pop("_transfer_planned", None)
+        if not on:
+            tier._transfer_planned = tier._transfer  # type: ignore[method-assign]
+
+    return switch
+
+
 def resident_hit_us(e: CacheEngine, key: str, n: int = 2000) -> dict[str, float]:
     """Latency of get_to_device + release of one resident entry, in-process."""
     [warm], _ = e.get_to_device([key], "warm")
@@ -325,26 +347,30 @@ def main() -> None:
                 )
             )
             if name == "auto":
-                # The head-and-tail split of a batch (device_loads.HEAD_BYTES: the head's
-                # pages reserved and its copy queued before the tail's pages are picked) on
-                # and off, alternating on this engine: engine instances differ by more.
-                split = device_loads.HEAD_BYTES
-                ab: dict[bool, list[float]] = {True: [], False: []}
-                for rep in range(2 * args.reps):
-                    on = rep % 2 == 0
-                    device_loads.HEAD_BYTES = split if on else 0
-                    ab[on].append(cold_get(e, keys))
-                device_loads.HEAD_BYTES = split
-                for on, label in ((True, "head and tail"), (False, "one copy call")):
-                    rate = BATCH * ENTRY / statistics.median(ab[on]) / 1e9
-                    gets[f"auto_{label.replace(' ', '_')}"] = rate
-                    rows.append(
-                        (
-                            f"get_to_device 16x4 MiB fragmented, auto, {label} (A/B)",
-                            rate,
-                            rate / base["h2d"],
+                # Two changes, each on and off alternating on this engine (engine instances
+                # differ by more): the head-and-tail split of a batch (device_loads.HEAD_BYTES:
+                # the head's pages reserved and its copy queued before the tail's pages are
+                # picked), and the planned copy straight to the copy engine
+                # (queue_byte_ranges) against transfer_ranges with its checks.
+                for switch, labels in (
+                    (head_and_tail_switch(), ("head and tail", "one copy call")),
+                    (planned_copy_switch(e), ("planned copy", "checked transfer_ranges")),
+                ):
+                    ab: dict[bool, list[float]] = {True: [], False: []}
+                    for rep in range(2 * args.reps):
+                        switch(rep % 2 == 0)
+                        ab[rep % 2 == 0].append(cold_get(e, keys))
+                    switch(True)
+                    for on, label in zip((True, False), labels, strict=True):
+                        rate = BATCH * ENTRY / statistics.median(ab[on]) / 1e9
+                        gets[f"auto_{label.replace(' ', '_')}"] = rate
+                        rows.append(
+                            (
+                                f"get_to_device 16x4 MiB fragmented, auto, {label} (A/B)",
+                                rate,
+                                rate / base["h2d"],
+                            )
                         )
-                    )
                 # The same with 16 MiB entries: per-batch bookkeeping weighs 4x less.
                 for k in keys:
                     e.evict_one(k)

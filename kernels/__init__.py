@@ -3,6 +3,7 @@
 Importing this package never imports triton; the Triton kernels load on first use.
 """
 
+from embcache.kernels._copy_engine import queue_byte_ranges
 from embcache.kernels._env import current_stream_idle
 from embcache.kernels.host_memory import HostRegistration, register_host_memory
 from embcache.kernels.host_runs import copy_to_host_runs, queue_to_host_runs
@@ -36,6 +37,7 @@ __all__ = [
     "current_stream_idle",
     "free_unbind_inplace",
     "free_unbind_inplace_reference",
+    "queue_byte_ranges",
     "queue_to_host_runs",
     "register_host_memory",
     "transfer_ranges",

@@ -31,11 +31,12 @@ def load(
     tier: DeviceTier, pool: DevicePool, todo: list[Entry], loads: list[tuple[Entry, Residency]]
 ) -> dict[str, int] | None:
     """Reserve device pages for ``todo`` (found entries with no copy in ``pool``, pinned by
-    the caller) and queue their copies: from the host with one ``transfer_ranges`` call per
-    part (two parts for a large batch, :func:`_head_and_tail`), from a faster peer GPU where
-    one holds the entry. Appends each reserved ``(entry, residency)`` to ``loads`` as it is
-    made, so a caller that fails later knows what to drop. None: the pool cannot hold the
-    batch (the parts reserved before are in ``loads``)."""
+    the caller) and queue their copies: from the host with one planned copy per part (two
+    parts for a large batch, :func:`_head_and_tail`; ``DeviceTier._transfer_planned``),
+    from a faster peer GPU where one holds the entry. Appends each reserved ``(entry,
+    residency)`` to ``loads`` as it is made, so a caller that fails later knows what to
+    drop. None: the pool cannot hold the batch (the parts reserved before are in
+    ``loads``)."""
     copied = {"h2d": 0, "d2d": 0}
     # Each part's copy is queued as soon as its pages are picked, so the copy engine starts
     # after the head's bookkeeping, not the whole batch's; the tail's pages, plan and checks
@@ -111,8 +112,8 @@ def _queue_copies(
 def _copy_from_host(
     tier: DeviceTier, pool: DevicePool, batch: list[tuple[Entry, Residency]]
 ) -> None:
-    """One ``transfer_ranges`` call: host page runs against the residencies' device page
-    runs, each entry padded to 16-byte rows."""
+    """One planned copy (``DeviceTier._transfer_planned``): host page runs against the
+    residencies' device page runs, each entry padded to 16-byte rows."""
     host = tier._engine.host_pool
     cols = []
     for entry, _ in batch:
@@ -126,7 +127,7 @@ def _copy_from_host(
         ROW,
         [-(-e.nbytes // ROW) for e, _ in batch],
     )
-    tier._transfer(host.rows, pool.rows, so, do, ln, pool.stream)
+    tier._transfer_planned(host.rows, pool.rows, so, do, ln, pool.stream)
 
 
 def read_table(pool: DevicePool, placed: list[Placed | None]) -> torch.Tensor:

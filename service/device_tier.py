@@ -343,6 +343,43 @@ class DeviceTier:
             config=cfg,
         )
 
+    def _transfer_planned(
+        self,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        s: np.ndarray,
+        d: np.ndarray,
+        n: np.ndarray,
+        stream: torch.cuda.Stream | None,
+    ) -> None:
+        """:meth:`_transfer` of a plan the engine made from its allocators' runs (in bounds,
+        destinations disjoint, host side the registered pool): straight to the copy engine
+        (``kernels.queue_byte_ranges``) where ``auto`` would pick it, without
+        ``transfer_ranges``' checks; otherwise through them."""
+        cfg = self._config
+        if (
+            stream is not None
+            and len(n)
+            and self._engine.settings.copy_backend == "auto"
+            and self._engine.host_pool.registered
+            and cfg.copy_engine_streams == 1
+        ):
+            rb = src.shape[1] * src.element_size()
+            total = int(n.sum()) * rb
+            if kernels.choose_backend(len(n), total, cfg, has_batch=True) in ("batch", "memcpy"):
+                assert int(n.min()) > 0, "a planned copy range is empty"
+                kernels.queue_byte_ranges(
+                    dst.data_ptr(),
+                    src.data_ptr(),
+                    d * rb,
+                    s * rb,
+                    n * rb,
+                    stream,
+                    cfg.batch_first_call,
+                )
+                return
+        self._transfer(src, dst, s, d, n, stream)
+
     def _stream_for(self, t: torch.Tensor) -> torch.cuda.Stream | None:
         if not t.is_cuda:
             return None

@@ -104,6 +104,7 @@ def test_get_to_device_bytes_read_table_and_hits(engine: CacheEngine) -> None:
     again, _ = engine.get_to_device(list(want), "dec")
     assert all(d is not None and d.resident_hit for d in again)
     pool = engine.device_tier.pool(0)
+    pool.check_tables()  # launches the updates still queued, then reads the tables back
     v2p, p2v = pool.v2p.cpu(), pool.p2v.cpu()
     bound = (v2p >= 0).sum().item()
     assert bound == (p2v >= 0).sum().item() == pool.num_pages - pool.stats().free_pages
@@ -127,13 +128,13 @@ def test_a_large_batch_in_two_copy_calls(engine: CacheEngine, monkeypatch) -> No
     for key, t in want.items():
         engine.put(key, t)
     calls: list[int] = []
-    real = engine.device_tier._transfer
+    real = engine.device_tier._transfer_planned
 
     def counting(*args):  # type: ignore[no-untyped-def]
         calls.append(1)
         return real(*args)
 
-    monkeypatch.setattr(engine.device_tier, "_transfer", counting)
+    monkeypatch.setattr(engine.device_tier, "_transfer_planned", counting)
     results, _ = engine.get_to_device(list(want), "dec")
     assert len(calls) == 2
     for (key, t), dl in zip(want.items(), results, strict=True):
@@ -398,6 +399,7 @@ def test_lease_safety_under_churn(engine: CacheEngine) -> None:
     assert counts["checks"] > 100
     assert s.leases_active == 0
     pool = engine.device_tier.pool(0)
+    pool.check_tables()  # launches the updates still queued, then reads the tables back
     assert (pool.v2p.cpu() >= 0).sum().item() == pool.num_pages - pool.stats().free_pages
     pool.evict_unleased()
     assert pool.stats().free_pages == pool.num_pages

@@ -137,6 +137,7 @@ def sync_pools(e: CacheEngine) -> None:
 
 def bound_pages(e: CacheEngine, device: int) -> tuple[int, int]:
     pool = e.device_tier.pools[device]
+    pool.check_tables()  # launches the updates still queued (they wait up to 25 ms)
     sync_pools(e)
     return int((pool.v2p >= 0).sum().item()), int((pool.p2v >= 0).sum().item())
 
@@ -389,7 +390,7 @@ def test_a_failed_pool_is_isolated(engine: CacheEngine, monkeypatch: pytest.Monk
     e.release([a.lease.lease_id, b.lease.lease_id])
 
     pool1 = tier.pools[1]
-    transfer = tier._transfer
+    transfer = tier._transfer_planned  # the copies from the host pool
 
     def broken(*args: Any) -> None:
         dst = args[1]
@@ -397,7 +398,7 @@ def test_a_failed_pool_is_isolated(engine: CacheEngine, monkeypatch: pytest.Monk
             raise RuntimeError("CUDA error: injected fault on the second GPU (test)")
         transfer(*args)
 
-    monkeypatch.setattr(tier, "_transfer", broken)
+    monkeypatch.setattr(tier, "_transfer_planned", broken)
     with pytest.raises(DeviceUnavailable):
         e.get_to_device(["c"], "dec", device=1)
     monkeypatch.undo()

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import zlib
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from embcache import kernels
 from embcache.service.config import Settings
 from embcache.service.device_pool import DevicePool
 from embcache.service.engine import CacheEngine
@@ -562,3 +565,36 @@ def test_a_flush_after_close_does_nothing(engine: CacheEngine) -> None:
     assert not pool.tables_pending
     engine.flush_device_tables(0)
     assert set(pool.v2p.tolist()) == {-1}
+
+
+def test_planned_copies_skip_the_checks_only_where_auto_picks_the_copy_engine(
+    engine: CacheEngine, monkeypatch
+) -> None:
+    """A get's plan (made from the allocators' runs) goes straight to the copy engine, in
+    bytes, when there is a stream, the pool is registered and ``auto`` would pick the copy
+    engine; anything else takes transfer_ranges' checked path. (The copy itself: GPU tests.)"""
+    tier = engine.device_tier
+    calls: list[object] = []
+    monkeypatch.setattr(kernels, "queue_byte_ranges", lambda *a: calls.append(a) or "batch")
+    monkeypatch.setattr(tier, "_transfer", lambda *a: calls.append("checked"))
+    cfg = dataclasses.replace(tier._config, kernel_below_bytes=64, copy_engine_from_bytes=128)
+    monkeypatch.setattr(tier, "_config", cfg)
+    src = torch.zeros((64, 16), dtype=torch.uint8)
+    dst = torch.zeros((64, 16), dtype=torch.uint8)
+    s, d = np.array([0, 20], dtype=np.int64), np.array([8, 40], dtype=np.int64)
+    big = np.array([16, 16], dtype=np.int64)  # 256-byte runs: the copy engine's
+    stream = object()
+    tier._transfer_planned(src, dst, s, d, big, None)  # no stream: a CPU pool
+    assert calls == ["checked"]
+    monkeypatch.setattr(engine.host_pool, "registered", True)
+    tier._transfer_planned(src, dst, s, d, big, stream)  # type: ignore[arg-type]
+    args = calls[1]
+    assert isinstance(args, tuple) and args[:2] == (dst.data_ptr(), src.data_ptr())
+    for got, want in zip(args[2:5], (d * 16, s * 16, big * 16), strict=True):
+        assert got.tolist() == want.tolist()
+    assert args[5:] == (stream, cfg.batch_first_call)
+    small = np.array([2, 2], dtype=np.int64)  # 32-byte runs: auto picks the kernel
+    tier._transfer_planned(src, dst, s, d, small, stream)  # type: ignore[arg-type]
+    monkeypatch.setattr(engine.host_pool, "registered", False)
+    tier._transfer_planned(src, dst, s, d, big, stream)  # type: ignore[arg-type]
+    assert calls[2:] == ["checked", "checked"]
