@@ -4,7 +4,7 @@ Importing this package never imports triton; the Triton kernels load on first us
 """
 
 from embcache.kernels._copy_engine import queue_byte_ranges
-from embcache.kernels._env import current_stream_idle
+from embcache.kernels._env import current_raw_stream, current_stream_idle
 from embcache.kernels.host_memory import HostRegistration, register_host_memory
 from embcache.kernels.host_runs import copy_to_host_runs, queue_to_host_runs
 from embcache.kernels.page_table import (
@@ -34,6 +34,7 @@ __all__ = [
     "build_read_table_reference",
     "choose_backend",
     "copy_to_host_runs",
+    "current_raw_stream",
     "current_stream_idle",
     "free_unbind_inplace",
     "free_unbind_inplace_reference",

@@ -9,6 +9,7 @@ falls back to per-range copies.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ import numpy as np
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction inferred from the pointers (UVA)
 _SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream
 _ERROR_NOT_READY = 600  # cudaErrorNotReady: work still queued
+_EVENT_DISABLE_TIMING = 0x2  # cudaEventDisableTiming
 HOST_REGISTER_PORTABLE = 0x1
 HOST_REGISTER_MAPPED = 0x2
 
@@ -79,6 +81,12 @@ class CudaRuntime:
             ctypes.c_uint,
         )
         lib.cudaStreamQuery.argtypes = (ctypes.c_void_p,)
+        lib.cudaStreamSynchronize.argtypes = (ctypes.c_void_p,)
+        lib.cudaEventCreateWithFlags.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint)
+        lib.cudaEventRecord.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
+        lib.cudaEventQuery.argtypes = (ctypes.c_void_p,)
+        lib.cudaEventSynchronize.argtypes = (ctypes.c_void_p,)
+        lib.cudaEventDestroy.argtypes = (ctypes.c_void_p,)
         lib.cudaHostRegister.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint)
         lib.cudaHostUnregister.argtypes = (ctypes.c_void_p,)
         self._batch = self._bind_batch(lib)
@@ -124,6 +132,23 @@ class CudaRuntime:
         self._check("cudaStreamQuery", code)
         return True
 
+    def stream_synchronize(self, stream: int) -> None:
+        self._check("cudaStreamSynchronize", self._lib.cudaStreamSynchronize(stream))
+
+    def event_after(self, stream: int) -> StreamEvent:
+        """A new event recorded on ``stream`` (a ``cudaStream_t``): it fires once the work
+        queued there so far has run. For streams torch has no object for at hand (the
+        current stream, by its raw handle: making its Stream object costs more host time
+        than the calls here)."""
+        handle = ctypes.c_void_p(0)
+        self._check(
+            "cudaEventCreateWithFlags",
+            self._lib.cudaEventCreateWithFlags(ctypes.byref(handle), _EVENT_DISABLE_TIMING),
+        )
+        event = StreamEvent(self, int(handle.value or 0))
+        self._check("cudaEventRecord", self._lib.cudaEventRecord(event.handle, stream))
+        return event
+
     def memcpy_batch_async(
         self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int
     ) -> None:
@@ -165,6 +190,34 @@ class CudaRuntime:
 
     def host_unregister(self, ptr: int) -> None:
         self._check("cudaHostUnregister", self._lib.cudaHostUnregister(ptr))
+
+
+class StreamEvent:
+    """A CUDA event from :meth:`CudaRuntime.event_after`, with the two calls a waiter needs
+    (the same as ``torch.cuda.Event``'s); destroyed with the object (CUDA releases it once
+    it has fired)."""
+
+    __slots__ = ("_rt", "handle")
+
+    def __init__(self, rt: CudaRuntime, handle: int) -> None:
+        self._rt = rt
+        self.handle = handle
+
+    def query(self) -> bool:
+        code = self._rt._lib.cudaEventQuery(self.handle)
+        if code == _ERROR_NOT_READY:
+            return False
+        self._rt._check("cudaEventQuery", code)
+        return True
+
+    def synchronize(self) -> None:
+        self._rt._check("cudaEventSynchronize", self._rt._lib.cudaEventSynchronize(self.handle))
+
+    def __del__(self) -> None:
+        if self.handle:
+            with contextlib.suppress(Exception):  # at interpreter exit the library may be gone
+                self._rt._lib.cudaEventDestroy(self.handle)
+            self.handle = 0
 
 
 @functools.cache

@@ -34,15 +34,22 @@ def on_tensor_device(t: torch.Tensor) -> contextlib.AbstractContextManager[objec
     return on_device(t.get_device()) if t.is_cuda else contextlib.nullcontext()
 
 
+def current_raw_stream(index: int) -> int:
+    """The ``cudaStream_t`` of CUDA device ``index``'s current stream (0: the legacy default
+    stream), without making a Stream object (that costs several times more host time)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is None:
+        return int(torch.cuda.current_stream(index).cuda_stream)
+    return int(raw(index))
+
+
 def current_stream_idle(index: int) -> bool:
     """True when CUDA device ``index``'s current stream has no work left. Asks the runtime
     directly when it can: ``torch.cuda.current_stream(index).query()`` makes a Stream object
-    first, about three times the host time of the query itself on the H200 host (a put from
-    a device asks once before its copy)."""
+    first, about three times the host time of the query itself on the H200 host."""
     from embcache.kernels import _cudart
 
     rt = _cudart.runtime()
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if rt is None or raw is None:
+    if rt is None:
         return bool(torch.cuda.current_stream(index).query())
-    return rt.stream_idle(raw(index))
+    return rt.stream_idle(current_raw_stream(index))

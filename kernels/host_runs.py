@@ -60,18 +60,24 @@ def copy_to_host_runs(
 
 
 def queue_to_host_runs(
-    src: torch.Tensor, host_ptr: int, runs: Sequence[tuple[int, int]], stream: torch.cuda.Stream
+    src: torch.Tensor,
+    host_ptr: int,
+    runs: Sequence[tuple[int, int]],
+    stream: torch.cuda.Stream | int,
 ) -> str:
     """:func:`copy_to_host_runs` for a caller whose arguments hold by construction, without
     the checks: ``src`` contiguous on ``stream``'s CUDA device, ``host_ptr`` the address of
     page-locked memory, ``runs`` non-empty, in bounds, not overlapping, adding up to
     ``src``'s size. The daemon's puts from a device make their runs from the host pool's own
     allocator and wait for the copy, so the checks' host time (about 8 us on the H200 host,
-    a tenth of a 4 MiB copy) would delay every put. Needs the CUDA runtime."""
+    a tenth of a 4 MiB copy) would delay every put. ``stream``: a Stream, or a raw
+    ``cudaStream_t`` (the legacy default stream, 0, takes one ``cudaMemcpyAsync`` per run:
+    the batch call refuses it). Needs the CUDA runtime."""
     rt = _cudart.runtime()
     assert rt is not None, "queue_to_host_runs needs the CUDA runtime"
+    handle = stream if isinstance(stream, int) else stream.cuda_stream
     with on_device(src.get_device()):
-        return _copy_engine(rt, src.data_ptr(), host_ptr, list(runs), stream.cuda_stream)
+        return _copy_engine(rt, src.data_ptr(), host_ptr, list(runs), handle)
 
 
 def _copy_engine(

@@ -16,7 +16,7 @@ import torch
 
 from embcache import kernels
 
-from . import device_io, device_loads
+from . import device_loads
 from .copy_plan import entry_columns
 from .device_loads import ROW, Placed
 from .device_pool import DevicePool, Residency
@@ -24,7 +24,6 @@ from .device_routing import PeerRates
 from .errors import DeviceUnavailable, PoolExhausted
 from .leases import Lease
 from .pending_get import DeviceLease, PendingGet
-from .pending_put import PendingPut, start_puts
 from .ready_events import ReadyEvents
 
 T = TypeVar("T")
@@ -280,43 +279,6 @@ class DeviceTier:
             except BaseException as exc:
                 if not _take_out_of_service(pool, exc):
                     raise
-
-    # -- copies for clients (device_io.py, pending_put.py) ---------------------------------
-    def get_into(
-        self,
-        keys: Sequence[str],
-        owner: str,
-        dest: torch.Tensor,
-        offsets: Sequence[int],
-        *,
-        device: int | None,
-    ) -> list[Lease | None]:
-        """Copy each found entry to ``dest[offsets[i]:]`` (flat uint8); leases end after."""
-        return device_io.get_into(self, keys, owner, dest, offsets, device=device)
-
-    def put_from_device(
-        self, key: str, src: torch.Tensor, owner: str, checksum: int | None
-    ) -> bool:
-        """Copy a device tensor into a new entry; returns once the bytes are in the pool."""
-        return self.start_puts([(key, src)], owner, [checksum]).finish()[0]
-
-    def put_from_device_many(
-        self,
-        items: Sequence[tuple[str, torch.Tensor]],
-        owner: str,
-        checksums: Sequence[int | None] | None = None,
-    ) -> list[bool]:
-        """Copy several device tensors into new entries, waiting once for all the copies."""
-        return self.start_puts(items, owner, checksums).finish()
-
-    def start_puts(
-        self,
-        items: Sequence[tuple[str, torch.Tensor]],
-        owner: str,
-        checksums: Sequence[int | None] | None = None,
-    ) -> PendingPut:
-        """:meth:`put_from_device_many` without waiting: copies queued (``pending_put.py``)."""
-        return start_puts(self, items, owner, checksums)
 
     # -- plumbing ------------------------------------------------------------------------
     def _transfer(

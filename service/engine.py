@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import introspection
+from . import device_io, introspection
 from .allocator import PageRunAllocator
 from .config import Settings
 from .device_pool import DevicePool
@@ -32,7 +32,7 @@ from .errors import (
 )
 from .host_pool import HostPool
 from .leases import Lease, LeaseTable
-from .pending_put import PendingPut
+from .pending_put import PendingPut, start_puts
 from .put_landing import PutLanding
 from .stats import EngineStats, EntryInfo
 
@@ -208,13 +208,22 @@ class CacheEngine(PutOps, LeaseOps, EvictOps):
         device: int | None = None,
     ) -> list[Lease | None]:
         """Copy each found entry into ``dest`` (flat uint8) at its offset; None for misses."""
-        return self.device_tier.get_into(keys, owner, dest, offsets, device=device)
+        return device_io.get_into(self.device_tier, keys, owner, dest, offsets, device=device)
 
     def put_from_device(
-        self, key: str, src: torch.Tensor, *, owner: str = "local", checksum: int | None = None
+        self,
+        key: str,
+        src: torch.Tensor,
+        *,
+        owner: str = "local",
+        checksum: int | None = None,
+        src_ready: bool = False,
     ) -> bool:
-        """Store a (device) tensor; returns once its bytes are in the host pool."""
-        return self.device_tier.put_from_device(key, src, owner, checksum)
+        """Store a (device) tensor; returns once its bytes are in the host pool. The copy
+        follows the work queued so far on the current stream (``src_ready``: the caller
+        knows ``src`` is written already, e.g. it waited for its producer's event)."""
+        pending = start_puts(self.device_tier, [(key, src)], owner, [checksum], src_ready=src_ready)
+        return pending.finish()[0]
 
     def put_from_device_many(
         self,
@@ -222,12 +231,14 @@ class CacheEngine(PutOps, LeaseOps, EvictOps):
         *,
         owner: str = "local",
         checksums: Sequence[int | None] | None = None,
+        src_ready: bool = False,
     ) -> list[bool]:
         """Store several (device) tensors, ``(key, tensor)`` each; returns once all their
         bytes are in the host pool (one wait for the batch). True per created entry.
         ``checksums``: a CRC32 or None per item. All or nothing: an error (a checksum
-        mismatch included) leaves none of the batch visible."""
-        return self.device_tier.put_from_device_many(items, owner, checksums)
+        mismatch included) leaves none of the batch visible. ``src_ready``: as for
+        :meth:`put_from_device`."""
+        return start_puts(self.device_tier, items, owner, checksums, src_ready=src_ready).finish()
 
     def start_put_from_device_many(
         self,
@@ -235,12 +246,13 @@ class CacheEngine(PutOps, LeaseOps, EvictOps):
         *,
         owner: str = "local",
         checksums: Sequence[int | None] | None = None,
+        src_ready: bool = False,
     ) -> PendingPut:
         """:meth:`put_from_device_many` without waiting for the copies, for callers that
         wait their own way (an event loop): ``pending.finish()`` once ``pending.done()``
         commits the batch, ``pending.abort()`` gives it up. The tensors must stay readable
         until then."""
-        return self.device_tier.start_puts(items, owner, checksums)
+        return start_puts(self.device_tier, items, owner, checksums, src_ready=src_ready)
 
     def prefetch(self, keys: Sequence[str], *, device: int | None = None) -> dict[str, int]:
         """Warm the local tiers: fetch missing keys from the shared tier (if any) and, with

@@ -21,6 +21,10 @@ import numpy as np
 import torch
 
 from embcache import kernels
+from embcache.kernels import _cudart
+from embcache.kernels._cudart import CudaRuntime, StreamEvent
+from embcache.kernels._env import on_device
+from embcache.kernels.host_runs import MEMCPY_MAX_RUNS
 
 from .copy_plan import row_bytes_for
 from .dtypes import from_torch
@@ -39,7 +43,7 @@ class PendingPut:
         tier: DeviceTier,
         handles: list[PutHandle],
         stack: contextlib.ExitStack,
-        events: list[torch.cuda.Event],
+        events: list[torch.cuda.Event | StreamEvent],
         nbytes: int,
         start: float,
     ) -> None:
@@ -92,9 +96,16 @@ def start_puts(
     items: Sequence[tuple[str, torch.Tensor]],
     owner: str,
     checksums: Sequence[int | None] | None = None,
+    *,
+    src_ready: bool = False,
 ) -> PendingPut:
     """Reserve pages for every item and queue its copy; raises (with nothing reserved)
-    on bad input or when the pool has no room."""
+    on bad input or when the pool has no room.
+
+    Each copy follows the work queued so far on the caller's current stream (a producer
+    may still be writing its tensor there): it is queued on that stream itself, or on the
+    device's put stream after it. ``src_ready``: the caller knows every tensor is written
+    already (the daemon waited for the client's event), so the copies follow nothing."""
     if len(items) > 1 and len({key for key, _ in items}) != len(items):
         raise InvalidArgument("a key appears more than once in the batch")
     if checksums is None:
@@ -104,13 +115,14 @@ def start_puts(
     dtypes = [_source_dtype(src) for _, src in items]
     e = tier._engine
     start = time.perf_counter()
-    streams: dict[int, torch.cuda.Stream] = {}
+    # what the copies were queued on, by (device, stream handle)
+    streams: dict[tuple[int, int], torch.cuda.Stream | _CallerStream] = {}
     nbytes = 0
     with contextlib.ExitStack() as stack:  # aborts every put reserved so far if we raise
         handles = []
         try:
             for (key, src), dtype, crc in zip(items, dtypes, checksums, strict=True):
-                handle = _begin(tier, key, src, dtype, owner, crc, streams)
+                handle = _begin(tier, key, src, dtype, owner, crc, streams, src_ready)
                 stack.enter_context(handle)
                 handles.append(handle)
                 e.top_up_landing()  # for the next put, while this copy runs
@@ -127,7 +139,7 @@ def start_puts(
             for stream in streams.values():  # freed pages must not still be copied into
                 stream.synchronize()
             raise
-        events = [ev for ev in map(tier._record, streams.values()) if ev is not None]
+        events = [ev for ev in (_record(tier, st) for st in streams.values()) if ev is not None]
         return PendingPut(tier, handles, stack.pop_all(), events, nbytes, start)
 
 
@@ -138,21 +150,23 @@ def _begin(
     dtype: str,
     owner: str,
     crc: int | None,
-    streams: dict[int, torch.cuda.Stream],
+    streams: dict[tuple[int, int], torch.cuda.Stream | _CallerStream],
+    src_ready: bool,
 ) -> PutHandle:
     """Begin the put of ``src`` with its copy queued as early as it can be: into pages
     from the put landing before anything else (``put_landing.py``), else the moment
-    ``begin_put`` has reserved pages (its ``copy_in``). Adds the copy's stream to
-    ``streams``. Raises with nothing reserved and no copy left running."""
+    ``begin_put`` has reserved pages (its ``copy_in``). Adds the stream the copy went to
+    to ``streams``. Raises with nothing reserved and no copy left running."""
     e = tier._engine
-    stream = tier._stream_for(src)
+    put_stream = tier._stream_for(src)
     shape = tuple(src.shape)
+    used: list[_Stream] = []  # the stream the copy went to, once queued
 
     def copy(byte_runs: tuple[tuple[int, int], ...]) -> None:
         try:
-            _queue_d2h(tier, src, byte_runs, stream)
+            used.append(_queue_d2h(tier, src, byte_runs, put_stream, src_ready))
         except BaseException:  # the pages go back at once: no copy may still run into them
-            _finish_stream(stream)
+            _finish_all(src, put_stream)
             raise
 
     pages = e.landing_copy(key, src.numel() * src.element_size(), copy)
@@ -165,16 +179,57 @@ def _begin(
             adopted = not handle.exists_already  # else stored meanwhile by another put
         finally:
             if not adopted:  # the pages go back once the copy into them is done
-                _finish_stream(stream)
+                for stream in used:
+                    if stream is not None:
+                        stream.synchronize()
                 e.return_landing(pages)
+    stream = used[0] if used else None
     if stream is not None and not handle.exists_already:
-        streams[id(stream)] = stream
+        streams.setdefault((src.get_device(), _handle_of(stream)), stream)
     return handle
 
 
-def _finish_stream(stream: torch.cuda.Stream | None) -> None:
-    if stream is not None:
-        stream.synchronize()
+class _CallerStream:
+    """The caller's current stream on CUDA device ``index``, by its raw handle
+    (``kernels.current_raw_stream``; 0, the legacy default stream, is the current device's,
+    so each call runs with ``index`` current)."""
+
+    __slots__ = ("_rt", "handle", "index")
+
+    def __init__(self, rt: CudaRuntime, index: int, handle: int) -> None:
+        self._rt = rt
+        self.index = index
+        self.handle = handle
+
+    def synchronize(self) -> None:
+        with on_device(self.index):
+            self._rt.stream_synchronize(self.handle)
+
+    def record(self) -> StreamEvent:
+        with on_device(self.index):
+            return self._rt.event_after(self.handle)
+
+
+_Stream = torch.cuda.Stream | _CallerStream | None  # None: a CPU copy, done already
+
+
+def _handle_of(stream: torch.cuda.Stream | _CallerStream) -> int:
+    return stream.handle if isinstance(stream, _CallerStream) else int(stream.cuda_stream)
+
+
+def _record(
+    tier: DeviceTier, stream: torch.cuda.Stream | _CallerStream
+) -> torch.cuda.Event | StreamEvent | None:
+    if isinstance(stream, _CallerStream):
+        return stream.record()
+    return tier._record(stream)
+
+
+def _finish_all(src: torch.Tensor, put_stream: torch.cuda.Stream | None) -> None:
+    """After a failed copy call: wait for both streams a copy of ``src`` may be on."""
+    if put_stream is not None:
+        put_stream.synchronize()
+        torch.cuda.current_stream(src.get_device()).synchronize()
 
 
 def _source_dtype(src: torch.Tensor) -> str:
@@ -191,42 +246,61 @@ def _queue_d2h(
     tier: DeviceTier,
     src: torch.Tensor,
     byte_runs: tuple[tuple[int, int], ...],
-    stream: torch.cuda.Stream | None,
-) -> None:
-    """Queue the copy of contiguous ``src`` into the host byte runs (filled in order) on
-    ``stream``, the put stream of ``src``'s device (None: a CPU tensor, copied at once).
+    put_stream: torch.cuda.Stream | None,
+    src_ready: bool,
+) -> _Stream:
+    """Queue the copy of contiguous ``src`` into the host byte runs (filled in order) and
+    return the stream it went to (None: a CPU tensor, copied at once).
 
-    Runs of copy-engine size go straight to the copy engine (``copy_to_host_runs``: a put
-    waits for its copy, so the host time before it counts); small runs, or a backend forced
-    in the settings, take ``transfer_ranges``' general path."""
+    Runs of copy-engine size go straight to the copy engine (``queue_to_host_runs``, whose
+    checks hold here: a put waits for its copy, so the host time before it counts): on the
+    caller's current stream, in order after its work (no query, no cross-stream wait), or,
+    for ``src_ready``, on the put stream. The legacy default stream takes no batched call,
+    so many runs from there go to the put stream after it. Small runs, or a backend forced
+    in the settings, take ``transfer_ranges``' general path on the put stream."""
     total = sum(n for _, n in byte_runs)
     if not total:
-        return
+        return None
     host = tier._engine.host_pool
-    if stream is not None:
-        # An in-process producer may still be writing src on its stream: the copy waits for
-        # that stream's work, unless it has none left (a query costs less than a wait).
+    big = len(byte_runs) == 1 or total >= len(byte_runs) * tier._config.copy_engine_from_bytes
+    fast = put_stream is not None and host.registered and big
+    if fast and tier._engine.settings.copy_backend == "auto" and not src_ready:
+        index = src.get_device()
+        raw = kernels.current_raw_stream(index)
+        if raw != 0 or len(byte_runs) <= MEMCPY_MAX_RUNS:
+            rt = _cudart.runtime()
+            assert rt is not None
+            # What copy_to_host_runs would check holds here: src is contiguous on this
+            # device (checked before), the pool registered through the CUDA runtime, and the
+            # runs are the allocator's, adding up to src's bytes (sized from its shape).
+            kernels.queue_to_host_runs(src, host.tensor.data_ptr(), byte_runs, raw)
+            return _CallerStream(rt, index, raw)
+    if put_stream is not None and not src_ready:
+        # A producer may still be writing src on its stream: the copy waits for that
+        # stream's work, unless it has none left (a query costs less than a wait).
         index = src.get_device()
         if not kernels.current_stream_idle(index):
-            stream.wait_stream(torch.cuda.current_stream(index))
-    big = len(byte_runs) == 1 or total >= len(byte_runs) * tier._config.copy_engine_from_bytes
+            put_stream.wait_stream(torch.cuda.current_stream(index))
     if tier._engine.settings.copy_backend == "auto" and big:
-        if stream is not None and host.registered:
-            # What copy_to_host_runs would check holds here: src is contiguous on the
-            # stream's device (checked before), the pool registered through the CUDA runtime,
-            # and the runs are the allocator's, adding up to src's bytes (begin_put sized
-            # them from its shape).
-            kernels.queue_to_host_runs(src, host.tensor.data_ptr(), byte_runs, stream)
-            return
+        if fast:
+            assert put_stream is not None
+            kernels.queue_to_host_runs(src, host.tensor.data_ptr(), byte_runs, put_stream)
+            return put_stream
         kernels.copy_to_host_runs(
-            src, host.tensor, list(byte_runs), stream=stream, host_registered=host.registered
+            src, host.tensor, list(byte_runs), stream=put_stream, host_registered=host.registered
         )
-        return
+        return put_stream
     flat = src.reshape(-1).view(torch.uint8)
     row = row_bytes_for(flat.data_ptr(), total, *(off for off, _ in byte_runs))
     lengths = np.array([n for _, n in byte_runs], dtype=np.int64)
     dst_rows = np.array([off for off, _ in byte_runs], dtype=np.int64) // row
     src_rows = (np.cumsum(lengths) - lengths) // row
     tier._transfer(
-        flat.view(-1, row), host.tensor.view(-1, row), src_rows, dst_rows, lengths // row, stream
+        flat.view(-1, row),
+        host.tensor.view(-1, row),
+        src_rows,
+        dst_rows,
+        lengths // row,
+        put_stream,
     )
+    return put_stream

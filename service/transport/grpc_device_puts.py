@@ -120,7 +120,9 @@ async def _put(
                 event.wait()
             with contextlib.ExitStack() as stack:  # every mapping open until all copied
                 items = [(key, _mapped(plane, stack, owner, src)) for key, src, _ in checked]
-                return plane.engine.put_from_device_many(items, owner=owner, checksums=crcs)
+                return plane.engine.put_from_device_many(
+                    items, owner=owner, checksums=crcs, src_ready=True
+                )
 
         return await in_thread(run)
     for event in _events(plane, owner, sources):
@@ -128,7 +130,10 @@ async def _put(
     stack = contextlib.ExitStack()  # every mapping open until the copies are complete
     try:
         items = [(key, _mapped(plane, stack, owner, src)) for key, src, _ in checked]
-        pending = plane.engine.start_put_from_device_many(items, owner=owner, checksums=crcs)
+        # src_ready: the client's event has fired (or it synchronized before the call).
+        pending = plane.engine.start_put_from_device_many(
+            items, owner=owner, checksums=crcs, src_ready=True
+        )
     except BaseException:
         stack.close()
         raise

@@ -313,6 +313,43 @@ def test_put_from_device_many(engine: CacheEngine) -> None:
     assert s.entries_filling == 0 and s.host.used_pages == before
 
 
+@pytest.mark.parametrize("stream_kind", ["legacy default", "side stream"])
+@pytest.mark.parametrize("holes", [False, True])
+def test_a_put_follows_the_work_on_the_current_stream(
+    engine: CacheEngine, stream_kind: str, holes: bool
+) -> None:
+    """The producer's kernel is still running on the current stream when the put is made:
+    the copy (on that stream, or on the put stream after it: the legacy default stream with
+    many runs) reads what the kernel wrote, never the bytes before. One page run per tensor,
+    or one-page runs (``holes``). ``src_ready`` skips the ordering for a tensor known done."""
+    if holes:  # the pool full of one-page fillers, every other one of the first 64 gone
+        n = engine.host_pool.num_pages
+        for i in range(n):
+            engine.put(f"filler-{i}", torch.zeros(PAGE, dtype=torch.uint8))
+        engine.evict([f"filler-{i}" for i in range(0, 64, 2)])
+    side = torch.cuda.Stream()
+    ctx = torch.cuda.stream(side) if stream_kind == "side stream" else torch.cuda.stream(None)
+    with ctx:
+        for i in range(4):
+            src = torch.zeros((512, 1024), dtype=torch.float32, device="cuda")
+            torch.cuda.synchronize()
+            torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time before the write below
+            src.fill_(float(i + 1))  # queued behind the sleep, on the current stream
+            assert engine.put_from_device(f"late{i}", src)
+            [lease] = engine.get([f"late{i}"], "dec")
+            assert lease is not None
+            assert torch.equal(engine.tensor(lease), torch.full((512, 1024), float(i + 1)))
+            engine.drop_owner("dec")
+        ready = torch.full((256, 1024), 7.0, device="cuda")
+        torch.cuda.synchronize()
+        assert engine.put_from_device("ready", ready, src_ready=True)
+    [lease] = engine.get(["ready"], "dec")
+    assert lease is not None and torch.equal(engine.tensor(lease), ready.cpu())
+    engine.drop_owner("dec")
+    info = engine.entry_info("late0")
+    assert info is not None and (len(info.page_runs) > 1) == holes
+
+
 def test_get_into_device_buffer(engine: CacheEngine) -> None:
     fragment(engine)
     a, b = tensor((300, 4096), torch.bfloat16, 1), tensor((77, 37), torch.float16, 2)

@@ -137,3 +137,38 @@ def test_cuda_refuses_pageable_memory_and_a_foreign_stream() -> None:
     with pytest.raises(ValueError, match="stream"):
         copy_to_host_runs(src, host.pin_memory(), [(0, 64)], stream="s")  # type: ignore[arg-type]
     assert bool((host == 7).all())
+
+
+@pytest.mark.parametrize("count", [3, 64])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_queue_on_a_raw_stream_handle_and_its_event(count: int) -> None:
+    """queue_to_host_runs on a raw ``cudaStream_t`` (a side stream's, and the legacy default
+    stream's, 0, which takes one memcpy per run), ordered after a long kernel there; an
+    event from ``event_after`` is not fired before the copy is done, and is after."""
+    from embcache.kernels import current_raw_stream
+    from embcache.kernels._cudart import runtime
+
+    rt = runtime()
+    assert rt is not None
+    rng = random.Random(count)
+    size = 4 << 20
+    runs = [tuple(r) for r in random_runs(rng, size, count, 4096)]
+    total = sum(n for _, n in runs)
+    host = torch.randint(0, 256, (size,), dtype=torch.uint8).pin_memory()
+    for side in (torch.cuda.Stream(), None):
+        with torch.cuda.stream(side):
+            want = spec(torch.full((total,), count, dtype=torch.uint8), host.clone(), runs)
+            src = torch.zeros(total, dtype=torch.uint8, device="cuda")
+            torch.cuda.synchronize()
+            handle = current_raw_stream(0)
+            assert (handle == 0) == (side is None)
+            torch.cuda._sleep(50_000_000)  # ~25 ms
+            src.fill_(count)  # behind the sleep
+            how = queue_to_host_runs(src, host.data_ptr(), runs, handle)
+            event = rt.event_after(handle)
+            assert not event.query()  # the sleep is still running
+            event.synchronize()
+            assert event.query()
+        assert how == ("memcpy" if count <= MEMCPY_MAX_RUNS or side is None else "batch")
+        assert torch.equal(host, want)
