@@ -159,7 +159,10 @@ class Daemon:
             expired = engine.expire_leases()
             if expired:
                 log.info("expired %d leases", expired)
-            engine.device_tier.flush_due()  # page tables catch up once gets stop
+            try:
+                engine.device_tier.flush_due()  # page tables catch up once gets stop
+            except Exception:  # never the end of the reaper: leases must still expire
+                log.exception("launching the page-table updates failed")
 
     def _announce(self, grpc_service: Any, http_port: int, engine: CacheEngine) -> None:
         ports = list(getattr(grpc_service, "ports", []) or [])

@@ -135,11 +135,11 @@ def start_puts(
                     tier.prepare(handle.entry)
             if nbytes:  # counted as queued, in the copies' shadow
                 e._count_copy("d2h", nbytes)
+            events = [_record(tier, stream) for stream in streams.values()]
         except BaseException:
             for stream in streams.values():  # freed pages must not still be copied into
                 stream.synchronize()
             raise
-        events = [ev for ev in (_record(tier, st) for st in streams.values()) if ev is not None]
         return PendingPut(tier, handles, stack.pop_all(), events, nbytes, start)
 
 
@@ -219,10 +219,13 @@ def _handle_of(stream: torch.cuda.Stream | _CallerStream) -> int:
 
 def _record(
     tier: DeviceTier, stream: torch.cuda.Stream | _CallerStream
-) -> torch.cuda.Event | StreamEvent | None:
+) -> torch.cuda.Event | StreamEvent:
+    """An event that fires once the copies queued on ``stream`` so far are done."""
     if isinstance(stream, _CallerStream):
         return stream.record()
-    return tier._record(stream)
+    event = tier._record(stream)
+    assert event is not None, "a put stream is a CUDA stream"
+    return event
 
 
 def _finish_all(src: torch.Tensor, put_stream: torch.cuda.Stream | None) -> None:

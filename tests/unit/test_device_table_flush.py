@@ -169,3 +169,32 @@ def test_the_reaper_call_catches_up_once_gets_stop(shm_name: str, clock: Clock) 
         assert e.device_tier.flush_due() == 1
         assert not pool.tables_pending and bound_pages(pool) == set(pages)
         assert e.device_tier.flush_due() == 0  # nothing left
+
+
+def test_the_reaper_outlives_a_failing_flush() -> None:
+    """A flush that raises (not a device error, which takes a pool out of service) is
+    logged; the daemon's reaper goes on expiring leases."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from embcache.service.daemon import Daemon
+
+    expired = []
+
+    def flush_due() -> int:
+        raise RuntimeError("a bug in a flush (test)")
+
+    engine = SimpleNamespace(
+        expire_leases=lambda: expired.append(1) or 0,
+        device_tier=SimpleNamespace(flush_due=flush_due),
+    )
+
+    async def run() -> None:
+        task = asyncio.create_task(Daemon(Settings(lease_ttl_s=1.0))._reap(engine))  # type: ignore[arg-type]
+        while len(expired) < 3 and not task.done():
+            await asyncio.sleep(0.05)
+        assert not task.done(), task
+        task.cancel()
+
+    asyncio.run(asyncio.wait_for(run(), timeout=10))
+    assert len(expired) >= 3
