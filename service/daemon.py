@@ -187,8 +187,9 @@ class Daemon:
         if engine.device_tier.pools and pipe is None:
             log.warning(
                 "no MPS control daemon (CUDA_MPS_PIPE_DIRECTORY): decoders' kernels on these "
-                "GPUs time-slice with this daemon's copies and table updates; run both under "
-                "MPS (docs/deploy.md, MPS)"
+                "GPUs time-slice with this daemon's table updates (launched together, at most "
+                "every --device-table-flush-s) and its copy kernel (runs under 128 KiB); run "
+                "both under MPS (docs/deploy.md, MPS)"
             )
 
 
