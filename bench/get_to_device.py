@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -285,13 +286,19 @@ def head_and_tail_switch() -> Callable[[bool], None]:
 
 
 def planned_copy_switch(e: CacheEngine) -> Callable[[bool], None]:
-    """Turns the planned copy (no checks) on, or sends get plans through transfer_ranges."""
+    """Turns the planned copy (transfer_planned, no checks) on, or sends a get's plans
+    through transfer_ranges and its checks."""
     tier = e.device_tier
+    transfer = tier._transfer
+
+    def checked(*args: Any, **kwargs: Any) -> None:
+        kwargs["checked"] = True
+        transfer(*args, **kwargs)
 
     def switch(on: bool) -> None:
-        vars(tier).pop("_transfer_planned", None)
+        vars(tier).pop("_transfer", None)
         if not on:
-            tier._transfer_planned = tier._transfer  # type: ignore[method-assign]
+            tier._transfer = checked  # type: ignore[method-assign]
 
     return switch
 
@@ -350,8 +357,8 @@ def main() -> None:
                 # Two changes, each on and off alternating on this engine (engine instances
                 # differ by more): the head-and-tail split of a batch (device_loads.HEAD_BYTES:
                 # the head's pages reserved and its copy queued before the tail's pages are
-                # picked), and the planned copy straight to the copy engine
-                # (queue_byte_ranges) against transfer_ranges with its checks.
+                # picked), and the planned copy (transfer_planned) against transfer_ranges
+                # with its checks.
                 for switch, labels in (
                     (head_and_tail_switch(), ("head and tail", "one copy call")),
                     (planned_copy_switch(e), ("planned copy", "checked transfer_ranges")),

@@ -3,7 +3,6 @@
 Importing this package never imports triton; the Triton kernels load on first use.
 """
 
-from embcache.kernels._copy_engine import queue_byte_ranges
 from embcache.kernels._env import current_raw_stream, current_stream_idle
 from embcache.kernels.host_memory import HostRegistration, register_host_memory
 from embcache.kernels.host_runs import copy_to_host_runs, queue_to_host_runs
@@ -19,6 +18,7 @@ from embcache.kernels.read_table import build_read_table, build_read_table_refer
 from embcache.kernels.transfer import (
     TransferConfig,
     choose_backend,
+    transfer_planned,
     transfer_ranges,
     transfer_ranges_reference,
 )
@@ -38,9 +38,9 @@ __all__ = [
     "current_stream_idle",
     "free_unbind_inplace",
     "free_unbind_inplace_reference",
-    "queue_byte_ranges",
     "queue_to_host_runs",
     "register_host_memory",
+    "transfer_planned",
     "transfer_ranges",
     "transfer_ranges_reference",
 ]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from embcache.kernels import _cudart
 from embcache.kernels._cudart import CudaRuntime
 from embcache.kernels._env import on_device
 from embcache.kernels._plan import TransferPlan
@@ -45,51 +44,6 @@ def call_slices(count: int, first: int) -> list[slice]:
     return out
 
 
-def queue_byte_ranges(
-    dst_ptr: int,
-    src_ptr: int,
-    dst_offsets: np.ndarray,
-    src_offsets: np.ndarray,
-    sizes: np.ndarray,
-    stream: torch.cuda.Stream,
-    first_call: int = 16,
-) -> str:
-    """``sizes[i]`` bytes from ``src_ptr + src_offsets[i]`` to ``dst_ptr + dst_offsets[i]``
-    for every i, queued on the copy engine of ``stream`` (a side stream of its own, not the
-    legacy default one): :func:`~embcache.kernels.transfer_ranges`' ``batch`` (or ``memcpy``)
-    path without its checks. For a caller whose plan holds by construction: int64 offsets
-    and positive sizes, in bounds of both buffers, destinations disjoint, one side
-    page-locked host memory (pinned or registered) and the other on ``stream``'s device.
-    The daemon plans a get's copies from its allocators' own runs and its first copy waits
-    for the whole call, so the checks' host time (about 0.1 ms per call on the H200 host)
-    would delay every cold get. Returns ``"batch"`` or ``"memcpy"``. Needs the CUDA runtime."""
-    rt = _cudart.runtime()
-    assert rt is not None, "queue_byte_ranges needs the CUDA runtime"
-    dsts = np.add(dst_offsets, dst_ptr, dtype=np.int64).view(np.uint64)
-    srcs = np.add(src_offsets, src_ptr, dtype=np.int64).view(np.uint64)
-    sizes = sizes.astype(np.uint64)
-    handle = stream.cuda_stream
-    with on_device(stream.device.index or 0):
-        if len(sizes) == 1 or not rt.has_batch or handle == 0:
-            for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
-                rt.memcpy_async(dst, src, size, handle)
-            return "memcpy"
-        _batch_calls(rt, dsts, srcs, sizes, handle, first_call)
-    return "batch"
-
-
-def _batch_calls(
-    rt: CudaRuntime,
-    dsts: np.ndarray,
-    srcs: np.ndarray,
-    sizes: np.ndarray,
-    handle: int,
-    first_call: int,
-) -> None:
-    for part in call_slices(len(sizes), first_call):
-        rt.memcpy_batch_async(dsts[part], srcs[part], sizes[part], handle)
-
-
 def batch_ranges(
     rt: CudaRuntime,
     plan: TransferPlan,
@@ -108,7 +62,8 @@ def batch_ranges(
     num_streams = max(1, min(num_streams, plan.num_ranges))
     with on_device(plan.device.index or 0):
         if num_streams == 1 and stream.cuda_stream != 0:
-            _batch_calls(rt, dsts, srcs, sizes, stream.cuda_stream, first_call)
+            for part in call_slices(len(sizes), first_call):
+                rt.memcpy_batch_async(dsts[part], srcs[part], sizes[part], stream.cuda_stream)
             return
         sides = [torch.cuda.Stream(plan.device) for _ in range(num_streams)]
         for i, side in enumerate(sides):

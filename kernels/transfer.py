@@ -21,7 +21,13 @@ import torch
 
 from embcache.kernels import _cudart
 from embcache.kernels._env import interpreting
-from embcache.kernels._plan import IndexLike, TransferPlan, as_index_array, validate_plan
+from embcache.kernels._plan import (
+    Direction,
+    IndexLike,
+    TransferPlan,
+    as_index_array,
+    validate_plan,
+)
 
 Backend = Literal["auto", "kernel", "batch", "memcpy", "torch"]
 BACKENDS: tuple[str, ...] = ("auto", "kernel", "batch", "memcpy", "torch")
@@ -269,6 +275,39 @@ def transfer_ranges(
         return _run_cpu(plan, backend, config)
     if plan.num_ranges == 0:
         return "none"
+    if stream is None:
+        stream = torch.cuda.current_stream(plan.device)
+    return _run_cuda(plan, backend, stream, config)
+
+
+def transfer_planned(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_starts: np.ndarray,
+    dst_starts: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    stream: torch.cuda.Stream | None = None,
+    backend: Backend = "auto",
+    config: TransferConfig | None = None,
+) -> str:
+    """:func:`transfer_ranges` without its checks, the same dispatch and backends, for a
+    caller whose plan holds by construction: ``src`` and ``dst`` contiguous 2-D tensors of
+    one dtype and row width, one of them page-locked host memory and the other on
+    ``stream``'s device (or both on the CPU); int64 arrays of positive lengths, every range
+    inside both tensors, destinations disjoint. The daemon plans a cold get's copies from its
+    allocators' own runs, and its first copy starts only once the call is made: the checks
+    took 135-145 us before it on the lent H200 host."""
+    if config is None:
+        config = DEFAULT_CONFIG
+    on_cpu = (src.device.type == "cpu", dst.device.type == "cpu")
+    direction: Direction = "cpu" if all(on_cpu) else "h2d" if on_cpu[0] else "d2h"
+    row_bytes = src.shape[1] * src.element_size()
+    plan = TransferPlan(src, dst, src_starts, dst_starts, lengths, row_bytes, direction)
+    if plan.num_ranges == 0:
+        return "none"
+    if direction == "cpu":
+        return _run_cpu(plan, backend, config)
     if stream is None:
         stream = torch.cuda.current_stream(plan.device)
     return _run_cuda(plan, backend, stream, config)

@@ -32,7 +32,7 @@ def load(
 ) -> dict[str, int] | None:
     """Reserve device pages for ``todo`` (found entries with no copy in ``pool``, pinned by
     the caller) and queue their copies: from the host with one planned copy per part (two
-    parts for a large batch, :func:`_head_and_tail`; ``DeviceTier._transfer_planned``),
+    parts for a large batch, :func:`_head_and_tail`; ``kernels.transfer_planned``: no checks),
     from a faster peer GPU where one holds the entry. Appends each reserved ``(entry,
     residency)`` to ``loads`` as it is made, so a caller that fails later knows what to
     drop. None: the pool cannot hold the batch (the parts reserved before are in
@@ -112,8 +112,9 @@ def _queue_copies(
 def _copy_from_host(
     tier: DeviceTier, pool: DevicePool, batch: list[tuple[Entry, Residency]]
 ) -> None:
-    """One planned copy (``DeviceTier._transfer_planned``): host page runs against the
-    residencies' device page runs, each entry padded to 16-byte rows."""
+    """One copy of a plan made here (``kernels.transfer_planned``, without
+    ``transfer_ranges``' checks): host page runs against the residencies' device page runs,
+    each entry padded to 16-byte rows."""
     host = tier._engine.host_pool
     cols = []
     for entry, _ in batch:
@@ -127,7 +128,7 @@ def _copy_from_host(
         ROW,
         [-(-e.nbytes // ROW) for e, _ in batch],
     )
-    tier._transfer_planned(host.rows, pool.rows, so, do, ln, pool.stream)
+    tier._transfer(host.rows, pool.rows, so, do, ln, pool.stream, checked=False)
 
 
 def read_table(pool: DevicePool, placed: list[Placed | None]) -> torch.Tensor:

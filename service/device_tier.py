@@ -250,17 +250,8 @@ class DeviceTier:
         """Launch the page-table updates that have waited ``device_table_flush_s`` in any
         pool (the daemon's reaper calls this, so the tables catch up once gets stop);
         returns how many pools flushed."""
-        count = 0
         with self._engine._lock:
-            for pool in self.pools:
-                if pool.failed:
-                    continue
-                try:
-                    count += pool.flush_if_due()
-                except BaseException as exc:
-                    if not _take_out_of_service(pool, exc):
-                        raise
-        return count
+            return sum(self._flush(pool, when_due=True) for pool in self.pools)
 
     def flush_tables(self, device: int, *, when_due: bool = False) -> None:
         """After a ``defer_tables`` get's reply: evict down to the pool's free reserve
@@ -268,17 +259,25 @@ class DeviceTier:
         ``when_due``: only once they have waited ``device_table_flush_s``)."""
         pool = self._at(device)
         with self._engine._lock:
-            if pool.failed:
-                return
-            pool.refill()
-            try:
-                if when_due:
-                    pool.flush_if_due()
-                elif pool.tables_pending:
-                    pool.flush()
-            except BaseException as exc:
-                if not _take_out_of_service(pool, exc):
-                    raise
+            if not pool.failed:
+                pool.refill()
+            self._flush(pool, when_due=when_due)
+
+    @staticmethod
+    def _flush(pool: DevicePool, *, when_due: bool) -> bool:
+        """Launch ``pool``'s queued table updates (``when_due``: only once due); a device
+        error takes the pool out of service. Caller holds the engine lock."""
+        if pool.failed or not pool.tables_pending:
+            return False
+        try:
+            if when_due:
+                return pool.flush_if_due()
+            pool.flush()
+            return True
+        except BaseException as exc:
+            if not _take_out_of_service(pool, exc):
+                raise
+            return False
 
     # -- plumbing ------------------------------------------------------------------------
     def _transfer(
@@ -289,10 +288,18 @@ class DeviceTier:
         d: np.ndarray,
         n: np.ndarray,
         stream: torch.cuda.Stream | None,
+        *,
+        checked: bool = True,
     ) -> None:
-        cfg = self._config
+        """``transfer_ranges``, or (``checked=False``) ``transfer_planned`` for a plan the
+        engine made from its allocators' own runs, which holds by construction."""
         on_cuda = src.device.type == "cuda" or dst.device.type == "cuda"
         backend = self._engine.settings.copy_backend if on_cuda else "torch"
+        if not checked:
+            kernels.transfer_planned(
+                src, dst, s, d, n, stream=stream, backend=backend, config=self._config
+            )
+            return
         kernels.transfer_ranges(
             src,
             dst,
@@ -302,45 +309,8 @@ class DeviceTier:
             stream=stream,
             backend=backend,
             host_registered=self._engine.host_pool.registered,
-            config=cfg,
+            config=self._config,
         )
-
-    def _transfer_planned(
-        self,
-        src: torch.Tensor,
-        dst: torch.Tensor,
-        s: np.ndarray,
-        d: np.ndarray,
-        n: np.ndarray,
-        stream: torch.cuda.Stream | None,
-    ) -> None:
-        """:meth:`_transfer` of a plan the engine made from its allocators' runs (in bounds,
-        destinations disjoint, host side the registered pool): straight to the copy engine
-        (``kernels.queue_byte_ranges``) where ``auto`` would pick it, without
-        ``transfer_ranges``' checks; otherwise through them."""
-        cfg = self._config
-        if (
-            stream is not None
-            and len(n)
-            and self._engine.settings.copy_backend == "auto"
-            and self._engine.host_pool.registered
-            and cfg.copy_engine_streams == 1
-        ):
-            rb = src.shape[1] * src.element_size()
-            total = int(n.sum()) * rb
-            if kernels.choose_backend(len(n), total, cfg, has_batch=True) in ("batch", "memcpy"):
-                assert int(n.min()) > 0, "a planned copy range is empty"
-                kernels.queue_byte_ranges(
-                    dst.data_ptr(),
-                    src.data_ptr(),
-                    d * rb,
-                    s * rb,
-                    n * rb,
-                    stream,
-                    cfg.batch_first_call,
-                )
-                return
-        self._transfer(src, dst, s, d, n, stream)
 
     def _stream_for(self, t: torch.Tensor) -> torch.cuda.Stream | None:
         if not t.is_cuda:

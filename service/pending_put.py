@@ -266,8 +266,9 @@ def _queue_d2h(
         return None
     host = tier._engine.host_pool
     big = len(byte_runs) == 1 or total >= len(byte_runs) * tier._config.copy_engine_from_bytes
-    fast = put_stream is not None and host.registered and big
-    if fast and tier._engine.settings.copy_backend == "auto" and not src_ready:
+    engine_copy = tier._engine.settings.copy_backend == "auto" and big  # the copy engine's
+    direct = engine_copy and put_stream is not None and host.registered  # without checks
+    if direct and not src_ready:
         index = src.get_device()
         raw = kernels.current_raw_stream(index)
         if raw != 0 or len(byte_runs) <= MEMCPY_MAX_RUNS:
@@ -284,8 +285,8 @@ def _queue_d2h(
         index = src.get_device()
         if not kernels.current_stream_idle(index):
             put_stream.wait_stream(torch.cuda.current_stream(index))
-    if tier._engine.settings.copy_backend == "auto" and big:
-        if fast:
+    if engine_copy:
+        if direct:
             assert put_stream is not None
             kernels.queue_to_host_runs(src, host.tensor.data_ptr(), byte_runs, put_stream)
             return put_stream

@@ -128,13 +128,13 @@ def test_a_large_batch_in_two_copy_calls(engine: CacheEngine, monkeypatch) -> No
     for key, t in want.items():
         engine.put(key, t)
     calls: list[int] = []
-    real = engine.device_tier._transfer_planned
+    real = engine.device_tier._transfer
 
-    def counting(*args):  # type: ignore[no-untyped-def]
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(1)
-        return real(*args)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine.device_tier, "_transfer_planned", counting)
+    monkeypatch.setattr(engine.device_tier, "_transfer", counting)
     results, _ = engine.get_to_device(list(want), "dec")
     assert len(calls) == 2
     for (key, t), dl in zip(want.items(), results, strict=True):

@@ -390,15 +390,15 @@ def test_a_failed_pool_is_isolated(engine: CacheEngine, monkeypatch: pytest.Monk
     e.release([a.lease.lease_id, b.lease.lease_id])
 
     pool1 = tier.pools[1]
-    transfer = tier._transfer_planned  # the copies from the host pool
+    transfer = tier._transfer
 
-    def broken(*args: Any) -> None:
+    def broken(*args: Any, **kwargs: Any) -> None:
         dst = args[1]
         if dst.device == pool1.device:
             raise RuntimeError("CUDA error: injected fault on the second GPU (test)")
-        transfer(*args)
+        transfer(*args, **kwargs)
 
-    monkeypatch.setattr(tier, "_transfer_planned", broken)
+    monkeypatch.setattr(tier, "_transfer", broken)
     with pytest.raises(DeviceUnavailable):
         e.get_to_device(["c"], "dec", device=1)
     monkeypatch.undo()

@@ -210,29 +210,24 @@ def test_registered_shared_memory(direction: str, backend: str) -> None:
 
 
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
-@pytest.mark.parametrize(
-    ("num_ranges", "first_call"),
-    [(1, 16), (40, 0), (40, 4), (300, 16)],  # one memcpy; one batch call; growing calls
-)
-def test_queue_byte_ranges_matches_the_reference(
-    direction: str, num_ranges: int, first_call: int
-) -> None:
-    """The unchecked copy-engine path the daemon's cold gets take: byte offsets, one
-    stream, bit for bit what transfer_ranges_reference writes for the same plan."""
-    from embcache.kernels import queue_byte_ranges
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_ranges", [1, 40, 300])
+def test_planned_plans_match_the_reference(direction: str, backend: str, num_ranges: int) -> None:
+    """transfer_planned, the unchecked path a daemon's cold get takes: every backend, both
+    directions, odd row size, bit for bit what transfer_ranges_reference writes."""
+    from embcache.kernels import transfer_planned
 
     width = 37  # 74-byte rows: odd byte offsets and sizes
-    rng = np.random.default_rng(num_ranges + first_call)
+    rng = np.random.default_rng(num_ranges)
     src_rows, dst_rows = 4 * num_ranges + 50, 4 * num_ranges + 40
     src, dst = _pair(direction, src_rows, dst_rows, width, torch.bfloat16, num_ranges)
-    plan = random_plan(rng, src_rows, dst_rows, num_ranges, 4)
+    plan = tuple(
+        np.asarray(x, dtype=np.int64) for x in random_plan(rng, src_rows, dst_rows, num_ranges, 4)
+    )
     expected = dst.cpu().clone()
     transfer_ranges_reference(src.cpu(), expected, *plan)
-    rb = width * 2
-    s, d, n = (np.asarray(x, dtype=np.int64) * rb for x in plan)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    used = queue_byte_ranges(dst.data_ptr(), src.data_ptr(), d, s, n, stream, first_call)
+    transfer_planned(src, dst, *plan, stream=stream, backend=backend)
     stream.synchronize()
-    assert used == ("memcpy" if num_ranges == 1 or not runtime().has_batch else "batch")
     assert torch.equal(bits(dst.cpu()), bits(expected))

@@ -8,7 +8,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embcache.kernels import TransferConfig, transfer_ranges, transfer_ranges_reference
+from embcache.kernels import (
+    TransferConfig,
+    transfer_planned,
+    transfer_ranges,
+    transfer_ranges_reference,
+)
 from embcache.kernels.testing import bits, random_plan, random_rows
 from embcache.kernels.transfer import choose_backend
 
@@ -183,3 +188,21 @@ def test_chunk_descriptors_cut_long_runs() -> None:
     assert desc.tolist() == [[0, 4, 8, 100], [50, 54, 58, 0], [4, 4, 2, 3]]
     short = chunk_descriptors(np.array([7]), np.array([9]), np.array([3]), 4)
     assert short.tolist() == [[7], [9], [3]]
+
+
+@pytest.mark.parametrize("backend", ["auto", "kernel"])
+@pytest.mark.parametrize(("dtype", "width"), DTYPE_WIDTHS)
+def test_planned_plans_match_the_reference(interpret: None, backend, dtype, width) -> None:
+    """transfer_planned (no checks) copies a valid plan as transfer_ranges does: int64
+    arrays, no empty ranges, destinations disjoint; an empty plan is a no-op."""
+    rng = np.random.default_rng(width + 7)
+    src, dst = random_rows(64, width, dtype, 7), random_rows(80, width, dtype, 8)
+    plan = tuple(np.asarray(x, dtype=np.int64) for x in random_plan(rng, 64, 80, 6, 10))
+    expected = dst.clone()
+    transfer_ranges_reference(src, expected, *plan)
+    used = transfer_planned(src, dst, *plan, backend=backend)
+    assert used == ("torch" if backend == "auto" else "kernel")
+    assert torch.equal(bits(dst), bits(expected))
+    empty = np.zeros(0, dtype=np.int64)
+    assert transfer_planned(src, dst, empty, empty, empty) == "none"
+    assert torch.equal(bits(dst), bits(expected))

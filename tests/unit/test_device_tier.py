@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import threading
 import zlib
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -432,9 +430,9 @@ def test_a_large_batch_is_queued_as_head_and_tail(
     seen: list[tuple[str, int]] = []
     real, reserve = engine.device_tier._transfer, pool.reserve_batch
 
-    def counting(src, dst, s, d, n, stream):  # type: ignore[no-untyped-def]
+    def counting(src, dst, s, d, n, stream, **kw):  # type: ignore[no-untyped-def]
         seen.append(("copy", int(n.sum())))
-        return real(src, dst, s, d, n, stream)
+        return real(src, dst, s, d, n, stream, **kw)
 
     def reserving(entries):  # type: ignore[no-untyped-def]
         seen.append(("reserve", len(entries)))
@@ -466,9 +464,9 @@ def test_a_tail_that_does_not_fit_gives_the_head_back(engine: CacheEngine, monke
     copies: list[int] = []
     real = engine.device_tier._transfer
 
-    def counting(src, dst, s, d, n, stream):  # type: ignore[no-untyped-def]
+    def counting(src, dst, s, d, n, stream, **kw):  # type: ignore[no-untyped-def]
         copies.append(int(n.sum()))
-        return real(src, dst, s, d, n, stream)
+        return real(src, dst, s, d, n, stream, **kw)
 
     monkeypatch.setattr(engine.device_tier, "_transfer", counting)
     with pytest.raises(PoolExhausted) as info:
@@ -567,34 +565,28 @@ def test_a_flush_after_close_does_nothing(engine: CacheEngine) -> None:
     assert set(pool.v2p.tolist()) == {-1}
 
 
-def test_planned_copies_skip_the_checks_only_where_auto_picks_the_copy_engine(
-    engine: CacheEngine, monkeypatch
-) -> None:
-    """A get's plan (made from the allocators' runs) goes straight to the copy engine, in
-    bytes, when there is a stream, the pool is registered and ``auto`` would pick the copy
-    engine; anything else takes transfer_ranges' checked path. (The copy itself: GPU tests.)"""
-    tier = engine.device_tier
-    calls: list[object] = []
-    monkeypatch.setattr(kernels, "queue_byte_ranges", lambda *a: calls.append(a) or "batch")
-    monkeypatch.setattr(tier, "_transfer", lambda *a: calls.append("checked"))
-    cfg = dataclasses.replace(tier._config, kernel_below_bytes=64, copy_engine_from_bytes=128)
-    monkeypatch.setattr(tier, "_config", cfg)
-    src = torch.zeros((64, 16), dtype=torch.uint8)
-    dst = torch.zeros((64, 16), dtype=torch.uint8)
-    s, d = np.array([0, 20], dtype=np.int64), np.array([8, 40], dtype=np.int64)
-    big = np.array([16, 16], dtype=np.int64)  # 256-byte runs: the copy engine's
-    stream = object()
-    tier._transfer_planned(src, dst, s, d, big, None)  # no stream: a CPU pool
-    assert calls == ["checked"]
-    monkeypatch.setattr(engine.host_pool, "registered", True)
-    tier._transfer_planned(src, dst, s, d, big, stream)  # type: ignore[arg-type]
-    args = calls[1]
-    assert isinstance(args, tuple) and args[:2] == (dst.data_ptr(), src.data_ptr())
-    for got, want in zip(args[2:5], (d * 16, s * 16, big * 16), strict=True):
-        assert got.tolist() == want.tolist()
-    assert args[5:] == (stream, cfg.batch_first_call)
-    small = np.array([2, 2], dtype=np.int64)  # 32-byte runs: auto picks the kernel
-    tier._transfer_planned(src, dst, s, d, small, stream)  # type: ignore[arg-type]
-    monkeypatch.setattr(engine.host_pool, "registered", False)
-    tier._transfer_planned(src, dst, s, d, big, stream)  # type: ignore[arg-type]
-    assert calls[2:] == ["checked", "checked"]
+def test_a_cold_gets_plan_skips_the_checks(engine: CacheEngine, monkeypatch) -> None:
+    """The plan of a cold get's copy from the host is made from the allocators' own runs:
+    it goes to ``transfer_planned`` (no checks), the same backends as ``transfer_ranges``,
+    which the get never calls; the bytes land. (The CUDA backends: GPU tests.)"""
+    calls: list[str] = []
+    planned, checked = kernels.transfer_planned, kernels.transfer_ranges
+
+    def counting_planned(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append("planned")
+        return planned(*args, **kwargs)
+
+    def counting_checked(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append("checked")
+        return checked(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "transfer_planned", counting_planned)
+    monkeypatch.setattr(kernels, "transfer_ranges", counting_checked)
+    data = [blob(DEV_PAGE + 9, 1), blob(3 * DEV_PAGE - 5, 2)]
+    for i, d in enumerate(data):
+        engine.put(f"e{i}", d)
+    got, _ = engine.get_to_device(["e0", "e1"], "dec")
+    assert calls == ["planned"]
+    for dl, d in zip(got, data, strict=True):
+        assert dl is not None and torch.equal(device_bytes(engine, dl), d)
+    check_tables(engine)
