@@ -4,11 +4,11 @@
 ``host:port``. See docs/grpc.md.
 """
 
-from ._wire import EntryBytes
-from .async_client import AsyncEmbCacheClient
-from .errors import RpcFailed
-from .results import AsyncLeasedTensors, LeasedTensors
-from .sync_client import EmbCacheClient
+from embcache.clients._wire import EntryBytes
+from embcache.clients.async_client import AsyncEmbCacheClient
+from embcache.clients.errors import RpcFailed
+from embcache.clients.results import AsyncLeasedTensors, LeasedTensors
+from embcache.clients.sync_client import EmbCacheClient
 
 __all__ = [
     "AsyncEmbCacheClient",

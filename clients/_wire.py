@@ -15,9 +15,9 @@ import grpc
 import numpy as np
 import torch
 
-from ..proto.embcache.v1 import embcache_pb2 as pb
-from ..proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
-from ..service.checksum import crc32
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.service.checksum import crc32
 
 CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = CHUNK_BYTES + 128 * 1024
@@ -212,7 +212,7 @@ def evict_request(keys: list[str], device: Any = None) -> pb.EvictRequest:
     keys' copies on that GPU (their host copies stay)."""
     request = pb.EvictRequest(keys=keys)
     if device is not None:
-        from .device import resolve_device
+        from embcache.clients.device import resolve_device
 
         request.gpu_uuid = resolve_device(device)[1]
     return request
@@ -222,7 +222,7 @@ def prefetch_request(keys: Sequence[str], device: Any = None) -> pb.PrefetchRequ
     """A Prefetch request; ``device`` (``"cuda"``, ``"cuda:N"``, an index) also warms that GPU."""
     request = pb.PrefetchRequest(keys=list(keys))
     if device is not None:
-        from .device import resolve_device
+        from embcache.clients.device import resolve_device
 
         request.gpu_uuid = resolve_device(device)[1]
     return request

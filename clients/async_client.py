@@ -16,12 +16,10 @@ from typing import Any, TypeVar, overload
 import grpc
 import torch
 
-from ..proto.embcache.v1 import embcache_pb2 as pb
-from ..service.errors import DeviceUnavailable
-from . import device as _device
-from . import device_puts as dp
-from . import device_results as dr
-from ._wire import (
+from embcache.clients import device as _device
+from embcache.clients import device_puts as dp
+from embcache.clients import device_results as dr
+from embcache.clients._wire import (
     SESSION_KEY,
     as_keys,
     auth_metadata,
@@ -29,7 +27,7 @@ from ._wire import (
     normalize_target,
     payload_of,
 )
-from .errors import (
+from embcache.clients.errors import (
     RpcFailed,
     backoff_s,
     from_call_error,
@@ -37,11 +35,13 @@ from .errors import (
     should_retry,
     translate,
 )
-from .lane import AsyncLaneSession, lane_path
-from .plain_calls import AsyncPlainCalls
-from .results import AsyncLeasedTensors, copy_into, decode_get
-from .sessions import AsyncSession, SessionLost, retry_step, serves
-from .shm import process_pool_maps
+from embcache.clients.lane import AsyncLaneSession, lane_path
+from embcache.clients.plain_calls import AsyncPlainCalls
+from embcache.clients.results import AsyncLeasedTensors, copy_into, decode_get
+from embcache.clients.sessions import AsyncSession, SessionLost, retry_step, serves
+from embcache.clients.shm import process_pool_maps
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.service.errors import DeviceUnavailable
 
 T = TypeVar("T")
 log = logging.getLogger("embcache.client")

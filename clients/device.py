@@ -274,7 +274,7 @@ def plan_gather(
         raise ValueError(f"pages: ids must lie in [0, {num_pages})")
     if not rows.is_cuda:
         return PageGather(rows, torch.from_numpy(ids), offsets)
-    from .uva_ids import ring_for
+    from embcache.clients.uva_ids import ring_for
 
     ring = ring_for(rows.device)
     got = ring.put(ids) if ring is not None else None

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from ..proto.embcache.v1 import embcache_pb2 as pb
-from ..service.errors import DeviceUnavailable
-from . import device_results as dr
-from .errors import RpcFailed
+from embcache.clients import device_results as dr
+from embcache.clients.errors import RpcFailed
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.service.errors import DeviceUnavailable
 
 log = logging.getLogger("embcache.client")
 

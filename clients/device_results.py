@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..proto.embcache.v1 import embcache_pb2 as pb
-from ._wire import torch_dtype
-from .device import DevicePoolCache, DevicePoolHandle, PageGather, plan_gather
-from .ipc_events import EVENTS, Recorded
-from .results import Decoded
+from embcache.clients._wire import torch_dtype
+from embcache.clients.device import DevicePoolCache, DevicePoolHandle, PageGather, plan_gather
+from embcache.clients.ipc_events import EVENTS, Recorded
+from embcache.clients.results import Decoded
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import grpc
 
-from ..service import errors as _errors
-from ..service.errors import EmbCacheError
-from ._wire import ERROR_TYPE_KEY
+from embcache.clients._wire import ERROR_TYPE_KEY
+from embcache.service import errors as _errors
+from embcache.service.errors import EmbCacheError
 
 RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
 

@@ -23,10 +23,10 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from ..proto.embcache.v1 import embcache_pb2 as pb
-from ._wire import MAX_MESSAGE_BYTES
-from .errors import RpcFailed, from_call_error
-from .sessions import AsyncCalls, SessionLost, unclaimed_release
+from embcache.clients._wire import MAX_MESSAGE_BYTES
+from embcache.clients.errors import RpcFailed, from_call_error
+from embcache.clients.sessions import AsyncCalls, SessionLost, unclaimed_release
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
 HEADER = struct.Struct("<I")
 SUFFIX = ".lane"

@@ -9,9 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import grpc
 
-from ..proto.embcache.v1 import embcache_pb2 as pb
-from ..service.errors import EmbCacheError, EntryLeased, NotFound
-from ._wire import (
+from embcache.clients._wire import (
     BytesCollector,
     EntryBytes,
     as_keys,
@@ -19,7 +17,9 @@ from ._wire import (
     prefetch_dict,
     prefetch_request,
 )
-from .stats import EVICT_NAMES, stats_dict
+from embcache.clients.stats import EVICT_NAMES, stats_dict
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.service.errors import EmbCacheError, EntryLeased, NotFound
 
 T = TypeVar("T")
 

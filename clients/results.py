@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..proto.embcache.v1 import embcache_pb2 as pb
-from ..service.errors import LeaseExpired
-from ._wire import torch_dtype
-from .shm import PoolMaps
+from embcache.clients._wire import torch_dtype
+from embcache.clients.shm import PoolMaps
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.service.errors import LeaseExpired
 
 
 @dataclass(slots=True)

@@ -25,9 +25,9 @@ from typing import Any, Protocol
 
 import grpc
 
-from ..proto.embcache.v1 import embcache_pb2 as pb
-from ..proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
-from .errors import RpcFailed, from_call_error
+from embcache.clients.errors import RpcFailed, from_call_error
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
 
 
 class SessionLost(RpcFailed):

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from ..proto.embcache.v1 import embcache_pb2 as pb
-from ..service.transport.descriptors import boot_id
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.service.transport.descriptors import boot_id
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from ..proto.embcache.v1 import embcache_pb2 as pb
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
 EVICT_NAMES = {pb.EVICTED: "evicted", pb.NOT_FOUND: "not_found", pb.LEASED: "leased"}
 

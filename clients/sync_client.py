@@ -21,12 +21,10 @@ from typing import Any, TypeVar, overload
 import grpc
 import torch
 
-from ..proto.embcache.v1 import embcache_pb2 as pb
-from ..service.errors import DeviceUnavailable
-from . import device as _device
-from . import device_puts as dp
-from . import device_results as dr
-from ._wire import (
+from embcache.clients import device as _device
+from embcache.clients import device_puts as dp
+from embcache.clients import device_results as dr
+from embcache.clients._wire import (
     SESSION_KEY,
     as_keys,
     auth_metadata,
@@ -34,7 +32,7 @@ from ._wire import (
     normalize_target,
     payload_of,
 )
-from .errors import (
+from embcache.clients.errors import (
     RpcFailed,
     backoff_s,
     from_call_error,
@@ -42,11 +40,13 @@ from .errors import (
     should_retry,
     translate,
 )
-from .lane import LaneSession, lane_path
-from .plain_calls import PlainCalls
-from .results import LeasedTensors, copy_into, decode_get
-from .sessions import Session, SessionLost, retry_step, serves
-from .shm import process_pool_maps
+from embcache.clients.lane import LaneSession, lane_path
+from embcache.clients.plain_calls import PlainCalls
+from embcache.clients.results import LeasedTensors, copy_into, decode_get
+from embcache.clients.sessions import Session, SessionLost, retry_step, serves
+from embcache.clients.shm import process_pool_maps
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.service.errors import DeviceUnavailable
 
 T = TypeVar("T")
 log = logging.getLogger("embcache.client")

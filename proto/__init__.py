@@ -15,7 +15,7 @@ _log = logging.getLogger(__name__)
 
 def ensure_stubs() -> None:
     """Generate the stubs if they are missing or older than the .proto (cheap when current)."""
-    from . import codegen
+    from embcache.proto import codegen
 
     if not codegen.is_stale():
         return

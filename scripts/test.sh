@@ -16,7 +16,9 @@ if [ ${#need[@]} -gt 0 ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/nul
 fi
 ruff check .
 ruff format --check .
-mypy service clients kernels
+# mypy checks the packages by their import names: _gen/embcache links to the repository root.
+mkdir -p _gen && ln -sfn .. _gen/embcache
+MYPYPATH=_gen mypy -p embcache.service -p embcache.clients -p embcache.kernels
 set +e
 python -m pytest "$@"
 rc=$?

@@ -6,8 +6,8 @@ import logging
 
 import typer
 
-from .cli_settings import with_settings
-from .config import Settings
+from embcache.service.cli_settings import with_settings
+from embcache.service.config import Settings
 
 app = typer.Typer(
     name="embcache",
@@ -27,8 +27,8 @@ def _main() -> None:
 @with_settings
 def serve(settings: Settings) -> None:
     """Run the daemon (gRPC + HTTP) with the given settings; CPU mode without a GPU."""
-    from .daemon import serve as run_daemon
-    from .host_pool import PoolInUseError
+    from embcache.service.daemon import serve as run_daemon
+    from embcache.service.host_pool import PoolInUseError
 
     try:
         code = run_daemon(settings)
@@ -40,7 +40,7 @@ def serve(settings: Settings) -> None:
 
 def _register_operator_commands() -> None:
     try:
-        from . import cli_ops
+        from embcache.service import cli_ops
     except ImportError:  # operator commands not installed in this build
         return
     cli_ops.register(app)

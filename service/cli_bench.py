@@ -13,9 +13,9 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from .cli_ops import _fail, console
-from .cli_settings import with_settings
-from .config import Settings
+from embcache.service.cli_ops import _fail, console
+from embcache.service.cli_settings import with_settings
+from embcache.service.config import Settings
 
 
 def default_bench_dir() -> Path:

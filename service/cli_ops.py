@@ -17,9 +17,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .cli_settings import with_settings
-from .config import Settings, format_size, parse_size
-from .errors import EmbCacheError
+from embcache.service.cli_settings import with_settings
+from embcache.service.config import Settings, format_size, parse_size
+from embcache.service.errors import EmbCacheError
 
 console = Console()
 err_console = Console(stderr=True)
@@ -63,7 +63,7 @@ def _request(settings: Settings, method: str, path: str, **kwargs: Any) -> Any:
 
 def _grpc_client(settings: Settings) -> Any:
     try:
-        from ..clients import EmbCacheClient
+        from embcache.clients import EmbCacheClient
     except ImportError as exc:
         raise _fail(
             f"put/get need the gRPC client (embcache.clients.EmbCacheClient): {exc}", code=2
@@ -310,7 +310,7 @@ def get(
 
 def register(app: typer.Typer) -> None:
     """Add the operator commands to the ``embcache`` typer app."""
-    from .cli_bench import bench
+    from embcache.service.cli_bench import bench
 
     for func in (stats, ls, evict, put, get, bench):
         app.command(func.__name__)(func)

@@ -15,7 +15,7 @@ import typer
 from pydantic import ValidationError
 from rich.markup import escape
 
-from .config import Settings
+from embcache.service.config import Settings
 
 
 def flag_name(field: str) -> str:

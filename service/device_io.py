@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .copy_plan import PlanBuilder, row_bytes_for
-from .device_pool import DevicePool
-from .errors import InvalidArgument
-from .leases import Lease
+from embcache.service.copy_plan import PlanBuilder, row_bytes_for
+from embcache.service.device_pool import DevicePool
+from embcache.service.errors import InvalidArgument
+from embcache.service.leases import Lease
 
 if TYPE_CHECKING:
-    from .device_tier import DeviceTier
+    from embcache.service.device_tier import DeviceTier
 
 
 def get_into(

@@ -9,15 +9,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from embcache import kernels
-
-from .copy_plan import plan_entries
-from .device_pool import DevicePool, Residency, upload
-from .device_routing import copy_between_pools
-from .leases import Lease
+from embcache.service.copy_plan import plan_entries
+from embcache.service.device_pool import DevicePool, Residency, upload
+from embcache.service.device_routing import copy_between_pools
+from embcache.service.leases import Lease
 
 if TYPE_CHECKING:
-    from .device_tier import DeviceTier
-    from .entries import Entry
+    from embcache.service.device_tier import DeviceTier
+    from embcache.service.entries import Entry
 
 ROW = 16  # bytes per row of the host->device plans (pages are multiples of it)
 # A batch of at least twice this many bytes is reserved and queued in two parts: its first

@@ -30,11 +30,10 @@ import numpy as np
 import torch
 
 from embcache import kernels
-
-from .allocator import PageRunAllocator
-from .deal_runs import deal_runs
-from .entries import Entry
-from .stats import PoolStats
+from embcache.service.allocator import PageRunAllocator
+from embcache.service.deal_runs import deal_runs
+from embcache.service.entries import Entry
+from embcache.service.stats import PoolStats
 
 PAGE_FREE, PAGE_RESIDENT, PAGE_LEASED = 0, 1, 2
 MAX_QUEUED_UPDATES = 4096  # residencies and vpage runs a flush may wait for, at most

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .allocator import page_byte_runs
-from .copy_plan import merge_runs
-from .device_pool import DevicePool, Residency
-from .entries import Entry
+from embcache.service.allocator import page_byte_runs
+from embcache.service.copy_plan import merge_runs
+from embcache.service.device_pool import DevicePool, Residency
+from embcache.service.entries import Entry
 
 log = logging.getLogger(__name__)
 HOST = -1  # source index of the host pool in the rate table

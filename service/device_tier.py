@@ -15,22 +15,21 @@ import numpy as np
 import torch
 
 from embcache import kernels
-
-from . import device_loads
-from .copy_plan import entry_columns
-from .device_loads import ROW, Placed
-from .device_pool import DevicePool, Residency
-from .device_routing import PeerRates
-from .errors import DeviceUnavailable, PoolExhausted
-from .leases import Lease
-from .pending_get import DeviceLease, PendingGet
-from .ready_events import ReadyEvents
+from embcache.service import device_loads
+from embcache.service.copy_plan import entry_columns
+from embcache.service.device_loads import ROW, Placed
+from embcache.service.device_pool import DevicePool, Residency
+from embcache.service.device_routing import PeerRates
+from embcache.service.errors import DeviceUnavailable, PoolExhausted
+from embcache.service.leases import Lease
+from embcache.service.pending_get import DeviceLease, PendingGet
+from embcache.service.ready_events import ReadyEvents
 
 T = TypeVar("T")
 
 if TYPE_CHECKING:
-    from .engine import CacheEngine
-    from .entries import Entry
+    from embcache.service.engine import CacheEngine
+    from embcache.service.entries import Entry
 
 log = logging.getLogger(__name__)
 CopyObserver = Callable[[str, int, float], None]

@@ -18,23 +18,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import device_io, introspection
-from .allocator import PageRunAllocator
-from .config import Settings
-from .device_pool import DevicePool
-from .device_tier import CopyObserver, DeviceLease, DeviceTier, PendingGet
-from .engine_evict import EvictOps, EvictOutcome, raise_for_evict
-from .engine_leases import SHARED_TIER_OWNER, LeaseOps
-from .engine_puts import PutOps
-from .entries import Entry, EntryTable
-from .errors import (
+from embcache.service import device_io, introspection
+from embcache.service.allocator import PageRunAllocator
+from embcache.service.config import Settings
+from embcache.service.device_pool import DevicePool
+from embcache.service.device_tier import CopyObserver, DeviceLease, DeviceTier, PendingGet
+from embcache.service.engine_evict import EvictOps, EvictOutcome, raise_for_evict
+from embcache.service.engine_leases import SHARED_TIER_OWNER, LeaseOps
+from embcache.service.engine_puts import PutOps
+from embcache.service.entries import Entry, EntryTable
+from embcache.service.errors import (
     Draining,
 )
-from .host_pool import HostPool
-from .leases import Lease, LeaseTable
-from .pending_put import PendingPut, start_puts
-from .put_landing import PutLanding
-from .stats import EngineStats, EntryInfo
+from embcache.service.host_pool import HostPool
+from embcache.service.leases import Lease, LeaseTable
+from embcache.service.pending_put import PendingPut, start_puts
+from embcache.service.put_landing import PutLanding
+from embcache.service.stats import EngineStats, EntryInfo
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ import enum
 import logging
 from collections.abc import Sequence
 
-from .engine_state import EngineState
-from .entries import Entry
-from .errors import EntryLeased, InvalidArgument, NotFound
-from .stats import run_bucket
+from embcache.service.engine_state import EngineState
+from embcache.service.entries import Entry
+from embcache.service.errors import EntryLeased, InvalidArgument, NotFound
+from embcache.service.stats import run_bucket
 
 log = logging.getLogger("embcache.service.engine")
 

@@ -12,10 +12,10 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from .engine_state import EngineState
-from .entries import Entry
-from .errors import InvalidArgument, LeaseExpired
-from .leases import Lease
+from embcache.service.engine_state import EngineState
+from embcache.service.entries import Entry
+from embcache.service.errors import InvalidArgument, LeaseExpired
+from embcache.service.leases import Lease
 
 log = logging.getLogger("embcache.service.engine")
 

@@ -10,13 +10,19 @@ from typing import Any
 
 import torch
 
-from . import admission
-from .dtypes import from_torch
-from .engine_state import EngineState
-from .entries import Entry, EntryState
-from .errors import Draining, InvalidArgument, MetadataConflict, PoolExhausted, QuotaExceeded
-from .fill import PutHandle
-from .stats import run_bucket
+from embcache.service import admission
+from embcache.service.dtypes import from_torch
+from embcache.service.engine_state import EngineState
+from embcache.service.entries import Entry, EntryState
+from embcache.service.errors import (
+    Draining,
+    InvalidArgument,
+    MetadataConflict,
+    PoolExhausted,
+    QuotaExceeded,
+)
+from embcache.service.fill import PutHandle
+from embcache.service.stats import run_bucket
 
 log = logging.getLogger("embcache.service.engine")
 

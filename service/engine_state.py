@@ -14,15 +14,15 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .allocator import PageRunAllocator
-from .config import Settings
-from .entries import Entry, EntryTable
-from .host_pool import HostPool
-from .leases import LeaseTable
-from .put_landing import PutLanding
+from embcache.service.allocator import PageRunAllocator
+from embcache.service.config import Settings
+from embcache.service.entries import Entry, EntryTable
+from embcache.service.host_pool import HostPool
+from embcache.service.leases import LeaseTable
+from embcache.service.put_landing import PutLanding
 
 if TYPE_CHECKING:
-    from .device_tier import DeviceTier
+    from embcache.service.device_tier import DeviceTier
 
 
 class EngineState:

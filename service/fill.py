@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .checksum import crc32
-from .errors import ChecksumMismatch, Draining, InvalidArgument, LeaseExpired
+from embcache.service.checksum import crc32
+from embcache.service.errors import ChecksumMismatch, Draining, InvalidArgument, LeaseExpired
 
 if TYPE_CHECKING:
-    from .engine_puts import PutOps
-    from .entries import Entry
+    from embcache.service.engine_puts import PutOps
+    from embcache.service.entries import Entry
 
 
 def as_byte_array(data: Any) -> np.ndarray:

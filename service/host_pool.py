@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .allocator import page_byte_runs
+from embcache.service.allocator import page_byte_runs
 
 log = logging.getLogger(__name__)
 

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .entries import Entry
-from .stats import EngineStats, EntryInfo, PoolStats
+from embcache.service.entries import Entry
+from embcache.service.stats import EngineStats, EntryInfo, PoolStats
 
 if TYPE_CHECKING:
-    from .engine import CacheEngine
+    from embcache.service.engine import CacheEngine
 
 PAGE_FREE, PAGE_FILLING, PAGE_READY, PAGE_LEASED = 0, 1, 2, 3
 

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .errors import DeviceUnavailable, InvalidArgument
+from embcache.service.errors import DeviceUnavailable, InvalidArgument
 
 log = logging.getLogger(__name__)
 

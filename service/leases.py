@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .allocator import page_byte_runs
-from .entries import Entry
+from embcache.service.allocator import page_byte_runs
+from embcache.service.entries import Entry
 
 
 @dataclass(slots=True, eq=False)

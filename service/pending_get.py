@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .leases import Lease
+from embcache.service.leases import Lease
 
 
 @dataclass(frozen=True, slots=True)

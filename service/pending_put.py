@@ -25,14 +25,13 @@ from embcache.kernels import _cudart
 from embcache.kernels._cudart import CudaRuntime, StreamEvent
 from embcache.kernels._env import on_device
 from embcache.kernels.host_runs import MEMCPY_MAX_RUNS
-
-from .copy_plan import row_bytes_for
-from .dtypes import from_torch
-from .errors import InvalidArgument
-from .fill import PutHandle
+from embcache.service.copy_plan import row_bytes_for
+from embcache.service.dtypes import from_torch
+from embcache.service.errors import InvalidArgument
+from embcache.service.fill import PutHandle
 
 if TYPE_CHECKING:
-    from .device_tier import DeviceTier
+    from embcache.service.device_tier import DeviceTier
 
 
 class PendingPut:

@@ -1,8 +1,8 @@
 """Shared tier across nodes (Redis / Redis Cluster, Mooncake Store): see docs/scale-out.md."""
 
-from .attach import PrefetchResult, SharedTier, attach_shared_tier
-from .base import FetchResult, Header, SharedTierBackend, TierError
-from .config import SharedTierConfig
+from embcache.service.tiers.attach import PrefetchResult, SharedTier, attach_shared_tier
+from embcache.service.tiers.base import FetchResult, Header, SharedTierBackend, TierError
+from embcache.service.tiers.config import SharedTierConfig
 
 __all__ = [
     "FetchResult",

@@ -21,25 +21,25 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ChecksumMismatch, EmbCacheError
-from .base import ByteRuns, FetchResult, Header, SharedTierBackend
-from .config import SharedTierConfig
-from .health import TierHealth
-from .writer import OWNER, WriteThrough
+from embcache.service.errors import ChecksumMismatch, EmbCacheError
+from embcache.service.tiers.base import ByteRuns, FetchResult, Header, SharedTierBackend
+from embcache.service.tiers.config import SharedTierConfig
+from embcache.service.tiers.health import TierHealth
+from embcache.service.tiers.writer import OWNER, WriteThrough
 
 if TYPE_CHECKING:
-    from ..engine import CacheEngine
-    from ..fill import PutHandle
+    from embcache.service.engine import CacheEngine
+    from embcache.service.fill import PutHandle
 
 log = logging.getLogger("embcache.tiers")
 
 
 def make_backend(config: SharedTierConfig) -> SharedTierBackend:
     if config.backend == "redis":
-        from .redis_tier import RedisTier
+        from embcache.service.tiers.redis_tier import RedisTier
 
         return RedisTier(config)
-    from .mooncake_tier import MooncakeTier
+    from embcache.service.tiers.mooncake_tier import MooncakeTier
 
     return MooncakeTier(config)
 
@@ -310,7 +310,7 @@ def attach_shared_tier(
     engine.remote_exists = tier.exists
     engine.commit_listeners.append(tier.on_commit)
     if metrics is not None:
-        from .metrics import TierCollector
+        from embcache.service.tiers.metrics import TierCollector
 
         metrics.registry.register(TierCollector(tier))
     return tier

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..metrics import PREFIX
+from embcache.service.metrics import PREFIX
 
 if TYPE_CHECKING:
-    from .attach import SharedTier
+    from embcache.service.tiers.attach import SharedTier
 
 _FETCH = {
     "hit": "fetch_hits",

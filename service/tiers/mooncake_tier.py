@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import (
+from embcache.service.tiers.base import (
     HEADER_BYTES,
     FetchResult,
     Header,
@@ -35,7 +35,7 @@ from .base import (
     TierError,
     object_name,
 )
-from .config import SharedTierConfig
+from embcache.service.tiers.config import SharedTierConfig
 
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import (
+from embcache.service.tiers.base import (
     HEADER_BYTES,
     FetchResult,
     Header,
@@ -35,7 +35,7 @@ from .base import (
     key_digest,
     scatter,
 )
-from .config import SharedTierConfig
+from embcache.service.tiers.config import SharedTierConfig
 
 DEFAULT_CHUNK = 4 * 1024 * 1024
 

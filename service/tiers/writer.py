@@ -21,14 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..errors import EmbCacheError
-from .base import Header, PutItem, SharedTierBackend, key_digest, payload_crc
-from .config import SharedTierConfig
-from .health import TierHealth
+from embcache.service.errors import EmbCacheError
+from embcache.service.tiers.base import Header, PutItem, SharedTierBackend, key_digest, payload_crc
+from embcache.service.tiers.config import SharedTierConfig
+from embcache.service.tiers.health import TierHealth
 
 if TYPE_CHECKING:
-    from ..engine import CacheEngine
-    from ..leases import Lease
+    from embcache.service.engine import CacheEngine
+    from embcache.service.leases import Lease
 
 log = logging.getLogger("embcache.tiers")
 

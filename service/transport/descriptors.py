@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from ..config import Settings
-    from ..device_pool import DevicePool
-    from ..device_tier import DeviceLease
-    from ..engine import CacheEngine
-    from ..leases import Lease
+    from embcache.service.config import Settings
+    from embcache.service.device_pool import DevicePool
+    from embcache.service.device_tier import DeviceLease
+    from embcache.service.engine import CacheEngine
+    from embcache.service.leases import Lease
 
 
 # -- pools ---------------------------------------------------------------------------------

@@ -13,8 +13,8 @@ from typing import Any
 
 import grpc
 
-from ..errors import Unauthenticated, status_for
-from .grpc_errors import ERROR_TYPE_KEY, RpcMetrics
+from embcache.service.errors import Unauthenticated, status_for
+from embcache.service.transport.grpc_errors import ERROR_TYPE_KEY, RpcMetrics
 
 AUTH_KEY = "authorization"
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)

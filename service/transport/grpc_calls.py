@@ -22,9 +22,9 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from ...proto.embcache.v1 import embcache_pb2 as pb
-from ..errors import EmbCacheError, InvalidArgument, status_for
-from .grpc_errors import RpcMetrics, details_of
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.service.errors import EmbCacheError, InvalidArgument, status_for
+from embcache.service.transport.grpc_errors import RpcMetrics, details_of
 
 log = logging.getLogger("embcache.grpc")
 

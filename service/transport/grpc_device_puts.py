@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...proto.embcache.v1 import embcache_pb2 as pb
-from .. import admission
-from ..errors import InvalidArgument
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.service import admission
+from embcache.service.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from ..ipc_cache import ClientEvent
-    from ..pending_put import PendingPut
-    from .grpc_device import DevicePlane, IpcTensor
+    from embcache.service.ipc_cache import ClientEvent
+    from embcache.service.pending_put import PendingPut
+    from embcache.service.transport.grpc_device import DevicePlane, IpcTensor
 
 log = logging.getLogger("embcache.grpc")
 
@@ -109,7 +109,7 @@ async def put_from_device_batch(
 async def _put(
     plane: DevicePlane, owner: str, checked: list[tuple[str, IpcTensor, int | None]]
 ) -> list[bool]:
-    from .grpc_device import in_thread, poll_until, wait_copies
+    from embcache.service.transport.grpc_device import in_thread, poll_until, wait_copies
 
     sources = [src for _, src, _ in checked]
     crcs = [crc for _, _, crc in checked]

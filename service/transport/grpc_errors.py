@@ -17,9 +17,9 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from ..errors import EmbCacheError, InvalidArgument, status_for
-from .busy_poll import BusyPoll
-from .grpc_handlers import Undecodable
+from embcache.service.errors import EmbCacheError, InvalidArgument, status_for
+from embcache.service.transport.busy_poll import BusyPoll
+from embcache.service.transport.grpc_handlers import Undecodable
 
 log = logging.getLogger("embcache.grpc")
 

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from ...proto.embcache.v1 import embcache_pb2 as pb
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["EmbeddingCache"]
 _CHUNK_TAG = (2 << 3) | 2  # PutRequest.chunk: field 2, length-delimited

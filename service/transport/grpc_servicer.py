@@ -16,18 +16,18 @@ from typing import Any
 import grpc
 from google.protobuf import struct_pb2
 
-from ...proto.embcache.v1 import embcache_pb2 as pb
-from ...proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
-from ..config import Settings
-from ..engine import CacheEngine, EvictOutcome, raise_for_evict
-from ..errors import InvalidArgument, NotFound
-from ..ipc_cache import IpcCache
-from .busy_poll import BusyPoll
-from .descriptors import describer_for
-from .grpc_calls import Send, SessionCalls
-from .grpc_device import DevicePlane, meta_of, pool_handle_of
-from .grpc_errors import RpcMetrics, rpc
-from .grpc_sessions import SessionRegistry, UnknownSession
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.service.config import Settings
+from embcache.service.engine import CacheEngine, EvictOutcome, raise_for_evict
+from embcache.service.errors import InvalidArgument, NotFound
+from embcache.service.ipc_cache import IpcCache
+from embcache.service.transport.busy_poll import BusyPoll
+from embcache.service.transport.descriptors import describer_for
+from embcache.service.transport.grpc_calls import Send, SessionCalls
+from embcache.service.transport.grpc_device import DevicePlane, meta_of, pool_handle_of
+from embcache.service.transport.grpc_errors import RpcMetrics, rpc
+from embcache.service.transport.grpc_sessions import SessionRegistry, UnknownSession
 
 log = logging.getLogger("embcache.grpc")
 
@@ -349,6 +349,6 @@ def _jsonable(value: Any) -> Any:
 
 
 def _version() -> str:
-    from ... import __version__
+    from embcache import __version__
 
     return __version__

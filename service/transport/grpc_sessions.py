@@ -12,8 +12,8 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from ..errors import EmbCacheError
-from ..ipc_cache import ANON_PREFIX
+from embcache.service.errors import EmbCacheError
+from embcache.service.ipc_cache import ANON_PREFIX
 
 SESSION_KEY = "x-embcache-session"
 _PREFIX = "session:"

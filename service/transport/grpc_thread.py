@@ -14,10 +14,10 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from ..config import Settings
-from ..engine import CacheEngine
-from .grpc_errors import RpcMetrics
-from .grpc_server import GrpcService, start_grpc
+from embcache.service.config import Settings
+from embcache.service.engine import CacheEngine
+from embcache.service.transport.grpc_errors import RpcMetrics
+from embcache.service.transport.grpc_server import GrpcService, start_grpc
 
 _shared: asyncio.AbstractEventLoop | None = None
 _shared_lock = threading.Lock()

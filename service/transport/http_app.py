@@ -19,12 +19,12 @@ from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..config import Settings
-from ..errors import EmbCacheError, status_for
-from ..metrics import Metrics
-from . import http_data, http_health, http_prefetch, http_routes
-from .http_middleware import OperatorMiddleware
-from .http_poolmap import History
+from embcache.service.config import Settings
+from embcache.service.errors import EmbCacheError, status_for
+from embcache.service.metrics import Metrics
+from embcache.service.transport import http_data, http_health, http_prefetch, http_routes
+from embcache.service.transport.http_middleware import OperatorMiddleware
+from embcache.service.transport.http_poolmap import History
 
 log = logging.getLogger(__name__)
 

@@ -25,12 +25,12 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
 
-from .. import admission
-from ..engine import CacheEngine
-from ..errors import InvalidArgument, NotFound
-from ..leases import Lease
-from .descriptors import describer_for
-from .http_data_models import (
+from embcache.service import admission
+from embcache.service.engine import CacheEngine
+from embcache.service.errors import InvalidArgument, NotFound
+from embcache.service.leases import Lease
+from embcache.service.transport.descriptors import describer_for
+from embcache.service.transport.http_data_models import (
     GetRequest,
     GetResponse,
     PutResponse,
@@ -40,9 +40,9 @@ from .http_data_models import (
     RenewResponse,
     render_batch,
 )
-from .http_models import ErrorBody
-from .http_ranges import RangeNotSatisfiable, parse_range
-from .http_routes import BEARER
+from embcache.service.transport.http_models import ErrorBody
+from embcache.service.transport.http_ranges import RangeNotSatisfiable, parse_range
+from embcache.service.transport.http_routes import BEARER
 
 log = logging.getLogger(__name__)
 

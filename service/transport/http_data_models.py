@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from . import descriptors as d
+from embcache.service.transport import descriptors as d
 
 MAX_BATCH = 10_000
 _U64 = 2**64

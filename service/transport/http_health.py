@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .http_models import Liveness, Readiness
+from embcache.service.transport.http_models import Liveness, Readiness
 
 router = APIRouter(tags=["health"])
 

@@ -14,8 +14,8 @@ from typing import Any
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import Unauthenticated
-from ..metrics import Metrics
+from embcache.service.errors import Unauthenticated
+from embcache.service.metrics import Metrics
 
 # Reachable without a token. Probes must work for kubelets without secrets; the page,
 # its assets and the API description hold no cache data (the page sends the token itself

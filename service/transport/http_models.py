@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..config import ByteSize
+from embcache.service.config import ByteSize
 
 EntryStateFilter = Literal["ready", "filling", "leased"]
 TierName = Literal["host", "device"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from .http_data_models import MAX_BATCH
-from .http_routes import BEARER, ERRORS
+from embcache.service.transport.http_data_models import MAX_BATCH
+from embcache.service.transport.http_routes import BEARER, ERRORS
 
 
 class PrefetchRequest(BaseModel):

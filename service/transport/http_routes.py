@@ -12,11 +12,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request, Security
 from fastapi.security import HTTPBearer
 
-from ..engine import EvictOutcome
-from ..errors import NotFound
-from ..stats import EntryInfo
-from .http_health import readiness
-from .http_models import (
+from embcache.service.engine import EvictOutcome
+from embcache.service.errors import NotFound
+from embcache.service.stats import EntryInfo
+from embcache.service.transport.http_health import readiness
+from embcache.service.transport.http_models import (
     DeleteResponse,
     EntryDetail,
     EntryPage,
@@ -35,7 +35,7 @@ from .http_models import (
     StatsResponse,
     TierName,
 )
-from .http_poolmap import DEVICE_STATES, HOST_STATES, History, downsample
+from embcache.service.transport.http_poolmap import DEVICE_STATES, HOST_STATES, History, downsample
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (400, 401, 404, 409, 422, 503)

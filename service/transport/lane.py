@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 
-from ...proto.embcache.v1 import embcache_pb2 as pb
-from ..errors import EmbCacheError, Unauthenticated, status_for
-from .grpc_errors import details_of
-from .grpc_servicer import MAX_MESSAGE_BYTES
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.service.errors import EmbCacheError, Unauthenticated, status_for
+from embcache.service.transport.grpc_errors import details_of
+from embcache.service.transport.grpc_servicer import MAX_MESSAGE_BYTES
 
 if TYPE_CHECKING:
-    from .grpc_servicer import EmbeddingCacheServicer, OpenSession
+    from embcache.service.transport.grpc_servicer import EmbeddingCacheServicer, OpenSession
 
 log = logging.getLogger("embcache.lane")
 

@@ -3,6 +3,6 @@
 Importing this package makes sure they exist and match the .proto (see ``embcache.proto``).
 """
 
-from .... import proto as _proto
+from embcache import proto as _proto
 
 _proto.ensure_stubs()
