@@ -8,6 +8,7 @@ all get ``embcache_pb2.py``, ``embcache_pb2.pyi`` and ``embcache_pb2_grpc.py``.
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 from setuptools import setup
@@ -43,4 +44,25 @@ class BuildPyWithStubs(build_py):
         return [m for m in modules if (m[0], m[1]) != ("embcache", "setup")]
 
 
-setup(cmdclass={"build_py": BuildPyWithStubs})
+# Folders under the root that are not part of the package.
+_NOT_PACKAGES = {"tests", "bench", "scripts", "deploy", "docs", "build", "dist", "_gen"}
+
+
+def _packages() -> list[str]:
+    """``embcache`` and every folder below the root that has an ``__init__.py``."""
+    found = ["embcache"]
+    for top in sorted(_HERE.iterdir()):
+        if not top.is_dir() or top.is_symlink() or top.name in _NOT_PACKAGES:
+            continue
+        if top.name.startswith("."):
+            continue
+        for folder, dirs, files in os.walk(top):  # links are not followed
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            if "__init__.py" in files:
+                rel = Path(folder).relative_to(_HERE)
+                found.append(".".join(("embcache", *rel.parts)))
+    return found
+
+
+if __name__ == "__main__":  # setuptools runs this file as a script; tests import it
+    setup(packages=_packages(), cmdclass={"build_py": BuildPyWithStubs})

@@ -1,8 +1,6 @@
-"""What both clients share: channel options, tensor <-> wire encoding, Put framing.
+"""What both clients share: channel options, tensor <-> wire encoding, Put requests.
 
-Put chunks are framed by hand: protobuf would copy each 1 MiB chunk twice (into a bytes
-object, then into the serialized message); writing the two header bytes of the ``chunk``
-field next to the payload copies it once. The bytes on the wire are the same.
+Put chunks are framed by hand (``embcache.proto.framing``), so each is copied once.
 """
 
 from __future__ import annotations
@@ -15,15 +13,17 @@ import grpc
 import numpy as np
 import torch
 
+from embcache.proto.checksum import crc32
+from embcache.proto.constants import (
+    AUTH_KEY,
+    CHUNK_BYTES,
+    MAX_MESSAGE_BYTES,
+    SERVICE_PATH,
+)
+from embcache.proto.dtypes import torch_dtype
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
-from embcache.service.checksum import crc32
-
-CHUNK_BYTES = 1 << 20
-MAX_MESSAGE_BYTES = CHUNK_BYTES + 128 * 1024
-SESSION_KEY = "x-embcache-session"
-ERROR_TYPE_KEY = "embcache-error"
-SERVICE = "/embcache.v1.EmbeddingCache/"
+from embcache.proto.framing import encode_chunk
 
 CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -67,7 +67,7 @@ def connect(
     else:
         channel = flavour.insecure_channel(target, options=opts)
     put = channel.stream_unary(
-        SERVICE + "Put",
+        SERVICE_PATH + "Put",
         request_serializer=encode_put,
         response_deserializer=pb.PutResponse.FromString,
     )
@@ -75,7 +75,7 @@ def connect(
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {token}"),) if token else ()
+    return ((AUTH_KEY, f"Bearer {token}"),) if token else ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,27 +126,7 @@ def encode_put(message: Any) -> bytes:
     """Request serializer of Put: protobuf for the header, hand-framed ``chunk`` fields."""
     if isinstance(message, pb.PutRequest):
         return message.SerializeToString()
-    data = memoryview(message).cast("B")
-    return b"".join((_CHUNK_TAG, _varint(data.nbytes), data))
-
-
-_CHUNK_TAG = bytes([(2 << 3) | 2])  # field 2 (chunk), wire type 2 (length-delimited)
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"the daemon sent an unknown dtype {name!r}")
-    return dtype
+    return encode_chunk(message)
 
 
 def as_keys(keys: str | Sequence[str]) -> tuple[list[str], bool]:

@@ -20,7 +20,6 @@ from embcache.clients import device as _device
 from embcache.clients import device_puts as dp
 from embcache.clients import device_results as dr
 from embcache.clients._wire import (
-    SESSION_KEY,
     as_keys,
     auth_metadata,
     connect,
@@ -40,8 +39,9 @@ from embcache.clients.plain_calls import AsyncPlainCalls
 from embcache.clients.results import AsyncLeasedTensors, copy_into, decode_get
 from embcache.clients.sessions import AsyncSession, SessionLost, retry_step, serves
 from embcache.clients.shm import process_pool_maps
+from embcache.errors import DeviceUnavailable
+from embcache.proto.constants import SESSION_KEY
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.service.errors import DeviceUnavailable
 
 T = TypeVar("T")
 log = logging.getLogger("embcache.client")

@@ -18,8 +18,8 @@ import torch
 
 from embcache.clients import device_results as dr
 from embcache.clients.errors import RpcFailed
+from embcache.errors import DeviceUnavailable
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.service.errors import DeviceUnavailable
 
 log = logging.getLogger("embcache.client")
 

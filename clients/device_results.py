@@ -22,11 +22,10 @@ from embcache.clients._wire import torch_dtype
 from embcache.clients.device import DevicePoolCache, DevicePoolHandle, PageGather, plan_gather
 from embcache.clients.ipc_events import EVENTS, Recorded
 from embcache.clients.results import Decoded
+from embcache.proto.constants import SLOT_ALIGN
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-SLOT_ALIGN = 16
 
 
 class PoolOpenError(RuntimeError):

@@ -1,7 +1,7 @@
 """Client-side errors: the daemon's typed errors, rebuilt from the status it sent.
 
 The daemon names the error type in the trailing metadata ``embcache-error``; the client
-raises the same class from ``embcache.service.errors`` (so ``except EntryLeased`` works on
+raises the same class from ``embcache.errors`` (so ``except EntryLeased`` works on
 both sides), with ``grpc_status`` set. Failures without a type (the daemon unreachable, a
 deadline passed) raise :class:`RpcFailed`.
 """
@@ -13,9 +13,9 @@ from typing import Any
 
 import grpc
 
-from embcache.clients._wire import ERROR_TYPE_KEY
-from embcache.service import errors as _errors
-from embcache.service.errors import EmbCacheError
+from embcache import errors as _errors
+from embcache.errors import EmbCacheError
+from embcache.proto.constants import ERROR_TYPE_KEY
 
 RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
 

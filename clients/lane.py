@@ -16,20 +16,18 @@ import itertools
 import os
 import select
 import socket
-import struct
 import threading
 import time
 from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from embcache.clients._wire import MAX_MESSAGE_BYTES
 from embcache.clients.errors import RpcFailed, from_call_error
 from embcache.clients.sessions import AsyncCalls, SessionLost, unclaimed_release
+from embcache.proto.constants import MAX_MESSAGE_BYTES, UDS_SUFFIX
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.proto.framing import FRAME_HEADER as HEADER
 
-HEADER = struct.Struct("<I")
-SUFFIX = ".lane"
 _TIMEOUT = object()  # _read_one: nothing complete arrived before the deadline
 
 
@@ -41,7 +39,7 @@ def lane_path(target: str) -> str | None:
     path = target[len("unix:") :]
     if path.startswith("//"):  # unix:///abs/path
         path = path[2:]
-    return path + SUFFIX if path else None
+    return path + UDS_SUFFIX if path else None
 
 
 class _Waiter:

@@ -18,8 +18,8 @@ from embcache.clients._wire import (
     prefetch_request,
 )
 from embcache.clients.stats import EVICT_NAMES, stats_dict
+from embcache.errors import EmbCacheError, EntryLeased, NotFound
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.service.errors import EmbCacheError, EntryLeased, NotFound
 
 T = TypeVar("T")
 

@@ -15,8 +15,8 @@ import torch
 
 from embcache.clients._wire import torch_dtype
 from embcache.clients.shm import PoolMaps
+from embcache.errors import LeaseExpired
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.service.errors import LeaseExpired
 
 
 @dataclass(slots=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.service.transport.descriptors import boot_id
+from embcache.proto.locations import boot_id
 
 log = logging.getLogger(__name__)
 

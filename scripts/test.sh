@@ -18,7 +18,7 @@ ruff check .
 ruff format --check .
 # mypy checks the packages by their import names: _gen/embcache links to the repository root.
 mkdir -p _gen && ln -sfn .. _gen/embcache
-MYPYPATH=_gen mypy -p embcache.service -p embcache.clients -p embcache.kernels
+MYPYPATH=_gen mypy -p embcache.service -p embcache.clients -p embcache.kernels -p embcache.proto -m embcache.errors
 set +e
 python -m pytest "$@"
 rc=$?

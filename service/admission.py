@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from embcache.errors import EntryTooLarge, InvalidArgument
+from embcache.proto.dtypes import DType, lookup
 from embcache.service.config import Settings
-from embcache.service.dtypes import DType, lookup
-from embcache.service.errors import EntryTooLarge, InvalidArgument
 
 MAX_NDIM = 8
 _INT64_MAX = 2**63 - 1

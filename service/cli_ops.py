@@ -17,9 +17,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from embcache.errors import EmbCacheError
 from embcache.service.cli_settings import with_settings
 from embcache.service.config import Settings, format_size, parse_size
-from embcache.service.errors import EmbCacheError
 
 console = Console()
 err_console = Console(stderr=True)

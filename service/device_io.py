@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from embcache.errors import InvalidArgument
 from embcache.service.copy_plan import PlanBuilder, row_bytes_for
 from embcache.service.device_pool import DevicePool
-from embcache.service.errors import InvalidArgument
 from embcache.service.leases import Lease
 
 if TYPE_CHECKING:

@@ -15,12 +15,12 @@ import numpy as np
 import torch
 
 from embcache import kernels
+from embcache.errors import DeviceUnavailable, PoolExhausted
 from embcache.service import device_loads
 from embcache.service.copy_plan import entry_columns
 from embcache.service.device_loads import ROW, Placed
 from embcache.service.device_pool import DevicePool, Residency
 from embcache.service.device_routing import PeerRates
-from embcache.service.errors import DeviceUnavailable, PoolExhausted
 from embcache.service.leases import Lease
 from embcache.service.pending_get import DeviceLease, PendingGet
 from embcache.service.ready_events import ReadyEvents

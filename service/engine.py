@@ -18,6 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from embcache.errors import (
+    Draining,
+)
 from embcache.service import device_io, introspection
 from embcache.service.allocator import PageRunAllocator
 from embcache.service.config import Settings
@@ -27,9 +30,6 @@ from embcache.service.engine_evict import EvictOps, EvictOutcome, raise_for_evic
 from embcache.service.engine_leases import SHARED_TIER_OWNER, LeaseOps
 from embcache.service.engine_puts import PutOps
 from embcache.service.entries import Entry, EntryTable
-from embcache.service.errors import (
-    Draining,
-)
 from embcache.service.host_pool import HostPool
 from embcache.service.leases import Lease, LeaseTable
 from embcache.service.pending_put import PendingPut, start_puts

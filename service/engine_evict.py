@@ -8,9 +8,9 @@ import enum
 import logging
 from collections.abc import Sequence
 
+from embcache.errors import EntryLeased, InvalidArgument, NotFound
 from embcache.service.engine_state import EngineState
 from embcache.service.entries import Entry
-from embcache.service.errors import EntryLeased, InvalidArgument, NotFound
 from embcache.service.stats import run_bucket
 
 log = logging.getLogger("embcache.service.engine")

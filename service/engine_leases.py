@@ -12,9 +12,9 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+from embcache.errors import InvalidArgument, LeaseExpired
 from embcache.service.engine_state import EngineState
 from embcache.service.entries import Entry
-from embcache.service.errors import InvalidArgument, LeaseExpired
 from embcache.service.leases import Lease
 
 log = logging.getLogger("embcache.service.engine")

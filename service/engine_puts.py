@@ -10,17 +10,17 @@ from typing import Any
 
 import torch
 
-from embcache.service import admission
-from embcache.service.dtypes import from_torch
-from embcache.service.engine_state import EngineState
-from embcache.service.entries import Entry, EntryState
-from embcache.service.errors import (
+from embcache.errors import (
     Draining,
     InvalidArgument,
     MetadataConflict,
     PoolExhausted,
     QuotaExceeded,
 )
+from embcache.proto.dtypes import from_torch
+from embcache.service import admission
+from embcache.service.engine_state import EngineState
+from embcache.service.entries import Entry, EntryState
 from embcache.service.fill import PutHandle
 from embcache.service.stats import run_bucket
 

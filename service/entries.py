@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from embcache.service.dtypes import DType
+from embcache.proto.dtypes import DType
 
 if TYPE_CHECKING:
     import numpy as np

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from embcache.service.checksum import crc32
-from embcache.service.errors import ChecksumMismatch, Draining, InvalidArgument, LeaseExpired
+from embcache.errors import ChecksumMismatch, Draining, InvalidArgument, LeaseExpired
+from embcache.proto.checksum import crc32
 
 if TYPE_CHECKING:
     from embcache.service.engine_puts import PutOps

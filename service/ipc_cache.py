@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
-from embcache.service.errors import DeviceUnavailable, InvalidArgument
+from embcache.errors import DeviceUnavailable, InvalidArgument
 
 log = logging.getLogger(__name__)
 

@@ -21,13 +21,13 @@ import numpy as np
 import torch
 
 from embcache import kernels
+from embcache.errors import InvalidArgument
 from embcache.kernels import _cudart
 from embcache.kernels._cudart import CudaRuntime, StreamEvent
 from embcache.kernels._env import on_device
 from embcache.kernels.host_runs import MEMCPY_MAX_RUNS
+from embcache.proto.dtypes import from_torch
 from embcache.service.copy_plan import row_bytes_for
-from embcache.service.dtypes import from_torch
-from embcache.service.errors import InvalidArgument
 from embcache.service.fill import PutHandle
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from embcache.service.errors import ChecksumMismatch, EmbCacheError
+from embcache.errors import ChecksumMismatch, EmbCacheError
 from embcache.service.tiers.base import ByteRuns, FetchResult, Header, SharedTierBackend
 from embcache.service.tiers.config import SharedTierConfig
 from embcache.service.tiers.health import TierHealth

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from embcache.service.checksum import crc32
+from embcache.proto.checksum import crc32
 
 HEADER_BYTES = 256
 MAGIC = b"EMBC"

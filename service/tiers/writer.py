@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from embcache.service.errors import EmbCacheError
+from embcache.errors import EmbCacheError
 from embcache.service.tiers.base import Header, PutItem, SharedTierBackend, key_digest, payload_crc
 from embcache.service.tiers.config import SharedTierConfig
 from embcache.service.tiers.health import TierHealth

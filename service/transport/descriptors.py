@@ -1,6 +1,6 @@
-"""Transport-neutral descriptions of where leased bytes are and how to open their pools.
+"""Engine results as transport-neutral descriptions (``embcache.proto.locations``).
 
-One place turns engine results (``Lease``, ``DeviceLease``) into plain dataclasses that a
+One place turns engine results (``Lease``, ``DeviceLease``) into the plain dataclasses that a
 transport renders in its own encoding: JSON over REST (``http_data.py``), protobuf over gRPC
 (pool descriptions through ``grpc_device.pool_handle_of``). Nothing here imports grpc,
 fastapi or protobuf.
@@ -23,9 +23,19 @@ import secrets
 import threading
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
+
+from embcache.proto.locations import (
+    BatchDescription,
+    DeviceLocation,
+    DevicePoolDesc,
+    Hit,
+    HostLocation,
+    HostShmPool,
+    Location,
+    PoolDesc,
+    boot_id,
+)
 
 if TYPE_CHECKING:
     from embcache.service.config import Settings
@@ -33,93 +43,6 @@ if TYPE_CHECKING:
     from embcache.service.device_tier import DeviceLease
     from embcache.service.engine import CacheEngine
     from embcache.service.leases import Lease
-
-
-# -- pools ---------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class HostShmPool:
-    """The host pool: a POSIX shared-memory segment a same-node client maps read-only.
-
-    ``boot_id``, ``st_dev`` and ``st_ino`` identify the segment, so a client in another
-    machine or ``/dev/shm`` namespace never maps a different segment of the same name."""
-
-    pool_id: str
-    segment_name: str
-    size: int
-    page_bytes: int
-    boot_id: str
-    st_dev: int
-    st_ino: int
-
-
-@dataclass(frozen=True, slots=True)
-class DevicePoolDesc:
-    """A device pool in HBM and how to open it.
-
-    ``ipc_mode``: ``legacy`` (``ipc_handle`` holds a ``cudaIpcMemHandle``), ``fd`` (ask
-    ``fd_socket`` for the fd with ``fd_token``; map ``alloc_size`` bytes) or ``none`` (a CPU
-    test pool that no other process can open)."""
-
-    pool_id: str
-    gpu_uuid: str
-    size: int
-    page_bytes: int
-    ipc_mode: Literal["legacy", "fd", "none"]
-    ipc_handle: bytes | None = None
-    fd_token: int | None = None
-    alloc_size: int | None = None
-    fd_socket: str | None = None
-
-
-PoolDesc = HostShmPool | DevicePoolDesc
-
-
-# -- locations -----------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class HostLocation:
-    """Byte runs ``(offset, length)`` of the entry in the host pool, in order."""
-
-    pool_id: str
-    runs: tuple[tuple[int, int], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceLocation:
-    """The entry in a device pool: one byte ``offset``, or physical ``page_ids`` in order."""
-
-    pool_id: str
-    gpu_uuid: str
-    offset: int | None
-    page_ids: tuple[int, ...]
-
-
-Location = HostLocation | DeviceLocation
-
-
-@dataclass(frozen=True, slots=True)
-class Hit:
-    """One found key: its metadata, the lease that keeps it in place, and where it is."""
-
-    key: str
-    lease_id: int
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    location: Location
-
-
-@dataclass(frozen=True, slots=True)
-class BatchDescription:
-    """A batch get: per key a :class:`Hit` or ``None`` (a miss), and the pools the hits
-    name (each once), for clients that have not opened them yet."""
-
-    keys: tuple[str, ...]
-    hits: tuple[Hit | None, ...]
-    pools: tuple[PoolDesc, ...]
-
-    @property
-    def lease_ids(self) -> list[int]:
-        return [h.lease_id for h in self.hits if h is not None]
 
 
 def host_location(lease: Lease, pool_id: str) -> HostLocation:
@@ -134,13 +57,6 @@ def device_location(found: DeviceLease) -> DeviceLocation:
 
 def _hit(key: str, lease: Lease, location: Location) -> Hit:
     return Hit(key, lease.lease_id, lease.dtype, tuple(lease.shape), lease.nbytes, location)
-
-
-def boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
 
 
 class Describer:

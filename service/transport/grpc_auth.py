@@ -13,10 +13,11 @@ from typing import Any
 
 import grpc
 
-from embcache.service.errors import Unauthenticated, status_for
-from embcache.service.transport.grpc_errors import ERROR_TYPE_KEY, RpcMetrics
+from embcache.errors import Unauthenticated
+from embcache.proto.constants import AUTH_KEY, ERROR_TYPE_KEY
+from embcache.service.transport.grpc_errors import RpcMetrics
+from embcache.service.transport.status import status_for
 
-AUTH_KEY = "authorization"
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 
 

@@ -22,9 +22,10 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from embcache.errors import EmbCacheError, InvalidArgument
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.service.errors import EmbCacheError, InvalidArgument, status_for
-from embcache.service.transport.grpc_errors import RpcMetrics, details_of
+from embcache.service.transport.grpc_errors import RpcMetrics
+from embcache.service.transport.status import status_for
 
 log = logging.getLogger("embcache.grpc")
 
@@ -106,9 +107,9 @@ class SessionCalls:
                 )
         except EmbCacheError as err:
             code = status_for(err).grpc_code
-            log.info("Session.%s -> %s: %s", kind, code, details_of(err))
+            log.info("Session.%s -> %s: %s", kind, code, err.describe())
             result.error.CopyFrom(
-                pb.CallError(code=code, message=details_of(err), error_type=type(err).__name__)
+                pb.CallError(code=code, message=err.describe(), error_type=type(err).__name__)
             )
         except asyncio.CancelledError:
             code = "CANCELLED"

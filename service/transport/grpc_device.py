@@ -18,25 +18,24 @@ from typing import Any, TypeVar
 
 import torch
 
+from embcache.errors import DeviceUnavailable, InvalidArgument, UnknownSession
+from embcache.proto.constants import SLOT_ALIGN
+from embcache.proto.dtypes import DType, lookup
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service import admission
 from embcache.service.config import Settings
 from embcache.service.device_pool import DevicePool
 from embcache.service.device_tier import PendingGet
-from embcache.service.dtypes import DType, lookup
 from embcache.service.engine import CacheEngine
-from embcache.service.errors import DeviceUnavailable, InvalidArgument
 from embcache.service.ipc_cache import CudaIpc, IpcCache, check_ipc_handle
 from embcache.service.leases import Lease
 from embcache.service.pending_put import PendingPut
 from embcache.service.transport import grpc_device_puts
 from embcache.service.transport.descriptors import HostShmPool, PoolDesc, describer_for
-from embcache.service.transport.grpc_sessions import UnknownSession
 
 log = logging.getLogger("embcache.grpc")
 
 T = TypeVar("T")
-SLOT_ALIGN = 16  # GetInto packs entries at offsets that are multiples of this
 _UINT63 = 2**63
 
 

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from embcache.errors import InvalidArgument
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service import admission
-from embcache.service.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from embcache.service.ipc_cache import ClientEvent

@@ -1,7 +1,7 @@
 """Error translation and per-call accounting for the gRPC servicer.
 
 Every handler is wrapped by :func:`rpc`: typed engine errors become the status code of the
-one error table (``embcache.service.errors.status_for``) plus a trailing metadata entry
+one error table (``status.py``) plus a trailing metadata entry
 naming the error type; anything unexpected becomes INTERNAL with a logged stack trace.
 Each finished call is reported to ``Metrics.observe_rpc`` with its code.
 """
@@ -17,13 +17,13 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from embcache.service.errors import EmbCacheError, InvalidArgument, status_for
+from embcache.errors import EmbCacheError, InvalidArgument
+from embcache.proto.constants import ERROR_TYPE_KEY
 from embcache.service.transport.busy_poll import BusyPoll
 from embcache.service.transport.grpc_handlers import Undecodable
+from embcache.service.transport.status import status_for
 
 log = logging.getLogger("embcache.grpc")
-
-ERROR_TYPE_KEY = "embcache-error"  # trailing metadata: the error type name
 
 
 class RpcMetrics(Protocol):
@@ -38,13 +38,6 @@ class HasMetrics(Protocol):
 def grpc_code(error: EmbCacheError) -> grpc.StatusCode:
     """The status code of a typed error, from the one table."""
     return grpc.StatusCode[status_for(error).grpc_code]
-
-
-def details_of(error: EmbCacheError) -> str:
-    if not error.details:
-        return error.message
-    extras = ", ".join(f"{k}={v!r}" for k, v in error.details.items())
-    return f"{error.message} ({extras})"
 
 
 S = TypeVar("S", bound=HasMetrics)
@@ -67,9 +60,9 @@ def rpc(name: str) -> Callable[[Handler[S]], Handler[S]]:
                 return await method(self, request, context)
             except EmbCacheError as err:
                 code = status_for(err).grpc_code
-                log.info("%s -> %s: %s", name, code, details_of(err))
+                log.info("%s -> %s: %s", name, code, err.describe())
                 context.set_trailing_metadata(((ERROR_TYPE_KEY, type(err).__name__),))
-                await context.abort(grpc_code(err), details_of(err))
+                await context.abort(grpc_code(err), err.describe())
             except asyncio.CancelledError:
                 code = "CANCELLED"
                 raise

@@ -19,9 +19,9 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.proto.framing import chunk_payload
 
 SERVICE = pb.DESCRIPTOR.services_by_name["EmbeddingCache"]
-_CHUNK_TAG = (2 << 3) | 2  # PutRequest.chunk: field 2, length-delimited
 
 _MAKERS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
     (False, False): grpc.unary_unary_rpc_method_handler,
@@ -54,18 +54,8 @@ _parse_put = _parser(pb.PutRequest)
 
 def decode_put_request(data: bytes) -> pb.PutRequest | memoryview | Undecodable:
     """A chunk-only message as a memoryview of its payload; anything else parsed."""
-    if data[:1] == bytes((_CHUNK_TAG,)):
-        length, pos, shift = 0, 1, 0
-        while pos < len(data) and pos <= 10:
-            byte = data[pos]
-            length |= (byte & 0x7F) << shift
-            pos += 1
-            shift += 7
-            if not byte & 0x80:
-                if pos + length == len(data):
-                    return memoryview(data)[pos:]
-                break
-    return _parse_put(data)
+    payload = chunk_payload(data)
+    return payload if payload is not None else _parse_put(data)
 
 
 async def _single_request(context: grpc.aio.ServicerContext) -> Any:

@@ -24,13 +24,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from embcache.proto.constants import MAX_MESSAGE_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
 from embcache.service.transport.grpc_auth import TokenAuthInterceptor
 from embcache.service.transport.grpc_errors import RpcMetrics
 from embcache.service.transport.grpc_handlers import add_servicer
-from embcache.service.transport.grpc_servicer import MAX_MESSAGE_BYTES, EmbeddingCacheServicer
+from embcache.service.transport.grpc_servicer import EmbeddingCacheServicer
 from embcache.service.transport.lane import LaneServer, lane_path
 
 log = logging.getLogger("embcache.grpc")

@@ -16,23 +16,22 @@ from typing import Any
 import grpc
 from google.protobuf import struct_pb2
 
+from embcache.errors import InvalidArgument, NotFound, UnknownSession
+from embcache.proto.constants import CHUNK_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine, EvictOutcome, raise_for_evict
-from embcache.service.errors import InvalidArgument, NotFound
 from embcache.service.ipc_cache import IpcCache
 from embcache.service.transport.busy_poll import BusyPoll
 from embcache.service.transport.descriptors import describer_for
 from embcache.service.transport.grpc_calls import Send, SessionCalls
 from embcache.service.transport.grpc_device import DevicePlane, meta_of, pool_handle_of
 from embcache.service.transport.grpc_errors import RpcMetrics, rpc
-from embcache.service.transport.grpc_sessions import SessionRegistry, UnknownSession
+from embcache.service.transport.grpc_sessions import SessionRegistry
 
 log = logging.getLogger("embcache.grpc")
 
-CHUNK_BYTES = 1 << 20
-MAX_MESSAGE_BYTES = CHUNK_BYTES + 128 * 1024  # a chunk plus its header, either transport
 _EVICT_OUTCOMES = {
     EvictOutcome.EVICTED: pb.EVICTED,
     EvictOutcome.NOT_FOUND: pb.NOT_FOUND,

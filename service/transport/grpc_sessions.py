@@ -12,17 +12,11 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from embcache.service.errors import EmbCacheError
+from embcache.errors import UnknownSession
+from embcache.proto.constants import SESSION_KEY
 from embcache.service.ipc_cache import ANON_PREFIX
 
-SESSION_KEY = "x-embcache-session"
 _PREFIX = "session:"
-
-
-class UnknownSession(EmbCacheError):
-    """The call names a session that is not open on this server."""
-
-    code = "FAILED_PRECONDITION"
 
 
 class SessionRegistry:

@@ -19,26 +19,15 @@ from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from embcache.errors import EmbCacheError
 from embcache.service.config import Settings
-from embcache.service.errors import EmbCacheError, status_for
 from embcache.service.metrics import Metrics
 from embcache.service.transport import http_data, http_health, http_prefetch, http_routes
 from embcache.service.transport.http_middleware import OperatorMiddleware
 from embcache.service.transport.http_poolmap import History
+from embcache.service.transport.status import HTTP_CODE_NAMES, error_body, status_for
 
 log = logging.getLogger(__name__)
-
-_HTTP_CODES = {
-    400: "INVALID_ARGUMENT",
-    401: "UNAUTHENTICATED",
-    403: "PERMISSION_DENIED",
-    404: "NOT_FOUND",
-    405: "INVALID_ARGUMENT",
-    409: "FAILED_PRECONDITION",
-    413: "RESOURCE_EXHAUSTED",
-    422: "INVALID_ARGUMENT",
-    503: "UNAVAILABLE",
-}
 
 
 def _static_dir() -> str:
@@ -63,7 +52,7 @@ async def _on_engine_error(request: Request, exc: Exception) -> JSONResponse:
         type(exc).__name__,
         exc.message,
     )
-    return JSONResponse(exc.to_dict(), status_code=status)
+    return JSONResponse(error_body(exc), status_code=status)
 
 
 async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -84,7 +73,10 @@ async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse
 async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     response = error_response(
-        exc.status_code, "HTTPError", _HTTP_CODES.get(exc.status_code, "INTERNAL"), f"{exc.detail}"
+        exc.status_code,
+        "HTTPError",
+        HTTP_CODE_NAMES.get(exc.status_code, "INTERNAL"),
+        f"{exc.detail}",
     )
     if exc.headers:
         response.headers.update(exc.headers)

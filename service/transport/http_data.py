@@ -25,9 +25,16 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
 
+from embcache.errors import InvalidArgument, NotFound
+from embcache.proto.constants import (
+    CHECKSUM_HEADER,
+    CHUNK_BYTES,
+    DTYPE_HEADER,
+    NBYTES_HEADER,
+    SHAPE_HEADER,
+)
 from embcache.service import admission
 from embcache.service.engine import CacheEngine
-from embcache.service.errors import InvalidArgument, NotFound
 from embcache.service.leases import Lease
 from embcache.service.transport.descriptors import describer_for
 from embcache.service.transport.http_data_models import (
@@ -46,9 +53,6 @@ from embcache.service.transport.http_routes import BEARER
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 1 << 20
-DTYPE_HEADER, SHAPE_HEADER = "X-Embcache-Dtype", "X-Embcache-Shape"
-CHECKSUM_HEADER, NBYTES_HEADER = "X-Embcache-Checksum", "X-Embcache-Nbytes"
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 422, 429, 503, 507)

@@ -14,8 +14,9 @@ from typing import Any
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from embcache.service.errors import Unauthenticated
+from embcache.errors import Unauthenticated
 from embcache.service.metrics import Metrics
+from embcache.service.transport.status import error_body
 
 # Reachable without a token. Probes must work for kubelets without secrets; the page,
 # its assets and the API description hold no cache data (the page sends the token itself
@@ -92,7 +93,7 @@ class OperatorMiddleware:
 
 async def _unauthorized(send: Send) -> None:
     err = Unauthenticated("missing or invalid bearer token")
-    body = json.dumps(err.to_dict()).encode()
+    body = json.dumps(error_body(err)).encode()
     headers: list[tuple[bytes, bytes]] = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),

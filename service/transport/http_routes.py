@@ -12,8 +12,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request, Security
 from fastapi.security import HTTPBearer
 
+from embcache.errors import NotFound
 from embcache.service.engine import EvictOutcome
-from embcache.service.errors import NotFound
 from embcache.service.stats import EntryInfo
 from embcache.service.transport.http_health import readiness
 from embcache.service.transport.http_models import (

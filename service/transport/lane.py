@@ -21,34 +21,27 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import struct
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 
+from embcache.errors import EmbCacheError, Unauthenticated
+from embcache.proto.constants import MAX_MESSAGE_BYTES, UDS_SUFFIX
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.service.errors import EmbCacheError, Unauthenticated, status_for
-from embcache.service.transport.grpc_errors import details_of
-from embcache.service.transport.grpc_servicer import MAX_MESSAGE_BYTES
+from embcache.proto.framing import FRAME_HEADER as HEADER
+from embcache.proto.framing import frame
+from embcache.service.transport.status import status_for
 
 if TYPE_CHECKING:
     from embcache.service.transport.grpc_servicer import EmbeddingCacheServicer, OpenSession
 
 log = logging.getLogger("embcache.lane")
 
-HEADER = struct.Struct("<I")  # each message: its length, then the serialized message
-SUFFIX = ".lane"
-
 
 def lane_path(grpc_socket: Path) -> Path:
     """Where the lane listens for a gRPC Unix socket at ``grpc_socket``."""
-    return grpc_socket.with_name(grpc_socket.name + SUFFIX)
-
-
-def frame(msg: pb.SessionRequest | pb.SessionResponse) -> bytes:
-    body = msg.SerializeToString()
-    return HEADER.pack(len(body)) + body
+    return grpc_socket.with_name(grpc_socket.name + UDS_SUFFIX)
 
 
 class LaneServer:
@@ -181,7 +174,7 @@ class _Connection(asyncio.Protocol):
         code = status_for(err).grpc_code
         log.info("lane: refused a session: %s", err)
         self._count(code)
-        error = pb.CallError(code=code, message=details_of(err), error_type=type(err).__name__)
+        error = pb.CallError(code=code, message=err.describe(), error_type=type(err).__name__)
         self._write(pb.SessionResponse(result=pb.SessionResult(call_id=0, error=error)))
         self.close()
 

@@ -9,6 +9,7 @@ default ports, a /livez health check that really works against a live daemon, an
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -294,8 +295,9 @@ def ignore_patterns(repo: Path) -> list[str]:
 def _wheel_sources(repo: Path) -> list[str]:
     """Every file the wheel build reads: metadata, build hook, and each package's files."""
     meta = tomllib.loads((repo / "pyproject.toml").read_text())
-    wanted = ["pyproject.toml", "setup.py", "__init__.py", meta["project"]["readme"]]
-    for package in meta["tool"]["setuptools"]["packages"]:
+    wanted = ["pyproject.toml", "setup.py", meta["project"]["readme"]]
+    wanted += [p.name for p in repo.glob("*.py") if p.name != "setup.py"]  # the root package
+    for package in _setup_packages(repo):
         folder = repo.joinpath(*package.split(".")[1:])
         for path in folder.glob("*"):
             if path.is_file() and path.suffix in (".py", ".proto"):
@@ -303,6 +305,17 @@ def _wheel_sources(repo: Path) -> list[str]:
     static = repo / "service" / "transport" / "static"
     wanted += [p.relative_to(repo).as_posix() for p in static.rglob("*") if p.is_file()]
     return wanted
+
+
+def _setup_packages(repo: Path) -> list[str]:
+    """The package list setup.py hands to setuptools (it finds them on disk)."""
+    spec = importlib.util.spec_from_file_location("_embcache_setup", repo / "setup.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # not __main__: setup() is not called
+    packages: list[str] = module._packages()
+    assert "embcache.service" in packages and "embcache.clients" in packages, packages
+    return packages
 
 
 def test_dockerignore_matcher() -> None:

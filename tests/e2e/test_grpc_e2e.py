@@ -28,8 +28,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from embcache.clients import EmbCacheClient
 from embcache.clients.lane import LaneSession
+from embcache.errors import Unauthenticated
 from embcache.service.daemon_process import DaemonProcess, stop
-from embcache.service.errors import Unauthenticated
 
 LEASE_TTL_S = 3.0
 

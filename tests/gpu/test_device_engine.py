@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from embcache.clients.device import materialize
+from embcache.errors import PoolExhausted
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
-from embcache.service.errors import PoolExhausted
 from embcache.service.fd_server import FdServer
 
 pytestmark = pytest.mark.gpu

@@ -30,12 +30,12 @@ from gpukit import run
 
 from embcache.clients import EmbCacheClient
 from embcache.clients.device import materialize
+from embcache.errors import DeviceUnavailable
 from embcache.service.config import Settings
 from embcache.service.daemon_process import DaemonProcess
 from embcache.service.device_routing import HOST, PeerRates
 from embcache.service.device_tier import DeviceLease
 from embcache.service.engine import CacheEngine, EvictOutcome
-from embcache.service.errors import DeviceUnavailable
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,14 +13,14 @@ import torch
 
 from embcache.clients import AsyncEmbCacheClient, EmbCacheClient, RpcFailed
 from embcache.clients.shm import PoolMaps
-from embcache.service.config import Settings
-from embcache.service.errors import (
+from embcache.errors import (
     Draining,
     EntryLeased,
     MetadataConflict,
     NotFound,
     Unauthenticated,
 )
+from embcache.service.config import Settings
 from embcache.service.transport.grpc_thread import serving
 
 KiB, MiB = 1 << 10, 1 << 20

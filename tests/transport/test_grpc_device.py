@@ -33,12 +33,12 @@ from embcache.clients import device as client_device
 from embcache.clients import device_results as dr
 from embcache.clients.lane import AsyncLaneSession, LaneSession
 from embcache.clients.sessions import AsyncSession, Session
+from embcache.errors import DeviceUnavailable, InvalidArgument
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
 from embcache.service.config import Settings
 from embcache.service.device_pool import DevicePool
 from embcache.service.engine import CacheEngine
-from embcache.service.errors import DeviceUnavailable, InvalidArgument
 from embcache.service.ipc_cache import IpcCache
 from embcache.service.transport import grpc_device_puts
 from embcache.service.transport.grpc_server import GrpcService

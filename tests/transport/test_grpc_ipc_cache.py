@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from embcache.service.errors import DeviceUnavailable, InvalidArgument
+from embcache.errors import DeviceUnavailable, InvalidArgument
 from embcache.service.ipc_cache import IpcCache, check_ipc_handle
 from embcache.service.transport.grpc_device import _contiguous_strides, in_thread
 

@@ -13,10 +13,10 @@ import torch
 
 from embcache.clients import AsyncEmbCacheClient, EmbCacheClient
 from embcache.clients.lane import AsyncLaneSession, LaneSession
+from embcache.errors import InvalidArgument
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
 from embcache.service.engine import CacheEngine
-from embcache.service.errors import InvalidArgument
 from embcache.service.transport.grpc_thread import GrpcServerThread
 
 KiB, MiB = 1 << 10, 1 << 20

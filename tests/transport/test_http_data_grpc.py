@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from embcache.clients import EmbCacheClient
+from embcache.errors import EntryLeased, MetadataConflict
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
-from embcache.service.errors import EntryLeased, MetadataConflict
 from embcache.service.metrics import Metrics
 from embcache.service.transport.grpc_thread import serving
 from embcache.service.transport.http_app import create_app

@@ -7,7 +7,7 @@ import zlib
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embcache.service import checksum
+from embcache.proto import checksum
 
 
 def test_the_fast_implementation_is_in_use() -> None:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from embcache.clients.results import LeasedTensors
-from embcache.service.errors import LeaseExpired
+from embcache.errors import LeaseExpired
 
 
 def test_release_reports_leases_that_ended_early() -> None:

@@ -9,11 +9,11 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from embcache.errors import DeviceUnavailable, InvalidArgument
 from embcache.service.config import Settings
 from embcache.service.device_pool import DevicePool
 from embcache.service.device_routing import HOST, PeerRates
 from embcache.service.engine import CacheEngine
-from embcache.service.errors import DeviceUnavailable, InvalidArgument
 
 PAGE = 4096
 

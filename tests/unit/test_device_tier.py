@@ -17,16 +17,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from embcache import kernels
-from embcache.service.config import Settings
-from embcache.service.device_pool import DevicePool
-from embcache.service.engine import CacheEngine
-from embcache.service.errors import (
+from embcache.errors import (
     ChecksumMismatch,
     DeviceUnavailable,
     InvalidArgument,
     MetadataConflict,
     PoolExhausted,
 )
+from embcache.service.config import Settings
+from embcache.service.device_pool import DevicePool
+from embcache.service.engine import CacheEngine
 from embcache.service.pending_put import PendingPut
 from embcache.service.transport import grpc_device_puts
 

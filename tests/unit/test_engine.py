@@ -7,9 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from embcache.service.config import Settings
-from embcache.service.engine import CacheEngine, EvictOutcome
-from embcache.service.errors import (
+from embcache.errors import (
     ChecksumMismatch,
     Draining,
     EntryLeased,
@@ -21,6 +19,8 @@ from embcache.service.errors import (
     PoolExhausted,
     QuotaExceeded,
 )
+from embcache.service.config import Settings
+from embcache.service.engine import CacheEngine, EvictOutcome
 
 PAGE = 4096
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from embcache.errors import MetadataConflict
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
-from embcache.service.errors import MetadataConflict
 
 PAGE = 4096
 NBYTES = 3 * PAGE + 5

@@ -14,9 +14,9 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from embcache.errors import MetadataConflict, PoolExhausted, QuotaExceeded
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine, EvictOutcome
-from embcache.service.errors import MetadataConflict, PoolExhausted, QuotaExceeded
 
 PAGE = 4096
 NUM_PAGES = 32

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from embcache.errors import InvalidArgument, MetadataConflict, QuotaExceeded
 from embcache.service import pending_put
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
-from embcache.service.errors import InvalidArgument, MetadataConflict, QuotaExceeded
 from embcache.service.put_landing import PutLanding
 
 PAGE = 4096

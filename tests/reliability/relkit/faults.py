@@ -37,8 +37,8 @@ import numpy as np
 
 from embcache.clients import EmbCacheClient
 from embcache.clients._wire import payload_of
+from embcache.errors import EmbCacheError
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.service.errors import EmbCacheError
 
 from . import daemon as dm
 from . import payload

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from embcache.clients import EmbCacheClient
-from embcache.service.errors import EmbCacheError
+from embcache.errors import EmbCacheError
 
 from . import payload
 

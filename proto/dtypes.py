@@ -51,3 +51,11 @@ _ALIASES = {
     "fp64": "float64",
     "double": "float64",
 }
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a wire name the daemon sent; ValueError for one it does not know."""
+    dt = lookup(name)
+    if dt is None:
+        raise ValueError(f"the daemon sent an unknown dtype {name!r}")
+    return dt.torch_dtype
