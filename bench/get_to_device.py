@@ -30,8 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment, print_environment
 
-from embcache.service import device_loads
 from embcache.service.config import Settings
+from embcache.service.device import loads as device_loads
 from embcache.service.engine import CacheEngine
 
 MiB = 1 << 20

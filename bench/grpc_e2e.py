@@ -52,7 +52,7 @@ BASELINE_SERVER = """
 import asyncio, sys
 import grpc
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.service.transport.grpc_server import SERVER_OPTIONS
+from embcache.service.transport.grpc.server import SERVER_OPTIONS
 
 async def put(request_iterator, context):
     n = 0

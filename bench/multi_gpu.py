@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment, git_commit, print_environment, table
 
 from embcache.service.config import Settings
-from embcache.service.device_routing import HOST, PeerRates
+from embcache.service.device.routing import HOST, PeerRates
 from embcache.service.engine import CacheEngine
 
 MiB = 1 << 20

@@ -36,7 +36,7 @@ from tier_servers import MooncakeMaster, RedisNodes, start_storage_node, stop  #
 
 from embcache.service.config import parse_size  # noqa: E402
 from embcache.service.engine import CacheEngine  # noqa: E402
-from embcache.service.tiers import SharedTier, SharedTierConfig, attach_shared_tier  # noqa: E402
+from embcache.service.shared_tier import SharedTier, SharedTierConfig, attach_shared_tier  # noqa: E402
 
 MiB = 1 << 20
 

@@ -311,7 +311,7 @@ class Settings(BaseSettings):
     @classmethod
     def _tier_url(cls, v: str | None) -> str | None:
         if v:
-            from embcache.service.tiers.config import SharedTierConfig
+            from embcache.service.shared_tier.config import SharedTierConfig
 
             SharedTierConfig.from_url(v)  # raises ValueError naming what is wrong
         return v or None

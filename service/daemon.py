@@ -22,10 +22,10 @@ from typing import Any
 
 import uvicorn
 
-from embcache.service import mps
 from embcache.service.config import Settings
+from embcache.service.device.ipc.fd_server import FdServer
 from embcache.service.engine import CacheEngine
-from embcache.service.fd_server import FdServer
+from embcache.service.observability import mps
 
 log = logging.getLogger("embcache.daemon")
 
@@ -86,10 +86,10 @@ class Daemon:
         self._stop.set()
 
     async def run(self) -> int:
-        from embcache.service.metrics import Metrics
-        from embcache.service.tiers import SharedTierConfig, attach_shared_tier
-        from embcache.service.transport.grpc_server import start_grpc
-        from embcache.service.transport.http_app import create_app
+        from embcache.service.observability.metrics import Metrics
+        from embcache.service.shared_tier import SharedTierConfig, attach_shared_tier
+        from embcache.service.transport.grpc.server import start_grpc
+        from embcache.service.transport.http.app import create_app
 
         s = self.settings
         loop = asyncio.get_running_loop()

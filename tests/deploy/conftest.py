@@ -94,8 +94,8 @@ def serves_get() -> Callable[[str], bool]:
     """
     from starlette.routing import Match
 
-    from embcache.service.metrics import Metrics
-    from embcache.service.transport.http_app import create_app
+    from embcache.service.observability.metrics import Metrics
+    from embcache.service.transport.http.app import create_app
 
     engine = SimpleNamespace()  # create_app only keeps it; nothing is called at build time
     app = create_app(engine, Settings(), Metrics(engine))

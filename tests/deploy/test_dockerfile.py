@@ -302,7 +302,7 @@ def _wheel_sources(repo: Path) -> list[str]:
         for path in folder.glob("*"):
             if path.is_file() and path.suffix in (".py", ".proto"):
                 wanted.append(path.relative_to(repo).as_posix())
-    static = repo / "service" / "transport" / "static"
+    static = repo / "service" / "transport" / "http" / "static"
     wanted += [p.relative_to(repo).as_posix() for p in static.rglob("*") if p.is_file()]
     return wanted
 

@@ -213,7 +213,7 @@ def test_probes_hit_real_routes_on_the_http_port(
 
 def test_probes_need_no_token() -> None:
     # The kubelet sends no Authorization header: probe paths must stay public.
-    from embcache.service.transport.http_middleware import is_public
+    from embcache.service.transport.http.middleware import is_public
 
     assert is_public("/livez") and is_public("/readyz")
 
@@ -375,7 +375,7 @@ def test_service_monitor_scrapes_metrics_with_the_token(
     assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
     assert endpoint["path"] == "/metrics" and serves_get("/metrics")
     # /metrics is not public once a token is set.
-    from embcache.service.transport.http_middleware import is_public
+    from embcache.service.transport.http.middleware import is_public
 
     assert not is_public("/metrics")
     credentials = endpoint["authorization"]["credentials"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from embcache.service.host_pool import SHM_DIR
+from embcache.service.host.host_pool import SHM_DIR
 
 
 def test_notify_modes_and_drain(tmp_path: Path, start_daemon) -> None:  # type: ignore[no-untyped-def]

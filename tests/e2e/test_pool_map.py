@@ -24,11 +24,11 @@ import pytest
 import torch
 
 from embcache.service.config import Settings
-from embcache.service.device_pool import DevicePool
+from embcache.service.device.pool import DevicePool
 from embcache.service.engine import CacheEngine
-from embcache.service.metrics import Metrics
-from embcache.service.transport.http_app import create_app
-from embcache.service.transport.http_testing import serve_in_thread
+from embcache.service.observability.metrics import Metrics
+from embcache.service.transport.http.app import create_app
+from embcache.service.transport.http.testing import serve_in_thread
 
 CHROMIUM = Path("/usr/bin/chromium")
 TOKEN = "page-token"

@@ -20,8 +20,8 @@ import torch
 from embcache.clients.device import materialize
 from embcache.errors import PoolExhausted
 from embcache.service.config import Settings
+from embcache.service.device.ipc.fd_server import FdServer
 from embcache.service.engine import CacheEngine
-from embcache.service.fd_server import FdServer
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20

@@ -33,8 +33,8 @@ from embcache.clients.device import materialize
 from embcache.errors import DeviceUnavailable
 from embcache.service.config import Settings
 from embcache.service.daemon_process import DaemonProcess
-from embcache.service.device_routing import HOST, PeerRates
-from embcache.service.device_tier import DeviceLease
+from embcache.service.device.routing import HOST, PeerRates
+from embcache.service.device.tier import DeviceLease
 from embcache.service.engine import CacheEngine, EvictOutcome
 
 pytestmark = [

@@ -27,9 +27,9 @@ from embcache.clients.lane import LaneSession
 from embcache.errors import Unauthenticated
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.config import Settings
-from embcache.service.device_pool import DevicePool
+from embcache.service.device.pool import DevicePool
 from embcache.service.engine import CacheEngine
-from embcache.service.transport.grpc_thread import GrpcServerThread
+from embcache.service.transport.grpc.thread import GrpcServerThread
 
 TOKEN = "rel-" + uuid.uuid4().hex
 FIG: dict[str, Any] = {}

@@ -27,7 +27,7 @@ from relkit import malformed_http as mh
 
 from embcache.clients import EmbCacheClient
 from embcache.service.config import Settings
-from embcache.service.transport.http_app import create_app
+from embcache.service.transport.http.app import create_app
 
 EXAMPLES = int(os.environ.get("EMBCACHE_REL_MALFORMED_EXAMPLES", "2"))
 SPEC = create_app(None, Settings(), None).openapi()  # type: ignore[arg-type]  # schema only

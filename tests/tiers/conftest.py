@@ -17,7 +17,7 @@ if HERE not in sys.path:  # --import-mode=importlib does not put test folders on
 from tier_helpers import POOL, Node, new_engine  # noqa: E402
 from tier_servers import RedisNodes, redis_missing  # noqa: E402
 
-from embcache.service.tiers import SharedTierConfig, attach_shared_tier  # noqa: E402
+from embcache.service.shared_tier import SharedTierConfig, attach_shared_tier  # noqa: E402
 
 
 @pytest.fixture

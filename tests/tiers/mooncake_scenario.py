@@ -26,8 +26,8 @@ sys.path.insert(0, str(HERE))
 from tier_helpers import fragment, new_engine, payload, read_entry  # noqa: E402
 from tier_servers import MooncakeMaster, start_storage_node, stop  # noqa: E402
 
-from embcache.service.tiers import SharedTierConfig, attach_shared_tier  # noqa: E402
-from embcache.service.tiers.base import HEADER_BYTES, object_name  # noqa: E402
+from embcache.service.shared_tier import SharedTierConfig, attach_shared_tier  # noqa: E402
+from embcache.service.shared_tier.base import HEADER_BYTES, object_name  # noqa: E402
 
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 

@@ -15,9 +15,9 @@ from prometheus_client import generate_latest
 from tier_helpers import new_engine, payload, read_entry
 
 from embcache.service.engine import CacheEngine
-from embcache.service.metrics import Metrics
-from embcache.service.tiers import SharedTier, SharedTierConfig, attach_shared_tier
-from embcache.service.tiers.base import (
+from embcache.service.observability.metrics import Metrics
+from embcache.service.shared_tier import SharedTier, SharedTierConfig, attach_shared_tier
+from embcache.service.shared_tier.base import (
     HEADER_BYTES,
     FetchResult,
     Header,

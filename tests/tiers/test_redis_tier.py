@@ -9,7 +9,7 @@ import pytest
 from tier_helpers import Node, fragment, payload, read_entry
 from tier_servers import RedisNodes, redis_missing
 
-from embcache.service.tiers.base import HEADER_BYTES
+from embcache.service.shared_tier.base import HEADER_BYTES
 
 
 def wait_for(cond: Callable[[], bool], timeout_s: float) -> bool:

@@ -9,7 +9,7 @@ import torch
 
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
-from embcache.service.tiers import SharedTier
+from embcache.service.shared_tier import SharedTier
 
 PAGE = 64 * 1024
 POOL = 16 * 1024 * 1024

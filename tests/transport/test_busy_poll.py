@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from embcache.clients import EmbCacheClient
-from embcache.service.transport.busy_poll import BusyPoll
+from embcache.service.transport.grpc.busy_poll import BusyPoll
 
 
 def test_polls_only_inside_the_window() -> None:

@@ -37,12 +37,12 @@ from embcache.errors import DeviceUnavailable, InvalidArgument
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
 from embcache.service.config import Settings
-from embcache.service.device_pool import DevicePool
+from embcache.service.device.ipc.cache import IpcCache
+from embcache.service.device.pool import DevicePool
 from embcache.service.engine import CacheEngine
-from embcache.service.ipc_cache import IpcCache
-from embcache.service.transport import grpc_device_puts
-from embcache.service.transport.grpc_server import GrpcService
-from embcache.service.transport.grpc_thread import GrpcServerThread
+from embcache.service.transport.grpc import device_puts as grpc_device_puts
+from embcache.service.transport.grpc.server import GrpcService
+from embcache.service.transport.grpc.thread import GrpcServerThread
 
 KiB, MiB = 1 << 10, 1 << 20
 PAGE = 64 * KiB

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from embcache.errors import DeviceUnavailable, InvalidArgument
-from embcache.service.ipc_cache import IpcCache, check_ipc_handle
-from embcache.service.transport.grpc_device import _contiguous_strides, in_thread
+from embcache.service.device.ipc.cache import IpcCache, check_ipc_handle
+from embcache.service.transport.grpc.device import _contiguous_strides, in_thread
 
 
 class Mapping:
@@ -89,7 +89,7 @@ def test_stats_and_their_metrics() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from embcache.service.metrics import IpcCollector
+    from embcache.service.observability.metrics import IpcCollector
 
     backend = EventBackend()
     cache = IpcCache(backend, max_mappings=8)
@@ -192,7 +192,7 @@ def test_events_opened_once_per_owner_and_handle() -> None:
 
 
 def test_event_cache_is_bounded_and_forgets_an_event_that_fails() -> None:
-    from embcache.service.ipc_cache import MAX_EVENTS
+    from embcache.service.device.ipc.cache import MAX_EVENTS
 
     backend = EventBackend()
     cache = IpcCache(backend)

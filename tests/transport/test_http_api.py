@@ -12,9 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
-from embcache.service.metrics import Metrics
-from embcache.service.transport.http_app import create_app
-from embcache.service.transport.http_testing import serve_in_thread
+from embcache.service.observability.metrics import Metrics
+from embcache.service.transport.http.app import create_app
+from embcache.service.transport.http.testing import serve_in_thread
 
 PAGE = 4096
 TOKEN = "s3cret-token"
@@ -197,7 +197,7 @@ def test_pool_map(client: httpx.Client, engine: CacheEngine) -> None:
 def test_pool_map_draws_each_device_pool(shm_name: str) -> None:
     # Two CPU "GPUs": the map draws the pool asked for, says how many there are, and still
     # draws (empty) a pool a device error took out, with the reason; no such pool: 409.
-    from embcache.service.device_pool import DevicePool
+    from embcache.service.device.pool import DevicePool
 
     settings = Settings(host_pool_bytes=64 * PAGE, page_bytes=PAGE, shm_name=shm_name, device="cpu")
     pools = [DevicePool(torch.device("cpu"), 8 * PAGE, PAGE, index=i) for i in range(2)]
@@ -219,7 +219,7 @@ def test_pool_map_draws_each_device_pool(shm_name: str) -> None:
 def test_evict_from_one_device_pool(shm_name: str) -> None:
     # 'device' evicts copies in that device pool only: the entry, its host copy and its
     # copy on the other pool stay; by bytes, LRU within that pool. No such pool: 409.
-    from embcache.service.device_pool import DevicePool
+    from embcache.service.device.pool import DevicePool
 
     settings = Settings(host_pool_bytes=64 * PAGE, page_bytes=PAGE, shm_name=shm_name, device="cpu")
     pools = [DevicePool(torch.device("cpu"), 8 * PAGE, PAGE, index=i) for i in range(2)]
@@ -281,7 +281,7 @@ def test_no_auth_without_token(client: httpx.Client) -> None:
 
 def test_device_tier_views(shm_name: str) -> None:
     """With a device pool (plain memory on CPU): residency, tier filter, device grid."""
-    device_pool = pytest.importorskip("embcache.service.device_pool")
+    device_pool = pytest.importorskip("embcache.service.device.pool")
     settings = Settings(host_pool_bytes=64 * PAGE, page_bytes=PAGE, shm_name=shm_name,
                         device="cpu")  # fmt: skip
     pool = device_pool.DevicePool(torch.device("cpu"), 16 * PAGE, PAGE)

@@ -24,10 +24,10 @@ from embcache.clients import EmbCacheClient
 from embcache.errors import EntryLeased, MetadataConflict
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
-from embcache.service.metrics import Metrics
-from embcache.service.transport.grpc_thread import serving
-from embcache.service.transport.http_app import create_app
-from embcache.service.transport.http_testing import serve_in_thread
+from embcache.service.observability.metrics import Metrics
+from embcache.service.transport.grpc.thread import serving
+from embcache.service.transport.http.app import create_app
+from embcache.service.transport.http.testing import serve_in_thread
 
 KiB = 1 << 10
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -22,9 +22,9 @@ import torch
 
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
-from embcache.service.metrics import Metrics
-from embcache.service.transport.http_app import create_app
-from embcache.service.transport.http_testing import serve_in_thread
+from embcache.service.observability.metrics import Metrics
+from embcache.service.transport.http.app import create_app
+from embcache.service.transport.http.testing import serve_in_thread
 
 PAGE = 4096
 NBYTES = 3 * 1049 * 4  # a float32 entry of shape (3, 1049): about 3 pages

@@ -10,9 +10,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
-from embcache.service.metrics import Metrics
-from embcache.service.transport.http_app import create_app
-from embcache.service.transport.http_testing import serve_in_thread
+from embcache.service.observability.metrics import Metrics
+from embcache.service.transport.http.app import create_app
+from embcache.service.transport.http.testing import serve_in_thread
 
 pytestmark = pytest.mark.gpu
 MiB = 1024**2

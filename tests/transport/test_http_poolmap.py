@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embcache.service.transport.http_poolmap import HOST_STATES, History, downsample
+from embcache.service.transport.http.poolmap import HOST_STATES, History, downsample
 
 
 def test_downsample_identity_when_small() -> None:

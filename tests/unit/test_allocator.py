@@ -5,7 +5,7 @@ import itertools
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
-from embcache.service.allocator import PageRunAllocator
+from embcache.service.host.allocator import PageRunAllocator
 
 
 def covered(runs: list[tuple[int, int]]) -> set[int]:

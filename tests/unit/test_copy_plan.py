@@ -6,7 +6,7 @@ import hypothesis.strategies as st
 import numpy as np
 from hypothesis import given, settings
 
-from embcache.service.copy_plan import (
+from embcache.service.device.copy_plan import (
     ByteRuns,
     PlanBuilder,
     merge_runs,
@@ -135,7 +135,7 @@ def entry_plans(draw: st.DrawFn):  # type: ignore[no-untyped-def]
 def test_plan_entries_copies_every_entry(plan, whole) -> None:  # type: ignore[no-untyped-def]
     """The plan (fast path when every destination is one run, else the merge) moves exactly
     each entry's padded bytes, writes nowhere else, and has no overlapping destinations."""
-    from embcache.service.copy_plan import entry_columns, plan_entries
+    from embcache.service.device.copy_plan import entry_columns, plan_entries
 
     src, src_page, dst, dst_page, sizes = plan
     if whole:  # one destination run per entry, as the device pool deals them
@@ -186,8 +186,8 @@ def test_plan_entries_copies_every_entry(plan, whole) -> None:  # type: ignore[n
 @given(entry_plans())
 def test_small_plans_merge_in_python_to_the_same_pieces(plan) -> None:  # type: ignore[no-untyped-def]
     """The plain-Python merge of small plans gives exactly the numpy merge's pieces."""
-    from embcache.service import copy_plan
-    from embcache.service.copy_plan import entry_columns, plan_entries
+    from embcache.service.device import copy_plan
+    from embcache.service.device.copy_plan import entry_columns, plan_entries
 
     src, src_page, dst, dst_page, sizes = plan
     cols = [entry_columns(r, src_page, n, 16) for r, n in zip(src, sizes, strict=True)]

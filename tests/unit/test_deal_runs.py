@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embcache.service.deal_runs import deal_runs
+from embcache.service.device.assign_runs import deal_runs
 
 
 @settings(max_examples=200, deadline=None)

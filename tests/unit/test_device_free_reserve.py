@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from embcache.service.config import Settings
-from embcache.service.device_pool import DevicePool
+from embcache.service.device.pool import DevicePool
 from embcache.service.engine import CacheEngine
 
 PAGE = 4096

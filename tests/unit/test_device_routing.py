@@ -11,8 +11,8 @@ from pydantic import ValidationError
 
 from embcache.errors import DeviceUnavailable, InvalidArgument
 from embcache.service.config import Settings
-from embcache.service.device_pool import DevicePool
-from embcache.service.device_routing import HOST, PeerRates
+from embcache.service.device.pool import DevicePool
+from embcache.service.device.routing import HOST, PeerRates
 from embcache.service.engine import CacheEngine
 
 PAGE = 4096
@@ -133,7 +133,7 @@ def test_calibration_skips_a_pair_with_no_peer_path(monkeypatch: pytest.MonkeyPa
     # direction are measured, the failing pair gets no rate and so is never chosen.
     from types import SimpleNamespace
 
-    from embcache.service import device_routing
+    from embcache.service.device import routing as device_routing
 
     pools = [
         SimpleNamespace(device=torch.device("cuda", i), index=i, tensor=torch.zeros(64))
@@ -177,8 +177,8 @@ def test_a_failed_pool_shows_in_stats_metrics_and_readiness(
 ) -> None:
     from prometheus_client import generate_latest
 
-    from embcache.service.metrics import Metrics
-    from embcache.service.transport.http_health import readiness
+    from embcache.service.observability.metrics import Metrics
+    from embcache.service.transport.http.health import readiness
 
     engine.put("a", blob(PAGE, 1))
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from embcache.service import device_pool
 from embcache.service.config import Settings
-from embcache.service.device_pool import DevicePool
+from embcache.service.device import pool as device_pool
+from embcache.service.device.pool import DevicePool
 from embcache.service.engine import CacheEngine
 
 PAGE = 4096

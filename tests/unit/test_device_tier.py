@@ -25,10 +25,10 @@ from embcache.errors import (
     PoolExhausted,
 )
 from embcache.service.config import Settings
-from embcache.service.device_pool import DevicePool
+from embcache.service.device.pool import DevicePool
+from embcache.service.device.puts import PendingPut
 from embcache.service.engine import CacheEngine
-from embcache.service.pending_put import PendingPut
-from embcache.service.transport import grpc_device_puts
+from embcache.service.transport.grpc import device_puts as grpc_device_puts
 
 PAGE = 4096
 DEV_PAGE = 8192
@@ -414,7 +414,7 @@ def test_a_large_batch_is_queued_as_head_and_tail(
     """The first entries of a batch get their pages and their own copy call before the rest
     get theirs, when both parts hold at least HEAD_BYTES; every byte lands either way, over
     fragmented device pages too."""
-    from embcache.service import device_loads
+    from embcache.service.device import loads as device_loads
 
     monkeypatch.setattr(device_loads, "HEAD_BYTES", head_bytes)
     pool = engine.device_tier.pool(0)
@@ -452,7 +452,7 @@ def test_a_tail_that_does_not_fit_gives_the_head_back(engine: CacheEngine, monke
     """The head's copy is queued before the tail's pages are picked; when the tail finds
     no room (the rest of the pool is leased), the call fails as a whole: no lease, no pin,
     no residency, every page of the head free again and the tables as before."""
-    from embcache.service import device_loads
+    from embcache.service.device import loads as device_loads
 
     monkeypatch.setattr(device_loads, "HEAD_BYTES", 2 * DEV_PAGE)
     pool = engine.device_tier.pool(0)

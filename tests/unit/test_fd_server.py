@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from embcache.clients.device import fetch_fd
-from embcache.service.fd_server import FdServer
+from embcache.service.device.ipc.fd_server import FdServer
 
 
 def _memfd(content: bytes) -> int:

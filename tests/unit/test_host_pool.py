@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from embcache.service.host_pool import SHM_DIR, HostPool, PoolInUseError
+from embcache.service.host.host_pool import SHM_DIR, HostPool, PoolInUseError
 
 READER = """
 import mmap, sys

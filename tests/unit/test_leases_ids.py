@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from embcache.service.leases import RandomIds
+from embcache.service.host.leases import RandomIds
 
 
 def test_ids_are_nonzero_63_bit_and_refill() -> None:

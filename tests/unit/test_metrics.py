@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
-from embcache.service.metrics import Metrics
+from embcache.service.observability.metrics import Metrics
 
 PAGE = 4096
 
@@ -120,7 +120,7 @@ def test_observe_copy_rejects_negative_bytes(engine: CacheEngine) -> None:
 
 def test_device_copies_counted_once(shm_name: str) -> None:
     """Engine copies: bytes from the engine's counters, bandwidth from its observer hook."""
-    device_pool = pytest.importorskip("embcache.service.device_pool")
+    device_pool = pytest.importorskip("embcache.service.device.pool")
     settings = Settings(host_pool_bytes=64 * PAGE, page_bytes=PAGE, shm_name=shm_name,
                         device="cpu")  # fmt: skip
     pool = device_pool.DevicePool(torch.device("cpu"), 16 * PAGE, PAGE)

@@ -1,7 +1,7 @@
 import os
 import socket
 
-from embcache.service import mps
+from embcache.service.observability import mps
 
 
 def test_control_pipe_found_in_the_pipe_directory(tmp_path):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from embcache.clients.device_results import pool_handle
-from embcache.service.transport.descriptors import DevicePoolDesc, HostShmPool
-from embcache.service.transport.grpc_device import pool_handle_of
+from embcache.service.transport.grpc.device import pool_handle_of
+from embcache.service.transport.render import DevicePoolDesc, HostShmPool
 
 COMMON = {"pool_id": "dev0-x", "gpu_uuid": "GPU-1", "size": 1 << 30, "page_bytes": 1 << 18}
 
@@ -54,10 +54,10 @@ def test_grpc_and_rest_name_the_host_pool_alike(shm_name: str) -> None:
     import torch
 
     from embcache.service.config import Settings
-    from embcache.service.device_pool import DevicePool
+    from embcache.service.device.pool import DevicePool
     from embcache.service.engine import CacheEngine
-    from embcache.service.transport.descriptors import describer_for
-    from embcache.service.transport.grpc_servicer import EmbeddingCacheServicer
+    from embcache.service.transport.grpc.servicer import EmbeddingCacheServicer
+    from embcache.service.transport.render import describer_for
 
     settings = Settings(host_pool_bytes=16 * 4096, page_bytes=4096, shm_name=shm_name,
                         device="cpu")  # fmt: skip

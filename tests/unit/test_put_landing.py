@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from embcache.errors import InvalidArgument, MetadataConflict, QuotaExceeded
-from embcache.service import pending_put
 from embcache.service.config import Settings
+from embcache.service.device import puts as pending_put
 from embcache.service.engine import CacheEngine
-from embcache.service.put_landing import PutLanding
+from embcache.service.host.prealloc import PutLanding
 
 PAGE = 4096
 ENTRY_PAGES = 3

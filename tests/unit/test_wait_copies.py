@@ -11,10 +11,10 @@ import torch
 
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.config import Settings
-from embcache.service.device_pool import DevicePool
+from embcache.service.device.pool import DevicePool
 from embcache.service.engine import CacheEngine
-from embcache.service.transport import grpc_device
-from embcache.service.transport.grpc_device import DevicePlane, wait_copies
+from embcache.service.transport.grpc import device as grpc_device
+from embcache.service.transport.grpc.device import DevicePlane, wait_copies
 
 
 class FakePending:

@@ -1,0 +1,5 @@
+"""``python -m embcache.service.cli``: the ``embcache`` command."""
+
+from embcache.service.cli.app import app
+
+app()

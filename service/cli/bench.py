@@ -1,0 +1,102 @@
+"""``embcache bench``: run the scripts in ``bench/`` with progress bars and print their tables
+(the daemon's address and token reach them as ``EMBCACHE_*`` variables)."""
+
+# No ``from __future__ import annotations`` here: typer reads the Annotated[...] metadata
+# through the signature that ``with_settings`` rebuilds, which must hold real objects.
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from embcache.service.cli.ops import _fail, console
+from embcache.service.cli.settings import with_settings
+from embcache.service.config import Settings
+
+
+def default_bench_dir() -> Path:
+    """``bench/`` beside the package root (present in a source checkout)."""
+    return Path(__file__).resolve().parent.parent / "bench"
+
+
+def find_benchmarks(bench_dir: Path, only: list[str] | None) -> list[Path]:
+    scripts = sorted(p for p in bench_dir.glob("*.py") if not p.name.startswith("_"))
+    if only:
+        wanted = {n.removesuffix(".py") for n in only}
+        scripts = [p for p in scripts if p.stem in wanted]
+    return scripts
+
+
+def _bench_env(settings: Settings) -> dict[str, str]:
+    env = dict(os.environ)
+    for field in ("grpc_host", "grpc_port", "grpc_socket", "http_host", "http_port", "auth_token"):
+        value = getattr(settings, field)
+        if value is not None:
+            env[f"EMBCACHE_{field.upper()}"] = str(value)
+    return env
+
+
+@with_settings
+def bench(
+    settings: Settings,
+    only: Annotated[list[str] | None, typer.Option("--only", help="Run this script.")] = None,
+    bench_dir: Annotated[Path | None, typer.Option(help="Folder of bench scripts.")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds each script may run.")] = 1800.0,
+    list_only: Annotated[bool, typer.Option("--list", help="List the scripts only.")] = False,
+    script_args: Annotated[
+        list[str] | None, typer.Argument(help="After --: arguments for every script.")
+    ] = None,
+) -> None:
+    """Run the benchmarks in bench/ with progress bars and print their tables."""
+    folder = bench_dir or default_bench_dir()
+    scripts = find_benchmarks(folder, only) if folder.is_dir() else []
+    if not scripts:
+        raise _fail(f"no benchmark scripts found in {folder}", code=2)
+    if list_only:
+        for script in scripts:
+            console.print(script.stem)
+        return
+    failed: list[str] = []
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as progress:
+        overall = progress.add_task("benchmarks", total=len(scripts))
+        for script in scripts:
+            progress.update(overall, description=f"running [bold]{script.stem}[/]")
+            started = time.monotonic()
+            rc, out, err = _run_script(
+                [script, *(script_args or [])], _bench_env(settings), timeout
+            )
+            seconds = time.monotonic() - started
+            status = "[green]ok[/]" if rc == 0 else f"[red]failed ({rc})[/]"
+            progress.console.rule(f"{script.stem} · {status} · {seconds:.1f}s")
+            progress.console.out(out.rstrip() or "(no output)", highlight=False)
+            if rc != 0:
+                failed.append(script.stem)
+                progress.console.out(err.strip()[-2000:], highlight=False)
+            progress.advance(overall)
+        progress.update(overall, description="benchmarks done")
+    if failed:
+        raise _fail(f"failed: {', '.join(failed)}")
+
+
+def _run_script(argv: list[Any], env: dict[str, str], timeout: float) -> tuple[int, str, str]:
+    """Run one bench script from the repository root: (exit code, stdout, stderr)."""
+    script: Path = argv[0]
+    cmd = [sys.executable, *map(str, argv)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                              cwd=script.parent.parent, check=False)  # fmt: skip
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else ""
+        return -1, out, f"timed out after {timeout:.0f}s"
+    return proc.returncode, proc.stdout, proc.stderr

@@ -1,0 +1,84 @@
+"""What a get-to-device hands out: a leased entry's place in a device pool
+(:class:`DeviceLease`), and a get whose copies may still run (:class:`PendingGet`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from embcache.service.host.leases import Lease
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceLease:
+    """Where a leased entry's bytes are in a device pool."""
+
+    lease: Lease
+    pool_id: str
+    gpu_uuid: str
+    page_bytes: int
+    page_ids: tuple[int, ...]  # physical device pages, in order
+    offset: int | None  # byte offset when the pages are one run, else None
+    resident_hit: bool  # True: no copy was needed
+
+    @property
+    def key(self) -> str:
+        return self.lease.key
+
+
+class PendingGet:
+    """A get-to-device whose leases are taken and whose copies are queued.
+
+    ``results`` may be handed out only after ``wait()`` (or once ``done()`` is True): until
+    then the pages of loaded entries are still being written. The leases are the caller's
+    either way (release them if it gives up).
+    """
+
+    def __init__(
+        self,
+        results: list[DeviceLease | None],
+        table: torch.Tensor | None,
+        events: list[torch.cuda.Event],
+        copied: dict[str, int],
+        observe: Callable[[str, int, float], None],
+    ) -> None:
+        self.results = results
+        self.table = table
+        self._events = events
+        self.copied = copied  # bytes this get copies into the pool by direction ("h2d", "d2d")
+        self._observe = observe
+        self._start: float | None = time.perf_counter()  # None once observed
+
+    @property
+    def loaded_bytes(self) -> int:
+        """Bytes this get copies into the device pool (0: all resident hits)."""
+        return sum(self.copied.values())
+
+    def done(self) -> bool:
+        """True once every copy the results depend on has completed (never blocks)."""
+        return not self.unfinished()
+
+    def unfinished(self) -> list[torch.cuda.Event]:
+        """The copy events that have not fired yet (never blocks; empty: ``done()``)."""
+        left = [ev for ev in self._events if not ev.query()]
+        if not left:
+            self._finish()
+        return left
+
+    def wait(self) -> tuple[list[DeviceLease | None], torch.Tensor | None]:
+        for ev in self._events:
+            ev.synchronize()
+        self._finish()
+        return self.results, self.table
+
+    def _finish(self) -> None:
+        if self._start is not None:
+            seconds = time.perf_counter() - self._start
+            for direction, nbytes in self.copied.items():
+                if nbytes:
+                    self._observe(direction, nbytes, seconds)
+        self._start = None
+        self._events = []

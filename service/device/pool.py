@@ -1,0 +1,403 @@
+"""One device pool: a slab of device pages, unified v2p/p2v page tables, residency LRU.
+
+Every resident entry owns one contiguous range of *virtual* pages bound to physical pages
+(one consecutive run when possible: ``alloc_bind_inplace``; otherwise ``bind_inplace``).
+Eviction tombstones both tables with ``free_unbind_inplace``. The tables live on the
+device and are changed only by those kernels; the host keeps allocators that mirror which
+pages and vpages are free, so it never reads the tables back.
+
+All the pool's device work (table kernels, copies in and out) runs on one stream. Stream
+order is what makes reuse safe: a physical page freed after a copy that read it can only be
+written by work queued later on the same stream, so no host sync is needed. Clients read
+pages only under a lease, and leased entries are never evicted.
+
+The pool also runs on a CPU "device" (plain memory, no stream): CI uses that to test the
+residency, eviction and copy-plan logic without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from embcache import kernels
+from embcache.service.device.assign_runs import deal_runs
+from embcache.service.host.allocator import PageRunAllocator
+from embcache.service.host.entries import Entry
+from embcache.service.host.stats import PoolStats
+
+PAGE_FREE, PAGE_RESIDENT, PAGE_LEASED = 0, 1, 2
+MAX_QUEUED_UPDATES = 4096  # residencies and vpage runs a flush may wait for, at most
+
+
+@dataclass(slots=True, eq=False)
+class Residency:
+    vstart: int
+    npages: int
+    runs: tuple[tuple[int, int], ...]  # physical page runs
+    event: torch.cuda.Event | None = None  # recorded after the copy that filled the pages
+
+    @property
+    def contiguous(self) -> bool:
+        return len(self.runs) <= 1
+
+
+class DevicePool:
+    def __init__(
+        self,
+        device: torch.device,
+        nbytes: int,
+        page_bytes: int,
+        *,
+        ipc_mode: str = "fd",
+        index: int = 0,
+        peers: Sequence[int] = (),
+    ) -> None:
+        assert nbytes % page_bytes == 0 and nbytes > 0, (nbytes, page_bytes)
+        self.device = device
+        self.index = index
+        self.page_bytes = page_bytes
+        self.num_pages = nbytes // page_bytes
+        self.num_vpages = 2 * self.num_pages  # room to keep each entry's vpages contiguous
+        self.pool_id = f"dev{index}-{uuid.uuid4().hex[:12]}"
+        # Secret that entitles a client to this pool's fd (handed out only in authenticated
+        # replies); the fd server checks it.
+        self.fd_token = secrets.randbits(63)
+        self.slab: Any = None  # kernels.cuda_mem.DeviceSlab on a GPU
+        if device.type == "cuda":
+            from embcache.kernels import cuda_mem
+
+            # ``peers``: the other served GPUs, which copy from this pool (multi-GPU).
+            self.slab = cuda_mem.DeviceSlab(device.index or 0, nbytes, ipc_mode, peers)
+            self.tensor = self.slab.tensor[:nbytes]
+            self.gpu_uuid = cuda_mem.gpu_uuid(device.index or 0)
+            self.stream: torch.cuda.Stream | None = torch.cuda.Stream(device)
+        else:
+            self.tensor = torch.zeros(nbytes, dtype=torch.uint8)
+            self.gpu_uuid = f"CPU-{index}"
+            self.stream = None
+        self.rows = self.tensor.view(-1, 16)  # the view 16-byte-row copy plans use
+        self.ipc_mode = ipc_mode if self.slab is not None else "none"
+        self.v2p = torch.full((self.num_vpages,), -1, dtype=torch.int64, device=device)
+        self.p2v = torch.full((self.num_pages,), -1, dtype=torch.int64, device=device)
+        self._pages = PageRunAllocator(self.num_pages)
+        self._vpages = PageRunAllocator(self.num_vpages)
+        self._resident: OrderedDict[Entry, Residency] = OrderedDict()
+        # Table updates not launched yet, in order: ("bind", residencies) or
+        # ("unbind", vpage runs). See :meth:`flush`.
+        self._table_ops: list[tuple[str, list[Any]]] = []
+        self._ops_since = 0.0  # monotonic time the oldest of them was queued
+        self._ops_items = 0
+        self.flush_every_s = 0.0  # how long they may wait (DeviceTier sets it from settings)
+        self._legacy_handle: bytes | None = None
+        self.failed = False  # a device error took the pool out of service
+        self.failure = ""
+        self.evictions = 0
+        self.free_target = 0  # pages refill() keeps free (DeviceTier sets it from settings)
+        self.hits = 0
+        self.loads = 0
+
+    # -- residency -----------------------------------------------------------------------
+    def lookup(self, entry: Entry) -> Residency | None:
+        res = self._resident.get(entry)
+        if res is not None:
+            self._resident.move_to_end(entry)
+        return res
+
+    def peek(self, entry: Entry) -> Residency | None:
+        """The residency without touching the LRU order."""
+        return self._resident.get(entry)
+
+    def fail(self, reason: str) -> None:
+        """Take the pool out of service after a device error; forget what it held."""
+        self.failed = True
+        self.failure = reason or "device error"
+        self._resident.clear()
+        self._table_ops.clear()
+
+    def is_resident(self, entry: Entry) -> bool:
+        return entry in self._resident
+
+    def pages_for(self, nbytes: int) -> int:
+        return -(-nbytes // self.page_bytes)
+
+    def reserve_batch(self, entries: list[Entry]) -> list[Residency] | None:
+        """Pick pages for ``entries``, evicting unleased residents LRU, with two allocator
+        calls for the whole batch. Host bookkeeping only: :meth:`bind` and :meth:`flush`
+        then update the device tables (this batch's evictions are tombstoned first).
+
+        All or nothing: None (and nothing reserved) when the batch does not fit after
+        evicting every unleased resident. The batch's virtual pages are one range, cut
+        into one sub-range per entry; its physical runs are dealt out so that every entry
+        that fits in one piece of them gets one run (see ``deal_runs``).
+        """
+        sizes = [self.pages_for(e.nbytes) for e in entries]
+        total = sum(sizes)
+        if total > self.num_pages:
+            return None
+        while self._pages.num_free_pages < total or self._vpages.largest_free_run < total:
+            if self._evict_one() is None:
+                return None
+        vruns = self._vpages.allocate(total)
+        runs = self._pages.allocate(total)
+        assert vruns is not None and len(vruns) <= 1 and runs is not None, (vruns, runs)
+        vstart = vruns[0][0] if vruns else 0
+        out: list[Residency] = []
+        for entry, n, mine in zip(entries, sizes, deal_runs(runs, sizes), strict=True):
+            res = Residency(vstart, n, mine)
+            vstart += n
+            self._resident[entry] = res
+            out.append(res)
+        self.loads += len(out)
+        return out
+
+    def bind(self, batch: list[Residency]) -> None:
+        """Queue the batch's bindings for v2p/p2v; :meth:`flush` launches them."""
+        batch = [res for res in batch if res.npages]
+        if batch:
+            self._queue("bind", batch)
+
+    def _queue(self, kind: str, items: list[Any]) -> None:
+        if not self._table_ops:
+            self._ops_since = time.monotonic()
+        self._ops_items += len(items)
+        if self._table_ops and self._table_ops[-1][0] == kind:
+            self._table_ops[-1][1].extend(items)  # joins the previous op of its kind
+        else:
+            self._table_ops.append((kind, items))
+
+    def flush(self) -> None:
+        """Launch the queued table updates: at most two launches, however many gets and
+        evictions queued them. Only the net change reaches the device: the vpages whose
+        binding from an earlier flush has ended are tombstoned (one ``free_unbind``), then
+        the residencies still alive are bound (one ``bind``, or ``alloc_bind`` when their
+        pages are one run). A residency bound and dropped between two flushes never
+        touches the device.
+
+        Copies never read the tables (they use the page ids the host allocators hand out),
+        so updates may lag behind them; whoever reads the tables flushes first. All of it
+        is queued on the pool's stream, after the copies queued before it.
+        """
+        ops, self._table_ops = self._table_ops, []
+        self._ops_items = 0
+        ended: list[tuple[int, int]] = []  # vpage runs bound on the device, now to tombstone
+        alive: dict[int, Residency] = {}  # bound since the last flush, by first vpage
+        for kind, items in ops:
+            if kind == "bind":
+                alive.update((r.vstart, r) for r in items)
+                continue
+            for vstart, npages in items:  # a residency is always unbound whole
+                if alive.pop(vstart, None) is None:
+                    ended.append((vstart, npages))
+        if not ended and not alive:
+            return
+        with self._on_stream():
+            if ended:
+                vpages = self._ids(_joined(sorted(ended)))
+                kernels.free_unbind_inplace(vpages, self.v2p, self.p2v)
+            if alive:
+                items = list(alive.values())
+                vpages = self._ids(_joined([(r.vstart, r.npages) for r in items]))
+                runs = _joined([run for r in items for run in r.runs])
+                if len(runs) == 1:  # no physical ids to upload
+                    kernels.alloc_bind_inplace(vpages, runs[0][0], self.v2p, self.p2v)
+                else:
+                    kernels.bind_inplace(vpages, self._ids(runs), self.v2p, self.p2v)
+
+    def flush_if_due(self) -> bool:
+        """:meth:`flush` once the oldest queued update is ``flush_every_s`` old (or too many
+        wait); True when it launched. Without MPS each launch of ours takes a GPU time
+        slice from the decoders' kernels (docs/deploy.md, MPS): a get that flushed every
+        time cost a concurrent GEMM in another process ~15%, one launch every 3 ms ~8%."""
+        if not self._table_ops:
+            return False
+        if (
+            time.monotonic() - self._ops_since < self.flush_every_s
+            and self._ops_items < MAX_QUEUED_UPDATES
+        ):
+            return False
+        self.flush()
+        return True
+
+    @property
+    def tables_pending(self) -> bool:
+        """True while table updates wait for :meth:`flush`."""
+        return bool(self._table_ops)
+
+    def _ids(self, runs: list[tuple[int, int]]) -> torch.Tensor:
+        """The page ids of ``runs`` on the pool's device, queued on the current stream: one
+        run is made there, several are uploaded (:func:`upload`)."""
+        if len(runs) == 1:
+            s, k = runs[0]
+            return torch.arange(s, s + k, dtype=torch.int64, device=self.device)
+        ids = np.concatenate([np.arange(s, s + k, dtype=np.int64) for s, k in runs])
+        return upload(torch.from_numpy(ids), self.device)
+
+    def _evict_one(self) -> Residency | None:
+        """Forget the least recently used unleased copy; its residency (None: all leased)."""
+        for entry, res in self._resident.items():
+            if entry.ref_cnt == 0:
+                self._forget(entry)
+                self.evictions += 1
+                return res
+        return None
+
+    def refill(self) -> int:
+        """Evict unleased copies, least recently used first, until ``free_target`` pages
+        (and as many consecutive virtual pages) are free, so a cold get of up to that many
+        pages reserves them without evicting on its path; returns how many went. Host
+        bookkeeping only: the next flush tombstones them."""
+        count = 0
+        target = self.free_target
+        while target and (
+            self._pages.num_free_pages < target or self._vpages.largest_free_run < target
+        ):
+            if self._evict_one() is None:
+                break
+            count += 1
+        return count
+
+    def drop(self, entry: Entry) -> None:
+        """Forget ``entry``'s device copy now (the caller knows nobody holds it)."""
+        if self._forget(entry):
+            self.flush_if_due()
+
+    def _forget(self, entry: Entry) -> bool:
+        """Free the pages on the host side; the tables are tombstoned by the next flush."""
+        res = self._resident.pop(entry, None)
+        if res is None:
+            return False
+        if res.npages:
+            self._queue("unbind", [(res.vstart, res.npages)])
+            self._vpages.free([(res.vstart, res.npages)])
+            self._pages.free(list(res.runs))
+        return True
+
+    def evict_unleased(self) -> int:
+        count = 0
+        while self._evict_one() is not None:
+            count += 1
+        self.flush_if_due()
+        return count
+
+    def evict_entries(self, entries: list[Entry]) -> int:
+        """Forget these entries' copies (the caller checked nobody holds them); their
+        table updates join the queue (:meth:`flush_if_due`). Returns how many had a copy here."""
+        count = sum(1 for entry in entries if self._forget(entry))
+        self.evictions += count
+        self.flush_if_due()
+        return count
+
+    def evict_bytes(self, nbytes: int) -> tuple[int, int]:
+        """Evict unleased residents, least recently used first, until ``nbytes`` of pages
+        are free again or none is left: (entries, bytes of pages freed)."""
+        count = freed = 0
+        while freed < nbytes and (res := self._evict_one()) is not None:
+            freed += res.npages * self.page_bytes
+            count += 1
+        self.flush_if_due()
+        return count, freed
+
+    def _on_stream(self) -> contextlib.AbstractContextManager[object]:
+        if self.stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.stream)
+
+    # -- export --------------------------------------------------------------------------
+    def export_legacy(self) -> bytes:
+        if self.slab is None:
+            raise RuntimeError("a CPU device pool has no IPC handle")
+        if self._legacy_handle is None:
+            self._legacy_handle = self.slab.export_legacy()
+        return self._legacy_handle
+
+    def export_fd(self) -> int:
+        if self.slab is None:
+            raise RuntimeError("a CPU device pool has no IPC handle")
+        return self.slab.export_fd()
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    # -- views ---------------------------------------------------------------------------
+    def byte_runs(self, res: Residency) -> list[tuple[int, int]]:
+        return [(s * self.page_bytes, k * self.page_bytes) for s, k in res.runs]
+
+    def page_ids(self, res: Residency) -> list[int]:
+        return [p for s, k in res.runs for p in range(s, s + k)]
+
+    def stats(self) -> PoolStats:
+        free = self._pages.num_free_pages
+        used = self.num_pages - free
+        return PoolStats(
+            f"device:{self.index}",
+            self.num_pages * self.page_bytes,
+            used * self.page_bytes,
+            free * self.page_bytes,
+            self.page_bytes,
+            self.num_pages,
+            used,
+            free,
+            self._pages.largest_free_run,
+            self._pages.num_free_runs,
+            self.failure if self.failed else "",
+        )
+
+    @property
+    def resident_entries(self) -> int:
+        return len(self._resident)
+
+    def check_tables(self) -> None:
+        """Assert that the device tables agree with the host side: v2p and p2v are inverse,
+        each residency's vpages map to its runs, and as many pages are bound as the
+        allocator holds. Flushes, then reads the tables back: tests and debugging."""
+        self.flush()
+        v2p, p2v = self.v2p.tolist(), self.p2v.tolist()
+        bound = {v: p for v, p in enumerate(v2p) if p >= 0}
+        assert {p: v for v, p in bound.items()} == {p: v for p, v in enumerate(p2v) if v >= 0}
+        for res in self._resident.values():
+            pages = [p for s, k in res.runs for p in range(s, s + k)]
+            assert [v2p[res.vstart + j] for j in range(res.npages)] == pages, res
+        assert len(bound) == self.num_pages - self._pages.num_free_pages, "bound != used"
+
+    def page_states(self) -> np.ndarray:
+        states = np.zeros(self.num_pages, dtype=np.uint8)
+        for entry, res in self._resident.items():
+            for s, k in res.runs:
+                states[s : s + k] = PAGE_LEASED if entry.ref_cnt else PAGE_RESIDENT
+        return states
+
+    def close(self) -> None:
+        self._resident.clear()
+        self._table_ops.clear()  # a flush scheduled before the close finds nothing to do
+        if self.slab is not None:
+            self.slab.close()
+
+
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on ``device``, queued on the current stream without the host waiting for
+    the work queued before it (pinned staging; a pageable copy would wait)."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _joined(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``runs`` with each run that starts where the previous one ends joined to it."""
+    out: list[tuple[int, int]] = []
+    for s, k in runs:
+        if out and out[-1][0] + out[-1][1] == s:
+            out[-1] = (out[-1][0], out[-1][1] + k)
+        else:
+            out.append((s, k))
+    return out

@@ -1,0 +1,149 @@
+"""The host page pool: one POSIX shared-memory segment, split into fixed-size pages.
+
+The same segment serves both tiers of readers: CPU clients on the node map it by name
+(zero-copy gets), and on a CUDA machine it is registered with the driver
+(``cudaHostRegister``, portable + mapped), so GPUs copy from it at link speed (FACTS.md).
+
+An exclusive ``flock`` on the segment marks it as owned by a live daemon. A segment left by
+a daemon that died is recognised by a free lock and replaced at start; one whose lock is
+held belongs to a running daemon, and starting a second daemon on it fails.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from embcache.service.host.allocator import page_byte_runs
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+
+
+class PoolInUseError(RuntimeError):
+    """Another live daemon owns the shared-memory segment."""
+
+
+class HostPool:
+    def __init__(
+        self,
+        name: str,
+        nbytes: int,
+        page_bytes: int,
+        *,
+        register_cuda: bool = False,
+        populate: bool = True,
+        mode: int = 0o600,
+    ) -> None:
+        if not _NAME_RE.match(name):
+            raise ValueError(f"shm name {name!r} must match {_NAME_RE.pattern}")
+        assert nbytes > 0 and nbytes % page_bytes == 0, (nbytes, page_bytes)
+        self.name = name
+        self.nbytes = nbytes
+        self.page_bytes = page_bytes
+        self.num_pages = nbytes // page_bytes
+        self.path = SHM_DIR / name
+        self.registered = False
+        self._closed = False
+        self._mode = mode
+        self._fd = self._create_segment()
+        try:
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+            self._mmap = mmap.mmap(self._fd, nbytes, flags=flags)
+            self.array: np.ndarray = np.frombuffer(self._mmap, dtype=np.uint8)
+            self.tensor: torch.Tensor = torch.from_numpy(self.array)
+            self.rows = self.tensor.view(-1, 16)  # the view 16-byte-row copy plans use
+            if register_cuda:
+                self._register_cuda()
+        except BaseException:
+            self._release_segment()
+            raise
+
+    # -- segment life cycle --------------------------------------------------------------
+    def _create_segment(self) -> int:
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            fd = self._reclaim_stale()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.fchmod(fd, self._mode)  # explicit: the umask does not decide who may map it
+            # fallocate reserves the tmpfs blocks now: a pool larger than /dev/shm fails
+            # here with ENOSPC instead of with SIGBUS on first touch.
+            os.posix_fallocate(fd, 0, self.nbytes)
+        except OSError as exc:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            if exc.errno == errno.ENOSPC:
+                raise OSError(
+                    exc.errno,
+                    f"no room for a {self.nbytes}-byte host pool in {SHM_DIR} "
+                    "(raise its size or lower host_pool_bytes)",
+                ) from None
+            raise
+        return fd
+
+    def _reclaim_stale(self) -> int:
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise PoolInUseError(
+                f"shared-memory segment {self.name!r} belongs to a running daemon"
+            ) from None
+        log.warning("replacing stale shared-memory segment %s left by a dead daemon", self.name)
+        os.unlink(self.path)
+        os.close(fd)
+        return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+
+    def _register_cuda(self) -> None:
+        from embcache.kernels import register_host_memory
+
+        # Portable + mapped: every GPU can DMA from it and kernels can read it through UVA.
+        self._registration = register_host_memory(self.tensor)
+        self.registered = True
+
+    def _release_segment(self) -> None:
+        if self.registered:
+            torch.cuda.synchronize()  # no copy may still read the pages
+            self._registration.unregister()
+            self.registered = False
+        for attr in ("rows", "tensor", "array"):
+            if hasattr(self, attr):
+                delattr(self, attr)
+        if hasattr(self, "_mmap"):
+            try:
+                self._mmap.close()
+            except BufferError:
+                # Views handed out are still alive; the mapping goes when they do.
+                log.debug("host pool mapping still referenced; leaving it to the GC")
+        self.path.unlink(missing_ok=True)
+        os.close(self._fd)
+
+    def close(self) -> None:
+        """Unregister, unmap and unlink the segment. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._release_segment()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- access --------------------------------------------------------------------------
+    def byte_runs(self, runs: Sequence[tuple[int, int]], nbytes: int) -> list[tuple[int, int]]:
+        """Byte ranges ``(offset, length)`` that hold the first ``nbytes`` of page runs."""
+        return page_byte_runs(runs, self.page_bytes, nbytes)

@@ -1,0 +1,141 @@
+"""Lease table: who holds which entry, until when.
+
+Ids are random 63-bit integers (from the OS's random source) so one client cannot guess
+another's lease. Expiry uses a
+heap of ``(expires_at, lease_id)``; renewing pushes a new item and stale items are
+skipped when popped, so every operation is O(log n).
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from embcache.service.host.allocator import page_byte_runs
+from embcache.service.host.entries import Entry
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    lease_id: int
+    entry: Entry
+    owner: str
+    expires_at: float
+    page_bytes: int
+    _byte_runs: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def byte_runs(self) -> tuple[tuple[int, int], ...]:
+        """``(offset, length)`` in the host pool that hold the entry's bytes, in order."""
+        if self._byte_runs is None:
+            entry = self.entry
+            self._byte_runs = tuple(page_byte_runs(entry.runs, self.page_bytes, entry.nbytes))
+        return self._byte_runs
+
+    @property
+    def key(self) -> str:
+        return self.entry.key
+
+    @property
+    def dtype(self) -> str:
+        return self.entry.dtype.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.entry.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.entry.nbytes
+
+    @property
+    def contiguous(self) -> bool:
+        return len(self.byte_runs) <= 1
+
+
+class RandomIds:
+    """Unguessable 63-bit ids from the OS's random source (the table skips 0), read 512 at
+    a time (one ``os.urandom`` call per id costs a system call; a batch get takes one id per
+    key)."""
+
+    BATCH = 512
+
+    def __init__(self) -> None:
+        self._ids: list[int] = []
+
+    def next(self) -> int:
+        if not self._ids:
+            raw = np.frombuffer(os.urandom(8 * self.BATCH), dtype=np.uint64) >> np.uint64(1)
+            self._ids = raw.tolist()
+        return self._ids.pop()
+
+
+class LeaseTable:
+    def __init__(self) -> None:
+        self._ids = RandomIds()
+        self._leases: dict[int, Lease] = {}
+        self._by_owner: dict[str, set[int]] = {}
+        self._heap: list[tuple[float, int]] = []
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def get(self, lease_id: int) -> Lease | None:
+        return self._leases.get(lease_id)
+
+    def add(self, entry: Entry, owner: str, expires_at: float, page_bytes: int) -> Lease:
+        lease_id = self._ids.next()
+        while lease_id == 0 or lease_id in self._leases:
+            lease_id = self._ids.next()
+        lease = Lease(lease_id, entry, owner, expires_at, page_bytes)
+        self._leases[lease_id] = lease
+        self._by_owner.setdefault(owner, set()).add(lease_id)
+        heapq.heappush(self._heap, (expires_at, lease_id))
+        return lease
+
+    def pop(self, lease_id: int) -> Lease | None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            ids = self._by_owner[lease.owner]
+            ids.discard(lease_id)
+            if not ids:
+                del self._by_owner[lease.owner]
+        return lease
+
+    def renew(self, lease: Lease, expires_at: float) -> None:
+        lease.expires_at = expires_at
+        heapq.heappush(self._heap, (expires_at, lease.lease_id))
+
+    def holders(self, entry: Entry, now: float) -> list[tuple[str, float]]:
+        """(owner, seconds left) of every lease on ``entry``; O(leases), for operators."""
+        return [
+            (lease.owner, max(0.0, lease.expires_at - now))
+            for lease in self._leases.values()
+            if lease.entry is entry
+        ]
+
+    def all_ids(self) -> list[int]:
+        return list(self._leases)
+
+    def owned_by(self, owner: str) -> list[int]:
+        return list(self._by_owner.get(owner, ()))
+
+    def owners(self) -> int:
+        return len(self._by_owner)
+
+    def pop_expired(self, now: float) -> list[Lease]:
+        expired: list[Lease] = []
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            expires_at, lease_id = heapq.heappop(heap)
+            lease = self._leases.get(lease_id)
+            if lease is not None and lease.expires_at == expires_at:
+                expired.append(self.pop(lease_id))  # type: ignore[arg-type]
+        if len(heap) > 64 and len(heap) > 4 * len(self._leases):
+            # Renewals and releases leave stale items behind; rebuild now and then.
+            self._heap = [(lease.expires_at, i) for i, lease in self._leases.items()]
+            heapq.heapify(self._heap)
+        return expired

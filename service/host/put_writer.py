@@ -1,0 +1,210 @@
+"""Streaming fill of one reserved entry: write chunks in order, then commit or abort.
+
+A handle owns its FILLING reservation, so chunk copies run without the engine lock; the
+handle's own lock only orders a copy against a concurrent abort (a dropped client, a
+closing engine), so an aborted reservation is never written after its pages are freed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from embcache.errors import ChecksumMismatch, Draining, InvalidArgument, LeaseExpired
+from embcache.proto.checksum import crc32
+
+if TYPE_CHECKING:
+    from embcache.service.engine.puts import PutOps
+    from embcache.service.host.entries import Entry
+
+
+def as_byte_array(data: Any) -> np.ndarray:
+    """A flat uint8 view of a bytes-like object, numpy array or CPU tensor (no copy)."""
+    if isinstance(data, torch.Tensor):
+        if data.device.type != "cpu":
+            raise InvalidArgument("chunk tensors must be on the CPU", device=str(data.device))
+        data = data.detach().contiguous().view(-1).view(torch.uint8).numpy()
+    if isinstance(data, np.ndarray):
+        if not data.flags.c_contiguous:
+            data = np.ascontiguousarray(data)
+        return data.reshape(-1).view(np.uint8)
+    try:
+        return np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+    except TypeError as exc:
+        raise InvalidArgument("chunk is not bytes-like", type=type(data).__name__) from exc
+
+
+class PutHandle:
+    """Returned by :meth:`CacheEngine.begin_put`. Use as a context manager to abort on error."""
+
+    def __init__(
+        self,
+        engine: PutOps | None,
+        put_id: int,
+        entry: Entry,
+        byte_runs: tuple[tuple[int, int], ...],
+        checksum: int | None,
+        written: int = 0,
+    ) -> None:
+        self._engine = engine  # None: the key already exists; bytes are checked, then dropped
+        self._put_id = put_id
+        self.entry = entry
+        self._byte_runs = byte_runs
+        self._checksum = checksum
+        self._crc = 0
+        self._lock = threading.Lock()
+        self._run = 0  # index of the byte run the next byte goes to
+        self._run_off = 0  # offset inside that run
+        self.written = written  # all of it when begin_put's copy_in queued the copy
+        self.done = False
+
+    @property
+    def key(self) -> str:
+        return self.entry.key
+
+    @property
+    def nbytes(self) -> int:
+        return self.entry.nbytes
+
+    @property
+    def exists_already(self) -> bool:
+        return self._engine is None
+
+    @property
+    def has_checksum(self) -> bool:
+        """A checksum came with the put: :meth:`filled` has bytes to check."""
+        return self._checksum is not None
+
+    def write(self, data: Any) -> None:
+        """Append ``data`` to the entry; raises InvalidArgument past the declared size."""
+        chunk = as_byte_array(data)
+        n = chunk.size
+        with self._lock:
+            if self.done:
+                raise LeaseExpired("put is no longer in progress", key=self.key)
+            if self.written + n > self.nbytes:
+                raise InvalidArgument(
+                    "more bytes than declared",
+                    key=self.key,
+                    nbytes=self.nbytes,
+                    received=self.written + n,
+                )
+            if self._checksum is not None:
+                self._crc = crc32(chunk.data, self._crc)
+            if self._engine is not None:
+                if self._engine.closed:
+                    raise Draining("engine closed during the put", key=self.key)
+                self._copy_in(chunk)
+            self.written += n
+
+    def _copy_in(self, chunk: np.ndarray) -> None:
+        assert self._engine is not None
+        pool = self._engine.host_pool.array
+        pos = 0
+        n = chunk.size
+        while pos < n:
+            off, length = self._byte_runs[self._run]
+            take = min(length - self._run_off, n - pos)
+            start = off + self._run_off
+            pool[start : start + take] = chunk[pos : pos + take]
+            pos += take
+            self._run_off += take
+            if self._run_off == length:
+                self._run += 1
+                self._run_off = 0
+
+    def fill_with(
+        self, copy: Callable[[tuple[tuple[int, int], ...]], None], *, complete: bool = True
+    ) -> None:
+        """Fill every byte at once with ``copy(byte_runs)`` (e.g. a device-to-host copy).
+        ``complete=False``: the copy is still running when ``copy`` returns; call
+        :meth:`filled` once it is done (the checksum is computed then)."""
+        with self._lock:
+            if self.done:
+                raise LeaseExpired("put is no longer in progress", key=self.key)
+            if self.written:
+                raise InvalidArgument("fill_with needs a handle with nothing written yet")
+            if self._engine is None:
+                raise InvalidArgument("the entry exists already: use skip_bytes()")
+            copy(self._byte_runs)
+            self.written = self.nbytes
+            if complete:
+                self._checksum_pool()
+
+    def filled(self) -> None:
+        """The copy of a ``fill_with(..., complete=False)`` is done: checksum the bytes;
+        ChecksumMismatch now if they do not match (so a batch checks every entry before it
+        commits any; the handle stays open for the caller to abort)."""
+        with self._lock:
+            if self._engine is not None and self.written == self.nbytes:
+                self._checksum_pool()
+        self._verify()
+
+    def _verify(self) -> None:
+        if self._checksum is not None and self._crc != self._checksum:
+            raise ChecksumMismatch(
+                "payload does not match its checksum",
+                key=self.key,
+                expected=self._checksum,
+                actual=self._crc,
+            )
+
+    def _checksum_pool(self) -> None:
+        if self._checksum is not None and self._engine is not None:
+            pool = self._engine.host_pool.array
+            for off, length in self._byte_runs:
+                self._crc = crc32(pool[off : off + length].data, self._crc)
+
+    def skip_bytes(self) -> None:
+        """For a put of an existing identical entry: accept without reading the bytes."""
+        with self._lock:
+            if self._engine is not None:
+                raise InvalidArgument("skip_bytes is only for existing entries")
+            self.written = self.nbytes
+            self._checksum = None
+
+    def commit(self) -> bool:
+        """Make the entry visible. True if created, False if an identical one existed."""
+        with self._lock:
+            if self.done:
+                raise LeaseExpired("put is no longer in progress", key=self.key)
+            self.done = True
+        if self.written != self.nbytes:
+            self._discard()
+            raise InvalidArgument(
+                "put ended before all bytes arrived",
+                key=self.key,
+                nbytes=self.nbytes,
+                received=self.written,
+            )
+        try:
+            self._verify()
+        except ChecksumMismatch:
+            self._discard()
+            raise
+        if self._engine is None:
+            return False
+        return self._engine._commit_fill(self._put_id)
+
+    def abort(self) -> None:
+        """Drop the reservation; nothing becomes visible. Idempotent."""
+        with self._lock:
+            if self.done:
+                return
+            self.done = True
+        self._discard()
+
+    def _discard(self) -> None:
+        if self._engine is not None:
+            self._engine._abort_fill(self._put_id)
+
+    def __enter__(self) -> PutHandle:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if not self.done:  # an exception, or no commit: nothing becomes visible
+            self.abort()

@@ -1,0 +1,199 @@
+"""The gRPC data plane of the daemon: listeners, options, health, reflection, auth.
+
+``start_grpc(engine, settings, metrics)`` is what ``service/daemon.py`` calls. It listens on
+``settings.grpc_host:settings.grpc_port`` (port 0 picks a free one) and, when
+``settings.grpc_socket`` is set, on that Unix socket. With an auth token every call on every
+listener needs ``authorization: Bearer <token>`` (health checks excepted); with TLS the TCP
+listener uses it (the Unix socket is local and relies on file permissions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import errno
+import functools
+import logging
+import socket
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from embcache.proto.constants import MAX_MESSAGE_BYTES
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.service.config import Settings
+from embcache.service.engine import CacheEngine
+from embcache.service.transport.grpc.auth import TokenAuthInterceptor
+from embcache.service.transport.grpc.errors import RpcMetrics
+from embcache.service.transport.grpc.handlers import add_servicer
+from embcache.service.transport.grpc.servicer import EmbeddingCacheServicer
+from embcache.service.transport.uds.server import LaneServer, lane_path
+
+log = logging.getLogger("embcache.grpc")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EmbeddingCache"].full_name
+
+SERVER_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Ping idle connections so a client that vanished without closing its socket (host
+    # down, network cut) is noticed within keepalive_time + keepalive_timeout (15 s) and its
+    # Session stream ends, which releases its leases.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    # Let clients ping as often as every 5 s without being told to go away.
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+    # Never share a port with another process (Linux SO_REUSEPORT would let two daemons
+    # bind 7470 and split the traffic).
+    ("grpc.so_reuseport", 0),
+)
+
+
+@dataclass
+class GrpcService:
+    """A running gRPC server. ``ports``: bound TCP ports; ``socket_path``: Unix socket."""
+
+    server: grpc.aio.Server
+    servicer: EmbeddingCacheServicer
+    health: Any  # grpc_health.v1.health.aio.HealthServicer
+    loop: asyncio.AbstractEventLoop
+    ports: list[int] = field(default_factory=list)
+    socket_path: Path | None = None
+    lane: LaneServer | None = None  # the session lane next to the Unix socket (lane.py)
+
+    def set_serving(self, serving: bool) -> asyncio.Future[None] | concurrent.futures.Future[None]:
+        """Report SERVING / NOT_SERVING on grpc.health.v1 (overall and for the service).
+
+        Safe to call from the loop (returns a task, awaiting it is optional) or from another
+        thread (returns a concurrent future).
+        """
+        apply = functools.partial(self.apply_serving, serving)
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            return self.loop.create_task(apply())
+        return asyncio.run_coroutine_threadsafe(apply(), self.loop)
+
+    async def apply_serving(self, serving: bool) -> None:
+        """The awaitable form of :meth:`set_serving`, on the server's loop."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float) -> None:
+        """NOT_SERVING, stop accepting, give in-flight calls ``grace`` seconds, then cancel.
+
+        Cancelled Session streams release their leases; cancelled Puts free their pages.
+        """
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        if self.lane is not None:  # its calls had the same grace; their sessions end here
+            await self.lane.stop()
+            _unlink_socket(self.lane.path)
+        await self.servicer.busy.stop()
+        self.servicer.close()
+        if self.socket_path is not None:
+            _unlink_socket(self.socket_path)
+
+
+async def start_grpc(
+    engine: CacheEngine, settings: Settings, metrics: RpcMetrics | None = None
+) -> GrpcService:
+    interceptors = []
+    if settings.auth_token:
+        interceptors.append(TokenAuthInterceptor(settings.auth_token, metrics))
+    server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
+    servicer = EmbeddingCacheServicer(engine, settings, metrics)
+    add_servicer(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+
+    ports = [_add_tcp_port(server, settings)]
+    socket_path = None
+    if settings.grpc_socket is not None:
+        socket_path = Path(settings.grpc_socket)
+        _prepare_socket_path(socket_path)
+        server.add_insecure_port(f"unix:{socket_path}")
+    lane = None
+    if socket_path is not None and settings.session_lane:
+        lane = LaneServer(servicer, lane_path(socket_path), settings.auth_token)
+        _prepare_socket_path(lane.path)
+    if lane is not None:  # first: a client that finds the gRPC socket finds the lane too
+        await lane.start()
+    await server.start()
+    servicer.busy.start()
+    service = GrpcService(
+        server, servicer, health_servicer, asyncio.get_running_loop(), ports, socket_path, lane
+    )
+    await service.apply_serving(True)
+    log.info(
+        "gRPC listening on %s:%s%s%s",
+        settings.grpc_host,
+        ports[0],
+        f" and unix:{socket_path}" if socket_path else "",
+        f" (session lane {lane.path})" if lane else "",
+    )
+    return service
+
+
+def _add_tcp_port(server: grpc.aio.Server, settings: Settings) -> int:
+    host = settings.grpc_host
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    address = f"{host}:{settings.grpc_port}"
+    if settings.tls_cert is not None and settings.tls_key is not None:
+        creds = grpc.ssl_server_credentials(
+            [(Path(settings.tls_key).read_bytes(), Path(settings.tls_cert).read_bytes())]
+        )
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    if not port:
+        raise OSError(errno.EADDRINUSE, f"cannot bind gRPC to {address}")
+    return port
+
+
+def _prepare_socket_path(path: Path) -> None:
+    """Remove a stale socket left by a dead daemon; refuse a live one or a non-socket."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return
+    if not stat.S_ISSOCK(mode):
+        raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        log.warning("removing stale gRPC socket %s", path)
+        path.unlink(missing_ok=True)
+        return
+    finally:
+        probe.close()
+    raise OSError(errno.EADDRINUSE, f"another process is listening on {path}")
+
+
+def _unlink_socket(path: Path) -> None:
+    try:
+        if stat.S_ISSOCK(path.lstat().st_mode):
+            path.unlink()
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,353 @@
+"""The ``embcache.v1.EmbeddingCache`` servicer: protobuf in, engine API calls, protobuf out.
+
+Handlers run on the daemon's event loop and call the engine directly: its calls are short
+(table updates under one lock, or one <= 1 MiB memcpy per chunk), so a thread hop would
+cost more than it saves. The device RPCs (``grpc_device.py``) may wait on copies and run
+their engine calls in worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from google.protobuf import struct_pb2
+
+from embcache.errors import InvalidArgument, NotFound, UnknownSession
+from embcache.proto.constants import CHUNK_BYTES
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.service.config import Settings
+from embcache.service.device.ipc.cache import IpcCache
+from embcache.service.engine import CacheEngine, EvictOutcome, raise_for_evict
+from embcache.service.transport.grpc.busy_poll import BusyPoll
+from embcache.service.transport.grpc.device import DevicePlane, meta_of, pool_handle_of
+from embcache.service.transport.grpc.errors import RpcMetrics, rpc
+from embcache.service.transport.render import describer_for
+from embcache.service.transport.session.calls import Send, SessionCalls
+from embcache.service.transport.session.registry import SessionRegistry
+
+log = logging.getLogger("embcache.grpc")
+
+_EVICT_OUTCOMES = {
+    EvictOutcome.EVICTED: pb.EVICTED,
+    EvictOutcome.NOT_FOUND: pb.NOT_FOUND,
+    EvictOutcome.LEASED: pb.LEASED,
+}
+
+
+class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
+    def __init__(
+        self,
+        engine: CacheEngine,
+        settings: Settings,
+        metrics: RpcMetrics | None = None,
+        *,
+        ipc: IpcCache | None = None,
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.sessions = SessionRegistry()
+        self.host_pool = pool_handle_of(describer_for(engine, settings).host_pool())
+        self.device = DevicePlane(engine, settings, ipc)
+        self.busy = BusyPoll(settings.busy_poll_us / 1e6)  # started with the server
+
+    def close(self) -> None:
+        """Close the client allocations opened through IPC (after the server stopped)."""
+        self.device.ipc.close()
+
+    # -- puts ----------------------------------------------------------------------------
+    @rpc("Put")
+    async def Put(
+        self, request_iterator: AsyncIterator[pb.PutRequest], context: grpc.aio.ServicerContext
+    ) -> pb.PutResponse:
+        owner = self.sessions.owner_for(context)
+        first = await anext(aiter(request_iterator), None)
+        if not isinstance(first, pb.PutRequest) or first.WhichOneof("kind") != "header":
+            raise InvalidArgument("the first message of a Put must be a header")
+        head = first.header
+        handle = self.engine.begin_put(
+            head.key,
+            head.dtype,
+            tuple(head.shape),
+            nbytes=head.nbytes if head.HasField("nbytes") else None,
+            checksum=head.checksum if head.HasField("checksum") else None,
+            owner=owner,
+        )
+        # Any way out but commit (a bad chunk, the client cancelling or vanishing, the
+        # deadline passing: all raise here) aborts: nothing is visible, the pages are free.
+        with handle:
+            async for msg in request_iterator:
+                chunk = _chunk_of(msg)
+                if len(chunk) > CHUNK_BYTES:
+                    raise InvalidArgument(
+                        "chunk too large", chunk_bytes=len(chunk), limit=CHUNK_BYTES
+                    )
+                handle.write(chunk)
+            created = handle.commit()
+        return pb.PutResponse(created=created, nbytes=handle.nbytes)
+
+    @rpc("PutFromDevice")
+    async def PutFromDevice(
+        self, request: pb.PutFromDeviceRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PutResponse:
+        owner = self.sessions.owner_for(context)
+        return await self.device.put_from_device(request, owner)
+
+    @rpc("PutFromDeviceBatch")
+    async def PutFromDeviceBatch(
+        self, request: pb.PutFromDeviceBatchRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PutFromDeviceBatchResponse:
+        owner = self.sessions.owner_for(context)
+        return await self.device.put_from_device_batch(request, owner)
+
+    # -- gets ----------------------------------------------------------------------------
+    @rpc("Get")
+    async def Get(
+        self, request: pb.GetRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetResponse:
+        if request.gpu_uuid:
+            self.engine.device_tier.pool_for(request.gpu_uuid)  # no such pool: fail first
+        return await self._get(request, self.sessions.owner_for(context))
+
+    async def _get(self, request: pb.GetRequest, owner: str) -> pb.GetResponse:
+        """A Get for ``owner``: the RPC's and a session call's."""
+        if request.gpu_uuid:
+            return await self.device.get(request, owner, self.sessions.alive)
+        ttl = request.ttl_s if request.HasField("ttl_s") else None
+        leases = self.engine.get(list(request.keys), owner, ttl_s=ttl)
+        if not self.sessions.alive(owner):
+            # The session ended while we were taking leases: they would outlive it.
+            self.engine.release(lease.lease_id for lease in leases if lease is not None)
+            raise UnknownSession("session ended during the call", session=owner)
+        pool_id = self.host_pool.pool_id
+        reply = pb.GetResponse()
+        for key, lease in zip(request.keys, leases, strict=True):
+            if lease is None:
+                reply.results.append(pb.GetResult(key=key, found=False))
+                continue
+            runs = [pb.ByteRun(offset=off, length=n) for off, n in lease.byte_runs]
+            reply.results.append(
+                pb.GetResult(
+                    key=key,
+                    found=True,
+                    meta=meta_of(lease),
+                    lease_id=lease.lease_id,
+                    host=pb.HostLocation(pool_id=pool_id, runs=runs),
+                )
+            )
+        if any(lease is not None for lease in leases):
+            reply.pools.append(self.host_pool)
+        return reply
+
+    @rpc("GetInto")
+    async def GetInto(
+        self, request: pb.GetIntoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetIntoResponse:
+        owner = self.sessions.owner_for(context)
+        return await self.device.get_into(request, owner)
+
+    @rpc("GetBytes")
+    async def GetBytes(
+        self, request: pb.GetBytesRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        chunk_bytes = request.chunk_bytes if request.HasField("chunk_bytes") else CHUNK_BYTES
+        if not 0 < chunk_bytes <= CHUNK_BYTES:
+            raise InvalidArgument(
+                "chunk_bytes must be in (0, 1 MiB]", chunk_bytes=chunk_bytes, limit=CHUNK_BYTES
+            )
+        owner = self.sessions.owner_for(context)
+        lease = self.engine.get([request.key], owner)[0]
+        if lease is None:
+            raise NotFound("no such entry", key=request.key)
+        try:
+            length = request.length if request.HasField("length") else None
+            chunks = self.engine.iter_bytes(lease, request.offset, length, chunk_bytes)
+            first = next(chunks, None)  # validates the range before anything is sent
+            await context.write(pb.GetBytesResponse(meta=meta_of(lease)))
+            if first is not None:
+                await context.write(pb.GetBytesResponse(chunk=first))
+            for chunk in chunks:
+                await context.write(pb.GetBytesResponse(chunk=chunk))
+        finally:
+            self.engine.release([lease.lease_id])
+
+    # -- leases --------------------------------------------------------------------------
+    @rpc("Release")
+    async def Release(
+        self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseResponse:
+        return self._release(request)
+
+    def _release(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
+        return pb.ReleaseResponse(released=self.engine.release(request.lease_ids))
+
+    @rpc("Renew")
+    async def Renew(
+        self, request: pb.RenewRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RenewResponse:
+        ttl = request.ttl_s if request.HasField("ttl_s") else None
+        return pb.RenewResponse(renewed=self.engine.renew(request.lease_ids, ttl))
+
+    # -- exists / evict / stats ----------------------------------------------------------
+    @rpc("Exists")
+    async def Exists(
+        self, request: pb.ExistsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ExistsResponse:
+        return pb.ExistsResponse(exists=self.engine.exists(list(request.keys)))
+
+    @rpc("Evict")
+    async def Evict(
+        self, request: pb.EvictRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EvictResponse:
+        keys = list(request.keys)
+        if request.gpu_uuid:  # that GPU's copies only (DeviceUnavailable if it has no pool)
+            index, _ = self.engine.device_tier.pool_for(request.gpu_uuid)
+            outcomes = self.engine.evict_device(keys, index)
+            if len(keys) == 1:  # a single key fails loudly, as below
+                raise_for_evict(keys[0], outcomes[0], device=index)
+        elif len(keys) == 1:  # a single key fails loudly: NOT_FOUND / FAILED_PRECONDITION
+            self.engine.evict_one(keys[0])
+            outcomes = [EvictOutcome.EVICTED]
+        else:
+            outcomes = self.engine.evict(keys)
+        return pb.EvictResponse(
+            results=[
+                pb.EvictResult(key=k, outcome=_EVICT_OUTCOMES[o])
+                for k, o in zip(keys, outcomes, strict=True)
+            ]
+        )
+
+    @rpc("Stats")
+    async def Stats(
+        self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatsResponse:
+        stats = struct_pb2.Struct()
+        stats.update(_jsonable(self.engine.stats().to_dict()))
+        return pb.StatsResponse(stats=stats, sessions=len(self.sessions))
+
+    @rpc("Prefetch")
+    async def Prefetch(
+        self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PrefetchResponse:
+        device = None
+        if request.gpu_uuid:
+            device, _ = self.engine.device_tier.pool_for(request.gpu_uuid)
+        keys = list(request.keys)
+        result = await asyncio.to_thread(self.engine.prefetch, keys, device=device)
+        return pb.PrefetchResponse(**result)
+
+    # -- sessions ------------------------------------------------------------------------
+    @rpc("Session")
+    async def Session(
+        self,
+        request_iterator: AsyncIterator[pb.SessionRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        writing = asyncio.Lock()  # calls finish concurrently; one write at a time
+
+        async def send(msg: pb.SessionResponse) -> None:
+            async with writing:
+                await context.write(msg)
+
+        session = self.open_session(send, "grpc")
+        try:
+            await send(pb.SessionResponse(opened=session.opened))
+            async for msg in request_iterator:
+                if not isinstance(msg, pb.SessionRequest):
+                    raise InvalidArgument("undecodable Session message")
+                if msg.WhichOneof("kind") == "ping":
+                    await send(pb.SessionResponse(pong=msg.ping))
+                else:
+                    session.handle(msg, context.peer())
+        finally:
+            # Ended for any reason: closed, cancelled, connection lost, server stopping.
+            # Nothing here awaits: a second cancellation must not skip the lease drop.
+            session.end()
+
+    def open_session(self, send: Send, transport: str) -> OpenSession:
+        """A new session whose results go out through ``send`` (a gRPC Session stream's or
+        a lane connection's, ``lane.py``); :meth:`OpenSession.end` ends it."""
+        session_id = self.sessions.open()
+        calls = SessionCalls(
+            session_id,
+            send,
+            self._get,
+            self._release,
+            self.metrics,
+            put=self.device.put_from_device,
+            put_batch=self.device.put_from_device_batch,
+            on_call=self.busy.poke,
+            transport=transport,
+        )
+        opened = pb.SessionOpened(
+            session_id=session_id,
+            lease_ttl_s=self.settings.lease_ttl_s,
+            daemon_version=_version(),
+            calls=True,
+            device_puts=True,
+        )
+        return OpenSession(self, calls, opened)
+
+
+class OpenSession:
+    """A session of either transport: its calls, its hello, and its end."""
+
+    def __init__(
+        self, servicer: EmbeddingCacheServicer, calls: SessionCalls, opened: pb.SessionOpened
+    ) -> None:
+        self.servicer = servicer
+        self.calls = calls
+        self.opened = opened
+        self.session_id = opened.session_id
+        self.hello = ""
+
+    def handle(self, msg: pb.SessionRequest, peer: str) -> None:
+        """A call starts as a task; a hello names the session in the logs. (Pings are the
+        transport's: they need a reply in order.)"""
+        kind = msg.WhichOneof("kind")
+        if kind == "call":
+            self.calls.start(msg.call)
+        elif kind == "hello":
+            self.hello = f"{msg.hello.client_name} pid {msg.hello.pid}"
+            log.debug("session %s is %s (%s)", self.session_id, self.hello, peer)
+
+    def end(self) -> None:
+        """Close the session, cancel its running calls (each gives back the leases it took)
+        and drop its leases and the client allocations opened for it. Never awaits."""
+        s = self.servicer
+        s.sessions.close(self.session_id)
+        self.calls.cancel()
+        dropped = s.engine.drop_owner(self.session_id)
+        s.device.ipc.drop_owner(self.session_id)
+        if dropped:
+            log.info(
+                "session %s (%s) ended; released %d leases", self.session_id, self.hello, dropped
+            )
+
+
+def _chunk_of(msg: Any) -> memoryview | bytes:
+    if isinstance(msg, memoryview):  # the fast path of grpc_handlers.decode_put_request
+        return msg
+    if isinstance(msg, pb.PutRequest) and msg.WhichOneof("kind") == "chunk":
+        return msg.chunk
+    got = msg.WhichOneof("kind") if isinstance(msg, pb.PutRequest) else "undecodable"
+    raise InvalidArgument("after the header a Put carries only chunks", got=got)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _version() -> str:
+    from embcache import __version__
+
+    return __version__

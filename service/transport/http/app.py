@@ -1,0 +1,155 @@
+"""The FastAPI app of the operator plane: REST API, health, metrics and the pool-map page.
+
+``create_app(engine, settings, metrics)`` builds everything; nothing happens at import
+time. Resources live on ``app.state`` and routes reach them through ``request.app.state``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from embcache.errors import EmbCacheError
+from embcache.service.config import Settings
+from embcache.service.observability.metrics import Metrics
+from embcache.service.transport.http import data as http_data
+from embcache.service.transport.http import health as http_health
+from embcache.service.transport.http import prefetch as http_prefetch
+from embcache.service.transport.http import routes as http_routes
+from embcache.service.transport.http.middleware import OperatorMiddleware
+from embcache.service.transport.http.poolmap import History
+from embcache.service.transport.status import HTTP_CODE_NAMES, error_body, status_for
+
+log = logging.getLogger(__name__)
+
+
+def _static_dir() -> str:
+    return str(resources.files("embcache.service.transport.http") / "static")
+
+
+def error_response(
+    status: int, error: str, code: str, message: str, details: dict[str, Any] | None = None
+) -> JSONResponse:
+    body = {"error": error, "code": code, "message": message, "details": details or {}}
+    return JSONResponse(body, status_code=status)
+
+
+async def _on_engine_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, EmbCacheError)
+    status = status_for(exc).http_status
+    log.info(
+        "%s %s -> %d %s: %s",
+        request.method,
+        request.url.path,
+        status,
+        type(exc).__name__,
+        exc.message,
+    )
+    return JSONResponse(error_body(exc), status_code=status)
+
+
+async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    # Keep location, message and type; inputs can be large and contexts hold exceptions.
+    errors: list[dict[str, Any]] = [
+        {
+            "loc": [str(p) for p in e.get("loc", ())],
+            "msg": str(e.get("msg", "")),
+            "type": str(e.get("type", "")),
+        }
+        for e in exc.errors()
+    ]
+    first = str(errors[0]["msg"]) if errors else "invalid request"
+    return error_response(422, "ValidationError", "INVALID_ARGUMENT", first, {"errors": errors})
+
+
+async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    response = error_response(
+        exc.status_code,
+        "HTTPError",
+        HTTP_CODE_NAMES.get(exc.status_code, "INTERNAL"),
+        f"{exc.detail}",
+    )
+    if exc.headers:
+        response.headers.update(exc.headers)
+    return response
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error in %s %s", request.method, request.url.path)
+    return error_response(500, "InternalError", "INTERNAL", "internal error")
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    history: History = app.state.history
+
+    async def sample_forever() -> None:
+        while True:
+            try:  # off the loop: stats() takes the engine lock, which gRPC calls share
+                await asyncio.to_thread(history.sample)
+            except Exception:  # a failed sample must not end the history
+                log.exception("pool-map sample failed")
+            await asyncio.sleep(history.interval_s)
+
+    task = asyncio.create_task(sample_forever(), name="embcache-poolmap-sampler")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def create_app(engine: Any, settings: Settings, metrics: Metrics) -> FastAPI:
+    """Build the operator-plane app for one engine. Auth applies when a token is set."""
+    app = FastAPI(
+        title="embcache",
+        summary="Operator and data API of the embcache embedding-cache daemon.",
+        version="1",
+        lifespan=_lifespan,
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    app.state.engine = engine
+    app.state.settings = settings
+    app.state.metrics = metrics
+
+    def read_counters() -> tuple[int, int, dict[str, float]]:
+        stats = engine.stats()
+        return stats.hits, stats.misses, metrics.copied_bytes(stats)
+
+    app.state.history = History(read_counters)
+
+    app.add_exception_handler(EmbCacheError, _on_engine_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected)
+
+    app.include_router(http_health.router)
+    # Before the operator routes: GET /v1/entries/{key:path}/data must be tried before
+    # GET /v1/entries/{key:path}, which would also match it.
+    app.include_router(http_data.router)
+    app.include_router(http_prefetch.router)
+    app.include_router(http_routes.router)
+
+    static = _static_dir()
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(f"{static}/index.html", headers={"Cache-Control": "no-cache"})
+
+    app.mount("/static", StaticFiles(directory=static), name="static")
+    app.add_middleware(OperatorMiddleware, metrics=metrics, token=settings.auth_token)
+    return app

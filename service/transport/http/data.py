@@ -1,0 +1,364 @@
+"""The REST data plane: put and read bytes, batch get with locations, release and renew.
+
+Parity with gRPC, not a second implementation: puts go through ``engine.begin_put`` and
+``PutHandle.write`` (same admission checks, collision guard and error table), bytes are read
+with ``engine.get`` + ``engine.iter_bytes``, and ``POST /v1/get`` describes its leases with
+``descriptors.py``, which gRPC can share. Leases belong to ``rest:<client ip>`` and end by
+release or TTL (HTTP has no session whose end could release them).
+
+Put bodies are streamed into the reserved pages chunk by chunk as they arrive; the body is
+never held in memory whole. Any way out but a commit (bad bytes, a short body, the client
+disconnecting) aborts the handle: nothing becomes visible and the pages are freed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
+from starlette.requests import ClientDisconnect
+from starlette.routing import Match
+from starlette.types import Receive, Scope, Send
+
+from embcache.errors import InvalidArgument, NotFound
+from embcache.proto.constants import (
+    CHECKSUM_HEADER,
+    CHUNK_BYTES,
+    DTYPE_HEADER,
+    NBYTES_HEADER,
+    SHAPE_HEADER,
+)
+from embcache.service.engine import CacheEngine
+from embcache.service.host import admission
+from embcache.service.host.leases import Lease
+from embcache.service.transport.http.data_models import (
+    GetRequest,
+    GetResponse,
+    PutResponse,
+    ReleaseRequest,
+    ReleaseResponse,
+    RenewRequest,
+    RenewResponse,
+    render_batch,
+)
+from embcache.service.transport.http.models import ErrorBody
+from embcache.service.transport.http.ranges import RangeNotSatisfiable, parse_range
+from embcache.service.transport.http.routes import BEARER
+from embcache.service.transport.render import describer_for
+
+log = logging.getLogger(__name__)
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 422, 429, 503, 507)
+}
+router = APIRouter(prefix="/v1", responses=ERRORS, dependencies=[BEARER])
+
+
+def rest_owner(request: Request) -> str:
+    """Owner of leases and in-flight puts taken over REST: one per client address."""
+    return f"rest:{request.client.host if request.client else 'unknown'}"
+
+
+def _engine(request: Request) -> CacheEngine:
+    engine: CacheEngine = request.app.state.engine
+    return engine
+
+
+# -- put -----------------------------------------------------------------------------------
+def _one_of(header: str | None, query: str | None, name: str) -> str | None:
+    if header is not None and query is not None and header.strip() != query.strip():
+        raise InvalidArgument(
+            f"{name} given as header and query parameter with different values",
+            header=header,
+            query=query,
+        )
+    return header if header is not None else query
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``"3,4"`` -> ``(3, 4)``; an empty string is a scalar. Bounded before int()."""
+    text = text.strip().removeprefix("[").removesuffix("]").strip()
+    if not text:
+        return ()
+    parts = text.split(",")
+    if len(parts) > admission.MAX_NDIM:
+        raise InvalidArgument("too many dimensions", ndim=len(parts), max_ndim=admission.MAX_NDIM)
+    dims = []
+    for part in parts:
+        part = part.strip()
+        if not part.isascii() or not part.isdigit() or len(part) > 19:
+            raise InvalidArgument("shape must be comma-separated integers >= 0", shape=text)
+        dims.append(int(part))
+    return tuple(dims)
+
+
+def parse_checksum(text: str) -> int:
+    """A CRC32 as decimal or ``0x`` hex."""
+    t = text.strip().lower()
+    digits, base = (t[2:], 16) if t.startswith("0x") else (t, 10)
+    ok = 0 < len(digits) <= 10 and all(c in "0123456789abcdef"[:base] for c in digits)
+    value = int(digits, base) if ok else -1
+    if not 0 <= value < 2**32:
+        raise InvalidArgument("checksum must be a CRC32 (decimal or 0x hex)", checksum=text)
+    return value
+
+
+def _content_length(request: Request) -> int | None:
+    raw = request.headers.get("content-length")
+    if raw is None:
+        return None
+    if not raw.isascii() or not raw.isdigit():  # the HTTP server rejects these first
+        raise InvalidArgument("bad Content-Length", content_length=raw)
+    return int(raw)
+
+
+PUT_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "description": "The entry's bytes, row-major, exactly dtype size x prod(shape) of them. "
+        "Streamed straight into the reserved pages. Content-Length, when sent, must equal "
+        "that size; chunked bodies are counted.",
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
+
+
+@router.put(
+    "/entries/{key:path}",
+    status_code=201,
+    response_model=PutResponse,
+    responses={200: {"model": PutResponse, "description": "An identical entry existed."}},
+    openapi_extra=PUT_BODY,
+    summary="Store an entry from a raw body",
+)
+async def put_entry(
+    request: Request,
+    key: str,
+    x_dtype: Annotated[
+        str | None, Header(alias=DTYPE_HEADER, description="dtype, e.g. bfloat16, float32.")
+    ] = None,
+    x_shape: Annotated[
+        str | None, Header(alias=SHAPE_HEADER, description="Comma-separated dims: 3,4.")
+    ] = None,
+    x_checksum: Annotated[
+        str | None,
+        Header(alias=CHECKSUM_HEADER, description="CRC32 of the body (decimal or 0x hex)."),
+    ] = None,
+    dtype: Annotated[str | None, Query(max_length=64, description="Or X-Embcache-Dtype.")] = None,
+    shape: Annotated[str | None, Query(max_length=256, description="Or X-Embcache-Shape.")] = None,
+    checksum: Annotated[
+        str | None, Query(max_length=16, description="Or X-Embcache-Checksum.")
+    ] = None,
+) -> JSONResponse:
+    engine = _engine(request)
+    dtype_s = _one_of(x_dtype, dtype, "dtype")
+    shape_s = _one_of(x_shape, shape, "shape")
+    crc_s = _one_of(x_checksum, checksum, "checksum")
+    if dtype_s is None or shape_s is None:
+        raise InvalidArgument(
+            f"a put needs dtype and shape ({DTYPE_HEADER} / {SHAPE_HEADER} or ?dtype=&shape=)"
+        )
+    dims = parse_shape(shape_s)
+    crc = parse_checksum(crc_s) if crc_s is not None else None
+    # Everything is checked before a page is reserved: size limits first (413 for a huge
+    # declared entry), then the body length against the metadata.
+    meta = admission.check_meta(dtype_s.strip(), dims, None, engine.settings)
+    length = _content_length(request)
+    if length is not None and length != meta.nbytes:
+        raise InvalidArgument(
+            "Content-Length does not match dtype and shape",
+            content_length=length,
+            nbytes=meta.nbytes,
+        )
+    handle = engine.begin_put(
+        key, meta.dtype.name, dims, nbytes=meta.nbytes, checksum=crc, owner=rest_owner(request)
+    )
+    with handle:  # any exit but commit aborts: nothing visible, pages freed
+        try:
+            async for chunk in request.stream():
+                if chunk:
+                    handle.write(chunk)
+        except ClientDisconnect:
+            log.info("PUT %r: client went away after %d bytes", key, handle.written)
+            handle.abort()
+            return _disconnected()
+        created = handle.commit()
+    body = PutResponse(
+        key=key, created=created, dtype=meta.dtype.name, shape=list(dims), nbytes=meta.nbytes
+    )
+    return JSONResponse(body.model_dump(), status_code=201 if created else 200)
+
+
+def _disconnected() -> JSONResponse:
+    # Nobody reads this; it records the outcome (499, as in the error table's CANCELLED).
+    body = {"error": "ClientDisconnect", "code": "CANCELLED", "message": "client went away"}
+    return JSONResponse({**body, "details": {}}, status_code=499)
+
+
+# -- get bytes -----------------------------------------------------------------------------
+class _DataRoute(APIRoute):
+    """``/entries/{key:path}/data`` only where the request spelled ``/data`` with a real
+    slash: ``/v1/entries/a%2Fdata`` is the entry ``a/data`` itself (the detail route)."""
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        match, child = super().matches(scope)
+        raw = scope.get("raw_path")
+        if match is not Match.NONE and isinstance(raw, bytes) and not raw.endswith(b"/data"):
+            return Match.NONE, {}
+        return match, child
+
+
+class LeasedStream(StreamingResponse):
+    """A streamed body read under a lease; the lease ends when the response does, however
+    it ends (sent, client gone, cancelled)."""
+
+    def __init__(self, engine: CacheEngine, lease: Lease, start: int, stop: int, **kw: Any):
+        self._engine = engine
+        self._lease = lease
+        super().__init__(self._chunks(start, stop), media_type="application/octet-stream", **kw)
+
+    async def _chunks(self, start: int, stop: int) -> AsyncIterator[bytes]:
+        engine, lease = self._engine, self._lease
+        renew_every = engine.settings.lease_ttl_s / 2
+        renewed = time.monotonic()
+        chunks = engine.iter_bytes(lease, start, stop - start, CHUNK_BYTES)
+        last = next(chunks, None)
+        for chunk in chunks:
+            yield last  # type: ignore[misc]
+            last = chunk
+            if time.monotonic() - renewed > renew_every:  # a slow reader keeps its lease
+                engine.renew([lease.lease_id])
+                renewed = time.monotonic()
+        # Every byte is copied out: end the lease before the last send, so a client that
+        # has the whole body never finds the entry still leased.
+        engine.release([lease.lease_id])
+        if last is not None:
+            yield last
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._engine.release([self._lease.lease_id])
+
+
+def entry_headers(lease: Lease) -> dict[str, str]:
+    headers = {
+        DTYPE_HEADER: lease.dtype,
+        SHAPE_HEADER: ",".join(str(d) for d in lease.shape),
+        NBYTES_HEADER: str(lease.nbytes),
+        "Accept-Ranges": "bytes",
+    }
+    if lease.entry.checksum is not None:
+        headers[CHECKSUM_HEADER] = str(lease.entry.checksum)
+    return headers
+
+
+_ENTRY_HEADERS = {
+    DTYPE_HEADER: {"schema": {"type": "string"}, "description": "dtype of the entry."},
+    SHAPE_HEADER: {"schema": {"type": "string"}, "description": "Comma-separated dims."},
+    NBYTES_HEADER: {"schema": {"type": "integer"}, "description": "Size of the whole entry."},
+    CHECKSUM_HEADER: {
+        "schema": {"type": "integer"},
+        "description": "CRC32 of the whole entry, when its put declared one.",
+    },
+}
+_BINARY = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
+
+
+async def get_entry_data(
+    request: Request,
+    key: str,
+    range_: Annotated[
+        str | None,
+        Header(alias="Range", description="One range: bytes=a-b, bytes=a- or bytes=-n."),
+    ] = None,
+) -> Response:
+    engine = _engine(request)
+    lease = engine.get([key], rest_owner(request))[0]
+    if lease is None:
+        raise NotFound("no such entry", key=key)
+    try:
+        span = parse_range(range_, lease.nbytes)
+        headers = entry_headers(lease)
+        start, stop, status = 0, lease.nbytes, 200
+        if span is not None:
+            start, stop, status = span[0], span[1], 206
+            headers["Content-Range"] = f"bytes {start}-{stop - 1}/{lease.nbytes}"
+        headers["Content-Length"] = str(stop - start)
+        return LeasedStream(engine, lease, start, stop, status_code=status, headers=headers)
+    except RangeNotSatisfiable as exc:
+        engine.release([lease.lease_id])
+        body = {
+            "error": "RangeNotSatisfiable",
+            "code": "INVALID_ARGUMENT",
+            "message": str(exc),
+            "details": {"range": range_, "nbytes": lease.nbytes},
+        }
+        return JSONResponse(
+            body, status_code=416, headers={"Content-Range": f"bytes */{lease.nbytes}"}
+        )
+    except BaseException:
+        engine.release([lease.lease_id])
+        raise
+
+
+router.add_api_route(
+    "/entries/{key:path}/data",
+    get_entry_data,
+    methods=["GET"],
+    route_class_override=_DataRoute,
+    response_class=StreamingResponse,
+    summary="Read an entry's bytes (streamed; Range supported)",
+    description="Keys may contain '/': the last '/data' is the suffix. The entry 'a/data' "
+    "itself is /v1/entries/a%2Fdata; its bytes are /v1/entries/a/data/data.",
+    responses={
+        200: {"content": _BINARY, "headers": _ENTRY_HEADERS, "description": "The bytes."},
+        206: {"content": _BINARY, "headers": _ENTRY_HEADERS, "description": "One range."},
+        416: {"model": ErrorBody, "description": "The range lies outside the entry."},
+    },
+)
+
+
+# -- batch get / release / renew -----------------------------------------------------------
+@router.post(
+    "/get",
+    response_model=GetResponse,
+    response_model_exclude_none=True,
+    summary="Lease entries and describe where they are",
+)
+def get_batch(request: Request, body: GetRequest) -> GetResponse:
+    """Host locations (shared-memory byte runs) or, with ``gpu_uuid``, device locations plus
+    the pool descriptions (IPC handles; only ever sent to authenticated callers)."""
+    engine = _engine(request)
+    describer = describer_for(engine, request.app.state.settings)
+    owner = rest_owner(request)
+    if body.gpu_uuid is not None:  # runs in FastAPI's thread pool: it may wait on a copy
+        batch = describer.get_device(body.keys, owner, body.gpu_uuid, ttl_s=body.ttl_s)
+    else:
+        batch = describer.get_host(body.keys, owner, ttl_s=body.ttl_s)
+    try:
+        ttl = body.ttl_s if body.ttl_s is not None else engine.settings.lease_ttl_s
+        return render_batch(batch, ttl)
+    except BaseException:
+        engine.release(batch.lease_ids)
+        raise
+
+
+@router.post("/release", response_model=ReleaseResponse, summary="End leases")
+def release(request: Request, body: ReleaseRequest) -> ReleaseResponse:
+    return ReleaseResponse(released=_engine(request).release(body.ids()))
+
+
+@router.post("/renew", response_model=RenewResponse, summary="Extend leases")
+def renew(request: Request, body: RenewRequest) -> RenewResponse:
+    return RenewResponse(renewed=_engine(request).renew(body.ids(), body.ttl_s))
+
+
+__all__ = ["CHUNK_BYTES", "LeasedStream", "parse_checksum", "parse_shape", "rest_owner", "router"]

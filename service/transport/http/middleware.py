@@ -1,0 +1,104 @@
+"""ASGI middleware of the operator plane: bearer-token auth and request latency.
+
+Latency is labelled by the route template (``GET /v1/entries/{key:path}``), never by the
+raw path, so keys cannot reach metric labels; paths that match no route share one label.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from typing import Any
+
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from embcache.errors import Unauthenticated
+from embcache.service.observability.metrics import Metrics
+from embcache.service.transport.status import error_body
+
+# Reachable without a token. Probes must work for kubelets without secrets; the page,
+# its assets and the API description hold no cache data (the page sends the token itself
+# on every data request it makes).
+PUBLIC_PATHS = frozenset(
+    {"/livez", "/readyz", "/", "/docs", "/docs/oauth2-redirect", "/openapi.json"}
+)
+PUBLIC_PREFIXES = ("/static/",)
+
+
+def is_public(path: str) -> bool:
+    return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
+
+
+def route_label(scope: Scope) -> str:
+    """``METHOD /template`` of the route that served (or would serve) this request.
+
+    After routing, Starlette leaves the route in ``scope["route"]``. A request refused
+    before routing (401) is matched here; anything that matches no route is ``unmatched``.
+    """
+    method = scope.get("method", "GET")
+    if scope.get("path", "").startswith(PUBLIC_PREFIXES):
+        return f"{method} /static"  # the mount does not record itself in the scope
+    route = scope.get("route")
+    if route is None:
+        router = getattr(scope.get("app"), "router", None)
+        for candidate in getattr(router, "routes", ()):
+            match, child = candidate.matches(scope)
+            if match is Match.FULL:
+                route = child.get("route", candidate)
+                break
+    path = getattr(route, "path", None)
+    return f"{method} {path}" if isinstance(path, str) else "unmatched"
+
+
+class OperatorMiddleware:
+    def __init__(self, app: ASGIApp, *, metrics: Metrics, token: str | None) -> None:
+        self.app = app
+        self.metrics = metrics
+        self._token = token.encode() if token else None
+
+    def _authorized(self, scope: Scope) -> bool:
+        if self._token is None or is_public(scope.get("path", "")):
+            return True
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, credential = value.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    return hmac.compare_digest(credential.strip(), self._token)
+        return False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500  # what the client sees if the app raises before responding
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            if self._authorized(scope):
+                await self.app(scope, receive, send_wrapper)
+            else:
+                await _unauthorized(send_wrapper)
+        finally:
+            seconds = time.perf_counter() - start
+            self.metrics.observe_rpc("http", route_label(scope), str(status), seconds)
+
+
+async def _unauthorized(send: Send) -> None:
+    err = Unauthenticated("missing or invalid bearer token")
+    body = json.dumps(error_body(err)).encode()
+    headers: list[tuple[bytes, bytes]] = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"www-authenticate", b'Bearer realm="embcache"'),
+    ]
+    start: dict[str, Any] = {"type": "http.response.start", "status": 401, "headers": headers}
+    await send(start)
+    await send({"type": "http.response.body", "body": body})

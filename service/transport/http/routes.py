@@ -1,0 +1,249 @@
+"""The ``/v1`` operator routes: stats, entries, eviction and the pool map.
+
+Handlers are plain ``def`` so FastAPI runs them in its thread pool: engine calls take the
+engine lock and must not stall the event loop that also serves gRPC.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request, Security
+from fastapi.security import HTTPBearer
+
+from embcache.errors import NotFound
+from embcache.service.engine import EvictOutcome
+from embcache.service.host.stats import EntryInfo
+from embcache.service.transport.http.health import readiness
+from embcache.service.transport.http.models import (
+    DeleteResponse,
+    EntryDetail,
+    EntryPage,
+    EntrySort,
+    EntryStateFilter,
+    EntrySummary,
+    ErrorBody,
+    EvictRequest,
+    EvictResponse,
+    LeaseHolder,
+    PageRun,
+    PoolMapHistory,
+    PoolMapResponse,
+    PoolMapSummary,
+    PoolMapTier,
+    StatsResponse,
+    TierName,
+)
+from embcache.service.transport.http.poolmap import DEVICE_STATES, HOST_STATES, History, downsample
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody} for code in (400, 401, 404, 409, 422, 503)
+}
+# The token itself is checked by the middleware (before routing); this dependency only
+# declares the scheme in OpenAPI so /docs offers an "Authorize" button.
+BEARER = Security(HTTPBearer(auto_error=False, description="Needed when the daemon has a token."))
+router = APIRouter(prefix="/v1", responses=ERRORS, dependencies=[BEARER])
+
+
+def _engine(request: Request) -> Any:
+    return request.app.state.engine
+
+
+def _summary(info: EntryInfo) -> dict[str, Any]:
+    return {
+        "key": info.key,
+        "state": info.state,
+        "dtype": info.dtype,
+        "shape": list(info.shape),
+        "nbytes": info.nbytes,
+        "num_pages": sum(n for _, n in info.page_runs),
+        "num_runs": len(info.page_runs),
+        "leases": info.leases,
+        "idle_s": round(info.idle_s, 3),
+        "residency": list(info.residency),
+    }
+
+
+def _on_device(info: EntryInfo) -> bool:
+    return any(r != "host" for r in info.residency)
+
+
+@router.get("/stats", response_model=StatsResponse, summary="Engine statistics")
+def get_stats(request: Request) -> dict[str, Any]:
+    return _engine(request).stats().to_dict()
+
+
+@router.get("/entries", response_model=EntryPage, summary="List entries (paged)")
+def list_entries(
+    request: Request,
+    offset: Annotated[int, Query(ge=0, le=2**62)] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    state: EntryStateFilter | None = None,
+    tier: TierName | None = None,
+    sort: Annotated[
+        EntrySort,
+        Query(
+            description="none: engine order; size: largest first; "
+            "recent: most recently used first; idle: least recently used first"
+        ),
+    ] = "none",
+) -> EntryPage:
+    engine = _engine(request)
+    engine_state = state if state in ("ready", "filling") else None
+    if state != "leased" and tier is None and sort == "none":
+        total, infos = engine.list_entries(offset=offset, limit=limit, state=engine_state)
+    else:
+        # Filters and orders the engine does not offer: walk every entry once. This is the
+        # operator plane; entries number in the thousands to low millions.
+        total, _ = engine.list_entries(offset=0, limit=0, state=engine_state)
+        _, infos = engine.list_entries(offset=0, limit=total, state=engine_state)
+        if state == "leased":
+            infos = [i for i in infos if i.leases > 0]
+        if tier == "device":
+            infos = [i for i in infos if _on_device(i)]
+        elif tier == "host":
+            infos = [i for i in infos if "host" in i.residency]
+        if sort == "size":
+            infos.sort(key=lambda i: (-i.nbytes, i.key))
+        elif sort in ("recent", "idle"):
+            infos.sort(key=lambda i: (i.idle_s, i.key), reverse=sort == "idle")
+        total = len(infos)
+        infos = infos[offset : offset + limit]
+    return EntryPage(
+        total=total,
+        offset=offset,
+        limit=limit,
+        items=[EntrySummary(**_summary(i)) for i in infos],
+    )
+
+
+@router.get("/entries/{key:path}", response_model=EntryDetail, summary="One entry in detail")
+def get_entry(request: Request, key: str) -> EntryDetail:
+    engine = _engine(request)
+    info = engine.entry_info(key)
+    if info is None:
+        raise NotFound("no such entry", key=key)
+    page_bytes = engine.settings.page_bytes
+    runs, left = [], info.nbytes
+    for first, n in info.page_runs:
+        length = min(left, n * page_bytes)
+        runs.append(
+            PageRun(
+                first_page=first, num_pages=n, byte_offset=first * page_bytes, byte_length=length
+            )
+        )
+        left -= length
+    holders = [
+        LeaseHolder(owner=owner, expires_in_s=round(left, 3))
+        for owner, left in getattr(info, "lease_holders", ())
+    ]
+    return EntryDetail(**_summary(info), page_runs=runs, lease_holders=holders)
+
+
+@router.delete("/entries/{key:path}", response_model=DeleteResponse, summary="Evict one entry")
+def delete_entry(request: Request, key: str) -> DeleteResponse:
+    engine = _engine(request)
+    info = engine.entry_info(key)
+    engine.evict_one(key)  # NotFound -> 404, EntryLeased -> 409
+    return DeleteResponse(key=key, evicted=True, freed_bytes=info.nbytes if info else 0)
+
+
+@router.post(
+    "/evict",
+    response_model=EvictResponse,
+    summary="Evict keys, or free bytes by LRU (from one device pool with 'device')",
+)
+def evict(request: Request, body: EvictRequest) -> EvictResponse:
+    engine = _engine(request)
+    if body.bytes is not None:
+        if body.device is None:
+            count, freed = engine.evict_bytes(body.bytes)
+        else:  # DeviceUnavailable -> 409 when there is no such pool
+            count, freed = engine.evict_device_bytes(body.device, body.bytes)
+        return EvictResponse(
+            evicted=[], not_found=[], leased=[], freed_entries=count, freed_bytes=freed
+        )
+    keys = list(dict.fromkeys(body.keys or []))  # a key named twice is evicted once
+    sizes = {}
+    for key in keys:
+        info = engine.entry_info(key)
+        sizes[key] = info.nbytes if info is not None else 0
+    out: dict[EvictOutcome, list[str]] = {o: [] for o in EvictOutcome}
+    device = body.device
+    outcomes = engine.evict(keys) if device is None else engine.evict_device(keys, device)
+    for key, outcome in zip(keys, outcomes, strict=True):
+        out[outcome].append(key)
+    evicted = out[EvictOutcome.EVICTED]
+    return EvictResponse(
+        evicted=evicted,
+        not_found=out[EvictOutcome.NOT_FOUND],
+        leased=out[EvictOutcome.LEASED],
+        freed_entries=len(evicted),
+        freed_bytes=sum(sizes[k] for k in evicted),
+    )
+
+
+@router.get("/pool-map", response_model=PoolMapResponse, summary="Data for the pool-map page")
+def pool_map(
+    request: Request,
+    max_cells: Annotated[int, Query(ge=16, le=16384)] = 4096,
+    device: Annotated[int, Query(ge=0, description="Device pool to draw (index)")] = 0,
+) -> PoolMapResponse:
+    state = request.app.state
+    engine = state.engine
+    history: History = state.history
+    history.maybe_sample()
+    stats = engine.stats()
+    host = downsample(engine.page_states(), HOST_STATES, max_cells)
+    device_map: PoolMapTier | None = None
+    if stats.device:  # one device pool per map: ``device`` (a pool out of service too)
+        dev = downsample(engine.device_page_states(device), DEVICE_STATES, max_cells)
+        pool = engine.device_tier.pools[device]  # it exists: device_page_states checked
+        device_map = PoolMapTier(
+            tier="device",
+            index=device,
+            pools=len(stats.device),
+            out_of_service=stats.device[device].out_of_service,
+            states=list(DEVICE_STATES),
+            num_pages=dev.num_pages,
+            page_bytes=pool.page_bytes,
+            pages_per_cell=dev.pages_per_cell,
+            cells=dev.cells,
+            counts=dev.counts,
+        )
+    series = history.series()
+    return PoolMapResponse(
+        time=time.time(),
+        ready=readiness(engine).status == "ready",
+        draining=bool(engine.draining),
+        summary=PoolMapSummary(
+            host_used_bytes=stats.host.used_bytes,
+            host_capacity_bytes=stats.host.capacity_bytes,
+            device_used_bytes=sum(p.used_bytes for p in stats.device),
+            device_capacity_bytes=sum(p.capacity_bytes for p in stats.device),
+            entries=stats.entries_ready,
+            filling=stats.entries_filling,
+            leases_active=stats.leases_active,
+            hits=stats.hits,
+            misses=stats.misses,
+            evictions=stats.evictions,
+        ),
+        host=PoolMapTier(
+            tier="host",
+            states=list(HOST_STATES),
+            num_pages=host.num_pages,
+            page_bytes=stats.host.page_bytes,
+            pages_per_cell=host.pages_per_cell,
+            cells=host.cells,
+            counts=host.counts,
+        ),
+        device=device_map,
+        history=PoolMapHistory(
+            interval_s=history.interval_s,
+            window_s=history.window_s,
+            t=series.t,
+            hit_rate=series.hit_rate,
+            bandwidth=series.bandwidth,
+        ),
+    )
