@@ -78,7 +78,7 @@ def cold_get(e: CacheEngine, keys: list[str]) -> float:
     if pool.stream is not None:
         pool.stream.synchronize()  # not the whole device: a GEMM may be running beside us
     t0 = time.perf_counter()
-    results, _ = e.get_to_device(keys, "bench")
+    results, _ = e.device.get(keys, "bench")
     dt = time.perf_counter() - t0
     assert all(r is not None and not r.resident_hit for r in results)
     e.release(r.lease.lease_id for r in results if r is not None)
@@ -124,7 +124,7 @@ def put_from_device_rates(e: CacheEngine, reps: int) -> dict[str, dict[str, floa
             e.evict_bytes(count * size)
             t0 = time.perf_counter()
             for i, src in enumerate(srcs):
-                e.put_from_device(f"pfd-{size}-{rep}-{i}", src)
+                e.device.put(f"pfd-{size}-{rep}-{i}", src)
             ours.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             for src in srcs:  # baseline: the same copies queued back to back, one wait
@@ -133,7 +133,7 @@ def put_from_device_rates(e: CacheEngine, reps: int) -> dict[str, dict[str, floa
             base_many.append(time.perf_counter() - t0)
             e.evict_bytes(count * size)
             t0 = time.perf_counter()
-            e.put_from_device_many([(f"pfm-{size}-{rep}-{i}", src) for i, src in enumerate(srcs)])
+            e.device.put_many([(f"pfm-{size}-{rep}-{i}", src) for i, src in enumerate(srcs)])
             many.append(time.perf_counter() - t0)
         total = count * size
         out[f"{size // MiB}MiB"] = {
@@ -288,29 +288,29 @@ def head_and_tail_switch() -> Callable[[bool], None]:
 def planned_copy_switch(e: CacheEngine) -> Callable[[bool], None]:
     """Turns the planned copy (transfer_planned, no checks) on, or sends a get's plans
     through transfer_ranges and its checks."""
-    tier = e.device_tier
-    transfer = tier._transfer
+    copier = e.device_tier.copier
+    transfer = copier.transfer
 
     def checked(*args: Any, **kwargs: Any) -> None:
         kwargs["checked"] = True
         transfer(*args, **kwargs)
 
     def switch(on: bool) -> None:
-        vars(tier).pop("_transfer", None)
+        vars(copier).pop("transfer", None)
         if not on:
-            tier._transfer = checked  # type: ignore[method-assign]
+            copier.transfer = checked  # type: ignore[method-assign]
 
     return switch
 
 
 def resident_hit_us(e: CacheEngine, key: str, n: int = 2000) -> dict[str, float]:
     """Latency of get_to_device + release of one resident entry, in-process."""
-    [warm], _ = e.get_to_device([key], "warm")
+    [warm], _ = e.device.get([key], "warm")
     assert warm is not None
     hits = []
     for _ in range(n):
         t0 = time.perf_counter()
-        [r], _ = e.get_to_device([key], "bench")
+        [r], _ = e.device.get([key], "bench")
         assert r is not None and r.resident_hit
         e.release([r.lease.lease_id])
         hits.append(time.perf_counter() - t0)

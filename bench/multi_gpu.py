@@ -218,7 +218,7 @@ def cold_get(e: CacheEngine, keys: list[str], device: int) -> float:
     """Seconds of one get_to_device of ``keys`` on ``device`` with nothing resident there."""
     _evict_pool(e, device)
     t0 = time.perf_counter()
-    results, _ = e.get_to_device(keys, f"bench{device}", device=device)
+    results, _ = e.device.get(keys, f"bench{device}", device=device)
     seconds = time.perf_counter() - t0
     assert all(r is not None and not r.resident_hit for r in results)
     e.release(r.lease.lease_id for r in results if r is not None)
@@ -238,7 +238,7 @@ def cold_get_all(e: CacheEngine, sets: list[list[str]]) -> tuple[float, list[flo
             _evict_pool(e, g)
             barrier.wait()
             starts[g] = time.perf_counter()
-            results, _ = e.get_to_device(sets[g], f"bench{g}", device=g)
+            results, _ = e.device.get(sets[g], f"bench{g}", device=g)
             ends[g] = time.perf_counter()
             e.release(r.lease.lease_id for r in results if r is not None)
         except BaseException as exc:
@@ -286,7 +286,7 @@ def engine_peer_batch(
     GPU-to-GPU (rates forced), and from the host (rates that never pick a peer)."""
     tier = e.device_tier
     calibrated = tier.rates
-    results, _ = e.get_to_device(keys, "src", device=src)  # resident on src (a hit if it was)
+    results, _ = e.device.get(keys, "src", device=src)  # resident on src (a hit if it was)
     e.release(r.lease.lease_id for r in results if r is not None)
     nbytes = sum(r.lease.nbytes for r in results if r is not None)
     out: dict[str, float] = {"peer_forced_GBps": float("nan")}
@@ -317,7 +317,7 @@ def get_latency(e: CacheEngine, key: str, device: int, iters: int, *, cold: bool
         if cold:
             _evict_pool(e, device)
         t0 = time.perf_counter()
-        [r], _ = e.get_to_device([key], "lat", device=device)
+        [r], _ = e.device.get([key], "lat", device=device)
         seconds = time.perf_counter() - t0
         assert r is not None and r.resident_hit == (not cold)
         e.release([r.lease.lease_id])
@@ -343,7 +343,7 @@ def latencies(e: CacheEngine, iters: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(7)
     for key in ("lat-peer", "lat-host"):
         e.put(key, torch.randn(ENTRY // 2, generator=gen).to(torch.bfloat16))
-    [r], _ = e.get_to_device(["lat-peer"], "src", device=1)
+    [r], _ = e.device.get(["lat-peer"], "src", device=1)
     assert r is not None
     e.release([r.lease.lease_id])
     out: dict[str, Any] = {"dst_gpu": 0, "src_gpu": 1, "entry_bytes": ENTRY}

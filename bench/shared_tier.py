@@ -31,12 +31,12 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests" / "tiers"))
 
 from _common import environment, print_environment, save_json, table  # noqa: E402
-from tier_helpers import new_engine, payload  # noqa: E402
+from tier_helpers import new_node, payload  # noqa: E402
 from tier_servers import MooncakeMaster, RedisNodes, start_storage_node, stop  # noqa: E402
 
 from embcache.service.config import parse_size  # noqa: E402
 from embcache.service.engine import CacheEngine  # noqa: E402
-from embcache.service.shared_tier import SharedTier, SharedTierConfig, attach_shared_tier  # noqa: E402
+from embcache.service.shared_tier import SharedTier, SharedTierConfig  # noqa: E402
 
 MiB = 1 << 20
 
@@ -65,14 +65,11 @@ def _get_release(engine: CacheEngine, keys: list[str]) -> float:
 def measure(url: str, sizes: list[int], batch: int) -> list[dict[str, Any]]:
     pool = max(256 * MiB, 2 * batch * max(sizes) + 16 * MiB)
     pool = -(-pool // MiB) * MiB
-    a, b = new_engine("bench-a", pool), new_engine("bench-b", pool)
-    tiers: list[SharedTier] = []
+    config = SharedTierConfig.from_url(url, timeout_s=10.0, queue_size=4096)
+    (a, ta), (b, tb) = new_node("bench-a", config, pool), new_node("bench-b", config, pool)
+    tiers: list[SharedTier] = [ta, tb]
     rows: list[dict[str, Any]] = []
     try:
-        for engine in (a, b):
-            config = SharedTierConfig.from_url(url, timeout_s=10.0, queue_size=4096)
-            tiers.append(attach_shared_tier(engine, config))
-        ta, tb = tiers
         for size in sizes:
             reps = max(5, min(40, (64 * MiB) // size))
             keys = [f"s{size}-{i}" for i in range(reps)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -359,3 +360,22 @@ class Settings(BaseSettings):
     @property
     def inflight_limit(self) -> int:
         return self.max_inflight_bytes_per_client or self.host_pool_bytes
+
+    def device_config(self) -> DeviceConfig:
+        """The settings the device tier needs, and no others."""
+        return DeviceConfig(
+            copy_backend=self.copy_backend,
+            sm_budget=self.copy_sm_budget,
+            free_reserve=self.device_free_reserve,
+            table_flush_s=self.device_table_flush_s,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceConfig:
+    """The device tier's view of the settings (``Settings.device_config``)."""
+
+    copy_backend: Literal["auto", "kernel", "batch", "memcpy", "torch"]  # or forced
+    sm_budget: int  # most programs a copy kernel runs with
+    free_reserve: float  # share of each pool kept free after cold gets
+    table_flush_s: float  # longest page-table updates wait to be launched together

@@ -55,7 +55,7 @@ def _bind_http(settings: Settings) -> socket.socket:
 
 def _start_fd_server(engine: CacheEngine, settings: Settings) -> FdServer | None:
     """The Unix socket that hands POSIX fds of the device pools to local clients."""
-    pools = {p.pool_id: p for p in engine.device_tier.pools if p.ipc_mode == "fd"}
+    pools = {p.pool_id: p for p in engine.device.pools if p.ipc_mode == "fd"}
     if not pools:
         return None
 
@@ -87,7 +87,7 @@ class Daemon:
 
     async def run(self) -> int:
         from embcache.service.observability.metrics import Metrics
-        from embcache.service.shared_tier import SharedTierConfig, attach_shared_tier
+        from embcache.service.shared_tier import SharedTierConfig, shared_tier_hooks
         from embcache.service.transport.grpc.server import start_grpc
         from embcache.service.transport.http.app import create_app
 
@@ -95,18 +95,17 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
-        engine = await asyncio.to_thread(CacheEngine, s)
+        metrics = Metrics()
+        tier_config = SharedTierConfig.from_settings(s)
+        # A shared tier that is down at start is a degraded start, not a failed one.
+        shared = shared_tier_hooks(tier_config, metrics) if tier_config is not None else None
+        engine = await asyncio.to_thread(
+            CacheEngine, s, copy_observer=metrics.observe_copy, shared_tier=shared
+        )
         fd_server = None
-        shared_tier = None
         try:
-            metrics = Metrics(engine)
+            metrics.watch_engine(engine)
             fd_server = _start_fd_server(engine, s)
-            tier_config = SharedTierConfig.from_settings(s)
-            if tier_config is not None:  # blocking set-up; a store that is down = degraded
-                shared_tier = await asyncio.to_thread(
-                    attach_shared_tier, engine, tier_config, metrics
-                )
-            engine.shared_tier = shared_tier
             grpc_service = await start_grpc(engine, s, metrics)
             metrics.watch_ipc(grpc_service.servicer.device.ipc)
             http_sock = _bind_http(s)
@@ -144,11 +143,9 @@ class Daemon:
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
         finally:
-            if shared_tier is not None:
-                await asyncio.to_thread(shared_tier.close)
             if fd_server is not None:
                 fd_server.close()
-            engine.close()
+            await asyncio.to_thread(engine.close)  # the shared tier writes what it has queued
         log.info("stopped cleanly")
         return 0
 
@@ -160,31 +157,32 @@ class Daemon:
             if expired:
                 log.info("expired %d leases", expired)
             try:
-                engine.device_tier.flush_due()  # page tables catch up once gets stop
+                engine.device.flush_due()  # page tables catch up once gets stop
             except Exception:  # never the end of the reaper: leases must still expire
                 log.exception("launching the page-table updates failed")
 
     def _announce(self, grpc_service: Any, http_port: int, engine: CacheEngine) -> None:
         ports = list(getattr(grpc_service, "ports", []) or [])
         pipe = mps.control_pipe()
+        segment, pools = engine.host_segment(), engine.device.pools
         ready = {
             "event": "ready",
             "grpc_port": ports[0] if ports else None,
             "grpc_socket": str(grpc_service.socket_path) if grpc_service.socket_path else None,
             "session_lane": str(grpc_service.lane.path) if grpc_service.lane else None,
             "http_port": http_port,
-            "shm_name": engine.host_pool.name,
-            "cuda": engine.host_pool.registered,
-            "device_pools": [p.pool_id for p in engine.device_tier.pools],
+            "shm_name": segment.name,
+            "cuda": segment.registered,
+            "device_pools": [p.pool_id for p in pools],
             "ipc_socket": str(self.settings.effective_ipc_socket)
-            if any(p.ipc_mode == "fd" for p in engine.device_tier.pools)
+            if any(p.ipc_mode == "fd" for p in pools)
             else None,
             "mps_control": str(pipe) if pipe else None,
         }
         sys.stdout.write(json.dumps(ready) + "\n")
         sys.stdout.flush()
         log.info("ready: %s", ready)
-        if engine.device_tier.pools and pipe is None:
+        if pools and pipe is None:
             log.warning(
                 "no MPS control daemon (CUDA_MPS_PIPE_DIRECTORY): decoders' kernels on these "
                 "GPUs time-slice with this daemon's table updates (launched together, at most "

@@ -1,64 +1,46 @@
-"""Device copies that move bytes for a client, not into the device tier.
+"""Get-into: copies of leased entries into a buffer a client registered.
 
-``get_into`` copies entries into a buffer the client registered (from the device pool when
-an entry is resident there, else from the host pool). Puts from a client's device tensor
-are in ``pending_put.py``.
+Each entry comes from its copy in the device pool when it is resident there (and loaded),
+else from the host pool. Every slot is checked against the destination and the others
+before anything is copied.
 """
 
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from embcache.errors import InvalidArgument
+from embcache.service.device.copier import Copier
 from embcache.service.device.copy_plan import PlanBuilder, row_bytes_for
 from embcache.service.device.pool import DevicePool
 from embcache.service.host.leases import Lease
 
-if TYPE_CHECKING:
-    from embcache.service.device.tier import DeviceTier
 
-
-def get_into(
-    tier: DeviceTier,
-    keys: Sequence[str],
-    owner: str,
-    dest: torch.Tensor,
-    offsets: Sequence[int],
-    *,
-    device: int | None,
-) -> list[Lease | None]:
-    """Copy each found entry to ``dest[offsets[i]:]`` (flat uint8); leases end after."""
-    e = tier._engine
-    if len(offsets) != len(keys):
-        raise InvalidArgument("one offset per key", keys=len(keys), offsets=len(offsets))
+def check_destination(dest: torch.Tensor, keys: int, offsets: int) -> None:
+    """A get-into's destination: a flat contiguous uint8 buffer and one offset per key."""
+    if offsets != keys:
+        raise InvalidArgument("one offset per key", keys=keys, offsets=offsets)
     if dest.dim() != 1 or dest.dtype != torch.uint8 or not dest.is_contiguous():
         raise InvalidArgument("destination must be a flat contiguous uint8 buffer")
-    pool = tier.pool(device) if device is not None else None
-    e.fill_misses(keys)
-    with e._lock:
-        leases = e._get(keys, owner)
-        try:
-            _check_slots(leases, offsets, dest.numel())
-            stream = _queue_into(tier, pool, leases, dest, offsets)
-        except BaseException:
-            e.release(x.lease_id for x in leases if x is not None)
-            raise
-    try:
-        start = time.perf_counter()
-        if stream is not None:
-            stream.synchronize()
-        tier._observe("h2d", sum(x.nbytes for x in leases if x), time.perf_counter() - start)
-    finally:
-        e.release(x.lease_id for x in leases if x is not None)
-    return leases
 
 
-def _check_slots(leases: list[Lease | None], offsets: Sequence[int], size: int) -> None:
+def queue_into(
+    copier: Copier,
+    pool: DevicePool | None,
+    leases: Sequence[Lease | None],
+    dest: torch.Tensor,
+    offsets: Sequence[int],
+) -> torch.cuda.Stream | None:
+    """Check every slot, then queue the copies of the leased entries to
+    ``dest[offsets[i]:]``; returns the stream to wait on (None: copied already)."""
+    _check_slots(leases, offsets, dest.numel())
+    return _queue(copier, pool, leases, dest, offsets)
+
+
+def _check_slots(leases: Sequence[Lease | None], offsets: Sequence[int], size: int) -> None:
     spans = []
     for lease, off in zip(leases, offsets, strict=True):
         if lease is None:
@@ -78,10 +60,10 @@ def _check_slots(leases: list[Lease | None], offsets: Sequence[int], size: int) 
             raise InvalidArgument("destination slots overlap", keys=[k1, k2])
 
 
-def _queue_into(
-    tier: DeviceTier,
+def _queue(
+    copier: Copier,
     pool: DevicePool | None,
-    leases: list[Lease | None],
+    leases: Sequence[Lease | None],
     dest: torch.Tensor,
     offsets: Sequence[int],
 ) -> torch.cuda.Stream | None:
@@ -95,23 +77,23 @@ def _queue_into(
         if pool is not None and res is not None:
             dev_plan.add(pool.byte_runs(res), [(off, lease.nbytes)], lease.nbytes)
         else:
-            page = tier._engine.host_pool.page_bytes
+            page = copier.host.page_bytes
             src = [(s * page, k * page) for s, k in lease.entry.runs]
             host_plan.add(src, [(off, lease.nbytes)], lease.nbytes)
-    stream = pool.stream if pool is not None else tier._stream_for(dest)
+    stream = pool.stream if pool is not None else copier.stream_for(dest)
     if stream is not None:  # in-process callers may still be writing dest on their stream
         stream.wait_stream(torch.cuda.current_stream(dest.device))
     dview = dest[: dest.numel() // row * row].view(-1, row)
     if len(host_plan):
         s, d, n = host_plan.rows()
-        tier._transfer(tier._engine.host_pool.tensor.view(-1, row), dview, s, d, n, stream)
-        tier._engine._count_copy("h2d", host_plan.nbytes)
+        copier.transfer(copier.host.tensor.view(-1, row), dview, s, d, n, stream)
+        copier.count("h2d", host_plan.nbytes)
     if len(dev_plan):
         assert pool is not None
         src = pool.tensor.view(-1, row)
         s, d, n = dev_plan.rows()
-        with pool._on_stream():
+        with pool.on_stream():
             for si, di, ni in zip(s.tolist(), d.tolist(), n.tolist(), strict=True):
                 dview[di : di + ni].copy_(src[si : si + ni], non_blocking=True)
-        tier._engine._count_copy("d2d", dev_plan.nbytes)
+        copier.count("d2d", dev_plan.nbytes)
     return stream

@@ -4,30 +4,30 @@ Called by :class:`~embcache.service.device.tier.DeviceTier` under the engine loc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from embcache import kernels
-from embcache.service.device.copy_plan import plan_entries
-from embcache.service.device.pool import DevicePool, Residency, upload
-from embcache.service.device.routing import copy_between_pools
-from embcache.service.host.leases import Lease
-
-if TYPE_CHECKING:
-    from embcache.service.device.tier import DeviceTier
-    from embcache.service.host.entries import Entry
+from embcache.service.device.copier import Copier
+from embcache.service.device.copy_plan import entry_columns, plan_entries
+from embcache.service.device.pool import DevicePool, Residency
+from embcache.service.device.routing import PeerRates, copy_between_pools
+from embcache.service.device.table_updates import upload
+from embcache.service.host.entries import Entry
 
 ROW = 16  # bytes per row of the host->device plans (pages are multiples of it)
 # A batch of at least twice this many bytes is reserved and queued in two parts: its first
 # entries (this many bytes or more), then the rest, whose pages, plan and checks are made on
 # the host while the copy engine moves the first part (see load()).
 HEAD_BYTES = 16 << 20
-Placed = tuple[Lease, Residency, bool]  # lease, residency, resident hit
 
 
 def load(
-    tier: DeviceTier, pool: DevicePool, todo: list[Entry], loads: list[tuple[Entry, Residency]]
+    copier: Copier,
+    rates: PeerRates,
+    pools: list[DevicePool],
+    pool: DevicePool,
+    todo: list[Entry],
+    loads: list[tuple[Entry, Residency]],
 ) -> dict[str, int] | None:
     """Reserve device pages for ``todo`` (found entries with no copy in ``pool``, pinned by
     the caller) and queue their copies: from the host with one planned copy per part (two
@@ -52,14 +52,13 @@ def load(
             return None
         reserved = list(zip(part, fresh, strict=True))
         loads.extend(reserved)
-        _queue_copies(tier, pool, reserved, copied)
-    event = tier._record(pool.stream)  # what the results wait for: the copies only
+        _queue_copies(copier, rates, pools, pool, reserved, copied)
+    event = copier.record(pool.stream)  # what the results wait for: the copies only
     for _, res in loads:
         res.event = event
     pool.bind([res for _, res in loads])  # one table launch for the whole batch
-    tier._engine._count_copy("h2d", copied["h2d"])
-    if copied["d2d"]:
-        tier._engine._count_copy("d2d", copied["d2d"])
+    copier.count("h2d", copied["h2d"])
+    copier.count("d2d", copied["d2d"])
     return copied
 
 
@@ -81,7 +80,9 @@ def _head_and_tail(batch: list[Entry]) -> list[list[Entry]]:
 
 
 def _queue_copies(
-    tier: DeviceTier,
+    copier: Copier,
+    rates: PeerRates,
+    pools: list[DevicePool],
     pool: DevicePool,
     reserved: list[tuple[Entry, Residency]],
     copied: dict[str, int],
@@ -92,33 +93,31 @@ def _queue_copies(
     from_host: list[tuple[Entry, Residency]] = []
     from_peers: dict[int, list[tuple[Residency, Residency, int]]] = {}
     for entry, res in reserved:
-        src_index = tier.rates.best_source(entry, pool.index, tier.pools)
+        src_index = rates.best_source(entry, pool.index, pools)
         if src_index is None:
             if entry.nbytes:
                 from_host.append((entry, res))
                 copied["h2d"] += entry.nbytes
             continue
-        src_res = tier.pools[src_index].peek(entry)
+        src_res = pools[src_index].peek(entry)
         assert src_res is not None
         from_peers.setdefault(src_index, []).append((src_res, res, entry.nbytes))
         copied["d2d"] += entry.nbytes
     if from_host:
-        _copy_from_host(tier, pool, from_host)
+        _copy_from_host(copier, pool, from_host)
     for src_index, items in from_peers.items():  # one queue of copies per source GPU
-        copy_between_pools(tier.pools[src_index], pool, items)
+        copy_between_pools(pools[src_index], pool, items)
 
 
-def _copy_from_host(
-    tier: DeviceTier, pool: DevicePool, batch: list[tuple[Entry, Residency]]
-) -> None:
+def _copy_from_host(copier: Copier, pool: DevicePool, batch: list[tuple[Entry, Residency]]) -> None:
     """One copy of a plan made here (``kernels.transfer_planned``, without
     ``transfer_ranges``' checks): host page runs against the residencies' device page runs,
     each entry padded to 16-byte rows."""
-    host = tier._engine.host_pool
+    host = copier.host
     cols = []
     for entry, _ in batch:
-        tier.prepare(entry)  # done at commit already, unless a get raced the commit
-        assert entry.host_cols is not None
+        if entry.host_cols is None:  # planned at commit already, unless a get raced it
+            entry.host_cols = entry_columns(entry.runs, host.page_bytes, entry.nbytes, ROW)
         cols.append(entry.host_cols)
     so, do, ln = plan_entries(
         cols,
@@ -127,22 +126,21 @@ def _copy_from_host(
         ROW,
         [-(-e.nbytes // ROW) for e, _ in batch],
     )
-    tier._transfer(host.rows, pool.rows, so, do, ln, pool.stream, checked=False)
+    copier.transfer(host.rows, pool.rows, so, do, ln, pool.stream, checked=False)
 
 
-def read_table(pool: DevicePool, placed: list[Placed | None]) -> torch.Tensor:
-    """Physical pages per found key, built on the device by ``build_read_table`` from the
+def read_table(pool: DevicePool, found: list[tuple[Entry, Residency]]) -> torch.Tensor:
+    """Physical pages per found entry, built on the device by ``build_read_table`` from the
     tables, which are brought up to date first."""
     pool.flush()
-    found = [p for p in placed if p is not None]
     bs = len(found)
-    max_pages = max((res.npages for _, res, _ in found), default=0)
+    max_pages = max((res.npages for _, res in found), default=0)
     vtable = torch.full((bs, max(max_pages, 1)), -1, dtype=torch.int64)
-    for b, (_, res, _) in enumerate(found):
+    for b, (_, res) in enumerate(found):
         vtable[b, : res.npages] = torch.arange(res.vstart, res.vstart + res.npages)
-    lengths = torch.tensor([lease.nbytes for lease, _, _ in found], dtype=torch.int64)
+    lengths = torch.tensor([entry.nbytes for entry, _ in found], dtype=torch.int64)
     out = torch.full((bs, max(max_pages, 1)), -1, dtype=torch.int64, device=pool.device)
-    with pool._on_stream():
+    with pool.on_stream():
         kernels.build_read_table(
             upload(vtable, pool.device),
             torch.arange(bs, device=pool.device),

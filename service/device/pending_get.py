@@ -1,15 +1,39 @@
-"""What a get-to-device hands out: a leased entry's place in a device pool
-(:class:`DeviceLease`), and a get whose copies may still run (:class:`PendingGet`)."""
+"""What a get-to-device hands out.
+
+- :class:`Placement`: where the device tier put a batch of pinned entries, before the
+  engine leases them;
+- :class:`DeviceLease`: a leased entry's place in a device pool;
+- :class:`PendingGet`: a get whose copies may still run.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from embcache.service.host.entries import Entry
 from embcache.service.host.leases import Lease
+
+if TYPE_CHECKING:
+    from embcache.service.device.pool import DevicePool, Residency
+
+
+@dataclass(slots=True)
+class Placement:
+    """A batch of pinned entries made resident in one pool (``DeviceTier.place``): per
+    entry of the batch (None: a miss) its residency and whether it was there already, the
+    events its copies record, and the bytes copied by direction."""
+
+    pool: DevicePool
+    entries: list[Entry | None]
+    residencies: list[Residency | None]
+    hits: list[bool]
+    events: list[torch.cuda.Event]
+    copied: dict[str, int]
 
 
 @dataclass(frozen=True, slots=True)

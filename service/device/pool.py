@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -29,14 +28,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from embcache import kernels
 from embcache.service.device.assign_runs import deal_runs
+from embcache.service.device.table_updates import TableUpdates
 from embcache.service.host.allocator import PageRunAllocator
 from embcache.service.host.entries import Entry
 from embcache.service.host.stats import PoolStats
 
 PAGE_FREE, PAGE_RESIDENT, PAGE_LEASED = 0, 1, 2
-MAX_QUEUED_UPDATES = 4096  # residencies and vpage runs a flush may wait for, at most
 
 
 @dataclass(slots=True, eq=False)
@@ -92,17 +90,12 @@ class DevicePool:
         self._pages = PageRunAllocator(self.num_pages)
         self._vpages = PageRunAllocator(self.num_vpages)
         self._resident: OrderedDict[Entry, Residency] = OrderedDict()
-        # Table updates not launched yet, in order: ("bind", residencies) or
-        # ("unbind", vpage runs). See :meth:`flush`.
-        self._table_ops: list[tuple[str, list[Any]]] = []
-        self._ops_since = 0.0  # monotonic time the oldest of them was queued
-        self._ops_items = 0
-        self.flush_every_s = 0.0  # how long they may wait (DeviceTier sets it from settings)
+        self.tables = TableUpdates(self.v2p, self.p2v, self.on_stream)  # not launched yet
         self._legacy_handle: bytes | None = None
         self.failed = False  # a device error took the pool out of service
         self.failure = ""
         self.evictions = 0
-        self.free_target = 0  # pages refill() keeps free (DeviceTier sets it from settings)
+        self.free_target = 0  # pages evict_to_free_target() keeps free (the tier sets it)
         self.hits = 0
         self.loads = 0
 
@@ -122,7 +115,7 @@ class DevicePool:
         self.failed = True
         self.failure = reason or "device error"
         self._resident.clear()
-        self._table_ops.clear()
+        self.tables.clear()
 
     def is_resident(self, entry: Entry) -> bool:
         return entry in self._resident
@@ -162,85 +155,30 @@ class DevicePool:
 
     def bind(self, batch: list[Residency]) -> None:
         """Queue the batch's bindings for v2p/p2v; :meth:`flush` launches them."""
-        batch = [res for res in batch if res.npages]
-        if batch:
-            self._queue("bind", batch)
-
-    def _queue(self, kind: str, items: list[Any]) -> None:
-        if not self._table_ops:
-            self._ops_since = time.monotonic()
-        self._ops_items += len(items)
-        if self._table_ops and self._table_ops[-1][0] == kind:
-            self._table_ops[-1][1].extend(items)  # joins the previous op of its kind
-        else:
-            self._table_ops.append((kind, items))
+        self.tables.bind(batch)
 
     def flush(self) -> None:
-        """Launch the queued table updates: at most two launches, however many gets and
-        evictions queued them. Only the net change reaches the device: the vpages whose
-        binding from an earlier flush has ended are tombstoned (one ``free_unbind``), then
-        the residencies still alive are bound (one ``bind``, or ``alloc_bind`` when their
-        pages are one run). A residency bound and dropped between two flushes never
-        touches the device.
-
-        Copies never read the tables (they use the page ids the host allocators hand out),
-        so updates may lag behind them; whoever reads the tables flushes first. All of it
-        is queued on the pool's stream, after the copies queued before it.
-        """
-        ops, self._table_ops = self._table_ops, []
-        self._ops_items = 0
-        ended: list[tuple[int, int]] = []  # vpage runs bound on the device, now to tombstone
-        alive: dict[int, Residency] = {}  # bound since the last flush, by first vpage
-        for kind, items in ops:
-            if kind == "bind":
-                alive.update((r.vstart, r) for r in items)
-                continue
-            for vstart, npages in items:  # a residency is always unbound whole
-                if alive.pop(vstart, None) is None:
-                    ended.append((vstart, npages))
-        if not ended and not alive:
-            return
-        with self._on_stream():
-            if ended:
-                vpages = self._ids(_joined(sorted(ended)))
-                kernels.free_unbind_inplace(vpages, self.v2p, self.p2v)
-            if alive:
-                items = list(alive.values())
-                vpages = self._ids(_joined([(r.vstart, r.npages) for r in items]))
-                runs = _joined([run for r in items for run in r.runs])
-                if len(runs) == 1:  # no physical ids to upload
-                    kernels.alloc_bind_inplace(vpages, runs[0][0], self.v2p, self.p2v)
-                else:
-                    kernels.bind_inplace(vpages, self._ids(runs), self.v2p, self.p2v)
+        """Launch the queued table updates (``table_updates.py``). Copies never read the
+        tables, so updates may lag behind them; whoever reads the tables flushes first."""
+        self.tables.flush()
 
     def flush_if_due(self) -> bool:
         """:meth:`flush` once the oldest queued update is ``flush_every_s`` old (or too many
-        wait); True when it launched. Without MPS each launch of ours takes a GPU time
-        slice from the decoders' kernels (docs/deploy.md, MPS): a get that flushed every
-        time cost a concurrent GEMM in another process ~15%, one launch every 3 ms ~8%."""
-        if not self._table_ops:
-            return False
-        if (
-            time.monotonic() - self._ops_since < self.flush_every_s
-            and self._ops_items < MAX_QUEUED_UPDATES
-        ):
-            return False
-        self.flush()
-        return True
+        wait); True when it launched."""
+        return self.tables.flush_if_due()
 
     @property
     def tables_pending(self) -> bool:
         """True while table updates wait for :meth:`flush`."""
-        return bool(self._table_ops)
+        return self.tables.pending
 
-    def _ids(self, runs: list[tuple[int, int]]) -> torch.Tensor:
-        """The page ids of ``runs`` on the pool's device, queued on the current stream: one
-        run is made there, several are uploaded (:func:`upload`)."""
-        if len(runs) == 1:
-            s, k = runs[0]
-            return torch.arange(s, s + k, dtype=torch.int64, device=self.device)
-        ids = np.concatenate([np.arange(s, s + k, dtype=np.int64) for s, k in runs])
-        return upload(torch.from_numpy(ids), self.device)
+    @property
+    def flush_every_s(self) -> float:
+        return self.tables.flush_every_s
+
+    @flush_every_s.setter
+    def flush_every_s(self, seconds: float) -> None:
+        self.tables.flush_every_s = seconds
 
     def _evict_one(self) -> Residency | None:
         """Forget the least recently used unleased copy; its residency (None: all leased)."""
@@ -251,7 +189,7 @@ class DevicePool:
                 return res
         return None
 
-    def refill(self) -> int:
+    def evict_to_free_target(self) -> int:
         """Evict unleased copies, least recently used first, until ``free_target`` pages
         (and as many consecutive virtual pages) are free, so a cold get of up to that many
         pages reserves them without evicting on its path; returns how many went. Host
@@ -277,7 +215,7 @@ class DevicePool:
         if res is None:
             return False
         if res.npages:
-            self._queue("unbind", [(res.vstart, res.npages)])
+            self.tables.unbind(res.vstart, res.npages)
             self._vpages.free([(res.vstart, res.npages)])
             self._pages.free(list(res.runs))
         return True
@@ -307,7 +245,8 @@ class DevicePool:
         self.flush_if_due()
         return count, freed
 
-    def _on_stream(self) -> contextlib.AbstractContextManager[object]:
+    def on_stream(self) -> contextlib.AbstractContextManager[object]:
+        """Work queued inside goes to the pool's stream (nothing on a CPU pool)."""
         if self.stream is None:
             return contextlib.nullcontext()
         return torch.cuda.stream(self.stream)
@@ -379,25 +318,6 @@ class DevicePool:
 
     def close(self) -> None:
         self._resident.clear()
-        self._table_ops.clear()  # a flush scheduled before the close finds nothing to do
+        self.tables.clear()  # a flush scheduled before the close finds nothing to do
         if self.slab is not None:
             self.slab.close()
-
-
-def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU tensor on ``device``, queued on the current stream without the host waiting for
-    the work queued before it (pinned staging; a pageable copy would wait)."""
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def _joined(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``runs`` with each run that starts where the previous one ends joined to it."""
-    out: list[tuple[int, int]] = []
-    for s, k in runs:
-        if out and out[-1][0] + out[-1][1] == s:
-            out[-1] = (out[-1][0], out[-1][1] + k)
-        else:
-            out.append((s, k))
-    return out

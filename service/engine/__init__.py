@@ -1,18 +1,15 @@
 """The engine layer: :class:`CacheEngine`, the one API every transport uses."""
 
-from embcache.service.engine.engine import (
-    SHARED_TIER_OWNER,
-    CacheEngine,
-    EvictOutcome,
-    cuda_wanted,
-    default_device_pools,
-    raise_for_evict,
-)
+from embcache.service.engine.engine import CacheEngine, SharedTierFactory
+from embcache.service.engine.hooks import SharedTierHooks, cuda_wanted, default_device_pools
+from embcache.service.host.store import SHARED_TIER_OWNER, EvictOutcome, raise_for_evict
 
 __all__ = [
     "SHARED_TIER_OWNER",
     "CacheEngine",
     "EvictOutcome",
+    "SharedTierFactory",
+    "SharedTierHooks",
     "cuda_wanted",
     "default_device_pools",
     "raise_for_evict",

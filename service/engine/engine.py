@@ -1,94 +1,58 @@
-"""CacheEngine: the one API every transport uses (see docs/design.md).
+"""CacheEngine: the one API every transport uses.
 
-One lock guards the tables; byte copies run outside it (a FILLING reservation has one
-writer, a leased entry is never freed). Leases expire lazily inside calls and from the
-daemon's reaper via :meth:`expire_leases`.
+The engine owns its parts and one plain lock: the host store (pages, entries, reservations,
+leases), the device tier (pools and copies) and, if there is one, the shared tier (hooks
+given to the constructor). A call takes the lock for its bookkeeping and lets go before it
+waits: bytes copied into a FILLING reservation have one writer, and a leased entry is never
+freed, so neither needs the lock. Leases also expire lazily inside calls.
+
+::
+
+    transports ──▶ CacheEngine ──────────────────▶ HostStore  (host/: pages, entries, leases)
+                    ├─ .device: DeviceSide ──────▶ DeviceTier (device/: pools, copies, tables)
+                    └─ SharedCalls ──▶ SharedTierHooks (shared_tier/, optional)
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
-from embcache.errors import (
-    Draining,
-)
+from embcache.errors import Draining, InvalidArgument, LeaseExpired
+from embcache.proto.dtypes import from_torch
 from embcache.service.config import Settings
-from embcache.service.device import into as device_io
+from embcache.service.device.copier import CopyObserver
 from embcache.service.device.pool import DevicePool
-from embcache.service.device.puts import PendingPut, start_puts
-from embcache.service.device.tier import CopyObserver, DeviceLease, DeviceTier, PendingGet
-from embcache.service.engine import introspection
-from embcache.service.engine.evict import EvictOps, EvictOutcome, raise_for_evict
-from embcache.service.engine.leases import SHARED_TIER_OWNER, LeaseOps
-from embcache.service.engine.puts import PutOps
-from embcache.service.host.allocator import PageRunAllocator
-from embcache.service.host.entries import Entry, EntryTable
-from embcache.service.host.host_pool import HostPool
-from embcache.service.host.leases import Lease, LeaseTable
-from embcache.service.host.prealloc import PutLanding
-from embcache.service.host.stats import EngineStats, EntryInfo
+from embcache.service.device.tier import DeviceTier
+from embcache.service.engine import puts, reads
+from embcache.service.engine.device_side import DeviceSide
+from embcache.service.engine.hooks import (
+    SharedCalls,
+    SharedTierHooks,
+    build_host_pool,
+    build_tier,
+    cuda_wanted,
+)
+from embcache.service.engine.puts import CopyIn, Runs
+from embcache.service.engine.stats import EngineStats, EntryInfo, engine_stats, entry_info
+from embcache.service.host import admission
+from embcache.service.host.entries import Entry
+from embcache.service.host.host_pool import HostPool, SegmentInfo
+from embcache.service.host.leases import Lease
+from embcache.service.host.put_writer import FillTarget, PutHandle
+from embcache.service.host.store import EvictOutcome, HostStore, raise_for_evict
 
-log = logging.getLogger(__name__)
-
-
-def default_device_pools(settings: Settings) -> list[DevicePool]:
-    """One device pool per served GPU when a device pool size is set and CUDA is used."""
-    if settings.device_pool_bytes == 0 or not cuda_wanted(settings):
-        return []
-    gpus = settings.gpu_indices(torch.cuda.device_count())
-    pools: list[DevicePool] = []
-    try:
-        for index, gpu in enumerate(gpus):
-            pools.append(
-                DevicePool(
-                    torch.device("cuda", gpu),
-                    settings.device_pool_bytes,
-                    settings.device_page_bytes,
-                    ipc_mode=settings.ipc_mode,
-                    index=index,
-                    peers=[g for g in gpus if g != gpu],
-                )
-            )
-    except BaseException:
-        for pool in pools:
-            pool.close()
-        raise
-    return pools
+log = logging.getLogger("embcache.service.engine")
 
 
-def cuda_wanted(settings: Settings) -> bool:
-    if settings.device == "cpu":
-        return False
-    available = torch.cuda.is_available()
-    if settings.device == "cuda" and not available:
-        raise RuntimeError("device=cuda but no CUDA device is available")
-    return available
-
-
-__all__ = [
-    "SHARED_TIER_OWNER",
-    "CacheEngine",
-    "EvictOutcome",
-    "cuda_wanted",
-    "default_device_pools",
-    "raise_for_evict",
-]
-
-
-class CacheEngine(PutOps, LeaseOps, EvictOps):
-    """The engine (module docstring): puts in ``engine_puts.py``, gets and leases in
-    ``engine_leases.py``, exists and eviction in ``engine_evict.py``, device copies in
-    ``device_tier.py``; this module holds the state, the device-tier and introspection
-    entry points, and the life cycle."""
+class CacheEngine:
+    """The engine (module docstring). Thread-safe; every public method may raise
+    ``Draining`` once the engine drains or closes."""
 
     def __init__(
         self,
@@ -96,227 +60,310 @@ class CacheEngine(PutOps, LeaseOps, EvictOps):
         *,
         clock: Callable[[], float] = time.monotonic,
         device_pools: Sequence[DevicePool] | None = None,
+        copy_observer: CopyObserver | None = None,
+        shared_tier: SharedTierFactory | None = None,
     ) -> None:
+        """Allocate the host pool and the device pools (``device_pools``, else one per GPU
+        used), then start the shared tier, if any. ``clock``: the time leases expire by;
+        ``copy_observer``: told ``(direction, nbytes, seconds)`` of every finished copy."""
         self.settings = settings
         self._clock = clock
-        self._lock = threading.RLock()
-        self._uses_cuda = cuda_wanted(settings)
-        self.host_pool = HostPool(
-            settings.effective_shm_name,
-            settings.host_pool_bytes,
-            settings.page_bytes,
-            register_cuda=self._uses_cuda,
-            mode=int(settings.shm_mode, 8),
-        )
-        self._alloc = PageRunAllocator(self.host_pool.num_pages)
-        landing = settings.device_put_landing_bytes // settings.page_bytes
-        self._landing = PutLanding(min(landing, self._alloc.num_pages // 16))
-        self._entries = EntryTable()
-        self._filling: dict[int, tuple[Entry, str]] = {}  # put id -> (entry, owner)
-        self._put_ids = itertools.count(1)
-        self._inflight: Counter[str] = Counter()  # owner -> bytes reserved in open puts
-        self._leases = LeaseTable()
-        self._runs_hist: Counter[str] = Counter()
-        self._counters: Counter[str] = Counter()
+        self._lock = threading.Lock()
         self._draining = False
         self._closed = False
-        # Called as (direction, nbytes, seconds) after each finished copy (metrics).
-        self.copy_observer: CopyObserver | None = None
-        # Shared-tier hooks (service/tiers), None/empty when there is none: fetch local
-        # misses into the pool; answer exists for local misses; hear of every new entry.
-        self.miss_fetcher: Callable[[list[str]], None] | None = None
-        self.remote_exists: Callable[[list[str]], list[bool]] | None = None
-        self.commit_listeners: list[Callable[[str, str], None]] = []  # (key, owner)
-        self.shared_tier: Any = None  # the attached SharedTier (prefetch, health), if any
-        pools: Sequence[DevicePool] = ()
+        self._uses_cuda = cuda_wanted(settings)
+        pool = build_host_pool(settings, self._uses_cuda)
         try:
-            pools = default_device_pools(settings) if device_pools is None else device_pools
-            self.device_tier = DeviceTier(self, pools)
+            self._tier = build_tier(settings, pool, device_pools, copy_observer)
         except BaseException:
-            if device_pools is None:  # ours to close; a caller's pools stay the caller's
-                for pool in pools:
-                    pool.close()
-            self.host_pool.close()
+            pool.close()
             raise
-
-    # -- device tier (see device_tier.py) ----------------------------------------------
-    def get_to_device(
-        self,
-        keys: Sequence[str],
-        owner: str,
-        *,
-        ttl_s: float | None = None,
-        device: int = 0,
-        read_table: bool = False,
-    ) -> tuple[list[DeviceLease | None], torch.Tensor | None]:
-        """Lease each key and make it resident in device pool ``device`` (one batched copy).
-
-        Returns per key a DeviceLease (or None for a miss) and, with ``read_table``, the
-        batch's physical page table built on the device by ``build_read_table``.
-        """
-        return self.device_tier.get_to_device(
-            keys, owner, ttl_s=ttl_s, device=device, read_table=read_table
+        self._store = HostStore(
+            pool,
+            prealloc_pages=settings.device_put_landing_bytes // settings.page_bytes,
+            on_evict=self._tier.drop,
+            clock=clock,
         )
-
-    def start_get_to_device(
-        self,
-        keys: Sequence[str],
-        owner: str,
-        *,
-        ttl_s: float | None = None,
-        device: int = 0,
-        fill_misses: bool = True,
-        defer_tables: bool = False,
-    ) -> PendingGet:
-        """:meth:`get_to_device` without waiting for the copies: for callers that wait
-        their own way (an event loop). Hand out ``pending.results`` only once
-        ``pending.done()`` or ``pending.wait()``; the leases are the caller's either way.
-        ``defer_tables``: the caller runs :meth:`settle_device` (or
-        :meth:`flush_device_tables`) later, off its critical path (the tables are only read
-        by whoever flushes first)."""
-        return self.device_tier.start_get(
-            keys,
-            owner,
-            ttl_s=ttl_s,
-            device=device,
-            read_table=False,
-            fill_misses=fill_misses,
-            defer_tables=defer_tables,
+        # The parts, for tests, benchmarks and debugging; transports use the methods.
+        self.host_pool: HostPool = pool
+        self.host_store: HostStore = self._store
+        self.device_tier: DeviceTier = self._tier
+        self.device = DeviceSide(
+            self._store,
+            self._tier,
+            self._lock,
+            pin=self._pin,
+            expiry=lambda ttl_s: admission.check_ttl(ttl_s, settings),
+            fill_misses=self.fill_misses,
+            puts=self,
         )
+        self._shared = SharedCalls()
+        self.shared_tier: SharedTierHooks | None = None  # what the factory started, if any
+        if shared_tier is not None:
+            try:
+                self.shared_tier = self._shared.hooks = shared_tier(self)
+            except BaseException:
+                self.close()
+                raise
 
-    def ready_event(self, pending: PendingGet, device: int = 0) -> bytes | None:
-        """For a client that waits on the GPU: an interprocess event handle that fires once
-        ``pending``'s copies are complete, so its results may be handed out now (None: they
-        are complete already, or the pool is not on a GPU)."""
-        return self.device_tier.ready_event(pending, device)
+    def host_segment(self) -> SegmentInfo:
+        """The host pool's shared-memory segment, as clients map it."""
+        return self._store.pool.info()
 
-    def flush_device_tables(self, device: int = 0) -> None:
-        """Launch device ``device``'s deferred page-table updates now."""
-        self.device_tier.flush_tables(device)
-
-    def settle_device(self, device: int = 0) -> None:
-        """After a ``defer_tables`` get's reply: refill device ``device``'s free reserve and
-        launch its page-table updates once they have waited ``device_table_flush_s``."""
-        self.device_tier.flush_tables(device, when_due=True)
-
-    def get_into(
-        self,
-        keys: Sequence[str],
-        owner: str,
-        dest: torch.Tensor,
-        offsets: Sequence[int],
-        *,
-        device: int | None = None,
-    ) -> list[Lease | None]:
-        """Copy each found entry into ``dest`` (flat uint8) at its offset; None for misses."""
-        return device_io.get_into(self.device_tier, keys, owner, dest, offsets, device=device)
-
-    def put_from_device(
+    # -- puts (puts.py) ------------------------------------------------------------------
+    def begin_put(
         self,
         key: str,
-        src: torch.Tensor,
+        dtype: str,
+        shape: Sequence[int],
         *,
-        owner: str = "local",
+        nbytes: int | None = None,
         checksum: int | None = None,
-        src_ready: bool = False,
-    ) -> bool:
-        """Store a (device) tensor; returns once its bytes are in the host pool. The copy
-        follows the work queued so far on the current stream (``src_ready``: the caller
-        knows ``src`` is written already, e.g. it waited for its producer's event)."""
-        pending = start_puts(self.device_tier, [(key, src)], owner, [checksum], src_ready=src_ready)
-        return pending.finish()[0]
-
-    def put_from_device_many(
-        self,
-        items: Sequence[tuple[str, torch.Tensor]],
-        *,
         owner: str = "local",
-        checksums: Sequence[int | None] | None = None,
-        src_ready: bool = False,
-    ) -> list[bool]:
-        """Store several (device) tensors, ``(key, tensor)`` each; returns once all their
-        bytes are in the host pool (one wait for the batch). True per created entry.
-        ``checksums``: a CRC32 or None per item. All or nothing: an error (a checksum
-        mismatch included) leaves none of the batch visible. ``src_ready``: as for
-        :meth:`put_from_device`."""
-        return start_puts(self.device_tier, items, owner, checksums, src_ready=src_ready).finish()
+        copy_in: CopyIn | None = None,
+        pages: Runs | None = None,
+    ) -> PutHandle:
+        """Validate a put, then reserve pages for it (evicting LRU entries if need be).
 
-    def start_put_from_device_many(
-        self,
-        items: Sequence[tuple[str, torch.Tensor]],
-        *,
-        owner: str = "local",
-        checksums: Sequence[int | None] | None = None,
-        src_ready: bool = False,
-    ) -> PendingPut:
-        """:meth:`put_from_device_many` without waiting for the copies, for callers that
-        wait their own way (an event loop): ``pending.finish()`` once ``pending.done()``
-        commits the batch, ``pending.abort()`` gives it up. The tensors must stay readable
-        until then."""
-        return start_puts(self.device_tier, items, owner, checksums, src_ready=src_ready)
+        Args:
+            key, dtype, shape: the entry; ``nbytes`` and ``checksum`` (CRC32) are checked.
+            owner: whose in-flight quota the reservation counts against.
+            copy_in, pages: for puts from a device (``puts.reserve``); ``copy_in`` runs
+                under the engine's lock and must not call the engine.
+        Returns:
+            The handle that fills, commits or aborts the reservation (for a key that exists
+            with the same metadata, one that only checks the bytes).
+        Raises:
+            InvalidArgument, EntryTooLarge, MetadataConflict, QuotaExceeded, PoolExhausted.
+        """
+        key = admission.check_key(key, self.settings)
+        meta = admission.check_meta(dtype, shape, nbytes, self.settings)
+        crc = admission.check_checksum(checksum)
+        quota = self.settings.inflight_limit
+        with self._lock:
+            self._check_open()
+            found = puts.reserve(
+                self._store, key, meta, crc, owner,
+                quota=quota, now=self._clock(), copy_in=copy_in, pages=pages,
+            )  # fmt: skip
+        if isinstance(found, Entry):
+            return PutHandle(None, found, (), crc)
+        entry, put_id, byte_runs = found
+        target = FillTarget(
+            self._store.pool.array,
+            lambda: self._commit_fill(put_id),
+            lambda: self._abort_fill(put_id),
+            lambda: self._closed,
+        )
+        written = meta.nbytes if copy_in is not None or pages is not None else 0
+        return PutHandle(target, entry, byte_runs, crc, written)
+
+    def put(self, key: str, tensor: torch.Tensor, *, owner: str = "local") -> bool:
+        """Store a CPU tensor in one call. True if created, False if it already existed."""
+        dt = from_torch(tensor.dtype)
+        if dt is None:
+            raise InvalidArgument("unsupported dtype", dtype=str(tensor.dtype))
+        handle = self.begin_put(key, dt.name, tuple(tensor.shape), owner=owner)
+        with handle:
+            handle.write(tensor.detach().cpu().contiguous())
+            return handle.commit()
+
+    def _commit_fill(self, put_id: int) -> bool:
+        with self._lock:
+            done = puts.commit(self._store, put_id, self._clock())
+        if done is None:
+            return False
+        entry, owner = done
+        self._tier.prepare(entry)
+        self._shared.on_commit(entry.key, owner)
+        return True
+
+    def _abort_fill(self, put_id: int) -> None:
+        with self._lock:
+            puts.abort(self._store, put_id)
+
+    def prealloc_copy(self, key: str, nbytes: int, copy_in: CopyIn) -> Runs | None:
+        """Take pages for a put from the prealloc and queue its copy into them before the
+        put is checked (``puts.prealloc_copy``); then :meth:`begin_put` with ``pages=``.
+        Under the lock, so :meth:`close` never unmaps the pool under a copy it has not
+        seen queued (None once closed)."""
+        with self._lock:
+            return None if self._closed else puts.prealloc_copy(self._store, key, nbytes, copy_in)
+
+    def return_prealloc(self, pages: Runs) -> None:
+        """Pages from :meth:`prealloc_copy` that no entry adopted (their copy complete)."""
+        self._store.prealloc.give_back(pages)
+
+    def top_up_prealloc(self) -> None:
+        """Refill the prealloc (evicting LRU entries as a put would) while a put's copy
+        runs, so the next put from a device finds its pages ready."""
+        with self._lock:
+            if not self._closed:
+                self._store.top_up_prealloc()
+
+    # -- gets and leases -----------------------------------------------------------------
+    def get(
+        self, keys: Sequence[str], owner: str, *, ttl_s: float | None = None
+    ) -> list[Lease | None]:
+        """Lease every key found (with a shared tier, local misses are fetched first);
+        leased entries are never evicted.
+
+        Args:
+            owner: who holds the leases (a session id, ...); they end with it.
+            ttl_s: lease lifetime (the settings' ``lease_ttl_s`` when None).
+        Returns:
+            Per key, its lease, or None for a miss.
+        """
+        self.fill_misses(keys)
+        expires = admission.check_ttl(ttl_s, self.settings)
+        with self._lock:
+            entries = self._pin(keys, owner)
+            return self._store.lease(entries, owner, self._clock() + expires)
+
+    def fill_misses(self, keys: Sequence[str]) -> None:
+        """Ask the shared tier (if any) for keys missing here; never raises. It may wait
+        on the network: callers on an event loop run it in a thread."""
+        if self._shared.hooks is not None:
+            with self._lock:
+                found = self._store.entries.get
+                missing = [k for k in keys if isinstance(k, str) and found(k) is None]
+            self._shared.fetch(missing)
+
+    @property
+    def fetches_misses(self) -> bool:
+        """True when gets may wait on the shared tier for local misses."""
+        return self._shared.hooks is not None
+
+    def release(self, lease_ids: Iterable[int]) -> int:
+        """End leases; unknown or already-ended ids are skipped. Returns how many ended."""
+        with self._lock:
+            return self._store.release(lease_ids)
+
+    def renew(self, lease_ids: Iterable[int], ttl_s: float | None = None) -> int:
+        """Push back the expiry of live leases; returns how many were renewed."""
+        expires = admission.check_ttl(ttl_s, self.settings)
+        with self._lock:
+            now = self._clock()
+            self._store.expire(now)
+            return self._store.renew(lease_ids, now + expires)
+
+    def lease_alive(self, lease: Lease) -> bool:
+        with self._lock:
+            return self._store.alive(lease, self._clock())
+
+    def drop_owner(self, owner: str) -> int:
+        """A client went away: end every lease it holds; returns how many."""
+        with self._lock:
+            return self._store.release(self._store.leases.owned_by(owner))
+
+    def expire_leases(self) -> int:
+        """End the leases whose TTL has passed (the daemon's reaper calls this)."""
+        with self._lock:
+            return self._store.expire(self._clock())
+
+    def _pin(self, keys: Sequence[str], owner: str) -> list[Entry | None]:
+        """Caller holds the lock: pin each key found (:meth:`HostStore.pin`)."""
+        self._check_open()
+        return self._store.pin(keys, owner, self._clock())
+
+    # -- reading bytes (reads.py) --------------------------------------------------------
+    def tensor(self, lease: Lease) -> torch.Tensor:
+        """The entry as a tensor: a zero-copy view of the pool when it is one run, else a
+        copy gathered while the lease lives. Raises LeaseExpired once the lease ended."""
+        self._require(lease)
+        out = reads.as_tensor(self._store.pool, lease)
+        self._require(lease)  # copied while the lease lived, so no page was reused
+        return out
+
+    def iter_bytes(
+        self, lease: Lease, offset: int = 0, length: int | None = None, chunk_bytes: int = 1 << 20
+    ) -> Iterator[bytes]:
+        """The entry's bytes ``[offset, offset+length)`` in chunks, each copied while the
+        lease lives (LeaseExpired as soon as it does not)."""
+        return reads.iter_bytes(self._store.pool, lease, offset, length, chunk_bytes, self._require)
+
+    def _require(self, lease: Lease) -> None:
+        if not self.lease_alive(lease):
+            raise LeaseExpired("lease has ended", lease_id=lease.lease_id, key=lease.key)
+
+    # -- exists and eviction -------------------------------------------------------------
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key can be served; with a shared tier, local misses ask it too."""
+        with self._lock:
+            out = [isinstance(k, str) and self._store.entries.get(k) is not None for k in keys]
+        return self._shared.exists(keys, out)
+
+    def evict(self, keys: Sequence[str]) -> list[EvictOutcome]:
+        """Evict each key unless it is leased (never forced)."""
+        with self._lock:
+            self._store.expire(self._clock())
+            out = self._store.evictable(keys)
+            for _, entry in out:
+                if entry is not None:
+                    self._store.evict(entry)
+            return [outcome for outcome, _ in out]
+
+    def evict_one(self, key: str) -> None:
+        """Evict one key: NotFound if there is none, EntryLeased if it is leased."""
+        raise_for_evict(key, self.evict([key])[0])
+
+    def evict_bytes(self, nbytes: int) -> tuple[int, int]:
+        """Evict LRU entries until ``nbytes`` are freed or none is left: (entries, bytes)."""
+        if nbytes < 0:
+            raise InvalidArgument("nbytes must be >= 0", nbytes=nbytes)
+        with self._lock:
+            self._store.expire(self._clock())
+            return self._store.evict_bytes(nbytes)
 
     def prefetch(self, keys: Sequence[str], *, device: int | None = None) -> dict[str, int]:
         """Warm the local tiers: fetch missing keys from the shared tier (if any) and, with
         ``device``, make them resident in that device pool. Never fails on a tier outage."""
-        if self.shared_tier is not None:
-            result: dict[str, int] = self.shared_tier.prefetch(keys, device=device).to_dict()
-            return result
-        wanted = list(dict.fromkeys(k for k in keys if isinstance(k, str)))
-        present = [k for k, hit in zip(wanted, self.exists(wanted), strict=True) if hit]
-        resident = 0
-        if device is not None and present:
-            placed, _ = self.get_to_device(present, SHARED_TIER_OWNER, device=device)
-            self.release(p.lease.lease_id for p in placed if p is not None)
-            resident = sum(1 for p in placed if p is not None)
-        return {
-            "requested": len(wanted),
-            "local": len(present),
-            "fetched": 0,
-            "missing": len(wanted) - len(present),
-            "resident": resident,
-        }
+        return self._shared.prefetch(keys, device, self.exists, self.device.warm)
 
-    def _count_copy(self, direction: str, nbytes: int) -> None:
-        with self._lock:
-            self._counters[f"copy_{direction}"] += nbytes
-
-    # -- introspection (introspection.py) -------------------------------------------------
+    # -- introspection -------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        return introspection.stats(self)
+        with self._lock:
+            self._store.expire(self._clock())
+            return engine_stats(self._store.counts(), self._tier, draining=self._draining)
 
     def entry_info(self, key: str) -> EntryInfo | None:
         """Metadata, page runs, residency and lease holders of one READY entry."""
-        return introspection.entry_info(self, key)
+        with self._lock:
+            entry = self._store.entries.get(key)
+            if entry is None:
+                return None
+            now = self._clock()
+            return entry_info(entry, self._tier, now, self._store.leases.holders(entry, now))
 
     def list_entries(
         self, offset: int = 0, limit: int = 100, state: str | None = None
     ) -> tuple[int, list[EntryInfo]]:
         """Entries in insertion order; ``state`` filters ``ready`` / ``filling``."""
-        return introspection.list_entries(self, offset, limit, state)
+        with self._lock:
+            total, page = self._store.listing(offset, limit, state)
+            now = self._clock()
+            return total, [entry_info(e, self._tier, now) for e in page]
 
     def page_states(self) -> np.ndarray:
         """One uint8 per host page: 0 free, 1 filling, 2 ready, 3 leased."""
-        return introspection.page_states(self)
-
-    def device_page_states(self, index: int = 0) -> np.ndarray:
-        """One uint8 per page of device pool ``index``: 0 free, 1 resident, 2 leased."""
-        return introspection.device_page_states(self, index)
+        with self._lock:
+            return self._store.page_states()
 
     # -- life cycle ----------------------------------------------------------------------
     @property
     def ready(self) -> bool:
         """Pools allocated (and registered with CUDA where CUDA is used), not draining."""
-        pool = self.host_pool
-        return (
-            not self._closed
-            and not self._draining
-            and not pool.closed
-            and (pool.registered or not self._uses_cuda)
-        )
+        pool = self._store.pool
+        pinned = pool.registered or not self._uses_cuda
+        return not self._closed and not self._draining and not pool.closed and pinned
 
     @property
     def draining(self) -> bool:
         return self._draining
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def begin_drain(self) -> None:
         """Refuse new puts and gets; in-flight puts may still commit."""
@@ -330,21 +377,24 @@ class CacheEngine(PutOps, LeaseOps, EvictOps):
             raise Draining("daemon is draining")
 
     def close(self) -> None:
-        """Drop every lease and reservation and remove the shared-memory segment."""
+        """Stop the shared tier, drop every lease and reservation, and remove the
+        shared-memory segment. Idempotent."""
+        self._shared.close()
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._draining = True
-            for lease_id in self._leases.all_ids():
-                self._end_lease(lease_id)
-            self._filling.clear()
-            self._inflight.clear()
-        self.device_tier.close()
-        self.host_pool.close()
+            self._store.drop_all()
+        self._tier.close()
+        self._store.pool.close()
 
     def __enter__(self) -> CacheEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# Builds the shared tier's hooks for an engine being made (the tier fills and reads it).
+SharedTierFactory = Callable[[CacheEngine], SharedTierHooks]

@@ -6,6 +6,7 @@ overflow, but wire values come from int64/uint64 fields, so sizes are bounded ex
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -103,3 +104,18 @@ def check_checksum(checksum: object) -> int | None:
             "checksum must be a CRC32 value (0 <= c < 2**32)", checksum=str(checksum)
         )
     return checksum
+
+
+def check_ttl(ttl_s: float | None, settings: Settings) -> float:
+    """A lease lifetime a request asked for (the settings' ``lease_ttl_s`` for None)."""
+    if ttl_s is None:
+        return settings.lease_ttl_s
+    if not (isinstance(ttl_s, (int, float)) and math.isfinite(ttl_s) and ttl_s > 0):
+        raise InvalidArgument("ttl_s must be a positive finite number", ttl_s=str(ttl_s))
+    if ttl_s > settings.max_lease_ttl_s:
+        raise InvalidArgument(
+            "ttl_s is longer than max_lease_ttl_s",
+            ttl_s=ttl_s,
+            max_lease_ttl_s=settings.max_lease_ttl_s,
+        )
+    return float(ttl_s)

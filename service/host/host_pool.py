@@ -17,7 +17,9 @@ import logging
 import mmap
 import os
 import re
+import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +37,20 @@ class PoolInUseError(RuntimeError):
     """Another live daemon owns the shared-memory segment."""
 
 
+@dataclass(frozen=True, slots=True)
+class SegmentInfo:
+    """The host pool's segment: what clients need to map it, and its bytes for adapters
+    that copy straight into reserved runs or out of leased ones (the shared tier)."""
+
+    pool_id: str  # fresh for every pool: clients tell a new daemon's segment apart
+    name: str
+    path: Path
+    nbytes: int
+    page_bytes: int
+    registered: bool  # registered with CUDA (pinned and mapped)
+    array: np.ndarray = field(repr=False, compare=False)
+
+
 class HostPool:
     def __init__(
         self,
@@ -50,6 +66,7 @@ class HostPool:
             raise ValueError(f"shm name {name!r} must match {_NAME_RE.pattern}")
         assert nbytes > 0 and nbytes % page_bytes == 0, (nbytes, page_bytes)
         self.name = name
+        self.pool_id = f"host-{secrets.token_hex(8)}"
         self.nbytes = nbytes
         self.page_bytes = page_bytes
         self.num_pages = nbytes // page_bytes
@@ -144,6 +161,17 @@ class HostPool:
         return self._closed
 
     # -- access --------------------------------------------------------------------------
+    def info(self) -> SegmentInfo:
+        return SegmentInfo(
+            self.pool_id,
+            self.name,
+            self.path,
+            self.nbytes,
+            self.page_bytes,
+            self.registered,
+            self.array,
+        )
+
     def byte_runs(self, runs: Sequence[tuple[int, int]], nbytes: int) -> list[tuple[int, int]]:
         """Byte ranges ``(offset, length)`` that hold the first ``nbytes`` of page runs."""
         return page_byte_runs(runs, self.page_bytes, nbytes)

@@ -109,13 +109,15 @@ class LeaseTable:
         lease.expires_at = expires_at
         heapq.heappush(self._heap, (expires_at, lease.lease_id))
 
-    def holders(self, entry: Entry, now: float) -> list[tuple[str, float]]:
+    def holders(self, entry: Entry, now: float) -> tuple[tuple[str, float], ...]:
         """(owner, seconds left) of every lease on ``entry``; O(leases), for operators."""
-        return [
+        if not entry.ref_cnt:
+            return ()
+        return tuple(
             (lease.owner, max(0.0, lease.expires_at - now))
             for lease in self._leases.values()
             if lease.entry is entry
-        ]
+        )
 
     def all_ids(self) -> list[int]:
         return list(self._leases)

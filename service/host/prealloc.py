@@ -1,16 +1,15 @@
 """Host pages set aside for puts from a device, so that a put's copy starts first.
 
-A put from a device returns once its copy is complete, so all the host work before the copy
-is queued adds to the call: on the lent H200 host about 35 us of checking and reserving ahead
-of a 4 MiB copy of about 90 us. The landing holds a few page runs taken from the host
-allocator ahead of time. A put takes its pages from it (no allocator search, no eviction),
-queues its copy at once (``CacheEngine.landing_copy``), and is checked, recorded and topped
-up while the copy engine works (``pending_put.py``). A put that turns out invalid gives its
-pages back once its copy is complete; nothing of it becomes visible.
+A put from a device returns once its copy is complete, so all the host work queued before
+the copy (checking the request, searching the allocator, evicting) adds to the call. The
+prealloc holds a few page runs taken from the allocator ahead of time: a put takes its pages
+from it, queues its copy at once (``CacheEngine.prealloc_copy``), and is checked, recorded
+and topped up while the copy engine works. A put that turns out invalid gives its pages
+back once its copy is complete; nothing of it becomes visible.
 
-The pages are free capacity on loan: the engine's stats count them as free, and a put or
-fetch that needs room takes them all back first (``drain``). The landing aims to hold as
-many pages as the largest put it served lately, at most ``max_pages``.
+The pages are free capacity on loan: stats count them as free, and a put or fetch that
+needs room takes them all back first (``drain``). The prealloc aims to hold as many pages
+as the largest put it served lately, at most ``max_pages``.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import threading
 Run = tuple[int, int]  # (first page, number of pages)
 
 
-class PutLanding:
+class PutPrealloc:
     """Page runs on loan from the host allocator (see the module's docstring). Its own lock
     guards it (pages go back without the engine lock); where both are held, the engine
     lock is taken first."""
@@ -34,7 +33,7 @@ class PutLanding:
 
     def take(self, npages: int) -> tuple[Run, ...] | None:
         """``npages`` pages, first runs first, or None when it holds fewer (or a put that
-        large is not for the landing: more than ``max_pages``, or none at all)."""
+        large is not for the prealloc: more than ``max_pages``, or none at all)."""
         if not 0 < npages <= self.max_pages:
             return None
         with self._lock:

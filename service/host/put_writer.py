@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,8 +19,18 @@ from embcache.errors import ChecksumMismatch, Draining, InvalidArgument, LeaseEx
 from embcache.proto.checksum import crc32
 
 if TYPE_CHECKING:
-    from embcache.service.engine.puts import PutOps
     from embcache.service.host.entries import Entry
+
+
+@dataclass(frozen=True, slots=True)
+class FillTarget:
+    """Where a reservation's bytes go and whom the handle tells: the pool's bytes, and the
+    engine's calls that commit or abort the reservation and say whether it closed."""
+
+    pool: np.ndarray  # the host pool (uint8)
+    commit: Callable[[], bool]
+    abort: Callable[[], None]
+    closed: Callable[[], bool]
 
 
 def as_byte_array(data: Any) -> np.ndarray:
@@ -43,15 +54,13 @@ class PutHandle:
 
     def __init__(
         self,
-        engine: PutOps | None,
-        put_id: int,
+        target: FillTarget | None,
         entry: Entry,
         byte_runs: tuple[tuple[int, int], ...],
         checksum: int | None,
         written: int = 0,
     ) -> None:
-        self._engine = engine  # None: the key already exists; bytes are checked, then dropped
-        self._put_id = put_id
+        self._target = target  # None: the key already exists; bytes are checked, then dropped
         self.entry = entry
         self._byte_runs = byte_runs
         self._checksum = checksum
@@ -72,7 +81,12 @@ class PutHandle:
 
     @property
     def exists_already(self) -> bool:
-        return self._engine is None
+        return self._target is None
+
+    @property
+    def byte_runs(self) -> tuple[tuple[int, int], ...]:
+        """``(offset, length)`` in the host pool the entry's bytes go to, in order."""
+        return self._byte_runs
 
     @property
     def has_checksum(self) -> bool:
@@ -95,15 +109,15 @@ class PutHandle:
                 )
             if self._checksum is not None:
                 self._crc = crc32(chunk.data, self._crc)
-            if self._engine is not None:
-                if self._engine.closed:
+            if self._target is not None:
+                if self._target.closed():
                     raise Draining("engine closed during the put", key=self.key)
                 self._copy_in(chunk)
             self.written += n
 
     def _copy_in(self, chunk: np.ndarray) -> None:
-        assert self._engine is not None
-        pool = self._engine.host_pool.array
+        assert self._target is not None
+        pool = self._target.pool
         pos = 0
         n = chunk.size
         while pos < n:
@@ -128,7 +142,7 @@ class PutHandle:
                 raise LeaseExpired("put is no longer in progress", key=self.key)
             if self.written:
                 raise InvalidArgument("fill_with needs a handle with nothing written yet")
-            if self._engine is None:
+            if self._target is None:
                 raise InvalidArgument("the entry exists already: use skip_bytes()")
             copy(self._byte_runs)
             self.written = self.nbytes
@@ -140,7 +154,7 @@ class PutHandle:
         ChecksumMismatch now if they do not match (so a batch checks every entry before it
         commits any; the handle stays open for the caller to abort)."""
         with self._lock:
-            if self._engine is not None and self.written == self.nbytes:
+            if self._target is not None and self.written == self.nbytes:
                 self._checksum_pool()
         self._verify()
 
@@ -154,15 +168,15 @@ class PutHandle:
             )
 
     def _checksum_pool(self) -> None:
-        if self._checksum is not None and self._engine is not None:
-            pool = self._engine.host_pool.array
+        if self._checksum is not None and self._target is not None:
+            pool = self._target.pool
             for off, length in self._byte_runs:
                 self._crc = crc32(pool[off : off + length].data, self._crc)
 
     def skip_bytes(self) -> None:
         """For a put of an existing identical entry: accept without reading the bytes."""
         with self._lock:
-            if self._engine is not None:
+            if self._target is not None:
                 raise InvalidArgument("skip_bytes is only for existing entries")
             self.written = self.nbytes
             self._checksum = None
@@ -186,9 +200,9 @@ class PutHandle:
         except ChecksumMismatch:
             self._discard()
             raise
-        if self._engine is None:
+        if self._target is None:
             return False
-        return self._engine._commit_fill(self._put_id)
+        return self._target.commit()
 
     def abort(self) -> None:
         """Drop the reservation; nothing becomes visible. Idempotent."""
@@ -199,8 +213,8 @@ class PutHandle:
         self._discard()
 
     def _discard(self) -> None:
-        if self._engine is not None:
-            self._engine._abort_fill(self._put_id)
+        if self._target is not None:
+            self._target.abort()
 
     def __enter__(self) -> PutHandle:
         return self

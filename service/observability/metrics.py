@@ -216,14 +216,14 @@ class IpcCollector(Collector):
 class Metrics:
     """All daemon metrics, in one registry of their own.
 
-    Building it hooks :meth:`observe_copy` into the engine's ``copy_observer`` (when the
-    engine has one and nobody else took it), so every timed copy lands in the bandwidth
-    histogram. ``embcache_copy_bytes_total`` comes from the engine's counters
+    Give :meth:`observe_copy` to the engine (``CacheEngine(copy_observer=...)``) so every
+    timed copy lands in the bandwidth histogram. ``embcache_copy_bytes_total`` comes from
+    the engine's counters
     (``stats().bytes_copied``); bytes passed to :meth:`observe_copy` count there only for
     directions the engine does not count itself, so no copy is counted twice.
     """
 
-    def __init__(self, engine: _StatsSource) -> None:
+    def __init__(self, engine: _StatsSource | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._lock = threading.Lock()
         self._observed_copy: dict[str, float] = {}
@@ -241,9 +241,13 @@ class Metrics:
             buckets=BANDWIDTH_BUCKETS,
             registry=self.registry,
         )
+        if engine is not None:
+            self.watch_engine(engine)
+
+    def watch_engine(self, engine: _StatsSource) -> None:
+        """Export the engine's stats (read once per scrape). The engine reports its copies
+        through :meth:`observe_copy`, which it is given at construction."""
         self.registry.register(EngineCollector(engine, self))
-        if getattr(engine, "copy_observer", False) is None:
-            engine.copy_observer = self.observe_copy  # type: ignore[attr-defined]
 
     def watch_ipc(self, cache: _IpcSource) -> None:
         """Export the IPC cache's gauges and counters (once per registry)."""

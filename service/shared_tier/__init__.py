@@ -1,6 +1,6 @@
 """Shared tier across nodes (Redis / Redis Cluster, Mooncake Store): see docs/scale-out.md."""
 
-from embcache.service.shared_tier.attach import PrefetchResult, SharedTier, attach_shared_tier
+from embcache.service.shared_tier.attach import PrefetchResult, SharedTier, shared_tier_hooks
 from embcache.service.shared_tier.base import FetchResult, Header, SharedTierBackend, TierError
 from embcache.service.shared_tier.config import SharedTierConfig
 
@@ -12,5 +12,5 @@ __all__ = [
     "SharedTierBackend",
     "SharedTierConfig",
     "TierError",
-    "attach_shared_tier",
+    "shared_tier_hooks",
 ]

@@ -1,16 +1,15 @@
-"""``attach_shared_tier``: plug a shared tier into a CacheEngine through its hooks.
+"""The shared tier of an engine: the hooks ``CacheEngine`` calls (``SharedTierHooks``).
 
-- ``engine.miss_fetcher``: local misses of get / get_to_device / get_into are fetched into
-  the host pool (owner ``shared-tier``), verified (CRC32 on commit) and then served as
-  local hits;
-- ``engine.remote_exists``: exists answers for local misses;
-- ``engine.commit_listeners``: every committed put (except our own fills) is written
-  through by ``WriteThrough``.
+- ``fetch``: local misses of every get are fetched into the host pool (owner
+  ``shared-tier``), verified (CRC32 on commit) and then served as local hits;
+- ``exists``: answers for local misses;
+- ``on_commit``: every committed put (except the tier's own fills) is written through by
+  ``WriteThrough``.
 
 An outage never fails a local operation: every hook catches store errors, marks the tier
 degraded (``health.py``) and answers as a miss; a monitor thread probes the store and
-recovers automatically. The daemon calls :func:`attach_shared_tier` once and
-:meth:`SharedTier.close` before closing the engine.
+recovers by itself. The engine is given :func:`shared_tier_hooks` at construction, starts
+the tier last and closes it first.
 """
 
 from __future__ import annotations
@@ -19,17 +18,15 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from embcache.errors import ChecksumMismatch, EmbCacheError
+from embcache.service.engine import CacheEngine
+from embcache.service.host.put_writer import PutHandle
 from embcache.service.shared_tier.base import ByteRuns, FetchResult, Header, SharedTierBackend
 from embcache.service.shared_tier.config import SharedTierConfig
 from embcache.service.shared_tier.health import TierHealth
 from embcache.service.shared_tier.writer import OWNER, WriteThrough
-
-if TYPE_CHECKING:
-    from embcache.service.engine import CacheEngine
-    from embcache.service.host.put_writer import PutHandle
 
 log = logging.getLogger("embcache.tiers")
 
@@ -99,7 +96,7 @@ class SharedTier:
                 return
             try:
                 backend = self._factory(self.config)
-                backend.attach_pool(self.engine.host_pool.array)
+                backend.attach_pool(self.engine.host_segment().array)
             except ImportError:
                 raise  # the adapter's package is missing: a setup error, not an outage
             except Exception as exc:
@@ -126,7 +123,7 @@ class SharedTier:
 
     # -- engine hooks --------------------------------------------------------------------
     def fetch(self, keys: list[str]) -> None:
-        """``engine.miss_fetcher``: fill local misses from the shared tier; never raises."""
+        """Fill local misses from the shared tier; never raises."""
         if getattr(self._in_writer, "active", False):
             return  # the writer's own leases must not trigger fetches
         self._fetch(keys)
@@ -160,7 +157,7 @@ class SharedTier:
                 h.commit()
                 return None
             handles[key] = h
-            return self.engine.host_pool.byte_runs(h.entry.runs, h.nbytes)
+            return h.byte_runs
 
         try:
             results = backend.get_batch(keys, reserve)
@@ -212,7 +209,7 @@ class SharedTier:
             self.health.failed("delete", exc)
 
     def exists(self, keys: list[str]) -> list[bool]:
-        """``engine.remote_exists``: answer for local misses; a miss while degraded."""
+        """Answer for local misses; a miss while degraded."""
         backend = self._backend
         if backend is None or not self.health.ok:
             return [False] * len(keys)
@@ -223,7 +220,7 @@ class SharedTier:
             return [False] * len(keys)
 
     def on_commit(self, key: str, owner: str) -> None:
-        """``engine.commit_listeners``: write every new local entry through."""
+        """Write every new local entry through."""
         if owner != OWNER and not self._stop.is_set():
             self.writer.submit(key)
 
@@ -239,10 +236,7 @@ class SharedTier:
         resident = 0
         if device is not None:
             present = [k for k in wanted if self.engine.entry_info(k) is not None]
-            if present:
-                placed, _ = self.engine.get_to_device(present, OWNER, device=device)
-                self.engine.release([p.lease.lease_id for p in placed if p is not None])
-                resident = sum(1 for p in placed if p is not None)
+            resident = self.engine.device.warm(present, device)
         local = len(wanted) - len(absent)
         return PrefetchResult(len(wanted), local, fetched, len(absent) - fetched, resident)
 
@@ -272,17 +266,11 @@ class SharedTier:
         return self.writer.flush(timeout_s)
 
     def close(self) -> None:
-        """Unhook, write what is queued (bounded), stop the threads, close the client."""
+        """Write what is queued (bounded), stop the threads, close the client. Afterwards
+        the hooks answer as for an outage (misses), and write nothing through."""
         if self._stop.is_set():
             return
         self._stop.set()
-        engine = self.engine
-        if engine.miss_fetcher == self.fetch:
-            engine.miss_fetcher = None
-        if engine.remote_exists == self.exists:
-            engine.remote_exists = None
-        if self.on_commit in engine.commit_listeners:
-            engine.commit_listeners.remove(self.on_commit)
         self.writer.close(self.config.timeout_s)
         self._monitor.join(timeout=self.config.probe_interval_s * 2 + 1)
         with self._backend_lock:
@@ -291,26 +279,28 @@ class SharedTier:
             backend.close()
 
 
-def attach_shared_tier(
-    engine: CacheEngine,
+def shared_tier_hooks(
     config: SharedTierConfig | str,
     metrics: Any = None,
     *,
     backend_factory: BackendFactory = make_backend,
-) -> SharedTier:
-    """Install the hooks on ``engine`` and start the writer and monitor threads.
+) -> Callable[[CacheEngine], SharedTier]:
+    """The ``shared_tier`` argument of :class:`CacheEngine`: starts the writer and monitor
+    threads on the engine being made.
 
     ``config`` is a :class:`SharedTierConfig` or a URL; ``metrics`` (a ``Metrics``) gets the
     shared-tier families in its registry. ``backend_factory`` is for tests.
     """
     if isinstance(config, str):
         config = SharedTierConfig.from_url(config)
-    tier = SharedTier(engine, config, backend_factory)
-    engine.miss_fetcher = tier.fetch
-    engine.remote_exists = tier.exists
-    engine.commit_listeners.append(tier.on_commit)
-    if metrics is not None:
-        from embcache.service.shared_tier.metrics import TierCollector
+    tier_config = config
 
-        metrics.registry.register(TierCollector(tier))
-    return tier
+    def start(engine: CacheEngine) -> SharedTier:
+        tier = SharedTier(engine, tier_config, backend_factory)
+        if metrics is not None:
+            from embcache.service.shared_tier.metrics import TierCollector
+
+            metrics.registry.register(TierCollector(tier))
+        return tier
+
+    return start

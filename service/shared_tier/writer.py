@@ -159,7 +159,7 @@ class WriteThrough:
             return
         try:
             items: list[PutItem] = []
-            pool = engine.host_pool.array
+            pool = engine.host_segment().array
             for lease in leases:
                 if lease is None:
                     self._health.inc("write_skipped_evicted")

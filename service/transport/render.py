@@ -1,29 +1,25 @@
-"""Engine results as transport-neutral descriptions (``embcache.proto.locations``).
+"""Engine results rendered as transport-neutral locations (``embcache.proto.locations``).
 
 One place turns engine results (``Lease``, ``DeviceLease``) into the plain dataclasses that a
-transport renders in its own encoding: JSON over REST (``http_data.py``), protobuf over gRPC
-(pool descriptions through ``grpc_device.pool_handle_of``). Nothing here imports grpc,
-fastapi or protobuf.
+transport then encodes its own way: JSON over REST, protobuf over gRPC. Nothing here imports
+grpc, fastapi or protobuf.
 
-A :class:`Describer` is made once per engine (:func:`describer_for`), so every transport
-hands out the same pool ids: a client that opened a pool through one transport recognises
-it in replies from the other. Host pool ids are fresh for every engine (daemon start), so a
-client that cached the previous daemon's segment maps the new one.
+Pool ids come from the engine (the host pool's is fresh for every daemon start, so a client
+that cached the previous daemon's segment maps the new one), so every transport hands out
+the same ids: a client that opened a pool through one recognises it in replies from another.
 
 Descriptions of IPC handles (a legacy ``cudaIpcMemHandle``, or the fd socket plus the pool's
-secret token) are capabilities: transports hand them only to callers that passed their
-auth check.
+secret token) are capabilities: transports hand them only to callers that passed their auth
+check.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import threading
-import weakref
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from embcache.proto.locations import (
     BatchDescription,
@@ -36,13 +32,11 @@ from embcache.proto.locations import (
     PoolDesc,
     boot_id,
 )
-
-if TYPE_CHECKING:
-    from embcache.service.config import Settings
-    from embcache.service.device.pool import DevicePool
-    from embcache.service.device.tier import DeviceLease
-    from embcache.service.engine import CacheEngine
-    from embcache.service.host.leases import Lease
+from embcache.service.config import Settings
+from embcache.service.device.pending_get import DeviceLease
+from embcache.service.device.pool import DevicePool
+from embcache.service.engine import CacheEngine
+from embcache.service.host.leases import Lease
 
 
 def host_location(lease: Lease, pool_id: str) -> HostLocation:
@@ -59,24 +53,23 @@ def _hit(key: str, lease: Lease, location: Location) -> Hit:
     return Hit(key, lease.lease_id, lease.dtype, tuple(lease.shape), lease.nbytes, location)
 
 
-class Describer:
-    """Builds descriptions for one engine; pool descriptions are built once and cached."""
+class LocationRenderer:
+    """Renders one engine's results; pool descriptions are built once and cached."""
 
     def __init__(self, engine: CacheEngine, settings: Settings) -> None:
         self.engine = engine
         self.settings = settings
         self._lock = threading.Lock()
         self._host: HostShmPool | None = None
-        self._host_pool_id = f"host-{secrets.token_hex(8)}"
         self._devices: dict[str, DevicePoolDesc] = {}
 
     # -- pools ---------------------------------------------------------------------------
     def host_pool(self) -> HostShmPool:
         if self._host is None:
-            pool = self.engine.host_pool
+            pool = self.engine.host_segment()
             st = os.stat(pool.path)
             self._host = HostShmPool(
-                pool_id=self._host_pool_id,
+                pool_id=pool.pool_id,
                 segment_name=pool.name,
                 size=pool.nbytes,
                 page_bytes=pool.page_bytes,
@@ -132,7 +125,7 @@ class Describer:
     def device_batch(
         self, keys: Sequence[str], found: Sequence[DeviceLease | None], pool: DevicePool
     ) -> BatchDescription:
-        """Describe the result of ``engine.get_to_device`` on ``pool``."""
+        """Describe the result of a get to device ``pool``."""
         hits = tuple(
             None if dl is None else _hit(key, dl.lease, device_location(dl))
             for key, dl in zip(keys, found, strict=True)
@@ -149,36 +142,11 @@ class Describer:
         with _released_on_error(self.engine, [x.lease_id for x in leases if x is not None]):
             return self.host_batch(keys, leases)
 
-    def get_device(
-        self, keys: Sequence[str], owner: str, gpu_uuid: str, *, ttl_s: float | None = None
-    ) -> BatchDescription:
-        """Lease ``keys`` and make them resident on ``gpu_uuid``'s pool. Blocks on the copy:
-        call it from a worker thread."""
-        index, pool = self.engine.device_tier.pool_for(gpu_uuid)
-        found, _ = self.engine.get_to_device(list(keys), owner, ttl_s=ttl_s, device=index)
-        ids = [d.lease.lease_id for d in found if d is not None]
-        with _released_on_error(self.engine, ids):
-            return self.device_batch(keys, found, pool)
-
 
 @contextlib.contextmanager
-def _released_on_error(engine: CacheEngine, lease_ids: list[int]) -> Any:
+def _released_on_error(engine: CacheEngine, lease_ids: list[int]) -> Iterator[None]:
     try:
         yield
     except BaseException:
         engine.release(lease_ids)
         raise
-
-
-_describers: weakref.WeakKeyDictionary[Any, Describer] = weakref.WeakKeyDictionary()
-_describers_lock = threading.Lock()
-
-
-def describer_for(engine: CacheEngine, settings: Settings | None = None) -> Describer:
-    """The engine's one :class:`Describer` (created on first use)."""
-    with _describers_lock:
-        describer = _describers.get(engine)
-        if describer is None:
-            describer = Describer(engine, settings if settings is not None else engine.settings)
-            _describers[engine] = describer
-        return describer

@@ -150,7 +150,7 @@ def site(shm_name: str) -> Iterator[tuple[str, CacheEngine]]:
         engine.put("audio/podcast-ep7.wav", torch.ones(300, 1024, dtype=torch.float16))
         engine.evict(["img/003.jpg", "img/007.jpg"])  # holes: free runs between entries
         engine.get(["img/011.jpg", "img/010.jpg", "missing"], owner="decoder-0")
-        on_device, _ = engine.get_to_device(["img/004.jpg", "img/005.jpg", "img/009.jpg"], "d1")
+        on_device, _ = engine.device.get(["img/004.jpg", "img/005.jpg", "img/009.jpg"], "d1")
         engine.release([r.lease.lease_id for r in on_device[:2] if r is not None])
         with serve_in_thread(create_app(engine, settings, Metrics(engine))) as url:
             yield url, engine

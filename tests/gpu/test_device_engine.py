@@ -91,7 +91,7 @@ def test_get_to_device_bytes_read_table_and_hits(engine: CacheEngine) -> None:
         want[f"k{i}"] = tensor(shape, dt, i)
         engine.put(f"k{i}", want[f"k{i}"])
     keys = [*want, "missing"]
-    results, table = engine.get_to_device(keys, "dec", read_table=True)
+    results, table = engine.device.get(keys, "dec", read_table=True)
     assert results[-1] is None and table is not None
     table = table.cpu()
     for b, (key, dl) in enumerate(zip(want, results, strict=False)):
@@ -101,7 +101,7 @@ def test_get_to_device_bytes_read_table_and_hits(engine: CacheEngine) -> None:
         ), key
         n = len(dl.page_ids)
         assert table[b, :n].tolist() == list(dl.page_ids)
-    again, _ = engine.get_to_device(list(want), "dec")
+    again, _ = engine.device.get(list(want), "dec")
     assert all(d is not None and d.resident_hit for d in again)
     pool = engine.device_tier.pool(0)
     pool.check_tables()  # launches the updates still queued, then reads the tables back
@@ -120,22 +120,22 @@ def test_a_large_batch_in_two_copy_calls(engine: CacheEngine, monkeypatch) -> No
     fillers = [f"dev-filler-{i}" for i in range(64)]
     for key in fillers:
         engine.put(key, torch.zeros(PAGE, dtype=torch.uint8))
-    engine.get_to_device(fillers, "f")
+    engine.device.get(fillers, "f")
     engine.drop_owner("f")
     for key in fillers[::2]:  # one-page holes in the device pool as well
-        pool.drop(engine._entries.get(key))  # type: ignore[arg-type]
+        pool.drop(engine.host_store.entries.get(key))  # type: ignore[arg-type]
     want = {f"big{i}": tensor((2048, 2048), torch.bfloat16, 50 + i) for i in range(6)}
     for key, t in want.items():
         engine.put(key, t)
     calls: list[int] = []
-    real = engine.device_tier._transfer
+    real = engine.device_tier.copier.transfer
 
     def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine.device_tier, "_transfer", counting)
-    results, _ = engine.get_to_device(list(want), "dec")
+    monkeypatch.setattr(engine.device_tier.copier, "transfer", counting)
+    results, _ = engine.device.get(list(want), "dec")
     assert len(calls) == 2
     for (key, t), dl in zip(want.items(), results, strict=True):
         assert dl is not None and not dl.resident_hit
@@ -150,16 +150,16 @@ def test_a_tail_that_does_not_fit_frees_the_head_behind_its_copy(engine: CacheEn
     held = {f"held{i}": tensor((1024, 1024), torch.bfloat16, 80 + i) for i in range(40)}
     for key, t in held.items():  # 80 of the pool's 128 MiB, leased below
         engine.put(key, t)
-    engine.get_to_device(list(held), "holder")
+    engine.device.get(list(held), "holder")
     want = {f"late{i}": tensor((2048, 2048), torch.bfloat16, 90 + i) for i in range(8)}
     for key, t in want.items():  # 64 MiB: a 16 MiB head fits, the tail does not
         engine.put(key, t)
     free = engine.stats().device[0].free_pages
     with pytest.raises(PoolExhausted):
-        engine.get_to_device(list(want), "dec")
+        engine.device.get(list(want), "dec")
     assert engine.stats().device[0].free_pages == free
     keys = list(want)[:2]  # 16 MiB, into the pages the head's copy is still writing
-    results, _ = engine.get_to_device(keys, "dec")
+    results, _ = engine.device.get(keys, "dec")
     for key, dl in zip(keys, results, strict=True):
         assert dl is not None
         got = on_device(engine, dl).cpu().view(torch.uint8)
@@ -196,7 +196,7 @@ def test_other_process_reads_through_ipc(engine: CacheEngine, tmp_path: Path) ->
     want = {f"k{i}": tensor(shape, dt, i) for i, (shape, dt) in enumerate(CASES[:4])}
     for k, t in want.items():
         engine.put(k, t)
-    results, _ = engine.get_to_device(list(want), "dec")
+    results, _ = engine.device.get(list(want), "dec")
     pool = engine.device_tier.pool(0)
     server = None
     if pool.ipc_mode == "fd":
@@ -273,7 +273,7 @@ def test_put_from_device_from_another_process(engine: CacheEngine) -> None:
             try:
                 nbytes = 999 * 1024 * 2
                 src = mem.tensor(msg["offset"], nbytes).view(torch.bfloat16).view(999, 1024)
-                assert engine.put_from_device("from-gpu", src) is True
+                assert engine.device.put("from-gpu", src) is True
             finally:
                 mem.close()
             proc.stdin.write("done\n")
@@ -295,7 +295,7 @@ def test_put_from_device_many(engine: CacheEngine) -> None:
     srcs = [tensor((512 + 7 * i, 4096), torch.bfloat16, i).cuda() for i in range(12)]
     srcs.append(torch.arange(37, dtype=torch.float32, device="cuda")[1:])  # odd address
     items = [(f"m{i}", t) for i, t in enumerate(srcs)]
-    assert engine.put_from_device_many(items) == [True] * len(items)
+    assert engine.device.put_many(items) == [True] * len(items)
     for key, t in items:
         [lease] = engine.get([key], "dec")
         assert lease is not None and torch.equal(engine.tensor(lease), t.cpu()), key
@@ -307,7 +307,7 @@ def test_put_from_device_many(engine: CacheEngine) -> None:
     count = engine.stats().host.free_pages * PAGE // chunk.numel() + 1  # the last one fails
     batch = [("n0", srcs[0].clone())] + [(f"n{i + 1}", chunk) for i in range(count)]
     with pytest.raises(PoolExhausted):
-        engine.put_from_device_many(batch)
+        engine.device.put_many(batch)
     assert not any(engine.exists([key for key, _ in batch]))
     s = engine.stats()
     assert s.entries_filling == 0 and s.host.used_pages == before
@@ -335,14 +335,14 @@ def test_a_put_follows_the_work_on_the_current_stream(
             torch.cuda.synchronize()
             torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time before the write below
             src.fill_(float(i + 1))  # queued behind the sleep, on the current stream
-            assert engine.put_from_device(f"late{i}", src)
+            assert engine.device.put(f"late{i}", src)
             [lease] = engine.get([f"late{i}"], "dec")
             assert lease is not None
             assert torch.equal(engine.tensor(lease), torch.full((512, 1024), float(i + 1)))
             engine.drop_owner("dec")
         ready = torch.full((256, 1024), 7.0, device="cuda")
         torch.cuda.synchronize()
-        assert engine.put_from_device("ready", ready, src_ready=True)
+        assert engine.device.put("ready", ready, src_ready=True)
     [lease] = engine.get(["ready"], "dec")
     assert lease is not None and torch.equal(engine.tensor(lease), ready.cpu())
     engine.drop_owner("dec")
@@ -355,10 +355,10 @@ def test_get_into_device_buffer(engine: CacheEngine) -> None:
     a, b = tensor((300, 4096), torch.bfloat16, 1), tensor((77, 37), torch.float16, 2)
     engine.put("a", a)
     engine.put("b", b)
-    engine.get_to_device(["b"], "warm")  # b's copy comes from the device pool (d2d)
+    engine.device.get(["b"], "warm")  # b's copy comes from the device pool (d2d)
     dest = torch.full((8 * MiB,), 0xAB, dtype=torch.uint8, device="cuda")
     offsets = [4096, 6 * MiB + 2]
-    got = engine.get_into(["a", "b"], "dec", dest, offsets, device=0)
+    got = engine.device.get_into(["a", "b"], "dec", dest, offsets, device=0)
     assert all(g is not None for g in got)
     host = dest.cpu()
     na, nb = a.numel() * 2, b.numel() * 2
@@ -405,7 +405,7 @@ def test_lease_safety_under_churn(engine: CacheEngine) -> None:
                     continue
                 pick = [keys[int(j)] for j in rng.integers(0, len(keys), 4)]
                 try:
-                    results, _ = engine.get_to_device(pick, f"c{cid}")
+                    results, _ = engine.device.get(pick, f"c{cid}")
                 except Exception:
                     continue
                 held = [d for d in results if d is not None]

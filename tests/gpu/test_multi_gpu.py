@@ -33,8 +33,8 @@ from embcache.clients.device import materialize
 from embcache.errors import DeviceUnavailable
 from embcache.service.config import Settings
 from embcache.service.daemon_process import DaemonProcess
+from embcache.service.device.pending_get import DeviceLease
 from embcache.service.device.routing import HOST, PeerRates
-from embcache.service.device.tier import DeviceLease
 from embcache.service.engine import CacheEngine, EvictOutcome
 
 pytestmark = [
@@ -114,7 +114,7 @@ def check(e: CacheEngine, dl: DeviceLease | None, want: torch.Tensor, device: in
 
 
 def get_on(e: CacheEngine, key: str, device: int, owner: str = "t") -> DeviceLease:
-    [dl], _ = e.get_to_device([key], owner, device=device)
+    [dl], _ = e.device.get([key], owner, device=device)
     assert dl is not None, key
     return dl
 
@@ -164,7 +164,7 @@ def fragment_devices(e: CacheEngine) -> list[int]:
         e.put(key, one)
     held: list[int] = []
     for device in range(2):
-        got, _ = e.get_to_device(keys, f"frag{device}", device=device)
+        got, _ = e.device.get(keys, f"frag{device}", device=device)
         assert all(d is not None for d in got)
         held += [d.lease.lease_id for d in got[0::2] if d is not None]
         e.release(d.lease.lease_id for d in got[1::2] if d is not None)
@@ -238,7 +238,7 @@ def test_peer_copy_follows_the_measured_rates(engine: CacheEngine) -> None:
     offsets = [0, 8 * MiB + 16]
     n0 = only0.numel() * 2
     before = copied(e)
-    got = e.get_into(["m", "only0"], "into", dest, offsets, device=1)
+    got = e.device.get_into(["m", "only0"], "into", dest, offsets, device=1)
     assert all(g is not None for g in got)
     assert grown(before, copied(e)) == {"h2d": n0, "d2d": n}
     host = dest.cpu()
@@ -276,7 +276,7 @@ def test_forced_peer_copies_fragmented_pages_both_ways(engine: CacheEngine) -> N
     e.put("y", y)
     a = get_on(e, "x", 0)
     before = copied(e)
-    got, _ = e.get_to_device(["x", "y"], "t", device=1)
+    got, _ = e.device.get(["x", "y"], "t", device=1)
     assert grown(before, copied(e)) == {"h2d": y.numel() * 2, "d2d": x.numel() * 2}
     check(e, got[0], x, 1)
     check(e, got[1], y, 1)
@@ -316,7 +316,7 @@ def test_both_gpus_fill_from_the_host_at_once(engine: CacheEngine) -> None:
             for _ in range(rounds):
                 barrier.wait()  # both GPUs start together
                 t0 = time.perf_counter()
-                got, _ = e.get_to_device(sets[device], f"gpu{device}", device=device)
+                got, _ = e.device.get(sets[device], f"gpu{device}", device=device)
                 seconds[device].append(time.perf_counter() - t0)
                 for key, dl in zip(sets[device], got, strict=True):
                     assert dl is not None and not dl.resident_hit, key
@@ -343,7 +343,7 @@ def test_both_gpus_fill_from_the_host_at_once(engine: CacheEngine) -> None:
             assert [d.used_pages for d in s.device] == [per_gpu * pages] * 2, s.device
             assert s.leases_active == 2 * per_gpu
             for device in range(2):
-                states = e.device_page_states(device)
+                states = e.device.page_states(device)
                 assert int((states == PAGE_LEASED).sum()) == per_gpu * pages, device
                 assert bound_pages(e, device) == (per_gpu * pages, per_gpu * pages), device
             barrier.wait()
@@ -390,7 +390,7 @@ def test_a_failed_pool_is_isolated(engine: CacheEngine, monkeypatch: pytest.Monk
     e.release([a.lease.lease_id, b.lease.lease_id])
 
     pool1 = tier.pools[1]
-    transfer = tier._transfer
+    transfer = tier.copier.transfer
 
     def broken(*args: Any, **kwargs: Any) -> None:
         dst = args[1]
@@ -398,20 +398,20 @@ def test_a_failed_pool_is_isolated(engine: CacheEngine, monkeypatch: pytest.Monk
             raise RuntimeError("CUDA error: injected fault on the second GPU (test)")
         transfer(*args, **kwargs)
 
-    monkeypatch.setattr(tier, "_transfer", broken)
+    monkeypatch.setattr(tier.copier, "transfer", broken)
     with pytest.raises(DeviceUnavailable):
-        e.get_to_device(["c"], "dec", device=1)
+        e.device.get(["c"], "dec", device=1)
     monkeypatch.undo()
     assert pool1.failed and "injected" in pool1.failure, pool1.failure
     assert not tier.pools[0].failed
     assert e.stats().leases_active == 0
     with pytest.raises(DeviceUnavailable, match="out of service"):
-        e.get_to_device(["a"], "dec", device=1)
+        e.device.get(["a"], "dec", device=1)
     with pytest.raises(DeviceUnavailable):
-        e.start_get_to_device(["a"], "dec", device=1)
+        e.device.start_get(["a"], "dec", device=1)
     dest = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda:1")
     with pytest.raises(DeviceUnavailable):
-        e.get_into(["a"], "dec", dest, [0], device=1)
+        e.device.get_into(["a"], "dec", dest, [0], device=1)
     with pytest.raises(DeviceUnavailable):
         e.prefetch(["a"], device=1)
     index = tier.index_of(pool1.gpu_uuid)
@@ -423,7 +423,7 @@ def test_a_failed_pool_is_isolated(engine: CacheEngine, monkeypatch: pytest.Monk
     # GPU 0 serves on; even with rates that prefer GPU 1 as a source, nothing comes from it.
     tier.rates = PeerRates({(HOST, 0): 1.0, (1, 0): 100.0})
     before = copied(e)
-    got, _ = e.get_to_device(list(want), "dec", device=0)
+    got, _ = e.device.get(list(want), "dec", device=0)
     for t, dl in zip(want.values(), got, strict=True):
         check(e, dl, t, 0)
     assert [dl is not None and dl.resident_hit for dl in got] == [True, False, False]
@@ -454,7 +454,7 @@ def test_eviction_is_per_device_pool(engine: CacheEngine) -> None:
     for key, t in want.items():
         e.put(key, t)
     for device in range(2):
-        got, _ = e.get_to_device(keep, f"warm{device}", device=device)
+        got, _ = e.device.get(keep, f"warm{device}", device=device)
         e.release(d.lease.lease_id for d in got if d is not None)
     assert e.stats().device_resident == [8, 8]
 
@@ -465,13 +465,13 @@ def test_eviction_is_per_device_pool(engine: CacheEngine) -> None:
         assert tier.pools[0].evict_unleased() == 7
     s = e.stats()
     assert s.device_resident == [1, 8] and s.device[1].used_pages == used1
-    entry = e._entries.get(keep[0])
+    entry = e.host_store.entries.get(keep[0])
     assert entry is not None and tier.pools[0].is_resident(entry)
     assert s.device[0].used_pages == 16
     assert bound_pages(e, 0) == (16, 16)
     info = e.entry_info(keep[1])
     assert info is not None and info.residency == ("host", "device:1")
-    got, _ = e.get_to_device(keep, "hits", device=1)
+    got, _ = e.device.get(keep, "hits", device=1)
     assert all(d is not None and d.resident_hit for d in got)
     for key, dl in zip(keep, got, strict=True):
         check(e, dl, want[key], 1)
@@ -483,12 +483,12 @@ def test_eviction_is_per_device_pool(engine: CacheEngine) -> None:
     for i, key in enumerate(churn):
         e.put(key, tensor((2 * MiB,), torch.bfloat16, 300 + i))
     for i in range(0, len(churn), 8):
-        got, _ = e.get_to_device(churn[i : i + 8], "churn", device=0)
+        got, _ = e.device.get(churn[i : i + 8], "churn", device=0)
         assert all(d is not None for d in got)
         e.release(d.lease.lease_id for d in got if d is not None)
     assert tier.pools[0].evictions > 7 and tier.pools[1].evictions == 0
     assert e.stats().device_resident[1] == 8
-    got, _ = e.get_to_device(keep, "hits", device=1)
+    got, _ = e.device.get(keep, "hits", device=1)
     assert all(d is not None and d.resident_hit for d in got)
     e.release(d.lease.lease_id for d in got if d is not None)
 
@@ -515,7 +515,7 @@ def test_a_pool_index_is_not_a_gpu_ordinal(shm_name: str) -> None:
             tier.pool_for(gpu_uuid(0))
         assert tier.rates.rates == {}  # one pool: nothing to calibrate
         src = tensor((999, 1024), torch.bfloat16, 7).to("cuda:1")
-        assert e.put_from_device("pfd", src) is True
+        assert e.device.put("pfd", src) is True
         [lease] = e.get(["pfd"], "host")
         assert lease is not None and torch.equal(e.tensor(lease), src.cpu())
         e.release([lease.lease_id])
@@ -524,18 +524,18 @@ def test_a_pool_index_is_not_a_gpu_ordinal(shm_name: str) -> None:
         got = read(e, dl)
         assert got.device == torch.device("cuda", 1) and torch.equal(got.cpu(), flat_bytes(src))
         dest = torch.full((4 * MiB,), 0xAB, dtype=torch.uint8, device="cuda:1")
-        assert e.get_into(["pfd"], "into", dest, [16], device=0)[0] is not None
+        assert e.device.get_into(["pfd"], "into", dest, [16], device=0)[0] is not None
         n = src.numel() * 2
         assert torch.equal(dest[16 : 16 + n].cpu(), flat_bytes(src))
         cold_t = tensor((3 * MiB,), torch.float16, 8)
         e.put("cold", cold_t)
-        pending = e.start_get_to_device(["cold"], "ev", device=0)
-        handle = e.ready_event(pending, 0)  # the ring of IPC events of the pool on cuda:1
+        pending = e.device.start_get(["cold"], "ev", device=0)
+        handle = e.device.ready_event(pending, 0)  # the ring of IPC events of the pool on cuda:1
         assert handle is None or len(handle) == 64
         [cold], _ = pending.wait()
         check(e, cold, cold_t, 0)
         with pytest.raises(DeviceUnavailable):
-            e.get_to_device(["pfd"], "x", device=1)
+            e.device.get(["pfd"], "x", device=1)
         assert cold is not None
         e.release([dl.lease.lease_id, cold.lease.lease_id])
         assert e.stats().leases_active == 0

@@ -14,10 +14,10 @@ HERE = str(Path(__file__).resolve().parent)
 if HERE not in sys.path:  # --import-mode=importlib does not put test folders on sys.path
     sys.path.insert(0, HERE)
 
-from tier_helpers import POOL, Node, new_engine  # noqa: E402
+from tier_helpers import POOL, Node, new_node  # noqa: E402
 from tier_servers import RedisNodes, redis_missing  # noqa: E402
 
-from embcache.service.shared_tier import SharedTierConfig, attach_shared_tier  # noqa: E402
+from embcache.service.shared_tier import SharedTierConfig  # noqa: E402
 
 
 @pytest.fixture
@@ -25,14 +25,9 @@ def make_node() -> Iterator[Callable[..., Node]]:
     made: list[Node] = []
 
     def make(url: str, tag: str = "n", pool_bytes: int = POOL, **knobs: Any) -> Node:
-        engine = new_engine(tag, pool_bytes)
         knobs.setdefault("timeout_s", 1.0)
         knobs.setdefault("probe_interval_s", 0.1)
-        try:
-            tier = attach_shared_tier(engine, SharedTierConfig.from_url(url, **knobs))
-        except BaseException:
-            engine.close()
-            raise
+        engine, tier = new_node(tag, SharedTierConfig.from_url(url, **knobs), pool_bytes)
         made.append((engine, tier))
         return engine, tier
 

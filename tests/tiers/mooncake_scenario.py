@@ -23,10 +23,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from tier_helpers import fragment, new_engine, payload, read_entry  # noqa: E402
+from tier_helpers import fragment, new_node, payload, read_entry  # noqa: E402
 from tier_servers import MooncakeMaster, start_storage_node, stop  # noqa: E402
 
-from embcache.service.shared_tier import SharedTierConfig, attach_shared_tier  # noqa: E402
+from embcache.service.shared_tier import SharedTierConfig  # noqa: E402
 from embcache.service.shared_tier.base import HEADER_BYTES, object_name  # noqa: E402
 
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
@@ -64,10 +64,8 @@ def run(workdir: Path, passed: list[str], failed: list[str]) -> None:
     try:
         url = f"mooncake://127.0.0.1:{master.port}?prefix=t/"
         for tag in ("a", "b", "c"):
-            engine = new_engine(tag)
-            made.append((engine, attach_shared_tier(
-                engine, SharedTierConfig.from_url(url, timeout_s=1.0, probe_interval_s=0.1)
-            )))  # fmt: skip
+            config = SharedTierConfig.from_url(url, timeout_s=1.0, probe_interval_s=0.1)
+            made.append(new_node(tag, config))
         (a, ta), (b, tb), (c, _) = made
         fragment(b)
         small, big = payload(3002, seed=1), payload(700_000, seed=2)

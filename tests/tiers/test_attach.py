@@ -12,11 +12,11 @@ from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 from prometheus_client import generate_latest
-from tier_helpers import new_engine, payload, read_entry
+from tier_helpers import new_node, payload, read_entry
 
 from embcache.service.engine import CacheEngine
 from embcache.service.observability.metrics import Metrics
-from embcache.service.shared_tier import SharedTier, SharedTierConfig, attach_shared_tier
+from embcache.service.shared_tier import SharedTier, SharedTierConfig
 from embcache.service.shared_tier.base import (
     HEADER_BYTES,
     FetchResult,
@@ -105,8 +105,7 @@ def make() -> Iterator[Callable[..., Made]]:
         knobs = {"timeout_s": 0.5, "probe_interval_s": 0.05, **knobs}
         config = SharedTierConfig.from_url("redis://127.0.0.1:1", **knobs)  # type: ignore[arg-type]
         backend = MemoryTier(store)
-        engine = new_engine(tag)
-        tier = attach_shared_tier(engine, config, backend_factory=lambda _: backend)
+        engine, tier = new_node(tag, config, backend_factory=lambda _: backend)
         made.append((engine, tier))
         return engine, tier, backend
 
@@ -234,10 +233,12 @@ def test_fetch_rejected_when_the_pool_cannot_hold_it(make: Callable[..., Made]) 
 
 
 def test_metrics_families() -> None:
-    engine = new_engine("metrics")
-    metrics = Metrics(engine)
+    metrics = Metrics()
     config = SharedTierConfig.from_url("redis://127.0.0.1:1", probe_interval_s=0.05)
-    tier = attach_shared_tier(engine, config, metrics, backend_factory=lambda _: MemoryTier({}))
+    engine, tier = new_node(
+        "metrics", config, metrics=metrics, backend_factory=lambda _: MemoryTier({})
+    )
+    metrics.watch_engine(engine)
     try:
         engine.put("k", payload(4096, seed=6))
         assert tier.flush(5)

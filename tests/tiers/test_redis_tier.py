@@ -61,7 +61,7 @@ def test_evicted_locally_still_served(
     # get_into (the device-tier path) fetches on a miss too.
     a.evict(["k"])
     dest = payload(200_000, seed=0).view(-1).view(__import__("torch").uint8).clone()
-    leases = a.get_into(["k"], "test", dest, [0])
+    leases = a.device.get_into(["k"], "test", dest, [0])
     assert leases[0] is not None
     a.release([leases[0].lease_id])
     assert dest.numpy().tobytes() == t.numpy().tobytes()

@@ -3,27 +3,41 @@
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import numpy as np
 import torch
 
 from embcache.service.config import Settings
-from embcache.service.engine import CacheEngine
-from embcache.service.shared_tier import SharedTier
+from embcache.service.engine import CacheEngine, SharedTierFactory
+from embcache.service.shared_tier import SharedTier, SharedTierConfig, shared_tier_hooks
 
 PAGE = 64 * 1024
 POOL = 16 * 1024 * 1024
 
 
-def new_engine(tag: str, pool_bytes: int = POOL) -> CacheEngine:
+def new_engine(
+    tag: str, pool_bytes: int = POOL, shared_tier: SharedTierFactory | None = None
+) -> CacheEngine:
     return CacheEngine(
         Settings(
             host_pool_bytes=pool_bytes,
             page_bytes=PAGE,
             shm_name=f"embcache-tier-{tag}-{uuid.uuid4().hex[:10]}",
             device="cpu",
-        )
+        ),
+        shared_tier=shared_tier,
     )
+
+
+def new_node(
+    tag: str, config: SharedTierConfig, pool_bytes: int = POOL, **hooks: Any
+) -> tuple[CacheEngine, SharedTier]:
+    """An engine with a shared tier (``shared_tier_hooks(config, **hooks)``), and the tier."""
+    engine = new_engine(tag, pool_bytes, shared_tier_hooks(config, **hooks))
+    tier = engine.shared_tier
+    assert isinstance(tier, SharedTier)
+    return engine, tier
 
 
 def payload(nbytes: int, seed: int) -> torch.Tensor:

@@ -191,8 +191,8 @@ def fragment_device_pool(engine: CacheEngine) -> dict[str, torch.Tensor]:
     data["big"] = blob(3 * PAGE - 100, 99)
     for key, t in data.items():
         engine.put(key, t)
-    first, _ = engine.get_to_device([f"f{i}" for i in range(8)], "setup")
-    again, _ = engine.get_to_device([f"f{i}" for i in (1, 3, 5, 7)], "setup")
+    first, _ = engine.device.get([f"f{i}" for i in range(8)], "setup")
+    again, _ = engine.device.get([f"f{i}" for i in (1, 3, 5, 7)], "setup")
     engine.drop_owner("setup")
     assert all(d is not None for d in first + again)
     return data
@@ -659,7 +659,7 @@ def test_get_into_packs_and_copies(dev_server: Server, stub) -> None:
     data = {"a": blob(1000, 1), "b": blob(3 * PAGE + 5, 2), "c": blob(77, 3)}
     for key, t in data.items():
         engine.put(key, t)
-    engine.get_to_device(["b"], "warm")  # b is copied from the device pool, the rest from host
+    engine.device.get(["b"], "warm")  # b is copied from the device pool, the rest from host
     buf = torch.full((MiB,), 0xAB, dtype=torch.uint8)
     handle = fake.register(buf)
     dest = pb.CudaIpcTensor(

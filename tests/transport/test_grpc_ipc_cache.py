@@ -11,7 +11,8 @@ import torch
 
 from embcache.errors import DeviceUnavailable, InvalidArgument
 from embcache.service.device.ipc.cache import IpcCache, check_ipc_handle
-from embcache.service.transport.grpc.device import _contiguous_strides, in_thread
+from embcache.service.transport.device_get import in_thread
+from embcache.service.transport.grpc.ipc_tensors import contiguous_strides
 
 
 class Mapping:
@@ -255,7 +256,7 @@ def test_a_polled_event_is_opened_once_per_call() -> None:
     ],
 )
 def test_contiguity(shape: list[int], strides: list[int], contiguous: bool) -> None:
-    assert (_contiguous_strides(shape, strides) == strides) is contiguous
+    assert (contiguous_strides(shape, strides) == strides) is contiguous
 
 
 def test_cancelled_call_gives_back_what_its_thread_took() -> None:

@@ -203,7 +203,7 @@ def test_pool_map_draws_each_device_pool(shm_name: str) -> None:
     pools = [DevicePool(torch.device("cpu"), 8 * PAGE, PAGE, index=i) for i in range(2)]
     with CacheEngine(settings, device_pools=pools) as engine:
         engine.put("a", torch.ones(8, 256))  # 2 pages
-        engine.get_to_device(["a"], "t", device=1)  # leased on pool 1
+        engine.device.get(["a"], "t", device=1)  # leased on pool 1
         for client in _serve(engine, None):
             zero = client.get("/v1/pool-map").json()["device"]
             one = client.get("/v1/pool-map", params={"device": 1}).json()["device"]
@@ -226,7 +226,7 @@ def test_evict_from_one_device_pool(shm_name: str) -> None:
     with CacheEngine(settings, device_pools=pools) as engine:
         engine.put("a", torch.ones(8, 256))  # 2 pages
         for device in (0, 1):
-            leased, _ = engine.get_to_device(["a"], "t", device=device)
+            leased, _ = engine.device.get(["a"], "t", device=device)
             engine.release([d.lease.lease_id for d in leased if d is not None])
         for client in _serve(engine, None):
             out = client.post("/v1/evict", json={"keys": ["a", "zz"], "device": 1}).json()
@@ -288,7 +288,7 @@ def test_device_tier_views(shm_name: str) -> None:
     with CacheEngine(settings, device_pools=[pool]) as engine:
         engine.put("on-device", torch.ones(2, 1024))  # 2 pages
         engine.put("host-only", torch.ones(1, 1024))
-        results, _ = engine.get_to_device(["on-device"], "decoder-7")
+        results, _ = engine.device.get(["on-device"], "decoder-7")
         client_gen = _serve(engine, None)
         client = next(client_gen)
         try:

@@ -26,7 +26,7 @@ def test_rest_and_metrics_with_a_device_pool(shm_name: str) -> None:
         metrics = Metrics(engine)
         engine.put("a", torch.randn(256, 1024))  # 1 MiB: 16 pages on either side
         engine.put("b", torch.randn(64, 1024))
-        leased, _ = engine.get_to_device(["a"], "decoder-0")
+        leased, _ = engine.device.get(["a"], "decoder-0")
         assert leased[0] is not None
         app = create_app(engine, settings, metrics)
         with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=30) as client:

@@ -1,7 +1,7 @@
-"""The device pool's free reserve (``DevicePool.refill``): after a cold get, least recently
-used unleased copies are evicted until ``device_free_reserve`` of the pool is free, so the
-next cold get takes its pages without evicting on its path. Leased copies are never evicted.
-CPU "device" pools, as in test_device_tier.py."""
+"""The device pool's free reserve (``DevicePool.evict_to_free_target``): after a cold get,
+least recently used unleased copies are evicted until ``device_free_reserve`` of the pool is
+free, so the next cold get takes its pages without evicting on its path. Leased copies are
+never evicted. CPU "device" pools, as in test_device_tier.py."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def fill_device(e: CacheEngine, count: int) -> list[str]:
         e.put(key, blob(2 * DEV_PAGE, i))
     e.device_tier.pool(0).free_target = 0  # fill the pool to the brim first
     for key in keys:
-        got, _ = e.get_to_device([key], "fill")
+        got, _ = e.device.get([key], "fill")
         e.release([got[0].lease.lease_id])  # type: ignore[union-attr]
     return keys
 
@@ -69,11 +69,11 @@ def test_a_cold_get_leaves_the_reserve_free(shm_name: str) -> None:
         assert pool.stats().free_pages == 0
         pool.free_target = 4
         e.put("new", blob(2 * DEV_PAGE, 100))
-        got, _ = e.get_to_device(["new"], "dec")
+        got, _ = e.device.get(["new"], "dec")
         assert got[0] is not None and not got[0].resident_hit
         # one copy made room for "new", two more went for the reserve: LRU first
         assert pool.stats().free_pages == 4 and pool.evictions == 3
-        resident = [pool.is_resident(e._entries.get(f"k{i}")) for i in range(8)]
+        resident = [pool.is_resident(e.host_store.entries.get(f"k{i}")) for i in range(8)]
         assert resident == [False] * 3 + [True] * 5
         assert torch.equal(device_bytes(e, got[0].page_ids, 2 * DEV_PAGE), blob(2 * DEV_PAGE, 100))
         check_tables(e)
@@ -85,8 +85,8 @@ def test_a_cold_get_within_the_reserve_evicts_nothing_on_its_path(shm_name: str)
         fill_device(e, 8)
         pool = e.device_tier.pool(0)
         pool.free_target = 4
-        pool.refill()
-        e.flush_device_tables(0)
+        pool.evict_to_free_target()
+        e.device.flush_tables(0)
         assert pool.stats().free_pages == 4
         before = pool.evictions
         seen: list[int] = []
@@ -100,7 +100,7 @@ def test_a_cold_get_within_the_reserve_evicts_nothing_on_its_path(shm_name: str)
         pool.reserve_batch = watched  # type: ignore[method-assign]
         e.put("a", blob(2 * DEV_PAGE, 7))
         e.put("b", blob(DEV_PAGE + 1, 8))
-        got, _ = e.get_to_device(["a", "b"], "dec")
+        got, _ = e.device.get(["a", "b"], "dec")
         assert seen == [0]  # the reservation evicted nothing
         assert all(g is not None and not g.resident_hit for g in got)
         assert pool.stats().free_pages >= 4  # refilled behind the copies
@@ -114,10 +114,10 @@ def test_a_deferred_get_refills_when_its_tables_are_flushed(shm_name: str) -> No
         pool = e.device_tier.pool(0)
         pool.free_target = 4
         e.put("new", blob(2 * DEV_PAGE, 100))
-        p = e.start_get_to_device(["new"], "dec", defer_tables=True)
+        p = e.device.start_get(["new"], "dec", defer_tables=True)
         results, _ = p.wait()
         assert pool.stats().free_pages == 0 and pool.evictions == 1  # only what it needed
-        e.flush_device_tables(0)
+        e.device.flush_tables(0)
         assert pool.stats().free_pages == 4 and pool.evictions == 3
         assert not pool.tables_pending
         check_tables(e)
@@ -131,17 +131,17 @@ def test_the_refill_spares_leased_copies(shm_name: str) -> None:
         keys = fill_device(e, 8)
         pool = e.device_tier.pool(0)
         pool.free_target = 8
-        held, _ = e.get_to_device(keys[:7], "holder")  # resident hits, now leased
+        held, _ = e.device.get(keys[:7], "holder")  # resident hits, now leased
         assert all(h is not None and h.resident_hit for h in held)
-        assert pool.refill() == 1  # only k7 is unleased
-        e.flush_device_tables(0)
+        assert pool.evict_to_free_target() == 1  # only k7 is unleased
+        e.device.flush_tables(0)
         assert pool.stats().free_pages == 2
         for i, h in enumerate(held):
             assert h is not None and pool.is_resident(h.lease.entry)
             assert torch.equal(device_bytes(e, h.page_ids, 2 * DEV_PAGE), blob(2 * DEV_PAGE, i))
         e.drop_owner("holder")
-        assert pool.refill() == 3  # now the LRU ones go, down to the reserve
-        e.flush_device_tables(0)
+        assert pool.evict_to_free_target() == 3  # now the LRU ones go, down to the reserve
+        e.device.flush_tables(0)
         assert pool.stats().free_pages == 8
         check_tables(e)
 
@@ -157,6 +157,6 @@ def test_no_reserve_evicts_only_on_demand(shm_name: str) -> None:
         fill_device(e, 8)
         pool = e.device_tier.pool(0)
         e.put("new", blob(2 * DEV_PAGE, 100))
-        e.get_to_device(["new"], "dec")
-        e.flush_device_tables(0)
+        e.device.get(["new"], "dec")
+        e.device.flush_tables(0)
         assert pool.stats().free_pages == 0 and pool.evictions == 1

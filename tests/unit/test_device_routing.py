@@ -43,8 +43,8 @@ def test_pools_are_separate_and_routed_by_uuid(engine: CacheEngine) -> None:
     assert [tier.index_of(u) for u in ("CPU-0", "CPU-1", "GPU-nope")] == [0, 1, None]
     engine.put("a", blob(3 * PAGE, 1))
     engine.put("b", blob(PAGE, 2))
-    [da], _ = engine.get_to_device(["a"], "dec", device=0)
-    [db], _ = engine.get_to_device(["b"], "dec", device=1)
+    [da], _ = engine.device.get(["a"], "dec", device=0)
+    [db], _ = engine.device.get(["b"], "dec", device=1)
     assert da is not None and db is not None and da.gpu_uuid == "CPU-0" and db.gpu_uuid == "CPU-1"
     s = engine.stats()
     assert [d.used_pages for d in s.device] == [3, 1] and s.device_resident == [1, 1]
@@ -60,11 +60,11 @@ def test_resident_elsewhere_uses_the_faster_source(
     engine.device_tier.rates = PeerRates({(0, 1): peer, (HOST, 1): host})
     a = blob(3 * PAGE + 100, 5)
     engine.put("a", a)
-    engine.get_to_device(["a"], "dec", device=0)  # resident on pool 0
+    engine.device.get(["a"], "dec", device=0)  # resident on pool 0
     before = dict(engine.stats().bytes_copied)
     observed: list[tuple[str, int]] = []
-    engine.copy_observer = lambda direction, nbytes, seconds: observed.append((direction, nbytes))
-    [d1], _ = engine.get_to_device(["a"], "dec", device=1)
+    engine.device_tier.copier.observer = lambda d, nbytes, seconds: observed.append((d, nbytes))
+    [d1], _ = engine.device.get(["a"], "dec", device=1)
     after = engine.stats().bytes_copied
     assert d1 is not None and torch.equal(read(engine, d1), a)
     grown = {k for k in after if after[k] > before.get(k, 0)}
@@ -75,20 +75,20 @@ def test_resident_elsewhere_uses_the_faster_source(
 def test_unmeasured_rates_mean_host(engine: CacheEngine) -> None:
     assert engine.device_tier.rates.rates == {}  # CPU pools are not calibrated
     engine.put("a", blob(PAGE, 1))
-    engine.get_to_device(["a"], "dec", device=0)
-    engine.get_to_device(["a"], "dec", device=1)
+    engine.device.get(["a"], "dec", device=0)
+    engine.device.get(["a"], "dec", device=1)
     assert engine.stats().bytes_copied["d2d"] == 0
 
 
 def test_eviction_is_per_pool(engine: CacheEngine) -> None:
     for i in range(4):
         engine.put(f"k{i}", blob(4 * PAGE, i))
-    engine.get_to_device(["k0", "k1"], "dec", device=0)  # fills pool 0 (8 pages), leased
-    engine.get_to_device(["k2"], "x", device=1)
+    engine.device.get(["k0", "k1"], "dec", device=0)  # fills pool 0 (8 pages), leased
+    engine.device.get(["k2"], "x", device=1)
     engine.drop_owner("x")
-    engine.get_to_device(["k3"], "y", device=1)
+    engine.device.get(["k3"], "y", device=1)
     engine.drop_owner("y")
-    engine.get_to_device(["k0"], "z", device=1)  # pool 1 evicts its LRU (k2), not pool 0
+    engine.device.get(["k0"], "z", device=1)  # pool 1 evicts its LRU (k2), not pool 0
     pools = engine.device_tier.pools
     assert pools[0].evictions == 0 and pools[1].evictions == 1
     assert [engine.entry_info(f"k{i}").residency for i in range(3)] == [  # type: ignore[union-attr]
@@ -107,14 +107,14 @@ def test_failed_pool_is_taken_out_of_service(
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(tier, "_transfer", broken)
+    monkeypatch.setattr(tier.copier, "transfer", broken)
     with pytest.raises(DeviceUnavailable):
-        engine.get_to_device(["a"], "dec", device=0)
+        engine.device.get(["a"], "dec", device=0)
     assert tier.pools[0].failed and engine.stats().leases_active == 0
     with pytest.raises(DeviceUnavailable, match="out of service"):
-        engine.get_to_device(["a"], "dec", device=0)
+        engine.device.get(["a"], "dec", device=0)
     monkeypatch.undo()
-    [d1], _ = engine.get_to_device(["a"], "dec", device=1)  # the other GPU keeps serving
+    [d1], _ = engine.device.get(["a"], "dec", device=1)  # the other GPU keeps serving
     assert d1 is not None and torch.equal(read(engine, d1), blob(PAGE, 1))
 
 
@@ -168,7 +168,7 @@ def test_engine_that_fails_to_start_leaves_nothing(
     assert not os.path.exists(f"/dev/shm/{shm_name}")
     with CacheEngine(s, device_pools=[pool]) as e:
         e.put("a", blob(PAGE, 1))
-        [d], _ = e.get_to_device(["a"], "dec", device=0)
+        [d], _ = e.device.get(["a"], "dec", device=0)
         assert d is not None and torch.equal(read(e, d), blob(PAGE, 1))
 
 
@@ -186,9 +186,9 @@ def test_a_failed_pool_shows_in_stats_metrics_and_readiness(
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     with monkeypatch.context() as m:
-        m.setattr(engine.device_tier, "_transfer", broken)
+        m.setattr(engine.device_tier.copier, "transfer", broken)
         with pytest.raises(DeviceUnavailable):
-            engine.get_to_device(["a"], "dec", device=1)
+            engine.device.get(["a"], "dec", device=1)
     pools = engine.stats().device
     assert pools[0].out_of_service == "" and "illegal memory access" in pools[1].out_of_service
     text = generate_latest(Metrics(engine).registry).decode()
@@ -205,27 +205,27 @@ def test_evicting_one_device_pool_keeps_the_other_copies(engine: CacheEngine) ->
     engine.put("a", a)
     engine.put("b", b)
     for device in (0, 1):
-        [d], _ = engine.get_to_device(["a"], "dec", device=device)
+        [d], _ = engine.device.get(["a"], "dec", device=device)
         engine.release([d.lease.lease_id])  # type: ignore[union-attr]
-    [held], _ = engine.get_to_device(["b"], "dec", device=0)
-    assert engine.evict_device(["a", "b", "nope"], 0) == [
+    [held], _ = engine.device.get(["b"], "dec", device=0)
+    assert engine.device.evict(["a", "b", "nope"], 0) == [
         EvictOutcome.EVICTED,
         EvictOutcome.LEASED,  # a leased entry is never dropped
         EvictOutcome.NOT_FOUND,
     ]
     assert engine.entry_info("a").residency == ("host", "device:1")  # type: ignore[union-attr]
-    assert engine.evict_device(["a"], 0) == [EvictOutcome.NOT_FOUND]  # no copy there now
-    assert engine.evict_device(["a", "a"], 1) == [EvictOutcome.EVICTED, EvictOutcome.NOT_FOUND]
-    [again], _ = engine.get_to_device(["a"], "dec", device=1)  # back on pool 1
+    assert engine.device.evict(["a"], 0) == [EvictOutcome.NOT_FOUND]  # no copy there now
+    assert engine.device.evict(["a", "a"], 1) == [EvictOutcome.EVICTED, EvictOutcome.NOT_FOUND]
+    [again], _ = engine.device.get(["a"], "dec", device=1)  # back on pool 1
     engine.release([again.lease.lease_id])  # type: ignore[union-attr]
     pools = engine.stats().device
     assert pools[0].used_pages == 1 and pools[1].used_pages == 2  # b stays; a stays on 1
-    assert engine.evict_device_bytes(1, 1) == (1, 2 * PAGE)  # LRU on pool 1 only: a
+    assert engine.device.evict_bytes(1, 1) == (1, 2 * PAGE)  # LRU on pool 1 only: a
     assert engine.stats().device[1].used_pages == 0
     engine.release([held.lease.lease_id])  # type: ignore[union-attr]
-    [d0], _ = engine.get_to_device(["a"], "dec", device=0)  # copied again from the host
+    [d0], _ = engine.device.get(["a"], "dec", device=0)  # copied again from the host
     assert d0 is not None and torch.equal(read(engine, d0), a)
     with pytest.raises(DeviceUnavailable):
-        engine.evict_device(["a"], 2)
+        engine.device.evict(["a"], 2)
     with pytest.raises(InvalidArgument):
-        engine.evict_device_bytes(0, -1)
+        engine.device.evict_bytes(0, -1)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from embcache.service.config import Settings
-from embcache.service.device import pool as device_pool
+from embcache.service.device import table_updates
 from embcache.service.device.pool import DevicePool
 from embcache.service.engine import CacheEngine
 
@@ -19,7 +19,7 @@ DEV_PAGES = 32
 
 
 class Clock:
-    """Stands in for ``time`` in device_pool: the tests move it by hand."""
+    """Stands in for ``time`` in table_updates: the tests move it by hand."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -31,7 +31,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     c = Clock()
-    monkeypatch.setattr(device_pool, "time", c)
+    monkeypatch.setattr(table_updates, "time", c)
     return c
 
 
@@ -58,7 +58,7 @@ def bound_pages(pool: DevicePool) -> set[int]:
 
 
 def cold_get(e: CacheEngine, key: str) -> tuple[int, ...]:
-    got, _ = e.get_to_device([key], "dec")
+    got, _ = e.device.get([key], "dec")
     assert got[0] is not None and not got[0].resident_hit
     e.release([got[0].lease.lease_id])
     return got[0].page_ids
@@ -116,7 +116,7 @@ def test_a_copy_bound_and_evicted_between_flushes_never_reaches_the_tables(
 def test_too_many_queued_updates_flush_at_once(
     shm_name: str, clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(device_pool, "MAX_QUEUED_UPDATES", 3)
+    monkeypatch.setattr(table_updates, "MAX_QUEUED_UPDATES", 3)
     with make_engine(shm_name, 1.0) as e:
         pool = e.device_tier.pool(0)
         for i in range(3):
@@ -133,7 +133,7 @@ def test_a_read_table_flushes_first(shm_name: str, clock: Clock) -> None:
         for i in range(2):
             e.put(f"k{i}", blob(3 * DEV_PAGE, i))
         first = cold_get(e, "k0")
-        got, table = e.get_to_device(["k1", "k0"], "dec", read_table=True)
+        got, table = e.device.get(["k1", "k0"], "dec", read_table=True)
         assert table is not None and got[0] is not None and got[1] is not None
         assert table.tolist() == [list(got[0].page_ids), list(first)]
         e.release([g.lease.lease_id for g in got if g is not None])
@@ -143,18 +143,18 @@ def test_settle_waits_for_the_interval_and_flush_does_not(shm_name: str, clock: 
     with make_engine(shm_name, 0.5) as e:
         pool = e.device_tier.pool(0)
         e.put("k", blob(2 * DEV_PAGE, 1))
-        pending = e.start_get_to_device(["k"], "dec", defer_tables=True)
+        pending = e.device.start_get(["k"], "dec", defer_tables=True)
         pending.wait()
-        e.settle_device(0)
+        e.device.housekeeping(0)
         assert pool.tables_pending  # queued 0 s ago
         clock.now += 0.5
-        e.settle_device(0)
+        e.device.housekeeping(0)
         assert not pool.tables_pending and len(bound_pages(pool)) == 2
         e.release([d.lease.lease_id for d in pending.results if d is not None])
         e.put("j", blob(DEV_PAGE, 2))
-        pending = e.start_get_to_device(["j"], "dec", defer_tables=True)
+        pending = e.device.start_get(["j"], "dec", defer_tables=True)
         pending.wait()
-        e.flush_device_tables(0)  # explicit: now
+        e.device.flush_tables(0)  # explicit: now
         assert not pool.tables_pending and len(bound_pages(pool)) == 3
         e.release([d.lease.lease_id for d in pending.results if d is not None])
 
@@ -186,7 +186,7 @@ def test_the_reaper_outlives_a_failing_flush() -> None:
 
     engine = SimpleNamespace(
         expire_leases=lambda: expired.append(1) or 0,
-        device_tier=SimpleNamespace(flush_due=flush_due),
+        device=SimpleNamespace(flush_due=flush_due),
     )
 
     async def run() -> None:

@@ -26,8 +26,8 @@ from embcache.errors import (
 )
 from embcache.service.config import Settings
 from embcache.service.device.pool import DevicePool
-from embcache.service.device.puts import PendingPut
 from embcache.service.engine import CacheEngine
+from embcache.service.engine.device_puts import PendingPut
 from embcache.service.transport.grpc import device_puts as grpc_device_puts
 
 PAGE = 4096
@@ -61,7 +61,7 @@ def test_get_to_device_copies_then_hits(engine: CacheEngine) -> None:
     a, b = blob(3 * PAGE + 5, 1), blob(100, 2)
     engine.put("a", a)
     engine.put("b", b)
-    results, table = engine.get_to_device(["a", "missing", "b"], "dec", read_table=True)
+    results, table = engine.device.get(["a", "missing", "b"], "dec", read_table=True)
     da, miss, db = results
     assert miss is None and da is not None and db is not None
     assert not da.resident_hit and torch.equal(device_bytes(engine, da), a)
@@ -71,7 +71,7 @@ def test_get_to_device_copies_then_hits(engine: CacheEngine) -> None:
     assert table[1, :1].tolist() == list(db.page_ids)
     copied = engine.stats().bytes_copied["h2d"]
     assert copied == a.numel() + b.numel()
-    again, _ = engine.get_to_device(["a"], "dec")
+    again, _ = engine.device.get(["a"], "dec")
     assert again[0] is not None and again[0].resident_hit
     assert again[0].page_ids == da.page_ids
     assert engine.stats().bytes_copied["h2d"] == copied  # a hit costs no copy
@@ -85,23 +85,23 @@ def test_get_to_device_copies_then_hits(engine: CacheEngine) -> None:
 def test_device_lru_and_lease_pinning(engine: CacheEngine) -> None:
     for i in range(6):
         engine.put(f"k{i}", blob(2 * DEV_PAGE, i))  # 2 device pages each; the pool has 8
-    first, _ = engine.get_to_device(["k0", "k1", "k2", "k3"], "dec")  # fills the pool, leased
+    first, _ = engine.device.get(["k0", "k1", "k2", "k3"], "dec")  # fills the pool, leased
     with pytest.raises(PoolExhausted):
-        engine.get_to_device(["k4"], "dec")
+        engine.device.get(["k4"], "dec")
     assert engine.stats().leases_active == 4  # the failed call left no lease behind
     engine.release([first[0].lease.lease_id, first[1].lease.lease_id])  # type: ignore[union-attr]
-    got, _ = engine.get_to_device(["k4", "k5"], "dec")  # evicts k0 and k1 from the device
+    got, _ = engine.device.get(["k4", "k5"], "dec")  # evicts k0 and k1 from the device
     assert all(g is not None and not g.resident_hit for g in got)
     pool = engine.device_tier.pool(0)
-    assert pool.evictions == 2 and not pool.is_resident(engine._entries.get("k0"))  # type: ignore[arg-type]
+    assert pool.evictions == 2 and not pool.is_resident(engine.host_store.entries.get("k0"))  # type: ignore[arg-type]
     assert engine.exists(["k0", "k1"]) == [True, True]  # still on the host
     for g, i in zip(got, (4, 5), strict=True):
         assert torch.equal(device_bytes(engine, g), blob(2 * DEV_PAGE, i))
-    states = engine.device_page_states()
+    states = engine.device.page_states()
     assert sorted(states.tolist()) == [2] * 8  # every page resident and leased
     check_tables(engine)
     engine.drop_owner("dec")
-    assert sorted(engine.device_page_states().tolist()) == [1] * 8
+    assert sorted(engine.device.page_states().tolist()) == [1] * 8
 
 
 def test_deferred_table_updates_land_in_order(engine: CacheEngine) -> None:
@@ -110,29 +110,29 @@ def test_deferred_table_updates_land_in_order(engine: CacheEngine) -> None:
     for i in range(6):
         engine.put(f"k{i}", blob(2 * DEV_PAGE, i))
     pool = engine.device_tier.pool(0)
-    p = engine.start_get_to_device(["k0", "k1", "k2", "k3"], "dec", defer_tables=True)
+    p = engine.device.start_get(["k0", "k1", "k2", "k3"], "dec", defer_tables=True)
     results, _ = p.wait()
     assert pool.tables_pending and set(pool.v2p.tolist()) == {-1}  # nothing launched yet
     for r in results:
         assert r is not None and not r.resident_hit
         engine.release([r.lease.lease_id])
     # evicts k0 and k1 (their binds still queued), binds k4 and k5 in their pages
-    q = engine.start_get_to_device(["k4", "k5"], "dec", defer_tables=True)
+    q = engine.device.start_get(["k4", "k5"], "dec", defer_tables=True)
     got, _ = q.wait()
     for g, i in zip(got, (4, 5), strict=True):
         assert g is not None and torch.equal(device_bytes(engine, g), blob(2 * DEV_PAGE, i))
-    engine.flush_device_tables(0)
+    engine.device.flush_tables(0)
     assert not pool.tables_pending
     check_tables(engine)
-    engine.flush_device_tables(0)  # nothing queued: a no-op
+    engine.device.flush_tables(0)  # nothing queued: a no-op
     check_tables(engine)
     with pytest.raises(DeviceUnavailable):
-        engine.flush_device_tables(1)  # no such pool: a typed error
+        engine.device.flush_tables(1)  # no such pool: a typed error
 
 
 def test_host_eviction_frees_device_pages(engine: CacheEngine) -> None:
     engine.put("a", blob(DEV_PAGE, 1))
-    [dl], _ = engine.get_to_device(["a"], "dec")
+    [dl], _ = engine.device.get(["a"], "dec")
     assert dl is not None
     engine.release([dl.lease.lease_id])
     engine.evict_one("a")
@@ -144,19 +144,19 @@ def test_host_eviction_frees_device_pages(engine: CacheEngine) -> None:
 def test_entry_larger_than_device_pool(engine: CacheEngine) -> None:
     engine.put("big", blob(9 * DEV_PAGE, 1))
     with pytest.raises(PoolExhausted):
-        engine.get_to_device(["big"], "dec")
+        engine.device.get(["big"], "dec")
     assert engine.stats().leases_active == 0
     with pytest.raises(DeviceUnavailable):
-        engine.get_to_device(["big"], "dec", device=3)
+        engine.device.get(["big"], "dec", device=3)
 
 
 def test_get_into_from_host_and_device(engine: CacheEngine) -> None:
     a, b = blob(1000, 1), blob(3 * PAGE, 2)
     engine.put("a", a)
     engine.put("b", b)
-    engine.get_to_device(["b"], "warm")  # b is resident: its copy comes from the device pool
+    engine.device.get(["b"], "warm")  # b is resident: its copy comes from the device pool
     dest = torch.full((4 * PAGE + 64,), 7, dtype=torch.uint8)
-    got = engine.get_into(["a", "nope", "b"], "dec", dest, [16, 0, 1024], device=0)
+    got = engine.device.get_into(["a", "nope", "b"], "dec", dest, [16, 0, 1024], device=0)
     assert [g is not None for g in got] == [True, False, True]
     assert torch.equal(dest[16:1016], a) and torch.equal(dest[1024 : 1024 + b.numel()], b)
     assert (dest[:16] == 7).all() and (dest[1016:1024] == 7).all()
@@ -166,7 +166,7 @@ def test_get_into_from_host_and_device(engine: CacheEngine) -> None:
     assert s.bytes_copied["d2d"] == b.numel() and s.bytes_copied["h2d"] >= 1000
     # odd offsets work (narrower rows)
     dest2 = torch.zeros(2000, dtype=torch.uint8)
-    engine.get_into(["a"], "dec", dest2, [3])
+    engine.device.get_into(["a"], "dec", dest2, [3])
     assert torch.equal(dest2[3:1003], a)
 
 
@@ -179,25 +179,25 @@ def test_get_into_rejects_bad_slots(engine: CacheEngine, offsets: list[int], siz
     keys = {1: ["a"], 2: ["a", "b"], 3: ["a", "b", "a"]}[len(offsets)]
     dest = torch.zeros(size, dtype=torch.uint8)
     with pytest.raises(InvalidArgument):
-        engine.get_into(keys, "dec", dest, offsets)
+        engine.device.get_into(keys, "dec", dest, offsets)
     assert engine.stats().leases_active == 0
     assert (dest == 0).all()
 
 
 def test_put_from_device(engine: CacheEngine) -> None:
     t = torch.randn(33, 37).to(torch.bfloat16)
-    assert engine.put_from_device("t", t) is True
+    assert engine.device.put("t", t) is True
     [lease] = engine.get(["t"], "dec")
     assert lease is not None and torch.equal(engine.tensor(lease), t)
-    assert engine.put_from_device("t", t) is False  # idempotent
+    assert engine.device.put("t", t) is False  # idempotent
     raw = t.view(-1).view(torch.uint8).numpy().tobytes()
-    assert engine.put_from_device("u", t, checksum=zlib.crc32(raw)) is True
+    assert engine.device.put("u", t, checksum=zlib.crc32(raw)) is True
     with pytest.raises(ChecksumMismatch):
-        engine.put_from_device("v", t, checksum=zlib.crc32(raw) ^ 1)
+        engine.device.put("v", t, checksum=zlib.crc32(raw) ^ 1)
     assert engine.exists(["v"]) == [False]
     assert engine.stats().bytes_copied["d2h"] == 2 * len(raw) + len(raw)
     with pytest.raises(InvalidArgument):
-        engine.put_from_device("w", t.t())  # not contiguous
+        engine.device.put("w", t.t())  # not contiguous
     s = engine.stats()
     assert s.entries_filling == 0 and s.host.used_pages == 2 * -(-len(raw) // PAGE)
 
@@ -208,7 +208,7 @@ def test_put_from_device_into_fragmented_pages(engine: CacheEngine, nbytes: int)
         engine.put(f"f{i}", blob(PAGE, i))
     engine.evict([f"f{i}" for i in range(0, 64, 2)])  # one-page holes only
     src = blob(nbytes + 3, 7)[3:]  # an odd address as well as an odd size
-    assert engine.put_from_device("x", src) is True
+    assert engine.device.put("x", src) is True
     info = engine.entry_info("x")
     assert info is not None and len(info.page_runs) == -(-nbytes // PAGE)
     [lease] = engine.get(["x"], "dec")
@@ -223,12 +223,12 @@ def test_put_from_device_many(engine: CacheEngine) -> None:
         ("c", torch.randn(0, 4)),  # empty
         ("d", blob(9, 3)[1:]),  # odd address and size
     ]
-    assert engine.put_from_device_many(items) == [True] * 4
+    assert engine.device.put_many(items) == [True] * 4
     for key, t in items:
         [lease] = engine.get([key], "dec")
         assert lease is not None and torch.equal(engine.tensor(lease), t), key
     engine.drop_owner("dec")
-    assert engine.put_from_device_many([items[0], ("e", blob(7, 4))]) == [False, True]
+    assert engine.device.put_many([items[0], ("e", blob(7, 4))]) == [False, True]
     assert (
         engine.stats().bytes_copied["d2h"]
         == sum(t.numel() * t.element_size() for _, t in items) + 7
@@ -249,7 +249,7 @@ def test_put_from_device_many_is_all_or_nothing(engine: CacheEngine, case: str) 
     }[case]
     error = {"conflict": MetadataConflict, "too large": PoolExhausted}
     with pytest.raises(error.get(case, InvalidArgument)):
-        engine.put_from_device_many([*good, bad])
+        engine.device.put_many([*good, bad])
     assert engine.exists(["p", "q", "r"]) == [False, False, False]
     after = engine.stats()
     assert after.entries_filling == 0 and after.host.used_pages == before.host.used_pages
@@ -260,19 +260,19 @@ def test_put_from_device_many_checks_checksums_before_any_commit(engine: CacheEn
     crcs = [zlib.crc32(t.numpy().tobytes()) for _, t in items]
     before = engine.stats()
     with pytest.raises(ChecksumMismatch):  # the last one is wrong: none of them stays
-        engine.put_from_device_many(items, checksums=[*crcs[:2], crcs[2] ^ 1])
+        engine.device.put_many(items, checksums=[*crcs[:2], crcs[2] ^ 1])
     assert engine.exists(["p", "q", "r"]) == [False, False, False]
     after = engine.stats()
     assert after.entries_filling == 0 and after.host.used_pages == before.host.used_pages
     with pytest.raises(InvalidArgument, match="one checksum per item"):
-        engine.put_from_device_many(items, checksums=crcs[:2])
-    assert engine.put_from_device_many(items, checksums=[crcs[0], None, crcs[2]]) == [True] * 3
+        engine.device.put_many(items, checksums=crcs[:2])
+    assert engine.device.put_many(items, checksums=[crcs[0], None, crcs[2]]) == [True] * 3
     for key, t in items:
         [lease] = engine.get([key], "dec")
         assert lease is not None and torch.equal(engine.tensor(lease), t), key
     engine.drop_owner("dec")
     # existing entries: accepted without reading their bytes, as a single put
-    assert engine.put_from_device_many(items, checksums=[1, 2, 3]) == [False] * 3
+    assert engine.device.put_many(items, checksums=[1, 2, 3]) == [False] * 3
 
 
 # -- puts started now and ended later (pending_put.py): nothing visible before finish;
@@ -301,7 +301,7 @@ def running(pending: PendingPut) -> SlowCopy:
 def test_nothing_visible_before_finish(engine: CacheEngine) -> None:
     items = [("a", blob(3 * PAGE, 1)), ("b", blob(100, 2))]
     before = engine.stats().host.used_pages
-    pending = engine.start_put_from_device_many(items)
+    pending = engine.device.start_put_many(items)
     assert engine.exists(["a", "b"]) == [False, False]
     assert engine.stats().entries_filling == 2 and pending.loaded_bytes == 3 * PAGE + 100
     copy = running(pending)
@@ -319,7 +319,7 @@ def test_nothing_visible_before_finish(engine: CacheEngine) -> None:
 
 def test_abort_gives_back_every_page_after_the_copies(engine: CacheEngine) -> None:
     before = engine.stats()
-    pending = engine.start_put_from_device_many([("a", blob(5 * PAGE, 1)), ("b", blob(9, 2))])
+    pending = engine.device.start_put_many([("a", blob(5 * PAGE, 1)), ("b", blob(9, 2))])
     copy = running(pending)
     copy.fired.set()
     pending.abort()
@@ -335,7 +335,7 @@ def test_abort_gives_back_every_page_after_the_copies(engine: CacheEngine) -> No
 def test_a_checksum_failing_at_finish_leaves_nothing(engine: CacheEngine) -> None:
     t = blob(2 * PAGE, 3)
     before = engine.stats().host.used_pages
-    pending = engine.start_put_from_device_many(
+    pending = engine.device.start_put_many(
         [("a", t), ("b", t)], checksums=[zlib.crc32(t.numpy().tobytes()), 1]
     )
     with pytest.raises(ChecksumMismatch):
@@ -349,7 +349,7 @@ def test_a_cancelled_call_gives_pages_back_once_its_copies_end(engine: CacheEngi
     before = engine.stats().host.used_pages
 
     async def cancelled() -> tuple[PendingPut, SlowCopy, contextlib.ExitStack]:
-        pending = engine.start_put_from_device_many([("a", blob(4 * PAGE, 1))])
+        pending = engine.device.start_put_many([("a", blob(4 * PAGE, 1))])
         copy = running(pending)
         stack = contextlib.ExitStack()
         closed: list[bool] = []
@@ -376,25 +376,25 @@ def test_no_device_pool(shm_name: str) -> None:
     with CacheEngine(s) as e:
         e.put("a", blob(10, 1))
         with pytest.raises(DeviceUnavailable):
-            e.get_to_device(["a"], "dec")
+            e.device.get(["a"], "dec")
         assert e.stats().device == [] and e.stats().leases_active == 0
         dest = torch.zeros(64, dtype=torch.uint8)
-        assert e.get_into(["a"], "dec", dest, [0])[0] is not None  # host-only copy
+        assert e.device.get_into(["a"], "dec", dest, [0])[0] is not None  # host-only copy
         assert torch.equal(dest[:10], blob(10, 1))
 
 
 def test_batch_over_fragmented_device_pages(engine: CacheEngine) -> None:
     for i in range(8):
         engine.put(f"one{i}", blob(DEV_PAGE, 100 + i))
-    engine.get_to_device([f"one{i}" for i in range(8)], "x")  # one page each: pool full
+    engine.device.get([f"one{i}" for i in range(8)], "x")  # one page each: pool full
     engine.drop_owner("x")
     pool = engine.device_tier.pool(0)
     for i in range(0, 8, 2):  # free every other device page: four one-page holes
-        pool.drop(engine._entries.get(f"one{i}"))  # type: ignore[arg-type]
+        pool.drop(engine.host_store.entries.get(f"one{i}"))  # type: ignore[arg-type]
     a, b = blob(DEV_PAGE + 7, 1), blob(2 * DEV_PAGE, 2)
     engine.put("a", a)
     engine.put("b", b)
-    [da, db], _ = engine.get_to_device(["a", "b"], "dec")  # 2 + 2 pages over 4 holes
+    [da, db], _ = engine.device.get(["a", "b"], "dec")  # 2 + 2 pages over 4 holes
     assert da is not None and db is not None
     assert da.offset is None and len(da.page_ids) == 2  # straddles two holes
     assert torch.equal(device_bytes(engine, da), a) and torch.equal(device_bytes(engine, db), b)
@@ -420,15 +420,15 @@ def test_a_large_batch_is_queued_as_head_and_tail(
     pool = engine.device_tier.pool(0)
     for i in range(8):
         engine.put(f"one{i}", blob(DEV_PAGE, 100 + i))
-    engine.get_to_device([f"one{i}" for i in range(8)], "x")
+    engine.device.get([f"one{i}" for i in range(8)], "x")
     engine.drop_owner("x")
     for i in range(0, 8, 2):  # four one-page holes
-        pool.drop(engine._entries.get(f"one{i}"))  # type: ignore[arg-type]
+        pool.drop(engine.host_store.entries.get(f"one{i}"))  # type: ignore[arg-type]
     data = [blob(DEV_PAGE - 5, 1), blob(DEV_PAGE, 2), blob(DEV_PAGE + 9, 3)]  # 1 + 1 + 2 pages
     for i, d in enumerate(data):
         engine.put(f"e{i}", d)
     seen: list[tuple[str, int]] = []
-    real, reserve = engine.device_tier._transfer, pool.reserve_batch
+    real, reserve = engine.device_tier.copier.transfer, pool.reserve_batch
 
     def counting(src, dst, s, d, n, stream, **kw):  # type: ignore[no-untyped-def]
         seen.append(("copy", int(n.sum())))
@@ -438,9 +438,9 @@ def test_a_large_batch_is_queued_as_head_and_tail(
         seen.append(("reserve", len(entries)))
         return reserve(entries)
 
-    monkeypatch.setattr(engine.device_tier, "_transfer", counting)
+    monkeypatch.setattr(engine.device_tier.copier, "transfer", counting)
     monkeypatch.setattr(pool, "reserve_batch", reserving)
-    got, _ = engine.get_to_device([f"e{i}" for i in range(3)], "dec")
+    got, _ = engine.device.get([f"e{i}" for i in range(3)], "dec")
     assert [kind for kind, _ in seen] == ["reserve", "copy"] * calls  # each part in turn
     assert sum(n for kind, n in seen if kind == "reserve") == 3
     for dl, d in zip(got, data, strict=True):
@@ -458,28 +458,28 @@ def test_a_tail_that_does_not_fit_gives_the_head_back(engine: CacheEngine, monke
     pool = engine.device_tier.pool(0)
     for i in range(3):
         engine.put(f"held{i}", blob(DEV_PAGE, 50 + i))
-    held, _ = engine.get_to_device([f"held{i}" for i in range(3)], "holder")  # 3 of 8 pages
+    held, _ = engine.device.get([f"held{i}" for i in range(3)], "holder")  # 3 of 8 pages
     for i in range(4):
         engine.put(f"e{i}", blob(2 * DEV_PAGE, i))  # 8 pages: the head (4) fits, the tail not
     copies: list[int] = []
-    real = engine.device_tier._transfer
+    real = engine.device_tier.copier.transfer
 
     def counting(src, dst, s, d, n, stream, **kw):  # type: ignore[no-untyped-def]
         copies.append(int(n.sum()))
         return real(src, dst, s, d, n, stream, **kw)
 
-    monkeypatch.setattr(engine.device_tier, "_transfer", counting)
+    monkeypatch.setattr(engine.device_tier.copier, "transfer", counting)
     with pytest.raises(PoolExhausted) as info:
-        engine.get_to_device([f"e{i}" for i in range(4)], "dec")
+        engine.device.get([f"e{i}" for i in range(4)], "dec")
     assert len(copies) == 1  # the head's copy was queued first
     assert info.value.details["nbytes"] == 8 * DEV_PAGE  # the whole batch
     s = engine.stats()
     assert s.leases_active == 3 and s.device[0].free_pages == 5 and s.device_resident == [3]
-    assert all(engine._entries.get(f"e{i}").ref_cnt == 0 for i in range(4))  # type: ignore[union-attr]
-    assert not any(pool.is_resident(engine._entries.get(f"e{i}")) for i in range(4))  # type: ignore[arg-type]
+    assert all(engine.host_store.entries.get(f"e{i}").ref_cnt == 0 for i in range(4))  # type: ignore[union-attr]
+    assert not any(pool.is_resident(engine.host_store.entries.get(f"e{i}")) for i in range(4))  # type: ignore[arg-type]
     check_tables(engine)
     engine.release(h.lease.lease_id for h in held if h is not None)
-    got, _ = engine.get_to_device([f"e{i}" for i in range(4)], "dec")  # room now
+    got, _ = engine.device.get([f"e{i}" for i in range(4)], "dec")  # room now
     for i, g in enumerate(got):
         assert g is not None and torch.equal(device_bytes(engine, g), blob(2 * DEV_PAGE, i))
     check_tables(engine)
@@ -490,15 +490,15 @@ def test_batch_keeps_an_entry_that_fits_a_hole_contiguous(engine: CacheEngine) -
     gets that run whole (a zero-copy view for clients), whatever its place in the batch."""
     for i in range(8):
         engine.put(f"one{i}", blob(DEV_PAGE, 100 + i))
-    engine.get_to_device([f"one{i}" for i in range(8)], "x")
+    engine.device.get([f"one{i}" for i in range(8)], "x")
     engine.drop_owner("x")
     pool = engine.device_tier.pool(0)
     for i in (0, 1, 2, 4, 6):  # holes of 3, 1 and 1 pages
-        pool.drop(engine._entries.get(f"one{i}"))  # type: ignore[arg-type]
+        pool.drop(engine.host_store.entries.get(f"one{i}"))  # type: ignore[arg-type]
     small, big = blob(DEV_PAGE, 1), blob(2 * DEV_PAGE + 1, 2)  # 1 + 3 pages
     engine.put("small", small)
     engine.put("big", big)
-    [ds, db], _ = engine.get_to_device(["small", "big"], "dec")
+    [ds, db], _ = engine.device.get(["small", "big"], "dec")
     assert ds is not None and db is not None
     assert db.offset is not None and len(db.page_ids) == 3, db.page_ids
     assert ds.offset is not None
@@ -540,15 +540,15 @@ def test_deferred_table_updates_net_out(
         if op == "get":
             if sum(1 + i % 3 for i in ids) > 8:
                 continue  # more than the pool holds
-            results, _ = engine.start_get_to_device(keys, "h", defer_tables=True).wait()
+            results, _ = engine.device.start_get(keys, "h", defer_tables=True).wait()
             engine.release(r.lease.lease_id for r in results if r is not None)
         elif op == "evict":
-            engine.evict_device(keys, 0)
+            engine.device.evict(keys, 0)
             check_tables(engine)  # an eviction flushes
         else:
-            engine.flush_device_tables(0)
+            engine.device.flush_tables(0)
             check_tables(engine)
-    engine.flush_device_tables(0)
+    engine.device.flush_tables(0)
     check_tables(engine)
 
 
@@ -556,12 +556,12 @@ def test_a_flush_after_close_does_nothing(engine: CacheEngine) -> None:
     """The gRPC plane flushes a little after its gets; one that fires after the engine
     closed finds nothing queued."""
     engine.put("k", blob(DEV_PAGE, 1))
-    engine.start_get_to_device(["k"], "dec", defer_tables=True).wait()
+    engine.device.start_get(["k"], "dec", defer_tables=True).wait()
     pool = engine.device_tier.pool(0)
     assert pool.tables_pending
     engine.close()
     assert not pool.tables_pending
-    engine.flush_device_tables(0)
+    engine.device.flush_tables(0)
     assert set(pool.v2p.tolist()) == {-1}
 
 
@@ -585,7 +585,7 @@ def test_a_cold_gets_plan_skips_the_checks(engine: CacheEngine, monkeypatch) -> 
     data = [blob(DEV_PAGE + 9, 1), blob(3 * DEV_PAGE - 5, 2)]
     for i, d in enumerate(data):
         engine.put(f"e{i}", d)
-    got, _ = engine.get_to_device(["e0", "e1"], "dec")
+    got, _ = engine.device.get(["e0", "e1"], "dec")
     assert calls == ["planned"]
     for dl, d in zip(got, data, strict=True):
         assert dl is not None and torch.equal(device_bytes(engine, dl), d)

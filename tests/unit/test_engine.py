@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import threading
 import zlib
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -399,7 +400,39 @@ def test_entry_info_lease_holders_and_ready(engine: CacheEngine, clock: FakeCloc
     assert not engine.ready
 
 
-def test_shared_tier_hooks(engine: CacheEngine) -> None:
+class FakeSharedTier:
+    """The shared tier's hooks, with the functions behind them swapped by the test."""
+
+    def __init__(self) -> None:
+        self.fetch_fn: Callable[[list[str]], None] = lambda keys: None
+        self.exists_fn: Callable[[list[str]], list[bool]] = lambda keys: [False] * len(keys)
+        self.listeners: list[Callable[[str, str], object]] = []
+
+    def fetch(self, keys: list[str]) -> None:
+        self.fetch_fn(keys)
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        return self.exists_fn(keys)
+
+    def on_commit(self, key: str, owner: str) -> None:
+        for listener in self.listeners:
+            listener(key, owner)
+
+    def prefetch(self, keys: object, *, device: int | None = None) -> object:
+        raise AssertionError("not used here")
+
+    def close(self) -> None:
+        pass
+
+
+def test_shared_tier_hooks(shm_name: str, clock: FakeClock) -> None:
+    tier = FakeSharedTier()
+    s = Settings(host_pool_bytes=64 * PAGE, page_bytes=PAGE, shm_name=shm_name, lease_ttl_s=10)
+    with CacheEngine(s, clock=clock, shared_tier=lambda _engine: tier) as engine:
+        _shared_tier_hooks(engine, tier)
+
+
+def _shared_tier_hooks(engine: CacheEngine, tier: FakeSharedTier) -> None:
     remote = {"r": rand((10,), seed=9)}
     seen: list[tuple[str, str]] = []
     fetched: list[list[str]] = []
@@ -410,9 +443,9 @@ def test_shared_tier_hooks(engine: CacheEngine) -> None:
             if k in remote:
                 engine.put(k, remote[k], owner="shared-tier")
 
-    engine.miss_fetcher = fetch
-    engine.remote_exists = lambda keys: [k in remote for k in keys]
-    engine.commit_listeners.append(lambda key, owner: seen.append((key, owner)))
+    tier.fetch_fn = fetch
+    tier.exists_fn = lambda keys: [k in remote for k in keys]
+    tier.listeners.append(lambda key, owner: seen.append((key, owner)))
     engine.put("a", rand((10,)))
     assert seen == [("a", "local")]
     assert engine.exists(["a", "r", "zz"]) == [True, True, False]
@@ -425,9 +458,9 @@ def test_shared_tier_hooks(engine: CacheEngine) -> None:
     def broken(keys: list[str]) -> None:
         raise ConnectionError("shared tier down")
 
-    engine.miss_fetcher = broken
-    engine.remote_exists = lambda keys: (_ for _ in ()).throw(ConnectionError("down"))
+    tier.fetch_fn = broken
+    tier.exists_fn = lambda keys: (_ for _ in ()).throw(ConnectionError("down"))
     assert engine.get(["nope"], "dec") == [None]  # an outage is a miss, never an error
     assert engine.exists(["a", "nope"]) == [True, False]
-    engine.commit_listeners.append(lambda key, owner: 1 / 0)
+    tier.listeners.append(lambda key, owner: 1 / 0)
     assert engine.put("b", rand((3,))) is True  # a failing listener never fails the put

@@ -31,7 +31,7 @@ def test_copy_in_runs_first_and_fills_the_entry(engine: CacheEngine) -> None:
     calls = []
 
     def copy(byte_runs: tuple[tuple[int, int], ...]) -> None:
-        stats = engine.stats()
+        stats = engine.host_store.counts()  # copy_in runs under the engine's lock
         calls.append((stats.entries_filling, stats.reserved_filling_bytes))
         pool, done = engine.host_pool.array, 0
         for offset, count in byte_runs:  # what the copy engine does, on the host
@@ -59,7 +59,7 @@ def test_a_failing_copy_in_leaves_nothing(engine: CacheEngine) -> None:
     stats = engine.stats()
     assert stats.host.free_pages == stats.host.total_pages
     assert stats.entries_filling == 0 and stats.reserved_filling_bytes == 0
-    assert engine._inflight == {}  # nothing counted against the owner's quota
+    assert engine.host_store.inflight == {}  # nothing counted against the owner's quota
     h = engine.begin_put("k", "uint8", (NBYTES,))  # the key is free
     h.write(payload(2).tobytes())
     assert h.commit()

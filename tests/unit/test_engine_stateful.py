@@ -45,7 +45,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.engine = CacheEngine(s, clock=self.clock)
         # A landing of a quarter of the pool (the engine caps it at 1/16: 2 pages here), so
         # most keys' puts from a device fit in it and it is often drained for room.
-        self.engine._landing.max_pages = NUM_PAGES // 4
+        self.engine.host_store.prealloc.max_pages = NUM_PAGES // 4
         self.content: dict[str, bytes] = {}  # what a reader must see for each visible key
         self.leases: list = []  # live leases (not released, maybe expired)
         self.handles: list = []  # open puts: (handle, payload)
@@ -61,9 +61,7 @@ class CacheMachine(RuleBasedStateMachine):
         data = self.payload(key)
         try:
             if from_device:  # a CPU "device" tensor, through the put landing when it fits
-                created = self.engine.put_from_device(
-                    key, torch.tensor(np.frombuffer(data, np.uint8))
-                )
+                created = self.engine.device.put(key, torch.tensor(np.frombuffer(data, np.uint8)))
             else:
                 h = self.engine.begin_put(key, "uint8", (len(data),))
                 h.write(data)
@@ -202,11 +200,13 @@ class CacheMachine(RuleBasedStateMachine):
         s = e.stats()
         assert s.host.used_pages == int(seen.sum()) <= s.host.total_pages
         landing = np.zeros(NUM_PAGES, dtype=np.int32)
-        for start, n in e._landing._runs:
+        for start, n in e.host_store.prealloc._runs:
             landing[start : start + n] += 1
-        assert int(landing.sum()) == e._landing.pages == s.put_landing_bytes // PAGE
+        assert int(landing.sum()) == e.host_store.prealloc.pages == s.put_landing_bytes // PAGE
         assert (seen + landing).max(initial=0) <= 1, "the landing lends a page in use"
-        assert e._alloc.num_pages - e._alloc.num_free_pages == int(seen.sum() + landing.sum())
+        assert e.host_store.alloc.num_pages - e.host_store.alloc.num_free_pages == int(
+            seen.sum() + landing.sum()
+        )
         assert s.host.used_bytes <= s.host.capacity_bytes
         assert s.host.free_pages + s.host.used_pages == NUM_PAGES
 

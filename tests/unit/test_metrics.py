@@ -124,13 +124,14 @@ def test_device_copies_counted_once(shm_name: str) -> None:
     settings = Settings(host_pool_bytes=64 * PAGE, page_bytes=PAGE, shm_name=shm_name,
                         device="cpu")  # fmt: skip
     pool = device_pool.DevicePool(torch.device("cpu"), 16 * PAGE, PAGE)
-    with CacheEngine(settings, device_pools=[pool]) as engine:
-        metrics = Metrics(engine)
-        assert engine.copy_observer == metrics.observe_copy
+    metrics = Metrics()
+    with CacheEngine(settings, device_pools=[pool], copy_observer=metrics.observe_copy) as engine:
+        metrics.watch_engine(engine)
+        assert engine.device_tier.copier.observer == metrics.observe_copy
         engine.put("a", torch.ones(3, 1024))  # 12 KiB
-        results, _ = engine.get_to_device(["a"], "dec")
+        results, _ = engine.device.get(["a"], "dec")
         engine.release([r.lease.lease_id for r in results if r is not None])
-        engine.get_to_device(["a"], "dec")  # resident now: no second copy
+        engine.device.get(["a"], "dec")  # resident now: no second copy
         s = scrape(metrics)
         assert value(s, "embcache_copy_bytes_total", direction="h2d") == 3 * PAGE
         device = {"tier": "device", "device": "0"}
@@ -142,7 +143,7 @@ def test_device_copies_counted_once(shm_name: str) -> None:
 
 def test_the_put_landing_is_free_capacity_on_loan(engine: CacheEngine) -> None:
     metrics = Metrics(engine)
-    engine.put_from_device("dev", torch.ones(2 * PAGE, dtype=torch.uint8))  # asks for 2 pages
+    engine.device.put("dev", torch.ones(2 * PAGE, dtype=torch.uint8))  # asks for 2 pages
     s = scrape(metrics)
     host = {"tier": "host", "device": ""}
     assert value(s, "embcache_put_landing_bytes") == 2 * PAGE  # topped up for the next one

@@ -57,14 +57,14 @@ def test_grpc_and_rest_name_the_host_pool_alike(shm_name: str) -> None:
     from embcache.service.device.pool import DevicePool
     from embcache.service.engine import CacheEngine
     from embcache.service.transport.grpc.servicer import EmbeddingCacheServicer
-    from embcache.service.transport.render import describer_for
+    from embcache.service.transport.render import LocationRenderer
 
     settings = Settings(host_pool_bytes=16 * 4096, page_bytes=4096, shm_name=shm_name,
                         device="cpu")  # fmt: skip
     pool = DevicePool(torch.device("cpu"), 4 * 4096, 4096, ipc_mode="none")
     with CacheEngine(settings, device_pools=[pool]) as engine:
         servicer = EmbeddingCacheServicer(engine, settings)
-        describer = describer_for(engine, settings)
+        describer = LocationRenderer(engine, settings)
         assert servicer.host_pool.pool_id == describer.host_pool().pool_id
         assert servicer.device.pool_handle(pool).pool_id == describer.device_pool(pool).pool_id
         servicer.close()

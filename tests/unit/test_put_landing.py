@@ -11,7 +11,7 @@ from embcache.errors import InvalidArgument, MetadataConflict, QuotaExceeded
 from embcache.service.config import Settings
 from embcache.service.device import puts as pending_put
 from embcache.service.engine import CacheEngine
-from embcache.service.host.prealloc import PutLanding
+from embcache.service.host.prealloc import PutPrealloc
 
 PAGE = 4096
 ENTRY_PAGES = 3
@@ -50,7 +50,7 @@ def read(e: CacheEngine, key: str) -> torch.Tensor:
 
 
 def test_take_give_back_and_drain() -> None:
-    landing = PutLanding(max_pages=8)
+    landing = PutPrealloc(max_pages=8)
     assert landing.take(2) is None and landing.shortfall() == 2  # empty: asked for 2
     landing.add([(10, 3), (20, 4)])
     assert landing.take(0) is None and landing.take(9) is None  # none, or more than max
@@ -64,8 +64,8 @@ def test_take_give_back_and_drain() -> None:
 def test_puts_take_their_pages_from_the_landing_and_copy_first(
     engine: CacheEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine.put_from_device("first", blob(1))  # the landing is empty; the put asks for 3
-    landing = engine._landing
+    engine.device.put("first", blob(1))  # the landing is empty; the put asks for 3
+    landing = engine.host_store.prealloc
     assert landing.pages == ENTRY_PAGES
     held = list(landing._runs)
     stats = engine.stats()  # on loan, counted free
@@ -74,7 +74,7 @@ def test_puts_take_their_pages_from_the_landing_and_copy_first(
     assert stats.entries_filling == 0 and stats.reserved_filling_bytes == 0
     assert not engine.page_states()[[p for s, n in held for p in range(s, s + n)]].any()
     order: list[str] = []
-    queue, begin = pending_put._queue_d2h, engine.begin_put
+    queue, begin = pending_put.queue_d2h, engine.begin_put
 
     def queued(*a):  # type: ignore[no-untyped-def]
         order.append("copy")
@@ -84,9 +84,9 @@ def test_puts_take_their_pages_from_the_landing_and_copy_first(
         order.append("begin")
         return begin(*a, **k)
 
-    monkeypatch.setattr(pending_put, "_queue_d2h", queued)
+    monkeypatch.setattr(pending_put, "queue_d2h", queued)
     monkeypatch.setattr(engine, "begin_put", begun)
-    assert engine.put_from_device("second", blob(2)) is True
+    assert engine.device.put("second", blob(2)) is True
     assert order == ["copy", "begin"]  # the copy before any check or record
     info = engine.entry_info("second")
     assert info is not None and [tuple(r) for r in info.page_runs] == held
@@ -102,11 +102,11 @@ def test_puts_take_their_pages_from_the_landing_and_copy_first(
 def test_a_bad_put_gives_its_landing_pages_back(
     engine: CacheEngine, key: str, error: type[Exception]
 ) -> None:
-    engine.put_from_device("warm", blob(1))
-    before = engine._landing.pages
+    engine.device.put("warm", blob(1))
+    before = engine.host_store.prealloc.pages
     with pytest.raises(error):
-        engine.put_from_device(key, blob(2))  # copied into landing pages, then refused
-    assert engine._landing.pages == before
+        engine.device.put(key, blob(2))  # copied into landing pages, then refused
+    assert engine.host_store.prealloc.pages == before
     stats = engine.stats()
     assert stats.entries_ready == 1 and stats.entries_filling == 0
     assert stats.host.used_pages == ENTRY_PAGES  # only "warm"
@@ -114,97 +114,100 @@ def test_a_bad_put_gives_its_landing_pages_back(
 
 def test_over_quota_after_the_copy_gives_the_pages_back(shm_name: str) -> None:
     with make_engine(shm_name, max_inflight_bytes_per_client=2 * NBYTES - 1) as e:
-        e.put_from_device("warm", blob(1))  # fits alone
+        e.device.put("warm", blob(1))  # fits alone
         h = e.begin_put("open", "uint8", (NBYTES,), owner="enc")  # holds NBYTES in flight
         with pytest.raises(QuotaExceeded):
-            e.put_from_device("second", blob(2), owner="enc")
-        assert e._landing.pages == ENTRY_PAGES
+            e.device.put("second", blob(2), owner="enc")
+        assert e.host_store.prealloc.pages == ENTRY_PAGES
         h.abort()
-        assert e.put_from_device("second", blob(2), owner="enc") is True
+        assert e.device.put("second", blob(2), owner="enc") is True
         assert torch.equal(read(e, "second"), blob(2))
 
 
 def test_a_key_stored_meanwhile_gives_the_pages_back(
     engine: CacheEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine.put_from_device("k", blob(1))
+    engine.device.put("k", blob(1))
     # Another put stores the key between the landing's look and begin_put's: this put's
     # pages were copied into, then nothing adopts them.
 
     def unaware(key: str, nbytes: int, copy_in):  # type: ignore[no-untyped-def]
-        pages = engine._landing.take(-(-nbytes // PAGE))
+        pages = engine.host_store.prealloc.take(-(-nbytes // PAGE))
         assert pages is not None
         copy_in(tuple(engine.host_pool.byte_runs(pages, nbytes)))
         return pages
 
-    monkeypatch.setattr(engine, "landing_copy", unaware)
-    assert engine.put_from_device("k", blob(1)) is False
-    assert engine._landing.pages == ENTRY_PAGES
+    monkeypatch.setattr(engine, "prealloc_copy", unaware)
+    assert engine.device.put("k", blob(1)) is False
+    assert engine.host_store.prealloc.pages == ENTRY_PAGES
     with pytest.raises(MetadataConflict):
-        engine.put_from_device("k", blob(2, NBYTES + 1))
-    assert engine._landing.pages == ENTRY_PAGES
+        engine.device.put("k", blob(2, NBYTES + 1))
+    assert engine.host_store.prealloc.pages == ENTRY_PAGES
     assert torch.equal(read(engine, "k"), blob(1))
 
 
 def test_room_is_taken_back_from_the_landing_before_anything_is_evicted(
     engine: CacheEngine,
 ) -> None:
-    engine.put_from_device("dev", blob(1))
-    assert engine._landing.pages == ENTRY_PAGES
-    free = engine._alloc.num_free_pages
+    engine.device.put("dev", blob(1))
+    assert engine.host_store.prealloc.pages == ENTRY_PAGES
+    free = engine.host_store.alloc.num_free_pages
     engine.put("fill", torch.zeros(free * PAGE, dtype=torch.uint8))  # every free page
-    assert engine._alloc.num_free_pages == 0 and engine._landing.pages == ENTRY_PAGES
+    assert (
+        engine.host_store.alloc.num_free_pages == 0
+        and engine.host_store.prealloc.pages == ENTRY_PAGES
+    )
     engine.put("more", torch.ones(PAGE, dtype=torch.uint8))  # room: the landing's pages
     assert engine.exists(["dev", "fill", "more"]) == [True, True, True]  # nothing evicted
-    assert engine._landing.pages == 0 and engine._landing.shortfall() == 0
+    assert engine.host_store.prealloc.pages == 0 and engine.host_store.prealloc.shortfall() == 0
     assert engine.stats().evictions == 0
 
 
 def test_the_landing_tops_up_by_evicting_as_a_put_would(engine: CacheEngine) -> None:
     engine.put("old", torch.zeros(61 * PAGE, dtype=torch.uint8))  # 3 pages left free
-    engine.put_from_device("dev", blob(1))  # takes the 3; the top-up must evict "old"
-    assert engine._landing.pages == ENTRY_PAGES
+    engine.device.put("dev", blob(1))  # takes the 3; the top-up must evict "old"
+    assert engine.host_store.prealloc.pages == ENTRY_PAGES
     assert engine.exists(["old", "dev"]) == [False, True]
     engine.get(["dev"], "holder")  # now nothing is evictable: no top-up, no error
-    assert engine.put_from_device("dev2", blob(2)) is True
-    assert engine._landing.pages <= ENTRY_PAGES
+    assert engine.device.put("dev2", blob(2)) is True
+    assert engine.host_store.prealloc.pages <= ENTRY_PAGES
 
 
 def test_a_batch_takes_landing_pages_item_by_item(engine: CacheEngine) -> None:
-    engine.put_from_device("warm", blob(0))
+    engine.device.put("warm", blob(0))
     items = [(f"b{i}", blob(10 + i)) for i in range(4)]
-    assert engine.put_from_device_many(items) == [True] * 4
+    assert engine.device.put_many(items) == [True] * 4
     for key, t in items:
         assert torch.equal(read(engine, key), t)
-    assert engine._landing.pages == ENTRY_PAGES
+    assert engine.host_store.prealloc.pages == ENTRY_PAGES
 
 
 def test_no_landing_when_it_is_off(shm_name: str) -> None:
     with make_engine(shm_name, device_put_landing_bytes=0) as e:
-        e.put_from_device("a", blob(1))
-        e.put_from_device("b", blob(2))
-        assert e._landing.pages == 0 and e.stats().put_landing_bytes == 0
+        e.device.put("a", blob(1))
+        e.device.put("b", blob(2))
+        assert e.host_store.prealloc.pages == 0 and e.stats().put_landing_bytes == 0
         assert torch.equal(read(e, "b"), blob(2))
 
 
 def test_a_failing_copy_gives_the_landing_pages_back(
     engine: CacheEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine.put_from_device("warm", blob(1))
+    engine.device.put("warm", blob(1))
 
     def broken(*a):  # type: ignore[no-untyped-def]
         raise RuntimeError("the copy could not be queued")
 
-    monkeypatch.setattr(pending_put, "_queue_d2h", broken)
+    monkeypatch.setattr(pending_put, "queue_d2h", broken)
     with pytest.raises(RuntimeError, match="could not be queued"):
-        engine.put_from_device("k", blob(2))
-    assert engine._landing.pages == ENTRY_PAGES
+        engine.device.put("k", blob(2))
+    assert engine.host_store.prealloc.pages == ENTRY_PAGES
     stats = engine.stats()
     assert stats.entries_filling == 0 and stats.host.used_pages == ENTRY_PAGES
 
 
 def test_a_closed_engine_copies_nothing(engine: CacheEngine) -> None:
-    engine.put_from_device("warm", blob(1))
+    engine.device.put("warm", blob(1))
     engine.close()
     copies: list[object] = []
-    assert engine.landing_copy("k", NBYTES, copies.append) is None and copies == []
+    assert engine.prealloc_copy("k", NBYTES, copies.append) is None and copies == []

@@ -1,5 +1,6 @@
-"""How the gRPC device Get waits for its copies: polled on the loop when short, in a worker
-thread when long or late; a call cancelled meanwhile gives its leases back."""
+"""How a device get (``transport/device_get.py``, every transport's) waits for its copies:
+polled on the loop when short, in a worker thread when long or late; a call cancelled
+meanwhile gives its leases back."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.config import Settings
 from embcache.service.device.pool import DevicePool
 from embcache.service.engine import CacheEngine
-from embcache.service.transport.grpc import device as grpc_device
-from embcache.service.transport.grpc.device import DevicePlane, wait_copies
+from embcache.service.transport import device_get
+from embcache.service.transport.device_get import wait_copies
+from embcache.service.transport.grpc.device import DevicePlane
 
 
 class FakePending:
@@ -46,7 +48,7 @@ def test_a_long_copy_is_waited_for_in_a_thread() -> None:
 
 
 def test_a_late_short_copy_falls_back_to_a_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(grpc_device, "SPIN_S", 0.001)
+    monkeypatch.setattr(device_get, "SPIN_S", 0.001)
     p = FakePending(busy_polls=10**9, loaded_bytes=1 << 10)
     asyncio.run(wait_copies(p))  # type: ignore[arg-type]
     assert p.polls > 1 and len(p.waited_in) == 1
@@ -67,7 +69,7 @@ def test_a_cancelled_device_get_gives_its_leases_back(
             started.set()
             await asyncio.Event().wait()
 
-        monkeypatch.setattr(grpc_device, "wait_copies", never)
+        monkeypatch.setattr(device_get, "wait_copies", never)
         request = pb.GetRequest(keys=["a", "a"], gpu_uuid=pool.gpu_uuid)
 
         async def run() -> None:
@@ -93,9 +95,9 @@ def test_copies_replied_with_an_event_are_observed_from_loop_timers() -> None:
 
     async def main() -> tuple[int, int, int]:
         done_later, failing, stuck = FakePending(3, 1), Failing(0, 1), FakePending(10**9, 1)
-        grpc_device.observe_later(done_later, period_s=0.001)  # type: ignore[arg-type]
-        grpc_device.observe_later(failing, period_s=0.001)  # type: ignore[arg-type]
-        grpc_device.observe_later(stuck, period_s=0.001, limit_s=0.02)  # type: ignore[arg-type]
+        device_get.observe_later(done_later, period_s=0.001)  # type: ignore[arg-type]
+        device_get.observe_later(failing, period_s=0.001)  # type: ignore[arg-type]
+        device_get.observe_later(stuck, period_s=0.001, limit_s=0.02)  # type: ignore[arg-type]
         await asyncio.sleep(0.2)
         return done_later.polls, failing.polls, stuck.polls
 

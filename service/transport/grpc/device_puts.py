@@ -3,7 +3,7 @@
 Every item is validated before any IPC handle is opened. Then, on the event loop: wait for
 the client's event (polled, as a get's copies are: ``poll_until``), map its allocation
 (once per allocation: ``IpcCache``), reserve pages and queue the copies
-(``engine.start_put_from_device_many``), wait for them the same way and commit. No worker
+(``engine.device.start_put_many``), wait for them the same way and commit. No worker
 thread: a hand-off to one and back cost a 4 MiB put about 0.25 ms on the H200's host, and
 the engine's Python ran twice as slowly there while the loop polled. Batches of more than
 :data:`INLINE_ITEMS` items, whose bookkeeping would hold up the loop, still run in a worker
@@ -19,18 +19,19 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from embcache.errors import InvalidArgument
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.service.config import Settings
+from embcache.service.device.ipc.cache import ClientEvent, IpcCache
+from embcache.service.engine import CacheEngine
+from embcache.service.engine.device_puts import PendingPut
 from embcache.service.host import admission
-
-if TYPE_CHECKING:
-    from embcache.service.device.ipc.cache import ClientEvent
-    from embcache.service.device.puts import PendingPut
-    from embcache.service.transport.grpc.device import DevicePlane, IpcTensor
+from embcache.service.transport.device_get import in_thread, poll_until, wait_copies
+from embcache.service.transport.grpc.ipc_tensors import IpcTensor, check_tensor, require_cuda
 
 log = logging.getLogger("embcache.grpc")
 
@@ -38,19 +39,29 @@ MAX_BATCH_ITEMS = 1024  # items in one PutFromDeviceBatch
 INLINE_ITEMS = 64  # larger batches run in a worker thread
 
 
+@dataclass(slots=True)
+class DevicePuts:
+    """What the put handlers work with: the engine, its settings, and the IPC cache that
+    maps clients' memory."""
+
+    engine: CacheEngine
+    settings: Settings
+    ipc: IpcCache
+
+
 def _checked(
-    plane: DevicePlane, item: pb.PutFromDeviceRequest, what: str, method: str
+    plane: DevicePuts, item: pb.PutFromDeviceRequest, what: str, method: str
 ) -> tuple[str, IpcTensor, int | None]:
-    plane._require_cuda(method, item.tensor.gpu_uuid)
+    require_cuda(plane.ipc, method, item.tensor.gpu_uuid)
     key = admission.check_key(item.key, plane.settings)
     t = item.tensor
     meta = admission.check_meta(t.dtype, list(t.shape), None, plane.settings)
-    src = plane._check_tensor(t, meta.dtype, meta.shape, what)
+    src = check_tensor(plane.ipc, t, meta.dtype, meta.shape, what)
     crc = admission.check_checksum(item.checksum if item.HasField("checksum") else None)
     return key, src, crc
 
 
-def _events(plane: DevicePlane, owner: str, sources: list[IpcTensor]) -> Iterator[ClientEvent]:
+def _events(plane: DevicePuts, owner: str, sources: list[IpcTensor]) -> Iterator[ClientEvent]:
     """The clients' events, each distinct one once (a batch's tensors usually share one,
     recorded after all of them were written)."""
     for handle, device in dict.fromkeys((s.event, s.device) for s in sources if s.event):
@@ -58,7 +69,7 @@ def _events(plane: DevicePlane, owner: str, sources: list[IpcTensor]) -> Iterato
 
 
 def _mapped(
-    plane: DevicePlane, stack: contextlib.ExitStack, owner: str, src: IpcTensor
+    plane: DevicePuts, stack: contextlib.ExitStack, owner: str, src: IpcTensor
 ) -> torch.Tensor:
     """The client's tensor, readable in this process until ``stack`` closes. An empty
     tensor is not mapped."""
@@ -71,7 +82,7 @@ def _mapped(
 
 
 async def put_from_device(
-    plane: DevicePlane, request: pb.PutFromDeviceRequest, owner: str
+    plane: DevicePuts, request: pb.PutFromDeviceRequest, owner: str
 ) -> pb.PutResponse:
     key, src, crc = _checked(plane, request, "tensor", "PutFromDevice")
     [created] = await _put(plane, owner, [(key, src, crc)])
@@ -79,12 +90,11 @@ async def put_from_device(
 
 
 async def put_from_device_batch(
-    plane: DevicePlane, request: pb.PutFromDeviceBatchRequest, owner: str
+    plane: DevicePuts, request: pb.PutFromDeviceBatchRequest, owner: str
 ) -> pb.PutFromDeviceBatchResponse:
     # A daemon without CUDA refuses the call, even empty: the client should stream bytes.
-    plane._require_cuda(
-        "PutFromDeviceBatch", request.items[0].tensor.gpu_uuid if request.items else ""
-    )
+    gpu_uuid = request.items[0].tensor.gpu_uuid if request.items else ""
+    require_cuda(plane.ipc, "PutFromDeviceBatch", gpu_uuid)
     if len(request.items) > MAX_BATCH_ITEMS:
         raise InvalidArgument(
             "too many items in one batch", items=len(request.items), most=MAX_BATCH_ITEMS
@@ -107,10 +117,8 @@ async def put_from_device_batch(
 
 
 async def _put(
-    plane: DevicePlane, owner: str, checked: list[tuple[str, IpcTensor, int | None]]
+    plane: DevicePuts, owner: str, checked: list[tuple[str, IpcTensor, int | None]]
 ) -> list[bool]:
-    from embcache.service.transport.grpc.device import in_thread, poll_until, wait_copies
-
     sources = [src for _, src, _ in checked]
     crcs = [crc for _, _, crc in checked]
     if len(checked) > INLINE_ITEMS:
@@ -120,7 +128,7 @@ async def _put(
                 event.wait()
             with contextlib.ExitStack() as stack:  # every mapping open until all copied
                 items = [(key, _mapped(plane, stack, owner, src)) for key, src, _ in checked]
-                return plane.engine.put_from_device_many(
+                return plane.engine.device.put_many(
                     items, owner=owner, checksums=crcs, src_ready=True
                 )
 
@@ -131,7 +139,7 @@ async def _put(
     try:
         items = [(key, _mapped(plane, stack, owner, src)) for key, src, _ in checked]
         # src_ready: the client's event has fired (or it synchronized before the call).
-        pending = plane.engine.start_put_from_device_many(
+        pending = plane.engine.device.start_put_many(
             items, owner=owner, checksums=crcs, src_ready=True
         )
     except BaseException:

@@ -26,7 +26,7 @@ from embcache.service.engine import CacheEngine, EvictOutcome, raise_for_evict
 from embcache.service.transport.grpc.busy_poll import BusyPoll
 from embcache.service.transport.grpc.device import DevicePlane, meta_of, pool_handle_of
 from embcache.service.transport.grpc.errors import RpcMetrics, rpc
-from embcache.service.transport.render import describer_for
+from embcache.service.transport.render import LocationRenderer
 from embcache.service.transport.session.calls import Send, SessionCalls
 from embcache.service.transport.session.registry import SessionRegistry
 
@@ -52,7 +52,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         self.settings = settings
         self.metrics = metrics
         self.sessions = SessionRegistry()
-        self.host_pool = pool_handle_of(describer_for(engine, settings).host_pool())
+        self.host_pool = pool_handle_of(LocationRenderer(engine, settings).host_pool())
         self.device = DevicePlane(engine, settings, ipc)
         self.busy = BusyPoll(settings.busy_poll_us / 1e6)  # started with the server
 
@@ -111,7 +111,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetResponse:
         if request.gpu_uuid:
-            self.engine.device_tier.pool_for(request.gpu_uuid)  # no such pool: fail first
+            self.engine.device.index_for(request.gpu_uuid)  # no such pool: fail first
         return await self._get(request, self.sessions.owner_for(context))
 
     async def _get(self, request: pb.GetRequest, owner: str) -> pb.GetResponse:
@@ -206,8 +206,8 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
     ) -> pb.EvictResponse:
         keys = list(request.keys)
         if request.gpu_uuid:  # that GPU's copies only (DeviceUnavailable if it has no pool)
-            index, _ = self.engine.device_tier.pool_for(request.gpu_uuid)
-            outcomes = self.engine.evict_device(keys, index)
+            index = self.engine.device.index_for(request.gpu_uuid)
+            outcomes = self.engine.device.evict(keys, index)
             if len(keys) == 1:  # a single key fails loudly, as below
                 raise_for_evict(keys[0], outcomes[0], device=index)
         elif len(keys) == 1:  # a single key fails loudly: NOT_FOUND / FAILED_PRECONDITION
@@ -236,7 +236,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
     ) -> pb.PrefetchResponse:
         device = None
         if request.gpu_uuid:
-            device, _ = self.engine.device_tier.pool_for(request.gpu_uuid)
+            device = self.engine.device.index_for(request.gpu_uuid)
         keys = list(request.keys)
         result = await asyncio.to_thread(self.engine.prefetch, keys, device=device)
         return pb.PrefetchResponse(**result)

@@ -22,12 +22,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from embcache.errors import EmbCacheError
 from embcache.service.config import Settings
 from embcache.service.observability.metrics import Metrics
+from embcache.service.transport.device_get import Housekeeping
 from embcache.service.transport.http import data as http_data
 from embcache.service.transport.http import health as http_health
 from embcache.service.transport.http import prefetch as http_prefetch
 from embcache.service.transport.http import routes as http_routes
 from embcache.service.transport.http.middleware import OperatorMiddleware
 from embcache.service.transport.http.poolmap import History
+from embcache.service.transport.render import LocationRenderer
 from embcache.service.transport.status import HTTP_CODE_NAMES, error_body, status_for
 
 log = logging.getLogger(__name__)
@@ -125,6 +127,8 @@ def create_app(engine: Any, settings: Settings, metrics: Metrics) -> FastAPI:
     app.state.engine = engine
     app.state.settings = settings
     app.state.metrics = metrics
+    app.state.renderer = LocationRenderer(engine, settings)
+    app.state.housekeeping = Housekeeping(engine)
 
     def read_counters() -> tuple[int, int, dict[str, float]]:
         stats = engine.stats()

@@ -13,6 +13,7 @@ disconnecting) aborts the handle: nothing becomes visible and the pages are free
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -36,6 +37,7 @@ from embcache.proto.constants import (
 from embcache.service.engine import CacheEngine
 from embcache.service.host import admission
 from embcache.service.host.leases import Lease
+from embcache.service.transport import device_get
 from embcache.service.transport.http.data_models import (
     GetRequest,
     GetResponse,
@@ -49,7 +51,7 @@ from embcache.service.transport.http.data_models import (
 from embcache.service.transport.http.models import ErrorBody
 from embcache.service.transport.http.ranges import RangeNotSatisfiable, parse_range
 from embcache.service.transport.http.routes import BEARER
-from embcache.service.transport.render import describer_for
+from embcache.service.transport.render import LocationRenderer
 
 log = logging.getLogger(__name__)
 
@@ -333,16 +335,27 @@ router.add_api_route(
     response_model_exclude_none=True,
     summary="Lease entries and describe where they are",
 )
-def get_batch(request: Request, body: GetRequest) -> GetResponse:
+async def get_batch(request: Request, body: GetRequest) -> GetResponse:
     """Host locations (shared-memory byte runs) or, with ``gpu_uuid``, device locations plus
     the pool descriptions (IPC handles; only ever sent to authenticated callers)."""
     engine = _engine(request)
-    describer = describer_for(engine, request.app.state.settings)
+    renderer: LocationRenderer = request.app.state.renderer
     owner = rest_owner(request)
-    if body.gpu_uuid is not None:  # runs in FastAPI's thread pool: it may wait on a copy
-        batch = describer.get_device(body.keys, owner, body.gpu_uuid, ttl_s=body.ttl_s)
-    else:
-        batch = describer.get_host(body.keys, owner, ttl_s=body.ttl_s)
+    if body.gpu_uuid is not None:  # the one device-get flow, as over gRPC
+        keys = list(body.keys)
+        index = engine.device.index_for(body.gpu_uuid)
+        pool = engine.device.pool(index)
+        batch, _ = await device_get.get_to_device(
+            engine,
+            keys,
+            owner,
+            index,
+            ttl_s=body.ttl_s,
+            render=lambda found: renderer.device_batch(keys, found, pool),
+            housekeeping=request.app.state.housekeeping,
+        )
+    else:  # a host get waits for nothing but the lock (and a shared-tier fill)
+        batch = await asyncio.to_thread(renderer.get_host, body.keys, owner, ttl_s=body.ttl_s)
     try:
         ttl = body.ttl_s if body.ttl_s is not None else engine.settings.lease_ttl_s
         return render_batch(batch, ttl)

@@ -35,5 +35,5 @@ def prefetch(request: Request, body: PrefetchRequest) -> PrefetchResponse:
     engine = request.app.state.engine
     device = None
     if body.gpu_uuid is not None:
-        device, _ = engine.device_tier.pool_for(body.gpu_uuid)
+        device = engine.device.index_for(body.gpu_uuid)
     return PrefetchResponse(**engine.prefetch(body.keys, device=device))

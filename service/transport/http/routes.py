@@ -14,7 +14,7 @@ from fastapi.security import HTTPBearer
 
 from embcache.errors import NotFound
 from embcache.service.engine import EvictOutcome
-from embcache.service.host.stats import EntryInfo
+from embcache.service.engine.stats import EntryInfo
 from embcache.service.transport.http.health import readiness
 from embcache.service.transport.http.models import (
     DeleteResponse,
@@ -160,7 +160,7 @@ def evict(request: Request, body: EvictRequest) -> EvictResponse:
         if body.device is None:
             count, freed = engine.evict_bytes(body.bytes)
         else:  # DeviceUnavailable -> 409 when there is no such pool
-            count, freed = engine.evict_device_bytes(body.device, body.bytes)
+            count, freed = engine.device.evict_bytes(body.device, body.bytes)
         return EvictResponse(
             evicted=[], not_found=[], leased=[], freed_entries=count, freed_bytes=freed
         )
@@ -171,7 +171,7 @@ def evict(request: Request, body: EvictRequest) -> EvictResponse:
         sizes[key] = info.nbytes if info is not None else 0
     out: dict[EvictOutcome, list[str]] = {o: [] for o in EvictOutcome}
     device = body.device
-    outcomes = engine.evict(keys) if device is None else engine.evict_device(keys, device)
+    outcomes = engine.evict(keys) if device is None else engine.device.evict(keys, device)
     for key, outcome in zip(keys, outcomes, strict=True):
         out[outcome].append(key)
     evicted = out[EvictOutcome.EVICTED]
@@ -198,8 +198,8 @@ def pool_map(
     host = downsample(engine.page_states(), HOST_STATES, max_cells)
     device_map: PoolMapTier | None = None
     if stats.device:  # one device pool per map: ``device`` (a pool out of service too)
-        dev = downsample(engine.device_page_states(device), DEVICE_STATES, max_cells)
-        pool = engine.device_tier.pools[device]  # it exists: device_page_states checked
+        dev = downsample(engine.device.page_states(device), DEVICE_STATES, max_cells)
+        pool = engine.device.pool(device)  # it exists: page_states checked
         device_map = PoolMapTier(
             tier="device",
             index=device,

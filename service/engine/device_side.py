@@ -1,0 +1,287 @@
+"""The engine's device side (``engine.device``): gets into device pools and client buffers,
+puts from device memory, and the pools' housekeeping.
+
+It works on the engine's own parts, under the engine's lock: the host store pins and
+leases entries, the device tier places them and queues the copies, and the lock is let go
+before anything waits for a copy. Owned and built by :class:`CacheEngine`, which hands it
+what it needs; it holds no state of its own.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from embcache.errors import InvalidArgument
+from embcache.service.device.into import check_destination
+from embcache.service.device.pending_get import DeviceLease, PendingGet, Placement
+from embcache.service.device.pool import DevicePool
+from embcache.service.device.tier import DeviceTier
+from embcache.service.engine.device_puts import PendingPut, PutTarget, start_puts
+from embcache.service.host.entries import Entry
+from embcache.service.host.leases import Lease
+from embcache.service.host.store import SHARED_TIER_OWNER, EvictOutcome, HostStore
+
+Pin = Callable[[Sequence[str], str], list[Entry | None]]  # the engine's pin (lock held)
+
+
+class DeviceSide:
+    """The device calls of the engine (module docstring)."""
+
+    def __init__(
+        self,
+        store: HostStore,
+        tier: DeviceTier,
+        lock: threading.Lock,
+        *,
+        pin: Pin,
+        expiry: Callable[[float | None], float],
+        fill_misses: Callable[[Sequence[str]], None],
+        puts: PutTarget,
+    ) -> None:
+        self._store = store
+        self._tier = tier
+        self._lock = lock
+        self._pin = pin  # checks the engine is open, expires leases, pins
+        self._expiry = expiry  # a request's TTL, checked
+        self._fill_misses = fill_misses  # the shared tier, outside the lock
+        self._puts = puts  # the engine's put calls, for puts from a device
+
+    # -- pools ---------------------------------------------------------------------------
+    @property
+    def pools(self) -> tuple[DevicePool, ...]:
+        return tuple(self._tier.pools)
+
+    def pool(self, device: int) -> DevicePool:
+        """Device pool ``device`` (in service or not), to describe it to clients."""
+        return self._tier.at(device)
+
+    def index_for(self, gpu_uuid: str) -> int:
+        """The index of the device pool serving this GPU; DeviceUnavailable if none does."""
+        return self._tier.pool_for(gpu_uuid)[0]
+
+    # -- get to device -------------------------------------------------------------------
+    def get(
+        self,
+        keys: Sequence[str],
+        owner: str,
+        *,
+        ttl_s: float | None = None,
+        device: int = 0,
+        read_table: bool = False,
+    ) -> tuple[list[DeviceLease | None], torch.Tensor | None]:
+        """Lease each key and make it resident in device pool ``device``; returns once the
+        copies are complete.
+
+        Returns:
+            Per key its DeviceLease (None for a miss) and, with ``read_table``, the batch's
+            physical page table built on the device by ``build_read_table``.
+
+        Raises:
+            PoolExhausted: the pool cannot hold the batch (every other copy is leased).
+            DeviceUnavailable: no such pool, or a device error took it out of service.
+        """
+        placement, pending = self._start(keys, owner, ttl_s, device, True, False)
+        try:
+            table = None
+            if read_table:
+                with self._lock:
+                    table = self._tier.read_table(placement)
+            self._tier.wait(pending, device)
+            return pending.results, table
+        except BaseException:  # nobody receives these leases
+            with self._lock:
+                self._store.release(d.lease.lease_id for d in pending.results if d is not None)
+            raise
+
+    def start_get(
+        self,
+        keys: Sequence[str],
+        owner: str,
+        *,
+        ttl_s: float | None = None,
+        device: int = 0,
+        fill_misses: bool = True,
+        defer_tables: bool = False,
+    ) -> PendingGet:
+        """:meth:`get` without waiting for the copies, for callers that wait their own way
+        (an event loop). Hand out ``pending.results`` only once ``pending.done()`` or
+        ``pending.wait()``; the leases are the caller's either way.
+
+        ``fill_misses=False``: the caller asked the shared tier already (that may wait on
+        the network; this call waits only for the lock). ``defer_tables``: the page-table
+        updates wait for :meth:`housekeeping`, run later, off the caller's critical path."""
+        return self._start(keys, owner, ttl_s, device, fill_misses, defer_tables)[1]
+
+    def _start(
+        self,
+        keys: Sequence[str],
+        owner: str,
+        ttl_s: float | None,
+        device: int,
+        fill_misses: bool,
+        defer_tables: bool,
+    ) -> tuple[Placement, PendingGet]:
+        if fill_misses:
+            self._fill_misses(keys)
+        ttl = self._expiry(ttl_s)
+        with self._lock:
+            entries = self._pin(keys, owner)
+            try:
+                placement = self._tier.place(entries, device, defer_tables=defer_tables)
+            except BaseException:
+                self._store.unpin(entries)
+                raise
+            leases = self._store.lease(entries, owner, self._store.clock() + ttl)
+            return placement, self._tier.pending(placement, leases)
+
+    def warm(self, keys: Sequence[str], device: int) -> int:
+        """Make ``keys`` resident in device pool ``device`` (no lease is kept); returns how
+        many were found."""
+        if not keys:
+            return 0
+        placed, _ = self.get(keys, SHARED_TIER_OWNER, device=device)
+        with self._lock:
+            self._store.release(p.lease.lease_id for p in placed if p is not None)
+        return sum(1 for p in placed if p is not None)
+
+    def ready_event(self, pending: PendingGet, device: int = 0) -> bytes | None:
+        """For a client that waits on the GPU: an interprocess event handle that fires once
+        ``pending``'s copies are complete (None: complete already, or not on a GPU)."""
+        return self._tier.ready_event(pending, device)
+
+    # -- housekeeping --------------------------------------------------------------------
+    def flush_tables(self, device: int = 0) -> None:
+        """Launch device ``device``'s queued page-table updates now."""
+        with self._lock:
+            self._tier.flush_tables(device)
+
+    def housekeeping(self, device: int = 0) -> None:
+        """After a ``defer_tables`` get's reply: evict device ``device``'s copies down to its
+        free reserve, and launch its page-table updates once they are due."""
+        with self._lock:
+            self._tier.flush_tables(device, when_due=True)
+
+    def flush_due(self) -> int:
+        """Launch the page-table updates that are due in any pool (the daemon's reaper calls
+        this, so the tables catch up once gets stop); returns how many pools did."""
+        with self._lock:
+            return self._tier.flush_due()
+
+    def evict(self, keys: Sequence[str], device: int) -> list[EvictOutcome]:
+        """Drop each key's copy in device pool ``device``; its host copy stays. NOT_FOUND:
+        no such entry, or no copy there; LEASED: refused (never forced)."""
+        with self._lock:
+            self._store.expire(self._store.clock())
+            out = self._store.evictable(keys)
+            todo = [entry for _, entry in out if entry is not None]
+            had = iter(self._tier.evict_copies(todo, device))
+            return [
+                EvictOutcome.NOT_FOUND if entry is not None and not next(had) else outcome
+                for outcome, entry in out
+            ]
+
+    def evict_bytes(self, device: int, nbytes: int) -> tuple[int, int]:
+        """Free ``nbytes`` of device pool ``device`` by LRU over its unleased copies (host
+        copies stay): (entries, bytes of pages freed)."""
+        if nbytes < 0:
+            raise InvalidArgument("nbytes must be >= 0", nbytes=nbytes)
+        with self._lock:
+            self._store.expire(self._store.clock())
+            return self._tier.evict_pool_bytes(device, nbytes)
+
+    def page_states(self, device: int = 0) -> np.ndarray:
+        """One uint8 per page of device pool ``device``: 0 free, 1 resident, 2 leased (a pool
+        out of service holds nothing). DeviceUnavailable when there is no such pool."""
+        self._tier.at(device)
+        with self._lock:
+            return self._tier.page_states(device)
+
+    # -- get into a client buffer --------------------------------------------------------
+    def get_into(
+        self,
+        keys: Sequence[str],
+        owner: str,
+        dest: torch.Tensor,
+        offsets: Sequence[int],
+        *,
+        device: int | None = None,
+    ) -> list[Lease | None]:
+        """Copy each entry found into ``dest`` (flat uint8) at its offset, from device pool
+        ``device`` where it is resident there; returns once the copies are complete.
+
+        Returns:
+            Per key its lease (ended by the time this returns), or None for a miss.
+        """
+        check_destination(dest, len(keys), len(offsets))
+        if device is not None:
+            self._tier.pool(device)  # no such pool: fail before anything else
+        self._fill_misses(keys)
+        ttl = self._expiry(None)
+        with self._lock:
+            entries = self._pin(keys, owner)
+            leases = self._store.lease(entries, owner, self._store.clock() + ttl)
+            ids = [x.lease_id for x in leases if x is not None]
+            try:
+                stream = self._tier.queue_into(leases, dest, offsets, device)
+            except BaseException:
+                self._store.release(ids)
+                raise
+        try:
+            start = time.perf_counter()
+            if stream is not None:
+                stream.synchronize()
+            nbytes = sum(x.nbytes for x in leases if x is not None)
+            self._tier.copier.observe("h2d", nbytes, time.perf_counter() - start)
+        finally:
+            with self._lock:
+                self._store.release(ids)
+        return leases
+
+    # -- puts from device memory (device_puts.py) ----------------------------------------
+    def put(
+        self,
+        key: str,
+        src: torch.Tensor,
+        *,
+        owner: str = "local",
+        checksum: int | None = None,
+        src_ready: bool = False,
+    ) -> bool:
+        """Store a (device) tensor; returns once its bytes are in the host pool. The copy
+        follows the work queued so far on the current stream (``src_ready``: the caller
+        knows ``src`` is written already, e.g. it waited for its producer's event)."""
+        items = [(key, src)]
+        pending = start_puts(self._puts, self._tier, items, owner, [checksum], src_ready=src_ready)
+        return pending.finish()[0]
+
+    def put_many(
+        self,
+        items: Sequence[tuple[str, torch.Tensor]],
+        *,
+        owner: str = "local",
+        checksums: Sequence[int | None] | None = None,
+        src_ready: bool = False,
+    ) -> list[bool]:
+        """Store several (device) tensors, ``(key, tensor)`` each, with one wait; True per
+        created entry. All or nothing: an error (a checksum mismatch included) leaves none
+        of the batch visible. ``checksums``: a CRC32 or None per item."""
+        pending = start_puts(self._puts, self._tier, items, owner, checksums, src_ready=src_ready)
+        return pending.finish()
+
+    def start_put_many(
+        self,
+        items: Sequence[tuple[str, torch.Tensor]],
+        *,
+        owner: str = "local",
+        checksums: Sequence[int | None] | None = None,
+        src_ready: bool = False,
+    ) -> PendingPut:
+        """:meth:`put_many` without waiting for the copies: ``pending.finish()`` once
+        ``pending.done()`` commits the batch, ``pending.abort()`` gives it up. The tensors
+        must stay readable until then."""
+        return start_puts(self._puts, self._tier, items, owner, checksums, src_ready=src_ready)

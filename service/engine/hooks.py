@@ -1,0 +1,176 @@
+"""What the engine is built from: its device tier (with one pool per served GPU), and the
+shared tier's hooks."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from embcache.service.config import Settings
+from embcache.service.device.copier import CopyObserver
+from embcache.service.device.pool import DevicePool
+from embcache.service.device.tier import DeviceTier
+from embcache.service.host.host_pool import HostPool
+
+log = logging.getLogger("embcache.service.engine")
+
+
+class PrefetchCounts(Protocol):
+    def to_dict(self) -> dict[str, int]: ...
+
+
+class SharedTierHooks(Protocol):
+    """The calls the engine makes to a shared tier across nodes (``shared_tier/``).
+
+    None of them may fail a local operation: an outage is a miss."""
+
+    def fetch(self, keys: list[str]) -> None:
+        """Bring local misses into the host pool, if the shared tier has them."""
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        """Whether the shared tier holds each of these local misses."""
+        ...
+
+    def on_commit(self, key: str, owner: str) -> None:
+        """A new local entry (to write through)."""
+
+    def prefetch(self, keys: Sequence[str], *, device: int | None = None) -> PrefetchCounts:
+        """Warm the local tiers; the counts the Prefetch call reports."""
+        ...
+
+    def close(self) -> None:
+        """Stop: write what is queued (bounded) and let go of the store."""
+
+
+class SharedCalls:
+    """The engine's calls to its shared tier, if it has one: an outage of the tier is
+    logged and answered as a miss, never raised into a local operation."""
+
+    def __init__(self, hooks: SharedTierHooks | None = None) -> None:
+        self.hooks = hooks
+
+    def fetch(self, missing: list[str]) -> None:
+        if self.hooks is None or not missing:
+            return
+        try:
+            self.hooks.fetch(list(dict.fromkeys(missing)))
+        except Exception:
+            log.warning("shared tier fetch failed for %d keys", len(missing), exc_info=True)
+
+    def exists(self, keys: Sequence[object], local: list[bool]) -> list[bool]:
+        """``local`` with each local miss answered by the shared tier."""
+        if self.hooks is None or all(local):
+            return local
+        out = list(local)
+        idx = [i for i, hit in enumerate(out) if not hit and isinstance(keys[i], str)]
+        try:
+            for i, hit in zip(idx, self.hooks.exists([str(keys[i]) for i in idx]), strict=True):
+                out[i] = bool(hit)
+        except Exception:
+            log.warning("shared tier exists failed", exc_info=True)
+            return local
+        return out
+
+    def on_commit(self, key: str, owner: str) -> None:
+        if self.hooks is None:
+            return
+        try:
+            self.hooks.on_commit(key, owner)
+        except Exception:  # the write-through never fails the put
+            log.exception("shared tier write-through failed for %r", key)
+
+    def prefetch(
+        self,
+        keys: Sequence[str],
+        device: int | None,
+        exists: Callable[[list[str]], list[bool]],
+        warm: Callable[[list[str], int], int],
+    ) -> dict[str, int]:
+        """The Prefetch call's counts: the shared tier's, or without one, of the keys found
+        here (``exists``) and made resident in ``device`` (``warm``)."""
+        if self.hooks is not None:
+            return self.hooks.prefetch(keys, device=device).to_dict()
+        wanted = list(dict.fromkeys(k for k in keys if isinstance(k, str)))
+        present = [k for k, hit in zip(wanted, exists(wanted), strict=True) if hit]
+        resident = warm(present, device) if device is not None else 0
+        return {
+            "requested": len(wanted),
+            "local": len(present),
+            "fetched": 0,
+            "missing": len(wanted) - len(present),
+            "resident": resident,
+        }
+
+    def close(self) -> None:
+        """Stop the tier (it writes what it has queued while the pool is still mapped)."""
+        hooks, self.hooks = self.hooks, None
+        if hooks is not None:
+            hooks.close()
+
+
+def cuda_wanted(settings: Settings) -> bool:
+    """Whether the engine uses CUDA: ``device`` is cuda, or auto and a GPU is visible."""
+    if settings.device == "cpu":
+        return False
+    available = torch.cuda.is_available()
+    if settings.device == "cuda" and not available:
+        raise RuntimeError("device=cuda but no CUDA device is available")
+    return available
+
+
+def default_device_pools(settings: Settings) -> list[DevicePool]:
+    """One device pool per served GPU when a device pool size is set and CUDA is used."""
+    if settings.device_pool_bytes == 0 or not cuda_wanted(settings):
+        return []
+    gpus = settings.gpu_indices(torch.cuda.device_count())
+    pools: list[DevicePool] = []
+    try:
+        for index, gpu in enumerate(gpus):
+            pools.append(
+                DevicePool(
+                    torch.device("cuda", gpu),
+                    settings.device_pool_bytes,
+                    settings.device_page_bytes,
+                    ipc_mode=settings.ipc_mode,
+                    index=index,
+                    peers=[g for g in gpus if g != gpu],
+                )
+            )
+    except BaseException:
+        for pool in pools:
+            pool.close()
+        raise
+    return pools
+
+
+def build_tier(
+    settings: Settings,
+    host: HostPool,
+    device_pools: Sequence[DevicePool] | None,
+    copy_observer: CopyObserver | None,
+) -> DeviceTier:
+    """The device tier over ``device_pools`` (the default ones when None). If it cannot be
+    built, the default pools made here are closed; a caller's pools stay the caller's."""
+    pools: Sequence[DevicePool] = ()
+    try:
+        pools = default_device_pools(settings) if device_pools is None else device_pools
+        return DeviceTier(pools, host, settings.device_config(), copy_observer=copy_observer)
+    except BaseException:
+        if device_pools is None:
+            for pool in pools:
+                pool.close()
+        raise
+
+
+def build_host_pool(settings: Settings, uses_cuda: bool) -> HostPool:
+    """The host pool's shared-memory segment, registered with CUDA when it is used."""
+    return HostPool(
+        settings.effective_shm_name,
+        settings.host_pool_bytes,
+        settings.page_bytes,
+        register_cuda=uses_cuda,
+        mode=int(settings.shm_mode, 8),
+    )

@@ -1,0 +1,60 @@
+"""Reading a leased entry's bytes out of the host pool: as a tensor, or in chunks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from embcache.errors import InvalidArgument
+from embcache.service.host.host_pool import HostPool
+from embcache.service.host.leases import Lease
+
+
+def as_tensor(pool: HostPool, lease: Lease) -> torch.Tensor:
+    """The entry as a tensor: a zero-copy view of the pool when it is one run, else a copy
+    gathered from its runs (the caller checks the lease lived throughout)."""
+    entry = lease.entry
+    if lease.contiguous:
+        off = lease.byte_runs[0][0] if lease.byte_runs else 0
+        flat = pool.tensor[off : off + entry.nbytes]
+    else:
+        flat = torch.empty(entry.nbytes, dtype=torch.uint8)
+        pos = 0
+        for off, length in lease.byte_runs:
+            flat[pos : pos + length].copy_(pool.tensor[off : off + length])
+            pos += length
+    return flat.view(entry.dtype.torch_dtype).view(entry.shape)
+
+
+def iter_bytes(
+    pool: HostPool,
+    lease: Lease,
+    offset: int,
+    length: int | None,
+    chunk_bytes: int,
+    require: Callable[[Lease], None],
+) -> Iterator[bytes]:
+    """The entry's bytes ``[offset, offset+length)`` in chunks of ``chunk_bytes``; each is
+    copied between two ``require(lease)`` checks, so a chunk that reached the caller was
+    read while the lease lived (no page of it was reused)."""
+    if length is None:
+        length = lease.nbytes - offset
+    if offset < 0 or length < 0 or offset + length > lease.nbytes or chunk_bytes <= 0:
+        raise InvalidArgument(
+            "byte range outside the entry", offset=offset, length=length, nbytes=lease.nbytes
+        )
+    array = pool.array
+    end = offset + length
+    base = 0
+    for off, run_len in lease.byte_runs:
+        lo, hi = max(offset, base), min(end, base + run_len)
+        pos = lo
+        while pos < hi:
+            take = min(chunk_bytes, hi - pos)
+            require(lease)
+            data = array[off + pos - base : off + pos - base + take].tobytes()
+            require(lease)  # still leased after the copy: the bytes are the entry's
+            yield data
+            pos += take
+        base += run_len

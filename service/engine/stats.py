@@ -1,0 +1,116 @@
+"""The engine's snapshots for transports and operators (plain data, JSON-ready), and how
+they are put together from the host store's counts and the device tier's pools."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from embcache.service.device.tier import DeviceTier
+from embcache.service.host.entries import Entry
+from embcache.service.host.stats import PoolStats
+from embcache.service.host.store import HostCounts
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    host: PoolStats
+    device: list[PoolStats]
+    entries_ready: int
+    entries_filling: int
+    reserved_filling_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    evicted_bytes: int
+    puts_committed: int
+    puts_aborted: int
+    put_bytes: int
+    leases_active: int
+    leases_expired: int
+    lease_owners: int
+    runs_per_entry: dict[str, int] = field(default_factory=dict)  # bucket label -> entries
+    bytes_copied: dict[str, int] = field(default_factory=dict)  # direction -> bytes
+    device_resident: list[int] = field(default_factory=list)  # entries resident per device
+    draining: bool = False
+    put_landing_bytes: int = 0  # host pages set aside for puts from a device (free, on loan)
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["hit_rate"] = self.hit_rate
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class EntryInfo:
+    key: str
+    state: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    page_runs: tuple[tuple[int, int], ...]
+    leases: int
+    idle_s: float
+    residency: tuple[str, ...]
+    lease_holders: tuple[tuple[str, float], ...] = ()  # (owner, expires_in_s); ids stay secret
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        d["page_runs"] = [list(r) for r in self.page_runs]
+        d["residency"] = list(self.residency)
+        d["lease_holders"] = [{"owner": o, "expires_in_s": t} for o, t in self.lease_holders]
+        return d
+
+
+def engine_stats(host: HostCounts, tier: DeviceTier, *, draining: bool) -> EngineStats:
+    """One snapshot of the host store's counts and the device pools."""
+    c = host.counters
+    return EngineStats(
+        host=host.pool,
+        device=tier.stats(),
+        entries_ready=host.entries_ready,
+        entries_filling=host.entries_filling,
+        reserved_filling_bytes=host.reserved_filling_bytes,
+        hits=c.get("hits", 0),
+        misses=c.get("misses", 0),
+        evictions=c.get("evictions", 0),
+        evicted_bytes=c.get("evicted_bytes", 0),
+        puts_committed=c.get("puts_committed", 0),
+        puts_aborted=c.get("puts_aborted", 0),
+        put_bytes=c.get("put_bytes", 0),
+        leases_active=host.leases_active,
+        leases_expired=c.get("leases_expired", 0),
+        lease_owners=host.lease_owners,
+        runs_per_entry=host.runs_per_entry,
+        bytes_copied=tier.copier.copied(),
+        device_resident=tier.resident_entries(),
+        draining=draining,
+        put_landing_bytes=host.prealloc_bytes,
+    )
+
+
+def entry_info(
+    entry: Entry,
+    tier: DeviceTier,
+    now: float,
+    holders: tuple[tuple[str, float], ...] = (),
+) -> EntryInfo:
+    """What operators see of one entry: metadata, page runs, residency, lease holders."""
+    return EntryInfo(
+        entry.key,
+        entry.state.name.lower(),
+        entry.dtype.name,
+        entry.shape,
+        entry.nbytes,
+        entry.runs,
+        entry.ref_cnt,
+        max(0.0, now - entry.last_access),
+        tier.residency(entry),
+        holders,
+    )

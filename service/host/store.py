@@ -1,0 +1,323 @@
+"""The host store: every table about the host page pool, kept in step.
+
+One object owns the page allocator, the pages set aside for puts from a device (the
+prealloc), the READY entries and their LRU, the FILLING reservations, the leases and the
+counters. Keeping them together is what lets each operation update all of them at once: a
+page is free, or held by exactly one reservation, entry or the prealloc.
+
+Nothing here locks: the engine holds its one lock around every call. Shortfalls (no room,
+an owner over its quota) come back as ``None`` or ``False`` for the engine to turn into
+errors; a broken invariant is an ``AssertionError``.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from embcache.errors import EntryLeased, NotFound
+from embcache.service.host.allocator import PageRunAllocator, Run
+from embcache.service.host.entries import Entry, EntryState, EntryTable
+from embcache.service.host.host_pool import HostPool
+from embcache.service.host.leases import Lease, LeaseTable
+from embcache.service.host.prealloc import PutPrealloc
+from embcache.service.host.stats import PoolStats, run_bucket
+
+PAGE_FREE, PAGE_FILLING, PAGE_READY, PAGE_LEASED = 0, 1, 2, 3
+SHARED_TIER_OWNER = "shared-tier"  # owner of the shared tier's own leases and fills
+
+
+class EvictOutcome(enum.Enum):
+    EVICTED = "evicted"
+    NOT_FOUND = "not_found"
+    LEASED = "leased"
+
+
+def raise_for_evict(key: str, outcome: EvictOutcome, *, device: int | None = None) -> None:
+    """The typed error of one key's eviction outcome (none when evicted); ``device``: the
+    eviction was of that device pool's copies only."""
+    if outcome is EvictOutcome.NOT_FOUND and device is not None:
+        raise NotFound("no such entry, or no copy in that device pool", key=key, device=device)
+    if outcome is EvictOutcome.NOT_FOUND:
+        raise NotFound("no such entry", key=key)
+    if outcome is EvictOutcome.LEASED:
+        raise EntryLeased("entry is leased; it is evicted only once released", key=key)
+
+
+@dataclass(frozen=True, slots=True)
+class HostCounts:
+    """The store's counters and sizes at one moment (for the engine's stats)."""
+
+    pool: PoolStats
+    entries_ready: int
+    entries_filling: int
+    reserved_filling_bytes: int
+    leases_active: int
+    lease_owners: int
+    runs_per_entry: dict[str, int]
+    counters: dict[str, int]
+    prealloc_bytes: int
+
+
+class HostStore:
+    """Pages, entries, reservations and leases of the host pool (module docstring).
+
+    ``on_evict(entry)`` runs before an entry's pages are freed (the engine drops its device
+    copies there); ``clock`` gives the time leases expire by.
+    """
+
+    def __init__(
+        self,
+        pool: HostPool,
+        *,
+        prealloc_pages: int,
+        on_evict: Callable[[Entry], None],
+        clock: Callable[[], float],
+    ) -> None:
+        self.pool = pool
+        self.page_bytes = pool.page_bytes
+        self.alloc = PageRunAllocator(pool.num_pages)  # free pages (the prealloc's are out)
+        self.prealloc = PutPrealloc(min(prealloc_pages, pool.num_pages // 16))
+        self.entries = EntryTable()  # READY entries and the LRU of the unleased ones
+        self.leases = LeaseTable()
+        self._filling: dict[int, tuple[Entry, str]] = {}  # put id -> (entry, owner)
+        self._put_ids = itertools.count(1)
+        self.inflight: Counter[str] = Counter()  # owner -> bytes in its open puts
+        self._runs_hist: Counter[str] = Counter()  # READY entries by number of page runs
+        self.counters: Counter[str] = Counter()  # hits, misses, evictions, puts, ...
+        self._on_evict = on_evict
+        self.clock = clock
+
+    # -- pages ---------------------------------------------------------------------------
+    def pages_for(self, nbytes: int) -> int:
+        return -(-nbytes // self.page_bytes)
+
+    def byte_runs(self, runs: Sequence[Run], nbytes: int) -> tuple[tuple[int, int], ...]:
+        """Byte ranges ``(offset, length)`` in the pool holding the first ``nbytes`` of ``runs``."""
+        return tuple(self.pool.byte_runs(runs, nbytes))
+
+    def reserve(self, npages: int) -> list[Run] | None:
+        """Pages for a new entry, taking the prealloc's back before evicting anything;
+        None (nothing evicted) when even evicting every unleased entry would not do."""
+        if self.alloc.num_free_pages < npages and self.prealloc.pages:
+            self.alloc.free(self.prealloc.drain())  # free capacity on loan: room first
+        return self.take_pages(npages)
+
+    def take_pages(self, npages: int) -> list[Run] | None:
+        """``npages`` pages from the allocator, evicting LRU entries until they are free;
+        None (nothing evicted) when even evicting every unleased entry would not do."""
+        if self.alloc.num_free_pages + self.entries.evictable_pages < npages:
+            return None
+        while self.alloc.num_free_pages < npages:
+            victim = self.entries.lru_oldest()
+            assert victim is not None, "evictable page count out of step with the LRU"
+            self.evict(victim)
+        runs = self.alloc.allocate(npages)
+        assert runs is not None, "allocation failed with enough free pages"
+        return runs
+
+    def top_up_prealloc(self) -> None:
+        """Refill the prealloc to what the last puts asked for, evicting LRU entries as a
+        put would; nothing when the pool has no room to spare."""
+        n = self.prealloc.shortfall()
+        if n and (runs := self.take_pages(n)) is not None:
+            self.prealloc.add(runs)
+
+    # -- puts ----------------------------------------------------------------------------
+    def quota_left(self, owner: str, limit: int) -> int:
+        """Bytes ``owner`` may still reserve in open puts under ``limit``."""
+        return limit - self.inflight[owner]
+
+    def open_fill(self, entry: Entry, owner: str) -> int:
+        """Record a FILLING reservation (invisible to readers); returns its put id."""
+        put_id = next(self._put_ids)
+        self._filling[put_id] = (entry, owner)
+        self.inflight[owner] += entry.nbytes
+        return put_id
+
+    def close_fill(self, put_id: int) -> tuple[Entry, str] | None:
+        """End a reservation (its pages stay with the entry); None if it ended already
+        (the engine closed meanwhile)."""
+        found = self._filling.pop(put_id, None)
+        if found is None:
+            return None
+        entry, owner = found
+        self.inflight[owner] -= entry.nbytes
+        if not self.inflight[owner]:
+            del self.inflight[owner]
+        return found
+
+    def add_ready(self, entry: Entry, now: float) -> None:
+        """A complete entry becomes visible to readers."""
+        entry.state = EntryState.READY
+        entry.last_access = now
+        self.entries.add_ready(entry)
+        self._runs_hist[run_bucket(len(entry.runs))] += 1
+        self.counters["puts_committed"] += 1
+        self.counters["put_bytes"] += entry.nbytes
+
+    def discard(self, entry: Entry) -> None:
+        """Free the pages of an entry that never became READY."""
+        self.alloc.free(entry.runs)
+        entry.state = EntryState.FREED
+
+    # -- pins and leases -----------------------------------------------------------------
+    def pin(self, keys: Sequence[str], owner: str, now: float) -> list[Entry | None]:
+        """Look ``keys`` up, count hits and misses, and take a reference on each entry
+        found, so nothing evicts it; a pin becomes a lease (:meth:`lease`) or is undone
+        (:meth:`unpin`)."""
+        self.expire(now)
+        counted = owner != SHARED_TIER_OWNER  # write-through reads are not client hits
+        out: list[Entry | None] = []
+        for key in keys:
+            entry = self.entries.get(key) if isinstance(key, str) else None
+            if entry is None:
+                self.counters["misses"] += counted
+                out.append(None)
+                continue
+            self.counters["hits"] += counted
+            self.entries.acquire(entry)
+            entry.last_access = now
+            out.append(entry)
+        return out
+
+    def unpin(self, entries: Iterable[Entry | None]) -> None:
+        for entry in entries:
+            if entry is not None:
+                self.entries.release(entry)
+
+    def lease(
+        self, entries: Sequence[Entry | None], owner: str, expires_at: float
+    ) -> list[Lease | None]:
+        """One lease per pinned entry (the pin becomes the lease's reference)."""
+        add, page = self.leases.add, self.page_bytes
+        return [None if e is None else add(e, owner, expires_at, page) for e in entries]
+
+    def end_lease(self, lease_id: int) -> bool:
+        lease = self.leases.pop(lease_id)
+        if lease is None:
+            return False
+        self.entries.release(lease.entry)
+        return True
+
+    def release(self, lease_ids: Iterable[int]) -> int:
+        return sum(self.end_lease(i) for i in lease_ids)
+
+    def renew(self, lease_ids: Iterable[int], expires_at: float) -> int:
+        renewed = 0
+        for lease_id in lease_ids:
+            lease = self.leases.get(lease_id)
+            if lease is not None:
+                self.leases.renew(lease, expires_at)
+                renewed += 1
+        return renewed
+
+    def alive(self, lease: Lease, now: float) -> bool:
+        return self.leases.get(lease.lease_id) is lease and lease.expires_at > now
+
+    def expire(self, now: float) -> int:
+        """End the leases whose TTL has passed; returns how many."""
+        expired = self.leases.pop_expired(now)
+        for lease in expired:
+            self.entries.release(lease.entry)
+        self.counters["leases_expired"] += len(expired)
+        return len(expired)
+
+    # -- eviction ------------------------------------------------------------------------
+    def evictable(self, keys: Sequence[str]) -> list[tuple[EvictOutcome, Entry | None]]:
+        """Each key's outcome, with its entry when it may go (EVICTED); a key named again
+        is NOT_FOUND the second time (gone by then)."""
+        out: list[tuple[EvictOutcome, Entry | None]] = []
+        seen: set[int] = set()
+        for key in keys:
+            entry = self.entries.get(key) if isinstance(key, str) else None
+            if entry is None or id(entry) in seen:
+                out.append((EvictOutcome.NOT_FOUND, None))
+            elif entry.ref_cnt:
+                out.append((EvictOutcome.LEASED, None))
+            else:
+                seen.add(id(entry))
+                out.append((EvictOutcome.EVICTED, entry))
+        return out
+
+    def evict(self, entry: Entry) -> None:
+        """Remove an unleased READY entry and free its pages (its device copies first)."""
+        self._on_evict(entry)
+        self.entries.remove(entry)
+        self.alloc.free(entry.runs)
+        self._runs_hist[run_bucket(len(entry.runs))] -= 1
+        self.counters["evictions"] += 1
+        self.counters["evicted_bytes"] += entry.nbytes
+
+    def evict_bytes(self, nbytes: int) -> tuple[int, int]:
+        """Evict LRU entries until ``nbytes`` of pages are freed or none is left."""
+        count = freed = 0
+        while freed < nbytes and (victim := self.entries.lru_oldest()) is not None:
+            freed += victim.num_pages * self.page_bytes
+            self.evict(victim)
+            count += 1
+        return count, freed
+
+    def drop_all(self) -> None:
+        """The engine is closing: end every lease and forget every reservation."""
+        for lease_id in self.leases.all_ids():
+            self.end_lease(lease_id)
+        self._filling.clear()
+        self.inflight.clear()
+
+    # -- views ---------------------------------------------------------------------------
+    def listing(self, offset: int, limit: int, state: str | None) -> tuple[int, list[Entry]]:
+        """How many entries there are (READY in insertion order, then FILLING; ``state``
+        keeps ``ready`` or ``filling`` only) and those of ``[offset, offset + limit)``."""
+        found: list[Entry] = []
+        if state in (None, "ready"):
+            found.extend(self.entries.by_key.values())
+        if state in (None, "filling"):
+            found.extend(entry for entry, _ in self._filling.values())
+        return len(found), found[max(offset, 0) : max(offset, 0) + max(limit, 0)]
+
+    def counts(self) -> HostCounts:
+        a, page = self.alloc, self.page_bytes
+        prealloc = self.prealloc.pages  # free capacity on loan to device puts: counted free
+        free_pages = a.num_free_pages + prealloc
+        used_pages = a.num_pages - free_pages
+        pool = PoolStats(
+            "host",
+            a.num_pages * page,
+            used_pages * page,
+            free_pages * page,
+            page,
+            a.num_pages,
+            used_pages,
+            free_pages,
+            a.largest_free_run,  # runs the allocator holds (the prealloc's not among them)
+            a.num_free_runs,
+        )
+        return HostCounts(
+            pool=pool,
+            entries_ready=len(self.entries),
+            entries_filling=len(self._filling),
+            reserved_filling_bytes=sum(e.num_pages for e, _ in self._filling.values()) * page,
+            leases_active=len(self.leases),
+            lease_owners=self.leases.owners(),
+            runs_per_entry={k: v for k, v in self._runs_hist.items() if v},
+            counters=dict(self.counters),
+            prealloc_bytes=prealloc * page,
+        )
+
+    def page_states(self) -> np.ndarray:
+        """One uint8 per host page: 0 free, 1 filling, 2 ready, 3 leased."""
+        states = np.zeros(self.alloc.num_pages, dtype=np.uint8)
+        for entry, _ in self._filling.values():
+            for start, n in entry.runs:
+                states[start : start + n] = PAGE_FILLING
+        for entry in self.entries.by_key.values():
+            value = PAGE_LEASED if entry.ref_cnt else PAGE_READY
+            for start, n in entry.runs:
+                states[start : start + n] = value
+        return states
