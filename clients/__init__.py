@@ -4,9 +4,9 @@
 ``host:port``. See docs/grpc.md.
 """
 
-from embcache.clients._wire import EntryBytes
 from embcache.clients.async_client import AsyncEmbCacheClient
-from embcache.clients.errors import RpcFailed
+from embcache.clients.core.errors import RpcFailed
+from embcache.clients.core.replies import EntryBytes
 from embcache.clients.results import AsyncLeasedTensors, LeasedTensors
 from embcache.clients.sync_client import EmbCacheClient
 

@@ -16,29 +16,22 @@ from typing import Any, TypeVar, overload
 import grpc
 import torch
 
-from embcache.clients import device as _device
-from embcache.clients import device_puts as dp
-from embcache.clients import device_results as dr
-from embcache.clients._wire import (
-    as_keys,
-    auth_metadata,
-    connect,
-    normalize_target,
-    payload_of,
-)
-from embcache.clients.errors import (
-    RpcFailed,
-    backoff_s,
-    from_call_error,
-    is_unknown_session,
-    should_retry,
-    translate,
-)
-from embcache.clients.lane import AsyncLaneSession, lane_path
+from embcache.clients.core.capabilities import Capabilities, HostFallbacks
+from embcache.clients.core.channel import auth_metadata, connect
+from embcache.clients.core.errors import RpcFailed, from_call_error, translate
+from embcache.clients.core.payload import payload_of
+from embcache.clients.core.requests import as_keys
+from embcache.clients.core.retry import backoff_s, is_unknown_session, retry_step, should_retry
+from embcache.clients.core.session_calls import SessionLost, serves
+from embcache.clients.core.targets import lane_path, normalize_target
+from embcache.clients.device import device_replies, exports, into, pools
+from embcache.clients.device import puts as dp
+from embcache.clients.device.host_replies import decode_get
+from embcache.clients.device.shm import process_pool_maps
+from embcache.clients.lane import AsyncLaneSession
 from embcache.clients.plain_calls import AsyncPlainCalls
-from embcache.clients.results import AsyncLeasedTensors, copy_into, decode_get
-from embcache.clients.sessions import AsyncSession, SessionLost, retry_step, serves
-from embcache.clients.shm import process_pool_maps
+from embcache.clients.results import AsyncLeasedTensors
+from embcache.clients.sessions import AsyncSession
 from embcache.errors import DeviceUnavailable
 from embcache.proto.constants import SESSION_KEY
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
@@ -96,11 +89,9 @@ class AsyncEmbCacheClient(AsyncPlainCalls):
         self._session_lock = asyncio.Lock()
         self._maps = process_pool_maps()
         self._pool_local: bool | None = None
-        self._device_pools = _device.process_device_pools()
-        self._no_device = _device.HostFallbacks()
-        self._device_puts = True
-        self._batch_puts = True  # False once the daemon said it lacks PutFromDeviceBatch
-        self._ready_events = True  # ask device Gets for a ready event (False: it failed)
+        self._device_pools = pools.process_device_pools()
+        self._no_device = HostFallbacks()
+        self._caps = Capabilities()  # what the daemon turned out not to support
 
     # -- plumbing ------------------------------------------------------------------------
     async def _session_id(self) -> str:
@@ -197,7 +188,7 @@ class AsyncEmbCacheClient(AsyncPlainCalls):
 
     # -- puts ----------------------------------------------------------------------------
     async def put(self, key: str, tensor: Any, *, checksum: bool = True) -> bool:
-        if self._device_puts and dp.wants_device_put(tensor):
+        if self._caps.device_puts and dp.wants_device_put(tensor):
             created = await self._put_from_device(key, tensor)
             if created is not None:
                 return created
@@ -218,7 +209,7 @@ class AsyncEmbCacheClient(AsyncPlainCalls):
         pairs = dp.as_pairs(items)
         out: list[bool | None] = [None] * len(pairs)
         cuda = [(i, k, t) for i, (k, t) in enumerate(pairs) if dp.wants_device_put(t)]
-        if cuda and self._device_puts and self._batch_puts:
+        if cuda and self._caps.device_puts and self._caps.batch_puts:
             for batch in dp.batches(cuda) or []:
                 reply = await self._put_batch(batch)
                 if reply is None:
@@ -239,12 +230,12 @@ class AsyncEmbCacheClient(AsyncPlainCalls):
                 ),
             )
         except (DeviceUnavailable, RpcFailed) as exc:
-            if not dp.falls_back(self, exc):
+            if not self._caps.put_failed(exc):
                 raise
         return None
 
     async def _put_from_device(self, key: str, tensor: torch.Tensor) -> bool | None:
-        exported = dr.export_cuda(tensor.detach().contiguous())
+        exported = exports.export_cuda(tensor.detach().contiguous())
         if exported is None:
             return None
         request = pb.PutFromDeviceRequest(key=key, tensor=exported.message)
@@ -255,7 +246,7 @@ class AsyncEmbCacheClient(AsyncPlainCalls):
                 lambda md, to: self._stub.PutFromDevice(request, timeout=to, metadata=md),
             )
         except DeviceUnavailable as exc:
-            dp.falls_back(self, exc)  # streams bytes from now on
+            self._caps.put_failed(exc)  # streams bytes from now on
             return None
         exported.returned()  # the daemon has copied: its event may be reused
         return bool(reply.created)
@@ -301,10 +292,10 @@ class AsyncEmbCacheClient(AsyncPlainCalls):
     async def _get_device(
         self, names: list[str], device: str | torch.device, ttl_s: float | None
     ) -> AsyncLeasedTensors | None:
-        dev, uuid = _device.resolve_device(device)
+        dev, uuid = pools.resolve_device(device)
         if uuid in self._no_device:
             return None
-        request = pb.GetRequest(keys=names, gpu_uuid=uuid, ready_event=self._ready_events)
+        request = pb.GetRequest(keys=names, gpu_uuid=uuid, ready_event=self._caps.ready_events)
         if ttl_s:
             request.ttl_s = ttl_s
         try:
@@ -313,20 +304,19 @@ class AsyncEmbCacheClient(AsyncPlainCalls):
             self._no_device.add(uuid, exc)
             return None
         try:
-            decoded = dr.decode_device_get(reply, self._device_pools)
+            decoded = device_replies.decode_device_get(reply, self._device_pools)
         except BaseException as exc:
             await self.release([r.lease_id for r in reply.results if r.found])
-            if isinstance(exc, dr.EventOpenError):  # ask again, without an event
-                log.info("%s; the daemon will finish copies before replying", exc)
-                self._ready_events = False
+            if isinstance(exc, device_replies.EventOpenError):  # ask again, without an event
+                self._caps.events_failed(exc)
                 return await self._get_device(names, device, ttl_s)
-            if isinstance(exc, dr.PoolOpenError):
+            if isinstance(exc, device_replies.PoolOpenError):
                 self._no_device.add(uuid, exc)
                 return None
             raise
 
         async def release(lease_ids: list[int]) -> int:
-            dr.sync_device(dev)
+            device_replies.sync_device(dev)
             return await self.release(lease_ids)
 
         return AsyncLeasedTensors(decoded.tensors, decoded.lease_ids, release)
@@ -347,7 +337,7 @@ class AsyncEmbCacheClient(AsyncPlainCalls):
     @overload
     async def get_into(
         self, keys: Sequence[str], out: torch.Tensor, offsets: Sequence[int] | None = None
-    ) -> list[dr.IntoResult]: ...
+    ) -> list[into.IntoResult]: ...
     @overload
     async def get_into(self, keys: Sequence[str], out: Sequence[torch.Tensor]) -> list[bool]: ...
     async def get_into(
@@ -355,24 +345,24 @@ class AsyncEmbCacheClient(AsyncPlainCalls):
         keys: Sequence[str],
         out: torch.Tensor | Sequence[torch.Tensor],
         offsets: Sequence[int] | None = None,
-    ) -> list[dr.IntoResult] | list[bool]:
+    ) -> list[into.IntoResult] | list[bool]:
         """See :meth:`EmbCacheClient.get_into`."""
         names, _ = as_keys(keys)
         if not isinstance(out, torch.Tensor):
             async with self.get(names) as tensors:
-                return copy_into(tensors, out)
-        dr.check_buffer(out, names, offsets)
+                return into.copy_into(tensors, out)
+        into.check_buffer(out, names, offsets)
         if out.device.type == "cuda" and out.numel():
             results = await self._get_into_device(names, out, offsets)
             if results is not None:
                 return results
         async with self.get(names) as tensors:
-            return dr.copy_into_buffer(names, tensors, out, offsets)
+            return into.copy_into_buffer(names, tensors, out, offsets)
 
     async def _get_into_device(
         self, names: list[str], out: torch.Tensor, offsets: Sequence[int] | None
-    ) -> list[dr.IntoResult] | None:
-        exported = dr.export_cuda(out, as_bytes=True)
+    ) -> list[into.IntoResult] | None:
+        exported = exports.export_cuda(out, as_bytes=True)
         if exported is None:
             return None
         if exported.message.gpu_uuid in self._no_device:
@@ -389,7 +379,7 @@ class AsyncEmbCacheClient(AsyncPlainCalls):
             self._no_device.add(exported.message.gpu_uuid, exc)
             return None
         exported.returned()  # the daemon has copied: its event may be reused
-        return dr.into_results(reply)
+        return into.into_results(reply)
 
     # -- leases --------------------------------------------------------------------------
     async def release(self, lease_ids: Sequence[int]) -> int:

@@ -22,24 +22,14 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from embcache.clients.errors import RpcFailed, from_call_error
-from embcache.clients.sessions import AsyncCalls, SessionLost, unclaimed_release
-from embcache.proto.constants import MAX_MESSAGE_BYTES, UDS_SUFFIX
+from embcache.clients.core.errors import RpcFailed, from_call_error
+from embcache.clients.core.session_calls import SessionLost, unclaimed_release
+from embcache.clients.sessions import AsyncCalls
+from embcache.proto.constants import MAX_MESSAGE_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.framing import FRAME_HEADER as HEADER
 
 _TIMEOUT = object()  # _read_one: nothing complete arrived before the deadline
-
-
-def lane_path(target: str) -> str | None:
-    """The lane of a daemon reached at ``target``: its Unix socket path plus ``.lane``; None
-    for a TCP or abstract-socket target."""
-    if not target.startswith("unix:") or target.startswith("unix-abstract:"):
-        return None
-    path = target[len("unix:") :]
-    if path.startswith("//"):  # unix:///abs/path
-        path = path[2:]
-    return path + UDS_SUFFIX if path else None
 
 
 class _Waiter:

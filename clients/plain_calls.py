@@ -9,16 +9,16 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import grpc
 
-from embcache.clients._wire import (
+from embcache.clients.core.replies import (
     BytesCollector,
     EntryBytes,
-    as_keys,
-    evict_request,
+    evict_outcomes,
     prefetch_dict,
-    prefetch_request,
+    stats_dict,
 )
-from embcache.clients.stats import EVICT_NAMES, stats_dict
-from embcache.errors import EmbCacheError, EntryLeased, NotFound
+from embcache.clients.core.requests import as_keys, evict_request, prefetch_request, renew_request
+from embcache.clients.device import pools
+from embcache.errors import EmbCacheError
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
 T = TypeVar("T")
@@ -54,16 +54,16 @@ class PlainCalls:
         ``device`` (``"cuda:N"``, an index): only the copies on that GPU go, their host
         copies stay ("not_found" then also means no copy there)."""
         names, single = as_keys(keys)
-        request = evict_request(names, device)
+        request = evict_request(names, pools.uuid_of(device))
         try:
             reply = self._call(_unary(self._stub.Evict, request))
         except Exception as exc:
-            return _evicted(names, single, failure=exc)
-        return _evicted(names, single, reply=reply)
+            return evict_outcomes(names, single, failure=exc)
+        return evict_outcomes(names, single, reply=reply)
 
     def prefetch(self, keys: Sequence[str], device: Any = None) -> dict[str, int]:
         """Warm the daemon's local tiers (shared tier -> host pool, and ``device``'s GPU)."""
-        request = prefetch_request(keys, device)
+        request = prefetch_request(keys, pools.uuid_of(device))
         reply = self._call(_unary(self._stub.Prefetch, request))
         return prefetch_dict(reply)
 
@@ -72,9 +72,7 @@ class PlainCalls:
         return stats_dict(reply)
 
     def renew(self, lease_ids: Sequence[int], ttl_s: float | None = None) -> int:
-        request = pb.RenewRequest(lease_ids=lease_ids)
-        if ttl_s is not None:
-            request.ttl_s = ttl_s
+        request = renew_request(lease_ids, ttl_s)
         reply = self._call(_unary(self._stub.Renew, request))
         return int(reply.renewed)
 
@@ -126,16 +124,16 @@ class AsyncPlainCalls:
     async def evict(self, keys: Sequence[str], device: Any = None) -> list[str]: ...
     async def evict(self, keys: str | Sequence[str], device: Any = None) -> str | list[str]:
         names, single = as_keys(keys)
-        request = evict_request(names, device)
+        request = evict_request(names, pools.uuid_of(device))
         try:
             reply = await self._call(_unary(self._stub.Evict, request))
         except Exception as exc:
-            return _evicted(names, single, failure=exc)
-        return _evicted(names, single, reply=reply)
+            return evict_outcomes(names, single, failure=exc)
+        return evict_outcomes(names, single, reply=reply)
 
     async def prefetch(self, keys: Sequence[str], device: Any = None) -> dict[str, int]:
         """Warm the daemon's local tiers (shared tier -> host pool, and ``device``'s GPU)."""
-        request = prefetch_request(keys, device)
+        request = prefetch_request(keys, pools.uuid_of(device))
         reply = await self._call(_unary(self._stub.Prefetch, request))
         return prefetch_dict(reply)
 
@@ -144,9 +142,7 @@ class AsyncPlainCalls:
         return stats_dict(reply)
 
     async def renew(self, lease_ids: Sequence[int], ttl_s: float | None = None) -> int:
-        request = pb.RenewRequest(lease_ids=lease_ids)
-        if ttl_s is not None:
-            request.ttl_s = ttl_s
+        request = renew_request(lease_ids, ttl_s)
         reply = await self._call(_unary(self._stub.Renew, request))
         return int(reply.renewed)
 
@@ -174,20 +170,3 @@ class AsyncPlainCalls:
 def _unary(method: Any, request: Any) -> Callable[[Any, float], Any]:
     """The ``fn(metadata, timeout)`` of ``_call`` for one unary RPC."""
     return lambda md, to: method(request, timeout=to, metadata=md)
-
-
-def _evicted(
-    names: list[str], single: bool, *, reply: Any = None, failure: Exception | None = None
-) -> str | list[str]:
-    """What evict returns for its reply, or for its error: a list asked with one key gets
-    that key's outcome (NotFound, EntryLeased) instead of the error."""
-    if failure is not None:
-        if single or len(names) != 1:
-            raise failure
-        if isinstance(failure, NotFound):
-            return ["not_found"]
-        if isinstance(failure, EntryLeased):
-            return ["leased"]
-        raise failure
-    outcomes = [EVICT_NAMES[r.outcome] for r in reply.results]
-    return outcomes[0] if single else outcomes

@@ -21,58 +21,14 @@ import os
 import queue
 import threading
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 
-from embcache.clients.errors import RpcFailed, from_call_error
+from embcache.clients.core.errors import RpcFailed
+from embcache.clients.core.session_calls import SessionLost, unclaimed_release
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
-
-
-class SessionLost(RpcFailed):
-    """The Session stream ended before a call's result came back (its leases, if any, ended
-    with it)."""
-
-    def __init__(self, message: str = "the Session stream ended during the call") -> None:
-        super().__init__(message, "UNAVAILABLE")
-
-
-class CallCarrier(Protocol):
-    """What :func:`serves` reads: a session of either transport (gRPC stream or lane)."""
-
-    serves_calls: bool
-    serves_device_puts: bool
-
-
-def serves(session: CallCarrier, kind: str) -> bool:
-    """Whether the daemon behind ``session`` runs calls of ``kind`` on the stream."""
-    if kind in ("put_from_device", "put_from_device_batch"):
-        return session.serves_calls and session.serves_device_puts
-    return session.serves_calls
-
-
-def retry_step(result: pb.SessionResult, attempt: int, retries: int) -> str:
-    """After a session call that failed: ``"new_session"`` (the daemon forgot the session)
-    or ``"backoff"`` (UNAVAILABLE) while ``attempt < retries``; otherwise raise its typed
-    error, as an RPC would."""
-    if attempt < retries:
-        if result.error.error_type == "UnknownSession":
-            return "new_session"
-        if result.error.code == "UNAVAILABLE":
-            return "backoff"
-    raise from_call_error(result.error)
-
-
-def unclaimed_release(result: pb.SessionResult) -> pb.SessionRequest | None:
-    """For a result whose caller gave up (deadline): the call that releases the leases it
-    hands out, if any (either transport, sync or asyncio)."""
-    if result.WhichOneof("outcome") != "get":
-        return None
-    ids = [r.lease_id for r in result.get.results if r.found]
-    if not ids:
-        return None
-    return pb.SessionRequest(call=pb.SessionCall(release=pb.ReleaseRequest(lease_ids=ids)))
 
 
 class _Waiter:

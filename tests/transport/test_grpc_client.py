@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from embcache.clients import AsyncEmbCacheClient, EmbCacheClient, RpcFailed
-from embcache.clients.shm import PoolMaps
+from embcache.clients.device.shm import PoolMaps
 from embcache.errors import (
     Draining,
     EntryLeased,

@@ -21,14 +21,15 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from embcache.clients import EmbCacheClient
-from embcache.clients.errors import RpcFailed
-from embcache.clients.lane import AsyncLaneSession, LaneSession, lane_path
-from embcache.clients.sessions import Session, SessionLost
+from embcache.clients import EmbCacheClient, RpcFailed
+from embcache.clients.core.session_calls import SessionLost
+from embcache.clients.core.targets import lane_path
+from embcache.clients.lane import AsyncLaneSession, LaneSession
+from embcache.clients.sessions import Session
 from embcache.errors import Unauthenticated
+from embcache.proto.constants import MAX_MESSAGE_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.engine import CacheEngine
-from embcache.proto.constants import MAX_MESSAGE_BYTES
 from embcache.service.transport.grpc_thread import GrpcServerThread
 
 KiB, MiB = 1 << 10, 1 << 20

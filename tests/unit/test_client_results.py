@@ -27,7 +27,7 @@ def test_release_reports_leases_that_ended_early() -> None:
 def test_host_fallbacks_expire_so_the_device_path_is_tried_again(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from embcache.clients.device import HostFallbacks
+    from embcache.clients.core.capabilities import HostFallbacks
 
     now = [100.0]
     fb = HostFallbacks(retry_s=30.0, clock=lambda: now[0])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from embcache.clients.device_results import pool_handle
+from embcache.clients.device.device_replies import pool_handle
 from embcache.service.transport.descriptors import DevicePoolDesc, HostShmPool
 from embcache.service.transport.grpc_device import pool_handle_of
 
