@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import CpuMeter, git_commit, latencies_us
 
 from embcache.clients import EmbCacheClient
-from embcache.clients.lane import LaneSession
-from embcache.clients.sessions import Session
+from embcache.clients._backends.sync_lane import LaneSession
+from embcache.clients._backends.sync_session import Session
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.config import parse_cpu_list
 from embcache.service.daemon_process import DaemonProcess, read_line, stop

@@ -21,6 +21,8 @@ from typing import Any, TypeVar, overload
 import grpc
 import torch
 
+from embcache.clients._backends.sync_lane import LaneSession
+from embcache.clients._backends.sync_session import Session
 from embcache.clients.core.capabilities import Capabilities, HostFallbacks
 from embcache.clients.core.channel import auth_metadata, connect
 from embcache.clients.core.errors import RpcFailed, from_call_error, translate
@@ -33,10 +35,8 @@ from embcache.clients.device import device_replies, exports, into, pools
 from embcache.clients.device import puts as dp
 from embcache.clients.device.host_replies import decode_get
 from embcache.clients.device.shm import process_pool_maps
-from embcache.clients.lane import LaneSession
 from embcache.clients.plain_calls import PlainCalls
 from embcache.clients.results import LeasedTensors
-from embcache.clients.sessions import Session
 from embcache.errors import DeviceUnavailable
 from embcache.proto.constants import SESSION_KEY
 from embcache.proto.embcache.v1 import embcache_pb2 as pb

@@ -25,12 +25,14 @@ import pytest
 import torch
 
 from embcache.clients import AsyncEmbCacheClient, EmbCacheClient
+from embcache.clients._backends.async_lane import AsyncLaneSession
+from embcache.clients._backends.async_session import AsyncSession
+from embcache.clients._backends.sync_lane import LaneSession
+from embcache.clients._backends.sync_session import Session
 from embcache.clients.device import device_replies as dr
 from embcache.clients.device import exports, into
 from embcache.clients.device import pools as client_device
 from embcache.clients.device import puts as device_puts
-from embcache.clients.lane import AsyncLaneSession, LaneSession
-from embcache.clients.sessions import AsyncSession, Session
 from embcache.errors import DeviceUnavailable, InvalidArgument
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
