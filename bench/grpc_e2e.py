@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import CpuMeter, git_commit, latencies_us
 
 from embcache.clients import EmbCacheClient
-from embcache.clients.lane import LaneSession
-from embcache.clients.sessions import Session
+from embcache.clients._backends.sync_lane import LaneSession
+from embcache.clients._backends.sync_session import Session
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.config import parse_cpu_list
 from embcache.service.daemon_process import DaemonProcess, read_line, stop
@@ -353,7 +353,7 @@ def device_gets(
             ("cold_rpc", keys[iters + 1 :], False),
             ("hit_rpc", [keys[0]] * (iters - 1), False),
         ):
-            session.serves_calls = client._ready_events = fast
+            session.serves_calls = client._caps.ready_events = fast
             lat = []
             for key in batch:
                 t0 = time.perf_counter()
@@ -362,7 +362,7 @@ def device_gets(
                 lat.append((time.perf_counter() - t0) * 1e6)
                 leased.release()
             out[f"get_device_{name}_p50_us"], out[f"get_device_{name}_p99_us"] = percentiles(lat)
-        session.serves_calls = client._ready_events = True
+        session.serves_calls = client._caps.ready_events = True
         client.evict(keys)
         # Fragment the device pool: 511 fillers of 8 pages, every other one evicted, so each
         # 16-page entry below lands in two runs.
@@ -376,7 +376,7 @@ def device_gets(
         rates: dict[bool, list[float]] = {True: [], False: []}
         for r in range(2 * rounds):
             fast = r % 2 == 0  # alternate: default path, then the RPC path
-            session.serves_calls = client._ready_events = fast
+            session.serves_calls = client._caps.ready_events = fast
             batch = [f"frag-{r}-{i}" for i in range(16)]
             for key in batch:
                 client.put(key, torch.full((entry,), r, dtype=torch.uint8))
@@ -386,7 +386,7 @@ def device_gets(
             rates[fast].append(16 * entry / (time.perf_counter() - t0) / 1e9)
             leased.release()
             client.evict(batch)  # every round meets the same holes (none is filled up)
-        session.serves_calls = client._ready_events = True
+        session.serves_calls = client._caps.ready_events = True
         # The same one batch at a time, with every batch stored first, as a decoder fetches
         # what encoders put earlier: above, the client has just pushed the batch's 64 MiB
         # through its own CPU, which leaves the get's Python cache-cold (docs/grpc.md).
@@ -428,12 +428,12 @@ def device_gets(
             t0 = time.perf_counter()
             created = client.put_many(dict(zip(keys, src, strict=True)))  # one call
             many.append(16 * entry / (time.perf_counter() - t0) / 1e9)
-            assert created == [True] * 16 and client._batch_puts
+            assert created == [True] * 16 and client._caps.batch_puts
             client.evict(keys)
         out["put_from_device_16x4MiB_gbs"] = statistics.median(one)
         out["put_from_device_16x4MiB_rpc_gbs"] = statistics.median(one_rpc)
         out["put_from_device_batch_16x4MiB_gbs"] = statistics.median(many)
-        out["put_from_device_used"] = float(client._device_puts)
+        out["put_from_device_used"] = float(client._caps.device_puts)
     out["copy_engine_64MiB_gbs"] = copy_engine_gbs(16 * entry)
     out["ratio_frag_to_copy_engine"] = (
         out["get_device_16x4MiB_frag_gbs"] / out["copy_engine_64MiB_gbs"]

@@ -16,6 +16,8 @@ if [ ${#need[@]} -gt 0 ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/nul
 fi
 ruff check .
 ruff format --check .
+# clients/_sync is generated from clients/_async: fail when it was edited or not regenerated.
+python scripts/unasync.py --check
 # mypy checks the packages by their import names: _gen/embcache links to the repository root.
 mkdir -p _gen && ln -sfn .. _gen/embcache
 MYPYPATH=_gen mypy -p embcache.service -p embcache.clients -p embcache.kernels -p embcache.proto -m embcache.errors

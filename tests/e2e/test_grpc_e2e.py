@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from embcache.clients import EmbCacheClient
-from embcache.clients.lane import LaneSession
+from embcache.clients._backends.sync_lane import LaneSession
 from embcache.errors import Unauthenticated
 from embcache.service.daemon_process import DaemonProcess, stop
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from embcache.clients.device import materialize
+from embcache.clients.device.gathers import materialize
 from embcache.errors import PoolExhausted
 from embcache.service.config import Settings
 from embcache.service.device.ipc.fd_server import FdServer
@@ -171,7 +171,8 @@ def test_a_tail_that_does_not_fit_frees_the_head_behind_its_copy(engine: CacheEn
 
 CONSUMER = r"""
 import json, sys, zlib, torch
-from embcache.clients.device import DevicePoolCache, DevicePoolHandle, materialize
+from embcache.clients.device.gathers import materialize
+from embcache.clients.device.pools import DevicePoolCache, DevicePoolHandle
 spec = json.loads(sys.stdin.read())
 cache = DevicePoolCache()
 ok = 0

@@ -96,9 +96,9 @@ with EmbCacheClient(sys.argv[1]) as client:
         assert client.put(key, t) is True, key
     assert client.put_many(batch) == [True] * len(batch)
     assert client.put_many(batch) == [False] * len(batch)  # idempotent
-    assert client._device_puts and client._batch_puts, "PutFromDevice(Batch) was refused"
+    assert client._caps.device_puts and client._caps.batch_puts, "PutFromDevice(Batch) was refused"
     d2h = client.stats()["bytes_copied"]["d2h"] - before
-from embcache.clients.ipc_events import EVENTS
+from embcache.clients.device.ipc_events import EVENTS
 print(json.dumps({"device_bytes": device_bytes, "d2h": d2h, "events": EVENTS.created}))
 """
 )
@@ -108,7 +108,7 @@ DECODER = (
     + """
 import json, sys
 from embcache.clients import EmbCacheClient
-from embcache.clients.device import process_device_pools
+from embcache.clients.device.pools import process_device_pools
 want = {k: t.cuda() for k, t in tensors().items()}
 keys = list(want)
 out = {}
@@ -127,7 +127,7 @@ with EmbCacheClient(sys.argv[1]) as client, EmbCacheClient(sys.argv[1]) as other
     out["opens"] = process_device_pools().opens
     out["events"] = len(process_device_pools()._events)
     assert not client._no_device and not other._no_device, "fell back to the host path"
-    assert client._ready_events and other._ready_events, "ready events were refused"
+    assert client._caps.ready_events and other._caps.ready_events, "ready events were refused"
     # get_into a buffer of our own: packed slots, then explicit offsets
     buf = torch.full((64 * 2**20,), 0xAB, dtype=torch.uint8, device="cuda")
     stats0 = client.stats()["bytes_copied"]
@@ -192,7 +192,7 @@ def test_encoder_then_decoder(daemon: Daemon) -> None:
 READY = """
 import json, sys, torch
 from embcache.clients import EmbCacheClient
-from embcache.clients.device import process_device_pools
+from embcache.clients.device.pools import process_device_pools
 MiB = 2**20
 mismatches = 0
 with EmbCacheClient(sys.argv[1]) as client:
@@ -210,7 +210,7 @@ with EmbCacheClient(sys.argv[1]) as client:
             mismatches += sum(int(not torch.equal(a, b)) for a, b in zip(got, on_gpu))
         client.evict(keys)  # the next round reuses these device pages
     events = len(process_device_pools()._events)
-    assert client._ready_events and not client._no_device, "fell back"
+    assert client._caps.ready_events and not client._no_device, "fell back"
 print(json.dumps({"mismatches": mismatches, "events": events}))
 """
 
@@ -258,7 +258,7 @@ with EmbCacheClient(sys.argv[1]) as client:
         if len(keys) % 16 == 0:
             with client.get(keys[-16:], device="cuda") as got:
                 assert all(x is not None for x in got)
-    assert client._device_puts and not client._no_device, "fell back to the host path"
+    assert client._caps.device_puts and not client._no_device, "fell back to the host path"
 print(json.dumps({"keys": keys}))
 """
 

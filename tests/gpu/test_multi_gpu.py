@@ -29,7 +29,7 @@ import torch
 from gpukit import run
 
 from embcache.clients import EmbCacheClient
-from embcache.clients.device import materialize
+from embcache.clients.device.gathers import materialize
 from embcache.errors import DeviceUnavailable
 from embcache.service.config import Settings
 from embcache.service.daemon_process import DaemonProcess
@@ -587,7 +587,7 @@ with EmbCacheClient(sys.argv[1]) as client:
             t = t.to(f"cuda:{gpu}")
             out["device_bytes"] += t.numel() * t.element_size()
         assert client.put(key, t) is True, key
-    out["device_puts"] = client._device_puts
+    out["device_puts"] = client._caps.device_puts
     out["d2h"] = client.stats()["bytes_copied"]["d2h"] - before
 print(json.dumps(out))
 """
@@ -600,7 +600,7 @@ DECODER = (
     + """
 import json, sys, torch
 from embcache.clients import EmbCacheClient
-from embcache.clients.device import process_device_pools
+from embcache.clients.device.pools import process_device_pools
 target, index, keys = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 dev = torch.device("cuda", index)
 torch.empty(1, device=dev)  # CUDA is up before we say so
@@ -623,7 +623,7 @@ with EmbCacheClient(target) as client:
         out["pools"] = [str(p.device) for p in pools]
         out["opens"] = process_device_pools().opens
         out["no_device"] = sorted(client._no_device)
-        out["ready_events"] = client._ready_events
+        out["ready_events"] = client._caps.ready_events
         print(json.dumps({"round": out}), flush=True)
 print(json.dumps({"bye": index}), flush=True)
 """

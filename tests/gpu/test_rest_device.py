@@ -75,7 +75,8 @@ DECODER = (
     + """
 import base64, json, sys
 import httpx, torch
-from embcache.clients.device import DevicePoolCache, DevicePoolHandle, materialize
+from embcache.clients.device.gathers import materialize
+from embcache.clients.device.pools import DevicePoolCache, DevicePoolHandle
 from embcache.kernels import cuda_mem
 
 url, token = sys.argv[1], sys.argv[2]

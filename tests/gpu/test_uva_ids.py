@@ -1,4 +1,4 @@
-"""The pinned page-id ring a client's gather reads directly (``clients/uva_ids.py``)."""
+"""The pinned page-id ring a client's gather reads directly (``clients/device/uva_ids.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_ring_gathers_what_an_uploaded_index_gathers() -> None:
-    from embcache.clients import uva_ids
+    from embcache.clients.device import uva_ids
 
     ring = uva_ids.ring_for(torch.device("cuda", 0))
     assert ring is not None, "the ring failed its self-check on this GPU"
@@ -28,7 +28,7 @@ def test_ring_gathers_what_an_uploaded_index_gathers() -> None:
 
 
 def test_busy_slots_are_not_handed_out_twice() -> None:
-    from embcache.clients import uva_ids
+    from embcache.clients.device import uva_ids
 
     ring = uva_ids.ring_for(torch.device("cuda", 0))
     assert ring is not None
@@ -43,7 +43,7 @@ def test_busy_slots_are_not_handed_out_twice() -> None:
 
 
 def test_fragmented_gather_through_the_ring_matches_the_pages() -> None:
-    from embcache.clients.device import gather_pages
+    from embcache.clients.device.gathers import gather_pages
 
     page = 4096
     pool = torch.randint(0, 256, (256 * page,), dtype=torch.uint8, device="cuda")

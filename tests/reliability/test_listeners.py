@@ -23,7 +23,7 @@ from relkit import figures
 from relkit import malformed_grpc as mg
 
 from embcache.clients import EmbCacheClient
-from embcache.clients.lane import LaneSession
+from embcache.clients._backends.sync_lane import LaneSession
 from embcache.errors import Unauthenticated
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.config import Settings

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from embcache.clients import AsyncEmbCacheClient, EmbCacheClient, RpcFailed
-from embcache.clients.shm import PoolMaps
+from embcache.clients.device.shm import PoolMaps
 from embcache.errors import (
     Draining,
     EntryLeased,
@@ -230,3 +230,35 @@ def test_async_client(server) -> None:
     # grpc.aio objects belong to one event loop: run the client on the server's loop.
     thread.call(scenario())
     assert engine.stats().leases_active == 0
+
+
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "grpc"])
+def test_a_closed_client_refuses_calls(server, lane: bool) -> None:
+    """After close() a get raises instead of opening a new session the daemon would keep."""
+    _, thread = server
+    client = EmbCacheClient(f"unix:{thread.service.socket_path}", session_lane=lane)
+    client.put("k", torch.ones(2))
+    with client.get("k") as (t,):
+        assert t is not None
+    client.close()
+    with pytest.raises(RpcFailed) as err:
+        client.get("k")
+    assert err.value.code == "CANCELLED" and client._session is None
+
+
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "grpc"])
+def test_a_closed_async_client_refuses_calls(server, lane: bool) -> None:
+    """The asyncio client refuses them the same way (it used to open a new session)."""
+    _, thread = server
+
+    async def scenario() -> None:
+        client = AsyncEmbCacheClient(f"unix:{thread.service.socket_path}", session_lane=lane)
+        await client.put("k", torch.ones(2))
+        async with client.get("k") as (t,):
+            assert t is not None
+        await client.close()
+        with pytest.raises(RpcFailed) as err:
+            await client.get("k")
+        assert err.value.code == "CANCELLED" and client._session is None
+
+    thread.call(scenario())

@@ -24,15 +24,15 @@ import grpc
 import pytest
 import torch
 
-from embcache.clients import (
-    AsyncEmbCacheClient,
-    EmbCacheClient,
-    device_puts,
-)
-from embcache.clients import device as client_device
-from embcache.clients import device_results as dr
-from embcache.clients.lane import AsyncLaneSession, LaneSession
-from embcache.clients.sessions import AsyncSession, Session
+from embcache.clients import AsyncEmbCacheClient, EmbCacheClient
+from embcache.clients._backends.async_lane import AsyncLaneSession
+from embcache.clients._backends.async_session import AsyncSession
+from embcache.clients._backends.sync_lane import LaneSession
+from embcache.clients._backends.sync_session import Session
+from embcache.clients.device import device_replies as dr
+from embcache.clients.device import exports, into
+from embcache.clients.device import pools as client_device
+from embcache.clients.device import puts as device_puts
 from embcache.errors import DeviceUnavailable, InvalidArgument
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
@@ -518,14 +518,14 @@ def fake_cuda_puts(monkeypatch, fake: FakeIpc, marked: set[int]) -> None:  # typ
     """Clients treat the tensors in ``marked`` (by id) as CUDA tensors, exported through the
     fake IPC backend (their own bytes are the "allocation")."""
 
-    def export(t: torch.Tensor, *, as_bytes: bool = False, event: bool = True) -> dr.Exported:
+    def export(t: torch.Tensor, *, as_bytes: bool = False, event: bool = True) -> exports.Exported:
         raw = t.reshape(-1).view(torch.uint8)
-        out = dr.Exported(ipc_tensor(fake.register(raw), t, 0, raw.numel()), t)
+        out = exports.Exported(ipc_tensor(fake.register(raw), t, 0, raw.numel()), t)
         if event:
             record(t.device, [out])
         return out
 
-    def record(device: torch.device, exported: list[dr.Exported]) -> None:
+    def record(device: torch.device, exported: list[exports.Exported]) -> None:
         """One event per call, reused once a call returned (as ``IpcEvents`` does)."""
         free = fake.free_events
         rec = free.pop() if free else FakeRecorded(b"%02d" % len(fake.made_events) * 32, free)
@@ -536,8 +536,8 @@ def fake_cuda_puts(monkeypatch, fake: FakeIpc, marked: set[int]) -> None:  # typ
 
     wants = lambda t: id(t) in marked  # noqa: E731
     monkeypatch.setattr(device_puts, "wants_device_put", wants)
-    monkeypatch.setattr(dr, "export_cuda", export)
-    monkeypatch.setattr(dr, "record_event", record)
+    monkeypatch.setattr(exports, "export_cuda", export)
+    monkeypatch.setattr(exports, "record_event", record)
     monkeypatch.setattr(device_puts, "MAX_ITEMS", 2)  # three device tensors: two calls
 
 
@@ -647,7 +647,7 @@ def test_client_put_many_streams_when_the_daemon_cannot_read_the_gpu(
     monkeypatch.setattr(fake, "available", lambda: False)  # a daemon without CUDA
     with EmbCacheClient(f"unix:{service.socket_path}", timeout=10) as client:
         assert client.put_many(tensors) == [True, True]
-        assert not client._device_puts  # later puts stream at once
+        assert not client._caps.device_puts  # later puts stream at once
         with pytest.raises(ValueError, match="more than once"):
             client.put_many([("x", tensors["d0"]), ("x", tensors["d1"])])
     assert engine.exists(["d0", "d1", "x"]) == [True, True, False]
@@ -673,9 +673,9 @@ def test_get_into_packs_and_copies(dev_server: Server, stub) -> None:
     )
     keys = ["a", "miss", "b", "c"]
     reply = stub.GetInto(pb.GetIntoRequest(keys=keys, destination=pb.DeviceBuffer(buffer=dest)))
-    got = dr.into_results(reply)
+    got = into.into_results(reply)
     assert [r.found for r in got] == [True, False, True, True]
-    want = dr.pack_offsets([1000, None, 3 * PAGE + 5, 77])
+    want = into.pack_offsets([1000, None, 3 * PAGE + 5, 77])
     assert [r.offset for r in got if r] == [want[0], want[2], want[3]] == [0, 1008, 197632]
     assert got[2].shape == (3 * PAGE + 5,) and got[2].dtype == "uint8"
     written = torch.zeros(MiB, dtype=torch.bool)

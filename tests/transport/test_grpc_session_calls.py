@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from embcache.clients import AsyncEmbCacheClient, EmbCacheClient
-from embcache.clients.lane import AsyncLaneSession, LaneSession
+from embcache.clients._backends.async_lane import AsyncLaneSession
+from embcache.clients._backends.sync_lane import LaneSession
 from embcache.errors import InvalidArgument
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc

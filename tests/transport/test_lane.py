@@ -1,5 +1,5 @@
-"""The session lane (service/transport/lane.py, clients/lane.py): Session calls over a plain
-Unix socket next to the gRPC one. The calls themselves are tested on both transports in
+"""The session lane (service/transport/lane.py, clients/_backends/*_lane.py): Session calls
+over a plain Unix socket next to the gRPC one. The calls themselves are tested on both transports in
 test_grpc_session_calls.py; here: the raw wire, bad input, auth, the end of a session, the
 client's deadline and fallback."""
 
@@ -21,10 +21,12 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from embcache.clients import EmbCacheClient
-from embcache.clients.errors import RpcFailed
-from embcache.clients.lane import AsyncLaneSession, LaneSession, lane_path
-from embcache.clients.sessions import Session, SessionLost
+from embcache.clients import EmbCacheClient, RpcFailed
+from embcache.clients._backends.async_lane import AsyncLaneSession
+from embcache.clients._backends.sync_lane import LaneSession
+from embcache.clients._backends.sync_session import Session
+from embcache.clients.core.session_calls import SessionLost
+from embcache.clients.core.targets import lane_path
 from embcache.errors import Unauthenticated
 from embcache.proto.constants import MAX_MESSAGE_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from embcache.clients.device import fetch_fd
+from embcache.clients.device.pools import fetch_fd
 from embcache.service.device.ipc.fd_server import FdServer
 
 

@@ -36,7 +36,7 @@ import grpc
 import numpy as np
 
 from embcache.clients import EmbCacheClient
-from embcache.clients._wire import payload_of
+from embcache.clients.core.payload import payload_of
 from embcache.errors import EmbCacheError
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 

@@ -41,7 +41,7 @@ def error_name(exc: BaseException) -> str:
 
 def zero_copy(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a view of a mapped host pool (not a gathered copy)."""
-    from embcache.clients.shm import process_pool_maps
+    from embcache.clients.device.shm import process_pool_maps
 
     ptr = tensor.data_ptr()
     maps = process_pool_maps()._by_identity.values()  # read-only peek, for figures
@@ -221,7 +221,7 @@ def run_holder(cfg: dict[str, Any], client: EmbCacheClient, c: Counter[str]) -> 
 
 def run_slow_put(cfg: dict[str, Any], client: EmbCacheClient, c: Counter[str]) -> None:
     """Stream a put and stall after a few chunks (the orchestrator kills us there)."""
-    from embcache.clients._wire import payload_of
+    from embcache.clients.core.payload import payload_of
 
     key = cfg["key"]
     tensor = payload.make(key, cfg["nbytes"], 1)
@@ -262,7 +262,7 @@ def main() -> int:
         t0 = time.monotonic()
         run(cfg, client, c)
     if cfg.get("device"):
-        from embcache.clients.device import process_device_pools
+        from embcache.clients.device.pools import process_device_pools
 
         c["device_pool_opens"] = process_device_pools().opens
     emit(event="done", seconds=time.monotonic() - t0, **c)

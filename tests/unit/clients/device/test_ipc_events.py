@@ -1,4 +1,4 @@
-"""The client's pool of interprocess events (clients/ipc_events.py), with a fake CUDA.
+"""The client's pool of interprocess events (clients/device/ipc_events.py), with a fake CUDA.
 
 An event is lent for one call and comes back only when the call says it returned; an event
 that never comes back (its call failed) is never handed out again; each GPU has its own.
@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from embcache.clients import ipc_events
+from embcache.clients.device import ipc_events
 
 
 class FakeEvent:

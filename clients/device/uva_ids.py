@@ -1,11 +1,11 @@
 """Page ids a gather kernel reads straight from pinned host memory (no copy call).
 
 A client's gather of fragmented entries needs the batch's page ids on the GPU. Uploading them
-costs a ``cudaMemcpyAsync`` per reply, and on the lent H200 host that call took about 250 us
-of host time while the daemon's copy into the same GPU ran (50 us when the GPU was idle): most
-of a 16 x 4 MiB reply's decode. Instead, each device keeps a small ring of pinned host slots
-that the GPU also sees as a CUDA tensor (unified addressing): the ids are written with numpy
-and the gather kernel reads them over PCIe (2 KiB for 256 pages).
+costs a ``cudaMemcpyAsync`` per reply, whose host time grows while the daemon's copy into the
+same GPU runs: most of a large reply's decode (docs/device.md). Instead, each device keeps a
+small ring of pinned host slots that the GPU also sees as a CUDA tensor (unified addressing):
+the ids are written with numpy and the gather kernel reads them over PCIe (2 KiB for 256
+pages).
 
 A slot is reused only after the gather that read it has run (one event per slot, recorded
 after the launch; usually long done when the ring comes round). The first ring of a process

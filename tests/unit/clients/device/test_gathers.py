@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embcache.clients.device import materialize
+from embcache.clients.device.gathers import materialize
 
 PAGE = 64
 
@@ -37,7 +37,7 @@ def test_pages_are_gathered_in_order(page_ids: list[int]) -> None:
 
 
 def test_a_batch_is_gathered_in_one_buffer_with_aligned_regions() -> None:
-    from embcache.clients.device import gather_pages
+    from embcache.clients.device.gathers import gather_pages
 
     p = pool()
     entries = [([7, 2, 3], 2 * PAGE + 5), ([], 0), ([9, 10], PAGE + 1), ([4], 12)]
@@ -60,7 +60,7 @@ def test_a_batch_is_gathered_in_one_buffer_with_aligned_regions() -> None:
 )
 @settings(max_examples=200, deadline=None)
 def test_gather_matches_a_page_by_page_copy(raw: list[tuple[list[int], int]]) -> None:
-    from embcache.clients.device import gather_pages
+    from embcache.clients.device.gathers import gather_pages
 
     p = pool()
     # nbytes: anything the pages hold, down to one byte less than all but the last page
@@ -73,7 +73,7 @@ def test_gather_matches_a_page_by_page_copy(raw: list[tuple[list[int], int]]) ->
 
 
 def test_gather_refuses_pages_that_cannot_hold_the_bytes() -> None:
-    from embcache.clients.device import gather_pages
+    from embcache.clients.device.gathers import gather_pages
 
     with pytest.raises(ValueError, match="pages"):
         gather_pages(pool(), PAGE, [([1], PAGE + 1)])
@@ -81,7 +81,7 @@ def test_gather_refuses_pages_that_cannot_hold_the_bytes() -> None:
 
 @pytest.mark.parametrize("ids", [[16], [-1], [3, 99]])
 def test_gather_refuses_pages_outside_the_pool(ids: list[int]) -> None:
-    from embcache.clients.device import gather_pages
+    from embcache.clients.device.gathers import gather_pages
 
     with pytest.raises(ValueError, match="ids must lie in"):  # checked before any launch
         gather_pages(pool(), PAGE, [(ids, PAGE)])

@@ -1,16 +1,15 @@
-"""The client end of the session lane: Session calls over the daemon's ``PATH.lane`` socket.
+"""The blocking client's session on the daemon's session socket (``PATH.lane``).
 
-Same calls and results as a gRPC Session stream (``sessions.py``), framed by a 4-byte length
-(the daemon's ``lane.py``; the .proto describes the framing), and no thread of its own: the
-caller writes its call and reads the socket itself. With several callers in flight, one of
-them at a time reads; each result it reads wakes the caller it belongs to, and the reading
-passes to whoever still waits, so no result waits for a thread hop. Closing the connection
-ends the session: the daemon releases its leases.
+Same calls and results as a gRPC Session stream (``sync_session``), framed by a 4-byte length
+(``embcache.proto.framing``), and no thread of its own: the caller writes its call and reads
+the socket itself. With several callers in flight, one of them at a time reads; each result
+it reads wakes the caller it belongs to, and the reading passes to whoever still waits, so no
+result waits for a thread hop. Closing the connection ends the session: the daemon releases
+its leases.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import os
@@ -22,24 +21,14 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from embcache.clients.errors import RpcFailed, from_call_error
-from embcache.clients.sessions import AsyncCalls, SessionLost, unclaimed_release
-from embcache.proto.constants import MAX_MESSAGE_BYTES, UDS_SUFFIX
+from embcache.clients.core.errors import RpcFailed, from_call_error
+from embcache.clients.core.session_calls import SessionLost, unclaimed_release
+from embcache.proto.constants import MAX_MESSAGE_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.framing import FRAME_HEADER as HEADER
+from embcache.proto.framing import frame
 
 _TIMEOUT = object()  # _read_one: nothing complete arrived before the deadline
-
-
-def lane_path(target: str) -> str | None:
-    """The lane of a daemon reached at ``target``: its Unix socket path plus ``.lane``; None
-    for a TCP or abstract-socket target."""
-    if not target.startswith("unix:") or target.startswith("unix-abstract:"):
-        return None
-    path = target[len("unix:") :]
-    if path.startswith("//"):  # unix:///abs/path
-        path = path[2:]
-    return path + UDS_SUFFIX if path else None
 
 
 class _Waiter:
@@ -51,9 +40,10 @@ class _Waiter:
 
 
 class LaneSession:
-    """One session on the lane; the interface of :class:`~.sessions.Session`."""
+    """One session on the lane; the interface of :class:`~.sync_session.Session`."""
 
     def __init__(self, path: str, token: str | None, name: str, timeout: float) -> None:
+        """Connect, say hello (with the token) and wait up to ``timeout`` for the session."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(timeout)
@@ -96,6 +86,11 @@ class LaneSession:
         self.session_id = first.opened.session_id
         self.serves_calls = first.opened.calls
         self.serves_device_puts = first.opened.device_puts
+
+    @classmethod
+    def open(cls, path: str, token: str | None, name: str, timeout: float) -> LaneSession:
+        """A new session (the constructor; named as the asyncio twin's, which must await)."""
+        return cls(path, token, name, timeout)
 
     # -- calls -----------------------------------------------------------------------------
     def call(self, timeout: float, **request: Any) -> pb.SessionResult:
@@ -174,9 +169,9 @@ class LaneSession:
 
     # -- the socket ------------------------------------------------------------------------
     def _send(self, msg: pb.SessionRequest) -> None:
-        body = msg.SerializeToString()
+        data = frame(msg)
         with self._send_lock:
-            self._sock.sendall(HEADER.pack(len(body)) + body)
+            self._sock.sendall(data)
 
     def _read_one(self, deadline: float) -> pb.SessionResponse | object | None:
         """The next message; None at end of stream; ``_TIMEOUT`` at the deadline (a partial
@@ -214,59 +209,3 @@ class LaneSession:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes a caller reading it
         self._sock.close()
-
-
-class AsyncLaneSession(AsyncCalls):
-    """The asyncio twin of :class:`LaneSession`: a task reads the results."""
-
-    transport_errors = (OSError, DecodeError)
-    what = "the session lane"
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        super().__init__()
-        self._stream = reader
-        self._writer = writer
-
-    @classmethod
-    async def open(
-        cls, path: str, token: str | None, name: str, timeout: float
-    ) -> AsyncLaneSession:
-        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout)
-        session = cls(reader, writer)
-        try:
-            hello = pb.SessionHello(client_name=name, pid=os.getpid(), auth_token=token or "")
-            await session._send(pb.SessionRequest(hello=hello))
-            first = await asyncio.wait_for(session._read(), timeout)
-        except BaseException:
-            writer.close()
-            raise
-        if first is None or first.WhichOneof("kind") != "opened":
-            writer.close()
-            if first is not None and first.WhichOneof("kind") == "result":
-                raise from_call_error(first.result.error)
-            raise RpcFailed("the session lane closed at once", "UNAVAILABLE")
-        session._opened(first.opened)
-        return session
-
-    async def _read(self) -> pb.SessionResponse | None:
-        try:
-            head = await self._stream.readexactly(HEADER.size)
-            (size,) = HEADER.unpack(head)
-            if size > MAX_MESSAGE_BYTES:
-                raise OSError(f"the session lane sent a message of {size} bytes")
-            return pb.SessionResponse.FromString(await self._stream.readexactly(size))
-        except asyncio.IncompleteReadError:
-            return None
-
-    async def _send(self, msg: pb.SessionRequest) -> None:
-        body = msg.SerializeToString()
-        self._writer.write(HEADER.pack(len(body)) + body)
-        await self._writer.drain()
-
-    def _end_transport(self) -> None:
-        self._writer.close()
-
-    async def close(self) -> None:
-        await super().close()
-        with contextlib.suppress(OSError):
-            await self._writer.wait_closed()

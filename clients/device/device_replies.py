@@ -1,5 +1,4 @@
-"""Wire side of the device paths: Get replies with device locations -> tensors on the GPU;
-IPC descriptions of CUDA tensors for ``PutFromDevice`` and ``GetInto``; get_into results.
+"""Get replies with device locations turned into tensors on the GPU.
 
 Lifetimes (see docs/grpc.md): a contiguous entry is a zero-copy view of the daemon's device
 pool, valid while its lease lives; a fragmented entry is gathered (one launch on the
@@ -10,19 +9,16 @@ may reuse once they are released. Work on other streams is the caller's to finis
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from embcache.clients._wire import torch_dtype
-from embcache.clients.device import DevicePoolCache, DevicePoolHandle, PageGather, plan_gather
-from embcache.clients.ipc_events import EVENTS, Recorded
-from embcache.clients.results import Decoded
-from embcache.proto.constants import SLOT_ALIGN
+from embcache.clients.device.gathers import PageGather, plan_gather
+from embcache.clients.device.host_replies import Decoded
+from embcache.clients.device.pools import DevicePoolCache, DevicePoolHandle
+from embcache.proto.dtypes import torch_dtype
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -185,155 +181,3 @@ def _view(
 def sync_device(device: torch.device) -> None:
     """Wait for the work queued on the device's current stream (before leases end)."""
     torch.cuda.current_stream(device).synchronize()
-
-
-# ---------------------------------------------------------------------------- IPC tensors
-
-
-@dataclass(slots=True)
-class Exported:
-    """A CUDA tensor described for the daemon; it must live until the call returns, and
-    :meth:`returned` says that the call succeeded (its event may then be reused)."""
-
-    message: pb.CudaIpcTensor
-    tensor: torch.Tensor
-    events: list[Recorded] = field(default_factory=list)
-
-    def returned(self) -> None:
-        for rec in self.events:
-            rec.done()
-
-
-def export_cuda(t: torch.Tensor, *, as_bytes: bool = False, event: bool = True) -> Exported | None:
-    """The IPC description of a contiguous CUDA tensor, or None when its memory cannot be
-    exported (expandable segments, or no legacy IPC): the caller then moves bytes instead.
-
-    With ``event``, an interprocess event recorded on the current stream tells the daemon
-    when the work queued so far (writes of the tensor, or reads of a get_into buffer) is
-    done (:func:`record_event`; callers that describe several tensors record one event
-    after all of them instead)."""
-    if t.device.type != "cuda" or not t.is_contiguous():
-        raise ValueError("t: must be a contiguous CUDA tensor")
-    from embcache.kernels import cuda_ipc, cuda_mem
-
-    try:
-        handle, offset, alloc = cuda_ipc.export_tensor(t)
-        uuid = cuda_mem.gpu_uuid(t.device.index or 0)
-    except (RuntimeError, ValueError) as exc:
-        log.info("cannot export a CUDA tensor over IPC (%s); moving bytes instead", exc)
-        return None
-    if as_bytes:
-        dtype, shape = "uint8", [t.numel() * t.element_size()]
-    else:
-        dtype, shape = str(t.dtype).removeprefix("torch."), list(t.shape)
-    msg = pb.CudaIpcTensor(
-        gpu_uuid=uuid,
-        ipc_handle=handle,
-        offset=offset,
-        alloc_size=alloc,
-        dtype=dtype,
-        shape=shape,
-    )
-    out = Exported(msg, t)
-    if event:
-        record_event(t.device, [out])
-    return out
-
-
-def record_event(device: torch.device, exported: Sequence[Exported]) -> None:
-    """Record one interprocess event on ``device``'s current stream and name it in every
-    message of ``exported``; where this process cannot make one, wait for the stream."""
-    try:
-        rec = EVENTS.record(device)
-    except RuntimeError as exc:  # no IPC events here: finish the work before the call
-        log.info("interprocess events unavailable (%s); synchronizing instead", exc)
-        torch.cuda.current_stream(device).synchronize()
-        return
-    for e in exported:
-        e.message.event_handle = rec.handle
-    if exported:
-        exported[0].events.append(rec)
-
-
-# ---------------------------------------------------------------------------- get_into
-
-
-@dataclass(frozen=True, slots=True)
-class IntoResult:
-    """One key of ``get_into(keys, buffer)``: found, metadata and the byte offset it was
-    copied to. Truthy when found."""
-
-    key: str
-    found: bool
-    dtype: str = ""
-    shape: tuple[int, ...] = ()
-    nbytes: int = 0
-    offset: int = 0
-
-    def __bool__(self) -> bool:
-        return self.found
-
-    def view(self, buffer: torch.Tensor) -> torch.Tensor:
-        """The entry as a tensor over the buffer's bytes (no copy)."""
-        if not self.found:
-            raise ValueError(f"{self.key!r} was not found")
-        flat = buffer.reshape(-1).view(torch.uint8)[self.offset : self.offset + self.nbytes]
-        return flat.view(torch_dtype(self.dtype)).view(self.shape)
-
-
-def into_results(reply: pb.GetIntoResponse) -> list[IntoResult]:
-    return [
-        IntoResult(r.key, True, r.meta.dtype, tuple(r.meta.shape), r.meta.nbytes, r.offset)
-        if r.found
-        else IntoResult(r.key, False)
-        for r in reply.results
-    ]
-
-
-def pack_offsets(sizes: Sequence[int | None]) -> list[int]:
-    """Back-to-back offsets aligned to 16 bytes (None, a miss, takes no room)."""
-    out, pos = [], 0
-    for n in sizes:
-        if n is None:
-            out.append(0)
-            continue
-        pos = -(-pos // SLOT_ALIGN) * SLOT_ALIGN
-        out.append(pos)
-        pos += n
-    return out
-
-
-def check_buffer(out: torch.Tensor, keys: Sequence[str], offsets: Sequence[int] | None) -> None:
-    if not isinstance(out, torch.Tensor) or not out.is_contiguous():
-        raise ValueError("out: must be a contiguous tensor")
-    if offsets is not None:
-        if len(offsets) != len(keys):
-            raise ValueError(f"offsets: one per key ({len(keys)}), got {len(offsets)}")
-        if any(not isinstance(o, int) or o < 0 for o in offsets):
-            raise ValueError("offsets: must be non-negative integers")
-
-
-def copy_into_buffer(
-    keys: Sequence[str],
-    tensors: Sequence[torch.Tensor | None],
-    out: torch.Tensor,
-    offsets: Sequence[int] | None,
-) -> list[IntoResult]:
-    """get_into without IPC: copy host tensors into ``out``'s bytes (the fallback)."""
-    sizes = [None if t is None else t.numel() * t.element_size() for t in tensors]
-    slots = list(offsets) if offsets is not None else pack_offsets(sizes)
-    flat = out.reshape(-1).view(torch.uint8)
-    spans = sorted((o, o + n) for o, n in zip(slots, sizes, strict=True) if n)
-    if any(b[0] < a[1] for a, b in itertools.pairwise(spans)):
-        raise ValueError("offsets: destination slots overlap")
-    results = []
-    for key, t, n, off in zip(keys, tensors, sizes, slots, strict=True):
-        if t is None or n is None:
-            results.append(IntoResult(key, False))
-            continue
-        if off + n > flat.numel():
-            raise ValueError(f"{key!r} ({n} bytes) does not fit out at offset {off}")
-        flat[off : off + n].copy_(t.reshape(-1).view(torch.uint8))
-        dtype = str(t.dtype).removeprefix("torch.")
-        results.append(IntoResult(key, True, dtype, tuple(t.shape), n, off))
-    return results

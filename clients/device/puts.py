@@ -1,4 +1,4 @@
-"""Batched puts of same-node CUDA tensors (``PutFromDeviceBatch``), shared by both clients.
+"""Batched puts of same-node CUDA tensors (``PutFromDeviceBatch``).
 
 ``put_many`` sends every CUDA tensor the daemon can read in as few calls as possible (up to
 :data:`MAX_ITEMS` items and about :data:`MAX_REQUEST_BYTES` of request per call); the daemon
@@ -9,19 +9,14 @@ does.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from embcache.clients import device_results as dr
-from embcache.clients.errors import RpcFailed
-from embcache.errors import DeviceUnavailable
+from embcache.clients.device import exports
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-
-log = logging.getLogger("embcache.client")
 
 MAX_ITEMS = 1024  # the daemon's limit per call
 MAX_REQUEST_BYTES = 1 << 20  # below the daemon's message limit (1 MiB chunk + 128 KiB)
@@ -43,20 +38,6 @@ def as_pairs(items: Mapping[str, Any] | Sequence[tuple[str, Any]]) -> list[tuple
     return pairs
 
 
-def falls_back(client: Any, exc: Exception) -> bool:
-    """After a failed ``PutFromDeviceBatch`` call: True when ``client`` should put the
-    tensors one by one instead (it remembers why, for later calls); False: raise ``exc``."""
-    if isinstance(exc, DeviceUnavailable):
-        log.info("daemon cannot read this GPU's memory (%s); streaming bytes", exc)
-        client._device_puts = False
-        return True
-    if isinstance(exc, RpcFailed) and exc.code == "UNIMPLEMENTED":
-        log.info("daemon has no PutFromDeviceBatch; putting one by one")
-        client._batch_puts = False
-        return True
-    return False
-
-
 @dataclass
 class Batch:
     """One ``PutFromDeviceBatch`` request and the input positions of its items; ``keep``
@@ -64,7 +45,7 @@ class Batch:
 
     positions: list[int]
     request: pb.PutFromDeviceBatchRequest
-    keep: list[dr.Exported]
+    keep: list[exports.Exported]
 
     def returned(self, reply: pb.PutFromDeviceBatchResponse, created: list[bool | None]) -> None:
         """The call succeeded: its events may be reused; each item's outcome goes to its
@@ -81,23 +62,25 @@ def batches(items: Sequence[tuple[int, str, Any]]) -> list[Batch] | None:
     after every tensor was exported, covers all the writes of the tensors."""
     exported = []
     for _, _, tensor in items:
-        e = dr.export_cuda(tensor.detach().contiguous(), event=False)
+        e = exports.export_cuda(tensor.detach().contiguous(), event=False)
         if e is None:
             return None
         exported.append(e)
     out = list(_split(items, exported))
     for batch in out:
-        by_device: dict[Any, list[dr.Exported]] = {}
+        by_device: dict[Any, list[exports.Exported]] = {}
         for e in batch.keep:
             by_device.setdefault(e.tensor.device, []).append(e)
         for device, group in by_device.items():
-            dr.record_event(device, group)
+            exports.record_event(device, group)
         for item, e in zip(batch.request.items, batch.keep, strict=True):
             item.tensor.event_handle = e.message.event_handle
     return out
 
 
-def _split(items: Sequence[tuple[int, str, Any]], exported: list[dr.Exported]) -> Iterator[Batch]:
+def _split(
+    items: Sequence[tuple[int, str, Any]], exported: list[exports.Exported]
+) -> Iterator[Batch]:
     batch = Batch([], pb.PutFromDeviceBatchRequest(), [])
     size = 0
     for (position, key, _), e in zip(items, exported, strict=True):

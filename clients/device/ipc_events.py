@@ -31,10 +31,13 @@ class Recorded:
         """The call that carried the event returned: the event may be recorded again."""
         if self.lent:
             self.lent = False
-            self.pool._give(self)
+            self.pool.give_back(self)
 
 
 class IpcEvents:
+    """The process's free events, per GPU: one is lent to each call and comes back when
+    the call returned."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free: dict[int, list[Recorded]] = {}
@@ -58,7 +61,8 @@ class IpcEvents:
             rec.lent = True
         return rec
 
-    def _give(self, rec: Recorded) -> None:
+    def give_back(self, rec: Recorded) -> None:
+        """``rec``'s call returned: its event may be recorded for another call."""
         with self._lock:
             self._free.setdefault(rec.device, []).append(rec)
 

@@ -1,14 +1,13 @@
-"""Client-side errors: the daemon's typed errors, rebuilt from the status it sent.
+"""The daemon's typed errors, rebuilt in the client from the status it sent.
 
-The daemon names the error type in the trailing metadata ``embcache-error``; the client
-raises the same class from ``embcache.errors`` (so ``except EntryLeased`` works on
-both sides), with ``grpc_status`` set. Failures without a type (the daemon unreachable, a
-deadline passed) raise :class:`RpcFailed`.
+The daemon names the error type in the trailing metadata ``embcache-error`` (or in a session
+call's ``CallError``); the client raises the same class from ``embcache.errors``, so
+``except EntryLeased`` works on both sides, with ``grpc_status`` set. Failures without a type
+(the daemon unreachable, a deadline passed) raise :class:`RpcFailed`.
 """
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import grpc
@@ -17,11 +16,10 @@ from embcache import errors as _errors
 from embcache.errors import EmbCacheError
 from embcache.proto.constants import ERROR_TYPE_KEY
 
-RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
-
 
 class RpcFailed(EmbCacheError):
-    """A call failed with a status the daemon did not attach a typed error to."""
+    """A call failed with a status the daemon did not attach a typed error to; ``code`` is
+    the status name (``"UNAVAILABLE"``, ``"DEADLINE_EXCEEDED"``, ...)."""
 
     def __init__(self, message: str, code: str, **details: Any) -> None:
         super().__init__(message, **details)
@@ -29,6 +27,7 @@ class RpcFailed(EmbCacheError):
 
 
 def error_type(err: grpc.RpcError) -> str | None:
+    """The error type the daemon named in a failed call's trailing metadata, if any."""
     trailing = getattr(err, "trailing_metadata", None)
     for key, value in (trailing() if callable(trailing) else None) or ():
         if key == ERROR_TYPE_KEY:
@@ -61,16 +60,3 @@ def from_call_error(err: Any) -> EmbCacheError:
     builds it for a failed RPC."""
     code = getattr(grpc.StatusCode, err.code, grpc.StatusCode.UNKNOWN)
     return _typed(err.error_type or None, err.message, code)
-
-
-def is_unknown_session(err: grpc.RpcError) -> bool:
-    return error_type(err) == "UnknownSession"
-
-
-def should_retry(err: grpc.RpcError) -> bool:
-    return callable(getattr(err, "code", None)) and err.code() in RETRY_CODES
-
-
-def backoff_s(attempt: int, base: float = 0.05, cap: float = 1.0) -> float:
-    """Exponential backoff with full jitter: attempt 0 waits up to ``base`` seconds."""
-    return random.uniform(0.0, min(cap, base * (2**attempt)))

@@ -1,0 +1,296 @@
+"""The client's puts and gets: streamed or copied by the daemon from a GPU, and zero-copy
+where the daemon's memory is mapped in this process.
+
+A CUDA tensor is put by the daemon copying it from this GPU when it can open the memory;
+anything else is streamed in CRC-checked chunks. A get on the daemon's node returns views
+of its host pool, or of a GPU's device pool with ``device=``; elsewhere the bytes are
+streamed. Where a path turns out not to work (another machine, no device pool, memory that
+cannot be exported) the client remembers and takes the next one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, overload
+
+import torch
+
+from embcache.clients._async.plain_calls import AsyncPlainCalls
+from embcache.clients._async.results import AsyncLeasedTensors
+from embcache.clients._backends.async_io import leased_call
+from embcache.clients.core.errors import RpcFailed
+from embcache.clients.core.payload import payload_of
+from embcache.clients.core.requests import as_keys, device_get_request, get_request
+from embcache.clients.device import device_replies, exports, into, pools
+from embcache.clients.device import puts as dp
+from embcache.clients.device.host_replies import decode_get
+from embcache.errors import DeviceUnavailable
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+
+
+class AsyncEmbCacheClient(AsyncPlainCalls):
+    """A client of one embcache daemon, for asyncio programs (docs/grpc.md).
+
+    Made on the event loop that uses it. ``async with AsyncEmbCacheClient(target) as c:``
+    closes it at the end; ``get`` is awaited, or used as ``async with c.get(keys) as ts:``.
+    """
+
+    # -- puts ------------------------------------------------------------------------------
+    async def put(self, key: str, tensor: Any, *, checksum: bool = True) -> bool:
+        """Store a tensor under ``key``.
+
+        A CUDA tensor is copied by the daemon from this GPU (``PutFromDevice``; no checksum:
+        the bytes never pass through this process) when the daemon can open its memory;
+        anything else is streamed in 1 MiB chunks. Puts are idempotent: retried like reads.
+
+        Args:
+            key: the entry's key.
+            tensor: a torch tensor (any device) or a numpy array.
+            checksum: send the CRC32 of streamed bytes for the daemon to check.
+
+        Returns:
+            True if the entry was created, False if it existed (same dtype and shape).
+
+        Raises:
+            MetadataConflict: the key exists with another dtype or shape.
+            InvalidArgument: a bad key, dtype or shape, or bytes that fail their checksum.
+            PoolExhausted: no room even after eviction (also QuotaExceeded, EntryTooLarge).
+            RpcFailed: the daemon could not be reached (after the retries) in time.
+        """
+        if self._caps.device_puts and dp.wants_device_put(tensor):
+            created = await self._put_from_device(key, tensor)
+            if created is not None:
+                return created
+        payload = payload_of(tensor)
+
+        async def send(md: Any, to: float) -> pb.PutResponse:
+            messages = payload.messages(key, checksum=checksum)
+            return await self._put(messages, timeout=to, metadata=md)
+
+        reply = await self._call(send)
+        return bool(reply.created)
+
+    async def put_many(
+        self, items: Mapping[str, Any] | Sequence[tuple[str, Any]], *, checksum: bool = True
+    ) -> list[bool]:
+        """Store several tensors: the CUDA ones in ``PutFromDeviceBatch`` calls (one wait
+        per call; each call is all or nothing), the rest one by one as :meth:`put` does.
+
+        Args:
+            items: a mapping of keys to tensors, or ``(key, tensor)`` pairs.
+            checksum: as for :meth:`put`.
+
+        Returns:
+            Per item, in order, True if it was created.
+
+        Raises:
+            ValueError: a key that is not a string, or one given twice.
+            MetadataConflict: as for :meth:`put` (and its other errors).
+        """
+        pairs = dp.as_pairs(items)
+        out: list[bool | None] = [None] * len(pairs)
+        cuda = [(i, k, t) for i, (k, t) in enumerate(pairs) if dp.wants_device_put(t)]
+        if cuda and self._caps.device_puts and self._caps.batch_puts:
+            for batch in dp.batches(cuda) or []:
+                reply = await self._put_batch(batch)
+                if reply is None:
+                    break
+                batch.returned(reply, out)
+        return [
+            bool(c) if c is not None else await self.put(k, t, checksum=checksum)
+            for (k, t), c in zip(pairs, out, strict=True)
+        ]
+
+    async def _put_batch(self, batch: dp.Batch) -> pb.PutFromDeviceBatchResponse | None:
+        try:
+            return await self._session_call(
+                "put_from_device_batch",
+                batch.request,
+                lambda md, to: self._stub.PutFromDeviceBatch(
+                    batch.request, timeout=to, metadata=md
+                ),
+            )
+        except (DeviceUnavailable, RpcFailed) as exc:
+            if not self._caps.put_failed(exc):
+                raise
+        return None
+
+    async def _put_from_device(self, key: str, tensor: torch.Tensor) -> bool | None:
+        exported = exports.export_cuda(tensor.detach().contiguous())
+        if exported is None:
+            return None
+        request = pb.PutFromDeviceRequest(key=key, tensor=exported.message)
+        try:
+            reply = await self._session_call(
+                "put_from_device",
+                request,
+                lambda md, to: self._stub.PutFromDevice(request, timeout=to, metadata=md),
+            )
+        except DeviceUnavailable as exc:
+            self._caps.put_failed(exc)  # streams bytes from now on
+            return None
+        exported.returned()  # the daemon has copied: its event may be reused
+        return bool(reply.created)
+
+    # -- gets ------------------------------------------------------------------------------
+    @leased_call
+    async def get(
+        self,
+        keys: str | Sequence[str],
+        device: str | torch.device | None = None,
+        *,
+        ttl_s: float | None = None,
+    ) -> AsyncLeasedTensors:
+        """Tensors for ``keys`` (None for a miss), leased until released.
+
+        On the daemon's node the tensors are read-only views of its shared memory (entries
+        in several page runs are gathered copies); elsewhere the bytes are streamed. With a
+        CUDA ``device`` and a daemon with a device pool on that GPU, the tensors live on the
+        GPU: views of the daemon's device pool (contiguous entries; valid while leased) or
+        gathered copies the caller owns, ready for work queued on the device's current
+        stream. Without such a pool they are copied there and the leases released at once.
+
+        Args:
+            keys: one key, or several.
+            device: ``"cuda"``, ``"cuda:N"`` or a torch.device to get the tensors on a GPU;
+                None or ``"cpu"`` for the host.
+            ttl_s: the leases' lifetime (None: the daemon's default).
+
+        Returns:
+            The leased tensors, in the order of ``keys``; the asyncio client returns them
+            from an awaitable that is also an async context manager.
+
+        Raises:
+            InvalidArgument: a bad key, or a lifetime the daemon refuses.
+            RpcFailed: the daemon could not be reached (after the retries) in time, or the
+                client is closed (code ``CANCELLED``).
+        """
+        names, _ = as_keys(keys)
+        if device is not None and torch.device(device).type == "cuda":
+            leased = await self._get_device(names, device, ttl_s)
+            if leased is not None:
+                return leased
+        if self._pool_local is False:
+            tensors = [await self._fetch_tensor(k) for k in names]
+            return await self._placed(AsyncLeasedTensors(tensors, [], self.release), device)
+        reply = await self._get_call(get_request(names, ttl_s))
+        try:
+            decoded = decode_get(reply, self._maps)
+        except BaseException:
+            await self.release([r.lease_id for r in reply.results if r.found])
+            raise
+        if decoded.lease_ids:
+            self._pool_local = not decoded.remote
+        if decoded.remote:
+            await self.release(decoded.lease_ids)
+            for i in decoded.remote:
+                decoded.tensors[i] = await self._fetch_tensor(names[i])
+            decoded.lease_ids = []
+        leased = AsyncLeasedTensors(decoded.tensors, decoded.lease_ids, self.release)
+        return await self._placed(leased, device)
+
+    async def _get_device(
+        self, names: list[str], device: str | torch.device, ttl_s: float | None
+    ) -> AsyncLeasedTensors | None:
+        dev, uuid = pools.resolve_device(device)
+        if uuid in self._no_device:
+            return None
+        request = device_get_request(names, uuid, ttl_s, ready_event=self._caps.ready_events)
+        try:
+            reply = await self._get_call(request)
+        except DeviceUnavailable as exc:
+            self._no_device.add(uuid, exc)
+            return None
+        try:
+            decoded = device_replies.decode_device_get(reply, self._device_pools)
+        except BaseException as exc:
+            await self.release([r.lease_id for r in reply.results if r.found])
+            if isinstance(exc, device_replies.EventOpenError):  # ask again, without an event
+                self._caps.events_failed(exc)
+                return await self._get_device(names, device, ttl_s)
+            if isinstance(exc, device_replies.PoolOpenError):
+                self._no_device.add(uuid, exc)
+                return None
+            raise
+
+        async def release(lease_ids: list[int]) -> int:
+            device_replies.sync_device(dev)
+            return await self.release(lease_ids)
+
+        return AsyncLeasedTensors(decoded.tensors, decoded.lease_ids, release)
+
+    async def _placed(
+        self, leased: AsyncLeasedTensors, device: str | torch.device | None
+    ) -> AsyncLeasedTensors:
+        if device is None or torch.device(device).type == "cpu":
+            return leased
+        async with leased as tensors:
+            moved = [None if t is None else t.to(device) for t in tensors]
+        return AsyncLeasedTensors(moved, [], self.release)
+
+    async def _fetch_tensor(self, key: str) -> torch.Tensor | None:
+        entry = await self.get_bytes(key)
+        return None if entry is None else entry.tensor()
+
+    @overload
+    async def get_into(
+        self, keys: Sequence[str], out: torch.Tensor, offsets: Sequence[int] | None = None
+    ) -> list[into.IntoResult]: ...
+    @overload
+    async def get_into(self, keys: Sequence[str], out: Sequence[torch.Tensor]) -> list[bool]: ...
+    async def get_into(
+        self,
+        keys: Sequence[str],
+        out: torch.Tensor | Sequence[torch.Tensor],
+        offsets: Sequence[int] | None = None,
+    ) -> list[into.IntoResult] | list[bool]:
+        """Copy entries into your memory; the copies are complete when this returns.
+
+        Args:
+            keys: the entries, in order.
+            out: one contiguous tensor (on a CUDA buffer the daemon copies straight into
+                it), or a list of tensors: one per key, of its dtype and element count.
+            offsets: with one tensor, each entry's byte offset in it; None packs the entries
+                back to back at 16-byte-aligned offsets.
+
+        Returns:
+            With one tensor, an ``IntoResult`` per key (found, dtype, shape, nbytes, offset;
+            ``r.view(out)`` is the entry over the buffer); with a list, found flags.
+
+        Raises:
+            ValueError: ``out`` or ``offsets`` cannot hold the entries (not contiguous,
+                overlapping or too small slots, a dtype or size that differs).
+        """
+        names, _ = as_keys(keys)
+        if not isinstance(out, torch.Tensor):
+            async with self.get(names) as tensors:
+                return into.copy_into(tensors, out)
+        into.check_buffer(out, names, offsets)
+        if out.device.type == "cuda" and out.numel():
+            results = await self._get_into_device(names, out, offsets)
+            if results is not None:
+                return results
+        async with self.get(names) as tensors:
+            return into.copy_into_buffer(names, tensors, out, offsets)
+
+    async def _get_into_device(
+        self, names: list[str], out: torch.Tensor, offsets: Sequence[int] | None
+    ) -> list[into.IntoResult] | None:
+        exported = exports.export_cuda(out, as_bytes=True)
+        if exported is None:
+            return None
+        if exported.message.gpu_uuid in self._no_device:
+            exported.returned()  # never sent
+            return None
+        request = pb.GetIntoRequest(
+            keys=names, destination=pb.DeviceBuffer(buffer=exported.message), offsets=offsets
+        )
+        try:
+            reply = await self._call(
+                lambda md, to: self._stub.GetInto(request, timeout=to, metadata=md), session=True
+            )
+        except DeviceUnavailable as exc:
+            self._no_device.add(exported.message.gpu_uuid, exc)
+            return None
+        exported.returned()  # the daemon has copied: its event may be reused
+        return into.into_results(reply)

@@ -1,0 +1,232 @@
+"""A client's connection to one daemon: the gRPC channel, the session, and the retries.
+
+The session anchors the client's leases in the daemon: it is opened on first use and kept
+for the life of the client, and when it ends (``close()``, this process dies, the connection
+drops) the daemon releases them. It runs on the daemon's session socket when the target is a
+Unix socket that has one, else on a gRPC Session stream. Each new session looks for the
+socket again, also while it retries a restarting daemon, so a client that outlives a daemon
+restart returns to it.
+
+Every call gets the client's deadline and is retried on UNAVAILABLE with jittered
+exponential backoff; a call that names a session the daemon forgot is tried again on a new
+one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Self, TypeVar
+
+import grpc
+
+from embcache.clients._backends.async_io import CallFn, Lock, connect, sleep
+from embcache.clients._backends.async_lane import AsyncLaneSession
+from embcache.clients._backends.async_session import AsyncSession
+from embcache.clients.core.capabilities import Capabilities, HostFallbacks
+from embcache.clients.core.channel import auth_metadata
+from embcache.clients.core.errors import RpcFailed, from_call_error, translate
+from embcache.clients.core.retry import backoff_s, is_unknown_session, retry_step, should_retry
+from embcache.clients.core.session_calls import SessionLost, serves
+from embcache.clients.core.targets import lane_path, normalize_target
+from embcache.clients.device.pools import process_device_pools
+from embcache.clients.device.shm import process_pool_maps
+from embcache.proto.constants import SESSION_KEY
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+
+T = TypeVar("T")
+log = logging.getLogger("embcache.client")
+
+
+class AsyncConnection:
+    """The channel, session and retries of a client, and what it learned of its daemon."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        timeout: float = 30.0,
+        retries: int = 4,
+        root_certificates: bytes | None = None,
+        tls: bool = False,
+        client_name: str = "",
+        options: Sequence[tuple[str, Any]] = (),
+        session_lane: bool = True,
+    ) -> None:
+        """Prepare a client of the daemon at ``target``; nothing is sent until the first call.
+
+        Args:
+            target: ``unix:/path``, a bare absolute path (a Unix socket), or ``host:port``.
+            token: the daemon's bearer token, when it has one.
+            timeout: the deadline of every call, in seconds.
+            retries: how many times a call is tried again while the daemon is UNAVAILABLE.
+            root_certificates: PEM roots for TLS (implies ``tls``).
+            tls: connect over TLS with the system's roots.
+            client_name: shown by the daemon for this client's session.
+            options: extra gRPC channel options, after embcache's own.
+            session_lane: use the daemon's session socket when it has one (False: always
+                a gRPC Session stream).
+        """
+        target = normalize_target(target)
+        self._channel, self._stub, self._put = connect(
+            target, tls=tls, root_certificates=root_certificates, options=options
+        )
+        self.target = target
+        self.timeout = timeout
+        self.retries = retries
+        self._auth = auth_metadata(token)
+        self._token = token
+        self._client_name = client_name
+        self._lane = lane_path(target) if session_lane else None
+        self._session: AsyncSession | AsyncLaneSession | None = None
+        self._session_lock = Lock()
+        self._closed = False
+        self._maps = process_pool_maps()
+        self._pool_local: bool | None = None  # whether this process maps the host pool
+        self._device_pools = process_device_pools()
+        self._no_device = HostFallbacks()  # GPUs served through the host for now
+        self._caps = Capabilities()  # what the daemon turned out not to support
+
+    # -- the session -----------------------------------------------------------------------
+    async def _session_id(self) -> str:
+        session = await self._open_session()
+        assert session.session_id is not None
+        return session.session_id
+
+    async def _open_session(self) -> AsyncSession | AsyncLaneSession:
+        async with self._session_lock:
+            if self._closed:
+                raise RpcFailed("client is closed", "CANCELLED")
+            if self._session is None or not self._session.alive:
+                if self._session is not None:
+                    await self._session.close()  # ended: let go of its socket or reader
+                    self._session = None
+                # A retry (UNAVAILABLE: a restarting daemon) looks for the lane again.
+                self._session = await self._call(self._lane_or_stream)
+            return self._session
+
+    async def _lane_or_stream(
+        self, metadata: Any, timeout: float
+    ) -> AsyncSession | AsyncLaneSession:
+        """A session on the daemon's lane if it has one, else a gRPC Session stream."""
+        lane = await self._open_lane()
+        return lane or await AsyncSession.open(self._stub, metadata, self._client_name, timeout)
+
+    async def _open_lane(self) -> AsyncLaneSession | None:
+        """A session on the daemon's lane; None if it has none (this session uses gRPC; the
+        next one looks for the lane again, e.g. after the daemon restarted with one)."""
+        if self._lane is None:
+            return None
+        try:
+            return await AsyncLaneSession.open(
+                self._lane, self._token, self._client_name, self.timeout
+            )
+        except OSError as err:
+            log.debug("no session lane at %s (%s): this session uses gRPC", self._lane, err)
+            return None
+
+    async def _drop_session(self) -> None:
+        async with self._session_lock:
+            if self._session is not None:
+                await self._session.close()
+                self._session = None
+
+    # -- calls -----------------------------------------------------------------------------
+    async def _call(self, fn: CallFn[T], *, session: bool = False) -> T:
+        """Run ``fn(metadata, timeout)`` with retries on UNAVAILABLE (and a stale session)."""
+        reopened = False
+        attempt = 0
+        while True:
+            metadata = self._auth
+            if session:
+                metadata = (*metadata, (SESSION_KEY, await self._session_id()))
+            try:
+                return await fn(metadata, self.timeout)
+            except grpc.RpcError as err:
+                if session and not reopened and is_unknown_session(err):
+                    reopened = True
+                    await self._drop_session()
+                    continue
+                if should_retry(err) and attempt < self.retries:
+                    await sleep(backoff_s(attempt))
+                    attempt += 1
+                    continue
+                raise translate(err) from err
+
+    async def _session_call(self, kind: str, request: Any, rpc: CallFn[T]) -> T:
+        """``request`` as a ``kind`` call on the session when the daemon serves those there
+        (cheaper than an RPC), else the RPC ``rpc(metadata, timeout)`` in the session.
+        Retried like an RPC: on UNAVAILABLE, and on a new session if the session ended (a
+        Get's leases ended with it; a put is idempotent)."""
+        attempt = 0
+        while True:
+            session = await self._open_session()
+            if not serves(session, kind):
+                return await self._call(rpc, session=True)
+            try:
+                result = await session.call(self.timeout, **{kind: request})
+            except SessionLost:
+                if attempt >= self.retries:
+                    raise
+                attempt += 1
+                continue
+            if result.WhichOneof("outcome") == kind:
+                reply: T = getattr(result, kind)
+                return reply
+            if retry_step(result, attempt, self.retries) == "new_session":
+                await self._drop_session()  # the daemon forgot it: start a new one
+            else:
+                await sleep(backoff_s(attempt))
+            attempt += 1
+
+    async def _get_call(self, request: pb.GetRequest) -> pb.GetResponse:
+        """A Get whose leases belong to this client's session (see :meth:`_session_call`)."""
+        return await self._session_call(
+            "get", request, lambda md, to: self._stub.Get(request, timeout=to, metadata=md)
+        )
+
+    # -- leases and life cycle -------------------------------------------------------------
+    async def release(self, lease_ids: Sequence[int]) -> int:
+        """End leases (the leased tensors of ``get`` do it when their block ends).
+
+        Args:
+            lease_ids: the ids of leases this client holds (``leased.lease_ids``).
+
+        Returns:
+            How many leases the daemon ended; fewer than given means some had ended
+            already (expired, released, or their session ended).
+
+        Raises:
+            RpcFailed: the daemon could not be reached (after the retries) in time.
+        """
+        if not lease_ids:
+            return 0
+        request = pb.ReleaseRequest(lease_ids=lease_ids)
+        session = self._session
+        if session is not None and session.alive and session.serves_calls:
+            try:
+                result = await session.call(self.timeout, release=request)
+            except SessionLost:  # the session's leases ended with it; ask over an RPC
+                pass
+            else:
+                if result.WhichOneof("outcome") == "release":
+                    return int(result.release.released)
+                raise from_call_error(result.error)
+        reply = await self._call(
+            lambda md, to: self._stub.Release(request, timeout=to, metadata=md)
+        )
+        return int(reply.released)
+
+    async def close(self) -> None:
+        """End the session (the daemon releases its leases) and close the channel; calls
+        that need a session then raise ``RpcFailed`` (code ``CANCELLED``)."""
+        self._closed = True
+        await self._drop_session()
+        await self._channel.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,163 @@
+"""The calls that need neither the session nor a device: exists, evict, prefetch, stats,
+renew and get_bytes. Each is one RPC with the connection's deadline and retries."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, overload
+
+import grpc
+
+from embcache.clients._async.connection import AsyncConnection
+from embcache.clients._backends.async_io import CallFn
+from embcache.clients.core.replies import (
+    BytesCollector,
+    EntryBytes,
+    evict_outcomes,
+    prefetch_dict,
+    stats_dict,
+)
+from embcache.clients.core.requests import as_keys, evict_request, prefetch_request, renew_request
+from embcache.clients.device import pools
+from embcache.errors import EmbCacheError
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+
+
+class AsyncPlainCalls(AsyncConnection):
+    """The connection plus its session-free calls (the client adds puts and gets)."""
+
+    @overload
+    async def exists(self, keys: str) -> bool: ...  # type: ignore[overload-overlap]
+    @overload
+    async def exists(self, keys: Sequence[str]) -> list[bool]: ...
+    async def exists(self, keys: str | Sequence[str]) -> bool | list[bool]:
+        """Whether entries are stored (complete and visible).
+
+        Args:
+            keys: one key, or several.
+
+        Returns:
+            For one key a bool; for several a bool each, in order.
+
+        Raises:
+            RpcFailed: the daemon could not be reached (after the retries) in time.
+        """
+        names, single = as_keys(keys)
+        request = pb.ExistsRequest(keys=names)
+        reply = await self._call(_unary(self._stub.Exists, request))
+        found = list(reply.exists)
+        return found[0] if single else found
+
+    @overload
+    async def evict(self, keys: str, device: Any = None) -> str: ...  # type: ignore[overload-overlap]
+    @overload
+    async def evict(self, keys: Sequence[str], device: Any = None) -> list[str]: ...
+    async def evict(self, keys: str | Sequence[str], device: Any = None) -> str | list[str]:
+        """Remove entries; leased entries are never forced out.
+
+        Args:
+            keys: one key, or several.
+            device: ``"cuda:N"``, an index or a torch.device: only the copies on that GPU go
+                (their host copies stay; ``"not_found"`` then also means no copy there).
+
+        Returns:
+            For one key ``"evicted"``; for several an outcome each: ``"evicted"``,
+            ``"not_found"`` or ``"leased"``.
+
+        Raises:
+            NotFound: (one key) no such entry.
+            EntryLeased: (one key) the entry is leased.
+            DeviceUnavailable: ``device`` has no device pool in the daemon.
+        """
+        names, single = as_keys(keys)
+        request = evict_request(names, pools.uuid_of(device))
+        try:
+            reply = await self._call(_unary(self._stub.Evict, request))
+        except Exception as exc:
+            return evict_outcomes(names, single, failure=exc)
+        return evict_outcomes(names, single, reply=reply)
+
+    async def prefetch(self, keys: Sequence[str], device: Any = None) -> dict[str, int]:
+        """Warm the daemon's local tiers ahead of the gets that will follow.
+
+        Args:
+            keys: the entries to bring in (from the shared tier to the host pool).
+            device: also copy them to that GPU's device pool (``"cuda:N"``, an index).
+
+        Returns:
+            Counts: ``requested``, ``local``, ``fetched``, ``missing``, ``resident``.
+
+        Raises:
+            DeviceUnavailable: ``device`` has no device pool in the daemon.
+        """
+        request = prefetch_request(keys, pools.uuid_of(device))
+        reply = await self._call(_unary(self._stub.Prefetch, request))
+        return prefetch_dict(reply)
+
+    async def stats(self) -> dict[str, Any]:
+        """The daemon's stats document (counters as ints) and its open sessions.
+
+        Returns:
+            The document as nested dicts, with ``grpc_sessions`` added.
+
+        Raises:
+            RpcFailed: the daemon could not be reached (after the retries) in time.
+        """
+        reply = await self._call(_unary(self._stub.Stats, pb.StatsRequest()))
+        return stats_dict(reply)
+
+    async def renew(self, lease_ids: Sequence[int], ttl_s: float | None = None) -> int:
+        """Extend leases (a reader that needs its views longer than their TTL).
+
+        Args:
+            lease_ids: the ids of leases this client holds (``leased.lease_ids``).
+            ttl_s: the new lifetime, from now; None: the daemon's default.
+
+        Returns:
+            How many leases were renewed; fewer than given means some had ended (their
+            views may already show reused memory).
+
+        Raises:
+            InvalidArgument: a lifetime the daemon refuses.
+        """
+        request = renew_request(lease_ids, ttl_s)
+        reply = await self._call(_unary(self._stub.Renew, request))
+        return int(reply.renewed)
+
+    async def get_bytes(
+        self, key: str, offset: int = 0, length: int | None = None
+    ) -> EntryBytes | None:
+        """An entry's bytes, streamed over gRPC (works from any machine).
+
+        Args:
+            key: the entry's key.
+            offset: the first byte to send.
+            length: how many bytes (None: to the end).
+
+        Returns:
+            The dtype, shape and bytes (``.tensor()`` views them), or None if absent.
+
+        Raises:
+            InvalidArgument: the range lies outside the entry.
+        """
+        request = pb.GetBytesRequest(key=key, offset=offset)
+        if length is not None:
+            request.length = length
+
+        async def fetch(md: Any, to: float) -> EntryBytes:
+            collector = BytesCollector(key)
+            async for msg in self._stub.GetBytes(request, timeout=to, metadata=md):
+                collector.add(msg, length, offset)
+            return collector.result()
+
+        try:
+            return await self._call(fetch)
+        except EmbCacheError as exc:
+            if getattr(exc, "grpc_status", None) == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise
+
+
+def _unary(method: Any, request: Any) -> CallFn[Any]:
+    """The ``fn(metadata, timeout)`` of ``_call`` for one unary RPC."""
+    return lambda md, to: method(request, timeout=to, metadata=md)

@@ -1,0 +1,46 @@
+"""Calls carried on a session, whichever its transport (gRPC stream or session socket).
+
+The daemon says when it opens a session whether it runs calls there, and which; each call has
+a client-chosen id, and its result wakes the caller waiting on that id. A result that arrives
+after its caller gave up (deadline) hands out leases nobody holds: they are released.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from embcache.clients.core.errors import RpcFailed
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+
+
+class SessionLost(RpcFailed):
+    """The Session stream ended before a call's result came back (its leases, if any, ended
+    with it)."""
+
+    def __init__(self, message: str = "the Session stream ended during the call") -> None:
+        super().__init__(message, "UNAVAILABLE")
+
+
+class CallCarrier(Protocol):
+    """What :func:`serves` reads: a session of either transport (gRPC stream or lane)."""
+
+    serves_calls: bool
+    serves_device_puts: bool
+
+
+def serves(session: CallCarrier, kind: str) -> bool:
+    """Whether the daemon behind ``session`` runs calls of ``kind`` on the stream."""
+    if kind in ("put_from_device", "put_from_device_batch"):
+        return session.serves_calls and session.serves_device_puts
+    return session.serves_calls
+
+
+def unclaimed_release(result: pb.SessionResult) -> pb.SessionRequest | None:
+    """For a result whose caller gave up (deadline): the call that releases the leases it
+    hands out, if any (either transport, sync or asyncio)."""
+    if result.WhichOneof("outcome") != "get":
+        return None
+    ids = [r.lease_id for r in result.get.results if r.found]
+    if not ids:
+        return None
+    return pb.SessionRequest(call=pb.SessionCall(release=pb.ReleaseRequest(lease_ids=ids)))
