@@ -26,9 +26,9 @@ from embcache.clients.errors import RpcFailed
 from embcache.clients.lane import AsyncLaneSession, LaneSession, lane_path
 from embcache.clients.sessions import Session, SessionLost
 from embcache.errors import Unauthenticated
+from embcache.proto.constants import MAX_MESSAGE_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.engine import CacheEngine
-from embcache.proto.constants import MAX_MESSAGE_BYTES
 from embcache.service.transport.grpc_thread import GrpcServerThread
 
 KiB, MiB = 1 << 10, 1 << 20
