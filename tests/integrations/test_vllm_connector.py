@@ -26,23 +26,24 @@ sys.path.insert(0, str(Path(__file__).parent))
 # let through (pyproject's filterwarnings = error).
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", r"`torch\.jit\.", DeprecationWarning)
-    import vllm_kit as kit  # noqa: E402
-    from vllm.distributed.ec_transfer import (  # noqa: E402
+    import vllm_kit as kit
+    from vllm.distributed.ec_transfer import (
         ensure_ec_transfer_initialized,
         ensure_ec_transfer_shutdown,
         get_ec_transfer,
     )
-    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole  # noqa: E402
-    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory  # noqa: E402
-    from vllm.v1.outputs import ECConnectorOutput  # noqa: E402
-    from vllm.v1.worker.ec_connector_model_runner_mixin import (  # noqa: E402
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.outputs import ECConnectorOutput
+    from vllm.v1.worker.ec_connector_model_runner_mixin import (
         ECConnectorModelRunnerMixin as Mixin,
     )
 
-    from embcache.errors import InvalidArgument  # noqa: E402
-    from embcache.integrations.vllm import register  # noqa: E402
-    from embcache.integrations.vllm.connector import EmbCacheECConnector  # noqa: E402
-    from embcache.integrations.vllm.metadata import (  # noqa: E402
+    from embcache.errors import InvalidArgument
+    from embcache.integrations.vllm import register
+    from embcache.integrations.vllm.connector import EmbCacheECConnector
+    from embcache.integrations.vllm.metadata import (
         EmbCacheConnectorMetadata,
         EmbCacheWorkerMetadata,
     )
@@ -104,7 +105,8 @@ def consume(model: Any, extra: dict[str, Any], meta: Any) -> tuple[dict[str, tor
 def test_factory_by_module_path_and_by_name(model: Any, extra: dict[str, Any]) -> None:
     by_path = make(model, "ec_producer", extra, ECConnectorRole.SCHEDULER)
     assert type(by_path) is EmbCacheECConnector and by_path.is_producer
-    register()
+    load_general_plugins()  # vLLM's own loader runs the entry point
+    assert "EmbCacheECConnector" in ECConnectorFactory._registry
     register()  # vLLM runs plugins in every process, maybe twice: no error
     by_name = make(model, "ec_consumer", extra, ECConnectorRole.WORKER, by_name=True)
     assert type(by_name) is EmbCacheECConnector and by_name.is_consumer
