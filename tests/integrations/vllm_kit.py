@@ -53,6 +53,7 @@ def vllm_config(
     tp: int = 1,
     prefix_caching: bool = True,
     mm_processor_cache_gb: float = 4,
+    connector: str = "EmbCacheECConnector",
 ) -> Any:
     """A real ``VllmConfig`` carrying the EC transfer config.
 
@@ -70,9 +71,9 @@ def vllm_config(
     model.multimodal_config = MultiModalConfig(mm_processor_cache_gb=mm_processor_cache_gb)
 
     ec = ECTransferConfig(
-        ec_connector="EmbCacheECConnector",
+        ec_connector=connector,
         ec_role=role,
-        ec_connector_module_path=None if by_name else MODULE,
+        ec_connector_module_path=None if by_name or connector != "EmbCacheECConnector" else MODULE,
         ec_connector_extra_config=extra,
     )
     parallel = ParallelConfig(tensor_parallel_size=tp)
