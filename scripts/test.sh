@@ -3,6 +3,7 @@
 # GPU tests are marked `gpu` and skip themselves where no GPU is present.
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/bootstrap.sh"
+. "$(dirname "${BASH_SOURCE[0]}")/install_engines.sh"  # vLLM and SGLang, CPU torch kept
 export TRITON_INTERPRET=1   # Triton kernels run on CPU tensors; must be set before any @triton.jit
 # System packages some tests need (each test skips with a reason where one is missing):
 # chromium (pool-map page), redis-server (shared tier), libibverbs1 (Mooncake's libraries).
@@ -20,7 +21,7 @@ ruff format --check .
 python scripts/unasync.py --check
 # mypy checks the packages by their import names: _gen/embcache links to the repository root.
 mkdir -p _gen && ln -sfn .. _gen/embcache
-MYPYPATH=_gen mypy -p embcache.service -p embcache.clients -p embcache.kernels -p embcache.proto -m embcache.errors
+MYPYPATH=_gen mypy -p embcache.service -p embcache.clients -p embcache.kernels -p embcache.proto -p embcache.integrations -m embcache.errors
 set +e
 python -m pytest "$@"
 rc=$?

@@ -1,0 +1,205 @@
+"""EmbCacheECConnector against vLLM's own ECExampleConnector (safetensors on /dev/shm), in
+one run on one GPU: per-item put and load of 4 MiB items, a batch of 16 x 4 MiB, and the
+stall a save adds to the forward stream.
+
+Both connectors run through vLLM's real ECConnectorModelRunnerMixin and scheduler-side
+hooks (tests/integrations/vllm_kit.py builds the configs). The embcache daemon is a child
+process on a Unix socket. ``python3 bench/vllm_connector.py --out-dir DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent / "tests" / "integrations"))
+sys.path.insert(0, str(ROOT))
+import vllm_kit as kit  # noqa: E402
+from _common import git_commit, gpu_name  # noqa: E402
+from vllm.distributed.ec_transfer import (  # noqa: E402
+    ensure_ec_transfer_initialized,
+    ensure_ec_transfer_shutdown,
+    get_ec_transfer,
+)
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole  # noqa: E402
+from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory  # noqa: E402
+from vllm.v1.worker.ec_connector_model_runner_mixin import (  # noqa: E402
+    ECConnectorModelRunnerMixin as Mixin,
+)
+
+from embcache.integrations.vllm.metadata import EmbCacheConnectorMetadata  # noqa: E402
+from embcache.service.daemon_process import DaemonProcess  # noqa: E402
+
+ROWS, WIDTH = 512, 4096  # bf16: 4 MiB per item
+ROUNDS = 20
+
+
+def item(seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(ROWS, WIDTH, generator=g, device="cuda").to(torch.bfloat16)
+
+
+class Side:
+    """One connector kind: its producer/consumer configs and timed operations."""
+
+    def __init__(self, name: str, model: Any, extra: dict[str, Any], connector: str) -> None:
+        self.name, self.model, self.extra, self.connector = name, model, extra, connector
+
+    def config(self, role: str) -> Any:
+        return kit.vllm_config(self.model, role, self.extra, connector=self.connector)
+
+    def put(self, items: dict[str, torch.Tensor]) -> tuple[float, float]:
+        """(seconds until stored, seconds the save calls held the caller)."""
+        ensure_ec_transfer_initialized(self.config("ec_producer"))
+        conn = get_ec_transfer()
+        cache: dict[str, torch.Tensor] = {}
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        held = 0.0
+        out = kit.scheduler_output(EmbCacheConnectorMetadata())
+        with Mixin.maybe_get_ec_connector_output(out, cache):
+            for key, t in items.items():
+                cache[key] = t
+                h = time.perf_counter()
+                Mixin.maybe_save_ec_to_connector(cache, key)
+                held += time.perf_counter() - h
+        if hasattr(conn, "wait_for_saves"):
+            assert conn.wait_for_saves(60)
+        stored = time.perf_counter() - t0
+        ensure_ec_transfer_shutdown()
+        return stored, held
+
+    def load(self, items: dict[str, torch.Tensor]) -> float:
+        sched = ECConnectorFactory.create_connector(
+            self.config("ec_consumer"), ECConnectorRole.SCHEDULER
+        )
+        ensure_ec_transfer_initialized(self.config("ec_consumer"))
+        req = kit.request("r", [(k, ROWS) for k in items])
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = kit.scheduler_step(sched, req)
+        cache: dict[str, torch.Tensor] = {}
+        with Mixin.maybe_get_ec_connector_output(out, cache) as output:
+            pass
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        for k, t in items.items():
+            assert torch.equal(cache[k], t), f"{self.name}: {k} differs"
+        sched.update_connector_output(output)
+        ensure_ec_transfer_shutdown()
+        sched.shutdown()
+        return seconds
+
+
+def stall(side: Side, n_kernels: int = 40) -> float:
+    """Extra milliseconds a save per kernel adds to a stream of GEMMs (the forward pass)."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    ensure_ec_transfer_initialized(side.config("ec_producer"))
+    conn = get_ec_transfer()
+
+    def run(save: bool, tag: str) -> float:
+        cache: dict[str, torch.Tensor] = {}
+        out = kit.scheduler_output(EmbCacheConnectorMetadata())
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with Mixin.maybe_get_ec_connector_output(out, cache):
+            for i in range(n_kernels):
+                b = a @ a
+                if save:
+                    cache[f"{tag}-{i}"] = b[:ROWS].contiguous()
+                    Mixin.maybe_save_ec_to_connector(cache, f"{tag}-{i}")
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    run(False, "warm")
+    base = statistics.median(run(False, "b") for _ in range(3))
+    with_saves = statistics.median(run(True, f"s{r}-{time.time_ns()}") for r in range(3))
+    if hasattr(conn, "wait_for_saves"):
+        conn.wait_for_saves(120)
+    ensure_ec_transfer_shutdown()
+    return (with_saves - base) * 1e3 / n_kernels
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "results")
+    args = parser.parse_args()
+    torch.cuda.init()
+    tmp = Path(tempfile.mkdtemp(prefix="ecbench-"))
+    shm = Path(tempfile.mkdtemp(prefix="ecbench-", dir="/dev/shm"))
+    daemon = DaemonProcess(
+        [
+            "--grpc-socket",
+            str(tmp / "d.sock"),
+            "--host-pool-bytes",
+            "8GiB",
+            "--device-pool-bytes",
+            "2GiB",
+        ]
+    )
+    try:
+        model = kit.model_config(kit.write_model(tmp / "model"))
+        sides = [
+            Side(
+                "embcache",
+                model,
+                {"embcache_target": daemon.unix_target, "namespace": "bench"},
+                "EmbCacheECConnector",
+            ),
+            Side(
+                "ECExampleConnector", model, {"shared_storage_path": str(shm)}, "ECExampleConnector"
+            ),
+        ]
+        rows: dict[str, dict[str, float]] = {}
+        for side in sides:
+            r: dict[str, list[float]] = {"put_ms": [], "save_call_ms": [], "load_ms": []}
+            for i in range(ROUNDS):
+                items = {f"{side.name}-1x-{i}": item(i)}
+                stored, held = side.put(items)
+                r["put_ms"].append(stored * 1e3)
+                r["save_call_ms"].append(held * 1e3)
+                r["load_ms"].append(side.load(items) * 1e3)
+            batch = {f"{side.name}-16x-{j}": item(1000 + j) for j in range(16)}
+            stored, held = side.put(batch)
+            load16 = side.load(batch)
+            rows[side.name] = {
+                "put_1x4MiB_ms_p50": statistics.median(r["put_ms"]),
+                "save_call_1x4MiB_ms_p50": statistics.median(r["save_call_ms"]),
+                "load_1x4MiB_ms_p50": statistics.median(r["load_ms"]),
+                "put_16x4MiB_ms_per_item": stored * 1e3 / 16,
+                "load_16x4MiB_ms_per_item": load16 * 1e3 / 16,
+                "stall_ms_per_save": stall(side),
+            }
+    finally:
+        daemon.stop()
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    names = list(next(iter(rows.values())))
+    print(f"{'measure':32} {'embcache':>12} {'ECExample':>12} {'ratio':>7}")
+    for n in names:
+        e, b = rows["embcache"][n], rows["ECExampleConnector"][n]
+        print(f"{n:32} {e:12.3f} {b:12.3f} {b / e if e else float('nan'):7.2f}")
+    result = {
+        "bench": "vllm_connector",
+        "gpu": gpu_name(),
+        "commit": git_commit(),
+        "item_bytes": ROWS * WIDTH * 2,
+        "rounds": ROUNDS,
+        "results": rows,
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "vllm_connector.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
