@@ -34,9 +34,9 @@ from _common import environment, print_environment, save_json, table  # noqa: E4
 from tier_helpers import new_node, payload  # noqa: E402
 from tier_servers import MooncakeMaster, RedisNodes, start_storage_node, stop  # noqa: E402
 
-from embcache.service.config import parse_size  # noqa: E402
 from embcache.service.engine import CacheEngine  # noqa: E402
 from embcache.service.shared_tier import SharedTier, SharedTierConfig  # noqa: E402
+from embcache.service.sizes import parse_size  # noqa: E402
 
 MiB = 1 << 20
 

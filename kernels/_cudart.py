@@ -46,7 +46,7 @@ class _MemcpyAttributes(ctypes.Structure):
     )
 
 
-def _find_libcudart_path() -> str | None:
+def find_libcudart_path() -> str | None:
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
@@ -62,11 +62,11 @@ class CudaRuntime:
     """Thin checked wrappers over the loaded CUDA runtime."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._lib = lib
+        self.lib = lib
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         lib.cudaGetErrorString.argtypes = (ctypes.c_int,)
         version = ctypes.c_int(0)
-        self._check("cudaRuntimeGetVersion", lib.cudaRuntimeGetVersion(ctypes.byref(version)))
+        self.check("cudaRuntimeGetVersion", lib.cudaRuntimeGetVersion(ctypes.byref(version)))
         self.version = version.value
         lib.cudaMemcpyAsync.argtypes = (
             ctypes.c_void_p,
@@ -110,30 +110,30 @@ class CudaRuntime:
     def has_batch(self) -> bool:
         return self._batch is not None
 
-    def _check(self, call: str, code: int) -> None:
+    def check(self, call: str, code: int) -> None:
         if code != 0:
             # Reset the thread's last-error state (for non-sticky errors), or torch's next
             # launch check would report this error as its own.
-            self._lib.cudaGetLastError()
-            message = self._lib.cudaGetErrorString(code).decode(errors="replace")
+            self.lib.cudaGetLastError()
+            message = self.lib.cudaGetErrorString(code).decode(errors="replace")
             raise CudaRuntimeError(call, code, message)
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        self._check(
+        self.check(
             "cudaMemcpyAsync",
-            self._lib.cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream),
+            self.lib.cudaMemcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream),
         )
 
     def stream_idle(self, stream: int) -> bool:
         """True when ``stream`` (a ``cudaStream_t``) has no work left."""
-        code = self._lib.cudaStreamQuery(stream)
+        code = self.lib.cudaStreamQuery(stream)
         if code == _ERROR_NOT_READY:
             return False
-        self._check("cudaStreamQuery", code)
+        self.check("cudaStreamQuery", code)
         return True
 
     def stream_synchronize(self, stream: int) -> None:
-        self._check("cudaStreamSynchronize", self._lib.cudaStreamSynchronize(stream))
+        self.check("cudaStreamSynchronize", self.lib.cudaStreamSynchronize(stream))
 
     def event_after(self, stream: int) -> StreamEvent:
         """A new event recorded on ``stream`` (a ``cudaStream_t``): it fires once the work
@@ -141,12 +141,12 @@ class CudaRuntime:
         current stream, by its raw handle: making its Stream object costs more host time
         than the calls here)."""
         handle = ctypes.c_void_p(0)
-        self._check(
+        self.check(
             "cudaEventCreateWithFlags",
-            self._lib.cudaEventCreateWithFlags(ctypes.byref(handle), _EVENT_DISABLE_TIMING),
+            self.lib.cudaEventCreateWithFlags(ctypes.byref(handle), _EVENT_DISABLE_TIMING),
         )
         event = StreamEvent(self, int(handle.value or 0))
-        self._check("cudaEventRecord", self._lib.cudaEventRecord(event.handle, stream))
+        self.check("cudaEventRecord", self.lib.cudaEventRecord(event.handle, stream))
         return event
 
     def memcpy_batch_async(
@@ -174,22 +174,22 @@ class CudaRuntime:
         if self.version < 13000:
             args.append(ctypes.addressof(fail_idx))
         args.append(stream)
-        self._check("cudaMemcpyBatchAsync", self._batch(*args))
+        self.check("cudaMemcpyBatchAsync", self._batch(*args))
 
     def host_device_pointer(self, host_ptr: int) -> int:
         """Device address of page-locked (allocated or registered) host memory; raises if not."""
         out = ctypes.c_void_p(0)
-        self._check(
+        self.check(
             "cudaHostGetDevicePointer",
-            self._lib.cudaHostGetDevicePointer(ctypes.byref(out), host_ptr, 0),
+            self.lib.cudaHostGetDevicePointer(ctypes.byref(out), host_ptr, 0),
         )
         return int(out.value or 0)
 
     def host_register(self, ptr: int, nbytes: int, flags: int) -> None:
-        self._check("cudaHostRegister", self._lib.cudaHostRegister(ptr, nbytes, flags))
+        self.check("cudaHostRegister", self.lib.cudaHostRegister(ptr, nbytes, flags))
 
     def host_unregister(self, ptr: int) -> None:
-        self._check("cudaHostUnregister", self._lib.cudaHostUnregister(ptr))
+        self.check("cudaHostUnregister", self.lib.cudaHostUnregister(ptr))
 
 
 class StreamEvent:
@@ -204,19 +204,19 @@ class StreamEvent:
         self.handle = handle
 
     def query(self) -> bool:
-        code = self._rt._lib.cudaEventQuery(self.handle)
+        code = self._rt.lib.cudaEventQuery(self.handle)
         if code == _ERROR_NOT_READY:
             return False
-        self._rt._check("cudaEventQuery", code)
+        self._rt.check("cudaEventQuery", code)
         return True
 
     def synchronize(self) -> None:
-        self._rt._check("cudaEventSynchronize", self._rt._lib.cudaEventSynchronize(self.handle))
+        self._rt.check("cudaEventSynchronize", self._rt.lib.cudaEventSynchronize(self.handle))
 
     def __del__(self) -> None:
         if self.handle:
             with contextlib.suppress(Exception):  # at interpreter exit the library may be gone
-                self._rt._lib.cudaEventDestroy(self.handle)
+                self._rt.lib.cudaEventDestroy(self.handle)
             self.handle = 0
 
 
@@ -228,7 +228,7 @@ def _load() -> CudaRuntime | None:
         return None
     torch.cuda.init()  # loads libcudart into the process
     candidates: Sequence[str | None] = (
-        _find_libcudart_path(),
+        find_libcudart_path(),
         "libcudart.so.13",
         "libcudart.so.12",
         "libcudart.so",

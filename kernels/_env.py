@@ -37,7 +37,8 @@ def on_tensor_device(t: torch.Tensor) -> contextlib.AbstractContextManager[objec
 def current_raw_stream(index: int) -> int:
     """The ``cudaStream_t`` of CUDA device ``index``'s current stream (0: the legacy default
     stream), without making a Stream object (that costs several times more host time)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    # torch has no public call for the raw handle; fall back to a Stream object without it.
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # noqa: SLF001
     if raw is None:
         return int(torch.cuda.current_stream(index).cuda_stream)
     return int(raw(index))

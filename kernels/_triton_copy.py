@@ -11,7 +11,7 @@ slower, and an unmasked variant faulted.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -20,8 +20,31 @@ import triton.language as tl
 
 from embcache.kernels._plan import TransferPlan
 
-if TYPE_CHECKING:
-    from embcache.kernels.transfer import TransferConfig
+
+class TransferConfig(Protocol):
+    """The knobs of ``transfer.TransferConfig`` the kernel's launcher reads."""
+
+    @property
+    def sm_budget(self) -> int: ...
+
+    @property
+    def num_warps(self) -> int: ...
+
+    @property
+    def tile_bytes(self) -> int: ...
+
+    @property
+    def chunk_bytes(self) -> int: ...
+
+    @property
+    def vector_host_loads(self) -> bool: ...
+
+    @property
+    def vector_device(self) -> bool: ...
+
+    @property
+    def vector_host_stores(self) -> bool: ...
+
 
 _ELEM_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 # Registers bound the tile: one 64-bit address per element, 8 warps -> 32 elements a thread.

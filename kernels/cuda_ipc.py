@@ -99,7 +99,7 @@ def import_fd(fd: int, device: int, nbytes: int) -> ImportedMemory:
             )
         finally:
             os.close(fd)
-        prop = DeviceSlab._prop(device)
+        prop = DeviceSlab.allocation_prop(device)
         gran = ctypes.c_size_t(0)
         _drv_check(
             "cuMemGetAllocationGranularity",

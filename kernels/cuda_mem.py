@@ -75,7 +75,7 @@ def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     if not torch.cuda.is_available():
         raise CudaMemError("CUDA is not available")
     torch.cuda.init()
-    path = _cudart._find_libcudart_path()
+    path = _cudart.find_libcudart_path()
     names = [p for p in (path, "libcudart.so.13", "libcudart.so.12", "libcudart.so") if p]
     for name in names:
         try:
@@ -193,7 +193,7 @@ class DeviceSlab:
             _rt_check("cudaMalloc", rt.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes)))
             self.ptr = int(ptr.value or 0)
             return
-        prop = self._prop(self.device)
+        prop = self.allocation_prop(self.device)
         gran = ctypes.c_size_t(0)
         _drv_check(
             "cuMemGetAllocationGranularity",
@@ -220,7 +220,7 @@ class DeviceSlab:
             raise
 
     @staticmethod
-    def _prop(device: int) -> _AllocationProp:
+    def allocation_prop(device: int) -> _AllocationProp:
         prop = _AllocationProp()
         prop.type = _CU_MEM_ALLOCATION_TYPE_PINNED
         prop.requestedHandleTypes = _CU_MEM_HANDLE_TYPE_POSIX_FD

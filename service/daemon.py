@@ -88,8 +88,8 @@ class Daemon:
     async def run(self) -> int:
         from embcache.service.observability.metrics import Metrics
         from embcache.service.shared_tier import SharedTierConfig, shared_tier_hooks
-        from embcache.service.transport.grpc.server import start_grpc
         from embcache.service.transport.http.app import create_app
+        from embcache.service.transport.serving import start_data_plane
 
         s = self.settings
         loop = asyncio.get_running_loop()
@@ -106,7 +106,7 @@ class Daemon:
         try:
             metrics.watch_engine(engine)
             fd_server = _start_fd_server(engine, s)
-            grpc_service = await start_grpc(engine, s, metrics)
+            grpc_service = await start_data_plane(engine, s, metrics)
             metrics.watch_ipc(grpc_service.servicer.device.ipc)
             http_sock = _bind_http(s)
             config = uvicorn.Config(

@@ -21,7 +21,8 @@ def register() -> None:
     """
     from sglang.srt.mem_cache.embedding_store import EmbeddingStoreFactory
 
-    entry = EmbeddingStoreFactory._registry.get(BACKEND_NAME)
+    # The factory offers no public lookup of what is registered.
+    entry = EmbeddingStoreFactory._registry.get(BACKEND_NAME)  # noqa: SLF001
     if entry is not None and entry.get("module_path") == BACKEND_MODULE:
         return
     EmbeddingStoreFactory.register_backend(BACKEND_NAME, BACKEND_MODULE, "EmbCacheEmbeddingStore")

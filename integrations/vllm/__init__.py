@@ -18,6 +18,7 @@ def register() -> None:
     """
     from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 
-    if CONNECTOR_NAME in ECConnectorFactory._registry:
+    # The factory raises on a second registration and offers no public lookup.
+    if CONNECTOR_NAME in ECConnectorFactory._registry:  # noqa: SLF001
         return
     ECConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)

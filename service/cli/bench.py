@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from embcache.service.cli.ops import _fail, console
+from embcache.service.cli.output import console, fail
 from embcache.service.cli.settings import with_settings
 from embcache.service.config import Settings
 
@@ -55,7 +55,7 @@ def bench(
     folder = bench_dir or default_bench_dir()
     scripts = find_benchmarks(folder, only) if folder.is_dir() else []
     if not scripts:
-        raise _fail(f"no benchmark scripts found in {folder}", code=2)
+        raise fail(f"no benchmark scripts found in {folder}", code=2)
     if list_only:
         for script in scripts:
             console.print(script.stem)
@@ -86,7 +86,7 @@ def bench(
             progress.advance(overall)
         progress.update(overall, description="benchmarks done")
     if failed:
-        raise _fail(f"failed: {', '.join(failed)}")
+        raise fail(f"failed: {', '.join(failed)}")
 
 
 def _run_script(argv: list[Any], env: dict[str, str], timeout: float) -> tuple[int, str, str]:

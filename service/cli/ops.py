@@ -14,15 +14,14 @@ from typing import Annotated, Any
 
 import httpx
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from embcache.errors import EmbCacheError
+from embcache.service.cli.output import console, fail
 from embcache.service.cli.settings import with_settings
-from embcache.service.config import Settings, format_size, parse_size
+from embcache.service.config import Settings
+from embcache.service.sizes import format_size, parse_size
 
-console = Console()
-err_console = Console(stderr=True)
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
 
 
@@ -36,11 +35,6 @@ def http_base_url(settings: Settings) -> str:
     return f"{scheme}://{host}:{settings.http_port}"
 
 
-def _fail(message: str, code: int = 1) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
-    return typer.Exit(code)
-
-
 def _request(settings: Settings, method: str, path: str, **kwargs: Any) -> Any:
     """One REST call; exits with a readable message on connection or API errors."""
     headers = {"Authorization": f"Bearer {settings.auth_token}"} if settings.auth_token else {}
@@ -50,14 +44,14 @@ def _request(settings: Settings, method: str, path: str, **kwargs: Any) -> Any:
         with httpx.Client(base_url=url, headers=headers, verify=verify, timeout=30) as client:
             resp = client.request(method, path, **kwargs)
     except httpx.HTTPError as exc:
-        raise _fail(f"cannot reach the daemon at {url}: {exc}") from None
+        raise fail(f"cannot reach the daemon at {url}: {exc}") from None
     if resp.status_code >= 400:
         try:
             body = resp.json()
             detail = f"{body.get('error', 'error')}: {body.get('message', resp.text)}"
         except ValueError:
             detail = resp.text
-        raise _fail(f"{method} {path} -> {resp.status_code} {detail}")
+        raise fail(f"{method} {path} -> {resp.status_code} {detail}")
     return resp.json()
 
 
@@ -65,7 +59,7 @@ def _grpc_client(settings: Settings) -> Any:
     try:
         from embcache.clients import EmbCacheClient
     except ImportError as exc:
-        raise _fail(
+        raise fail(
             f"put/get need the gRPC client (embcache.clients.EmbCacheClient): {exc}", code=2
         ) from None
     if settings.grpc_socket is not None:
@@ -90,7 +84,7 @@ def _rpc_errors(what: str) -> Iterator[None]:
     try:
         yield
     except EmbCacheError as exc:
-        raise _fail(f"{what}: {type(exc).__name__}: {exc}") from None
+        raise fail(f"{what}: {type(exc).__name__}: {exc}") from None
 
 
 # -- stats / ls / evict ------------------------------------------------------------------
@@ -202,13 +196,13 @@ def evict(
     """Evict entries by key (leased ones are refused), or free bytes by LRU; with
     --device-pool, only one GPU's copies."""
     if bool(keys) == (free is not None):
-        raise _fail("give keys or --free SIZE (not both)", code=2)
+        raise fail("give keys or --free SIZE (not both)", code=2)
     body: dict[str, Any] = {"keys": keys}
     if free is not None:
         try:
             body = {"bytes": parse_size(free)}
         except ValueError as exc:
-            raise _fail(str(exc), code=2) from None
+            raise fail(str(exc), code=2) from None
     if device_pool is not None:
         body["device"] = device_pool
     out = _request(settings, "POST", "/v1/evict", json=body)
@@ -275,7 +269,7 @@ def put(
     try:
         value = load_tensor(file, tensor)
     except (ValueError, OSError) as exc:
-        raise _fail(str(exc), code=2) from None
+        raise fail(str(exc), code=2) from None
     with _grpc_client(settings) as client, _rpc_errors(f"put {key!r}"):
         created = client.put(key, value)
     verb = "stored" if created else "already present:"
@@ -295,16 +289,16 @@ def get(
 ) -> None:
     """Fetch the entry KEY into a file (for debugging)."""
     if file.suffix.lower() not in (".npy", ".safetensors"):
-        raise _fail(f"unsupported file type {file.suffix!r}: use .npy or .safetensors", code=2)
+        raise fail(f"unsupported file type {file.suffix!r}: use .npy or .safetensors", code=2)
     with _grpc_client(settings) as client, _rpc_errors(f"get {key!r}"):
         entry = client.get_bytes(key)
     if entry is None:
-        raise _fail(f"no entry {key!r}")
+        raise fail(f"no entry {key!r}")
     value = entry.tensor()
     try:
         save_tensor(value, file, tensor or "embedding")
     except (ValueError, OSError) as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     console.print(f"wrote {file} {list(value.shape)}", highlight=False)
 
 

@@ -12,16 +12,27 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from embcache import kernels
 
-if TYPE_CHECKING:
-    from embcache.service.device.pool import Residency
+
+class Residency(Protocol):
+    """What a binding needs of a residency (``pool.Residency``)."""
+
+    @property
+    def vstart(self) -> int: ...
+
+    @property
+    def npages(self) -> int: ...
+
+    @property
+    def runs(self) -> Sequence[tuple[int, int]]: ...
+
 
 MAX_QUEUED_UPDATES = 4096  # residencies and vpage runs a flush may wait for, at most
 
@@ -48,7 +59,7 @@ class TableUpdates:
     def pending(self) -> bool:
         return bool(self._ops)
 
-    def bind(self, batch: list[Residency]) -> None:
+    def bind(self, batch: Sequence[Residency]) -> None:
         batch = [res for res in batch if res.npages]
         if batch:
             self._queue("bind", batch)

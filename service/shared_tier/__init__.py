@@ -2,7 +2,7 @@
 
 from embcache.service.shared_tier.attach import PrefetchResult, SharedTier, shared_tier_hooks
 from embcache.service.shared_tier.base import FetchResult, Header, SharedTierBackend, TierError
-from embcache.service.shared_tier.config import SharedTierConfig
+from embcache.service.tier_config import SharedTierConfig
 
 __all__ = [
     "FetchResult",

@@ -24,9 +24,9 @@ from embcache.errors import ChecksumMismatch, EmbCacheError
 from embcache.service.engine import CacheEngine
 from embcache.service.host.put_writer import PutHandle
 from embcache.service.shared_tier.base import ByteRuns, FetchResult, Header, SharedTierBackend
-from embcache.service.shared_tier.config import SharedTierConfig
 from embcache.service.shared_tier.health import TierHealth
 from embcache.service.shared_tier.writer import OWNER, WriteThrough
+from embcache.service.tier_config import SharedTierConfig
 
 log = logging.getLogger("embcache.tiers")
 
@@ -239,6 +239,11 @@ class SharedTier:
             resident = self.engine.device.warm(present, device)
         local = len(wanted) - len(absent)
         return PrefetchResult(len(wanted), local, fetched, len(absent) - fetched, resident)
+
+    @property
+    def queue_depth(self) -> int:
+        """Entries waiting to be written through."""
+        return self.writer.depth
 
     def health_detail(self) -> dict[str, object]:
         """For /health and operators: state, last error, queue, backend facts (no secrets)."""

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from embcache.service.observability.metrics import PREFIX
+from embcache.service.shared_tier.health import TierHealth
 
-if TYPE_CHECKING:
-    from embcache.service.shared_tier.attach import SharedTier
+
+class _Tier(Protocol):
+    """What the collector reads of a ``SharedTier``."""
+
+    health: TierHealth
+
+    @property
+    def queue_depth(self) -> int: ...
+
 
 _FETCH = {
     "hit": "fetch_hits",
@@ -29,7 +37,7 @@ _WRITES = {
 
 
 class TierCollector(Collector):
-    def __init__(self, tier: SharedTier) -> None:
+    def __init__(self, tier: _Tier) -> None:
         self._tier = tier
 
     def describe(self) -> Iterator[Metric]:
@@ -39,7 +47,7 @@ class TierCollector(Collector):
         t = self._tier
         return iter(
             self._families(
-                t.health.counters(), t.health.error_counts(), t.writer.depth, not t.health.ok
+                t.health.counters(), t.health.error_counts(), t.queue_depth, not t.health.ok
             )
         )
 

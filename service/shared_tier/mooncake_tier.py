@@ -35,7 +35,7 @@ from embcache.service.shared_tier.base import (
     TierError,
     object_name,
 )
-from embcache.service.shared_tier.config import SharedTierConfig
+from embcache.service.tier_config import SharedTierConfig
 
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705

@@ -35,7 +35,7 @@ from embcache.service.shared_tier.base import (
     key_digest,
     scatter,
 )
-from embcache.service.shared_tier.config import SharedTierConfig
+from embcache.service.tier_config import SharedTierConfig
 
 DEFAULT_CHUNK = 4 * 1024 * 1024
 

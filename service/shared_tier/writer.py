@@ -29,8 +29,8 @@ from embcache.service.shared_tier.base import (
     key_digest,
     payload_crc,
 )
-from embcache.service.shared_tier.config import SharedTierConfig
 from embcache.service.shared_tier.health import TierHealth
+from embcache.service.tier_config import SharedTierConfig
 
 if TYPE_CHECKING:
     from embcache.service.engine import CacheEngine

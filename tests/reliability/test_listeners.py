@@ -29,7 +29,7 @@ from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.config import Settings
 from embcache.service.device.pool import DevicePool
 from embcache.service.engine import CacheEngine
-from embcache.service.transport.grpc.thread import GrpcServerThread
+from embcache.service.transport.serving import GrpcServerThread
 
 TOKEN = "rel-" + uuid.uuid4().hex
 FIG: dict[str, Any] = {}

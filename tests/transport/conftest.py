@@ -15,7 +15,7 @@ import pytest
 
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
-from embcache.service.transport.grpc.thread import GrpcServerThread, serving
+from embcache.service.transport.serving import GrpcServerThread, serving
 
 KiB, MiB = 1 << 10, 1 << 20
 

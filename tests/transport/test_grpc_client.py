@@ -21,7 +21,7 @@ from embcache.errors import (
     Unauthenticated,
 )
 from embcache.service.config import Settings
-from embcache.service.transport.grpc.thread import serving
+from embcache.service.transport.serving import serving
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -14,7 +14,7 @@ import pytest
 
 from embcache.proto import codegen
 from embcache.service.config import Settings
-from embcache.service.transport.grpc.thread import GrpcServerThread, serving
+from embcache.service.transport.serving import GrpcServerThread, serving
 
 PROTO = codegen.PROTO_ROOT / codegen.PROTO_FILES[0]
 

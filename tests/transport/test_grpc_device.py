@@ -40,9 +40,8 @@ from embcache.service.config import Settings
 from embcache.service.device.ipc.cache import IpcCache
 from embcache.service.device.pool import DevicePool
 from embcache.service.engine import CacheEngine
-from embcache.service.transport.grpc import device_puts as grpc_device_puts
-from embcache.service.transport.grpc.server import GrpcService
-from embcache.service.transport.grpc.thread import GrpcServerThread
+from embcache.service.transport.handlers import device_puts as grpc_device_puts
+from embcache.service.transport.serving import DataPlane, GrpcServerThread
 
 KiB, MiB = 1 << 10, 1 << 20
 PAGE = 64 * KiB
@@ -137,7 +136,7 @@ class FakePools:
         return self._open[handle.pool_id]
 
 
-Server = tuple[CacheEngine, GrpcService, FakeIpc]
+Server = tuple[CacheEngine, DataPlane, FakeIpc]
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import torch
 from embcache.errors import DeviceUnavailable, InvalidArgument
 from embcache.service.device.ipc.cache import IpcCache, check_ipc_handle
 from embcache.service.transport.device_get import in_thread
-from embcache.service.transport.grpc.ipc_tensors import contiguous_strides
+from embcache.service.transport.handlers.ipc_tensors import contiguous_strides
 
 
 class Mapping:

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
-from embcache.service.transport.grpc.thread import serving
+from embcache.service.transport.serving import serving
 
 MiB = 1 << 20
 POOL = 8 * MiB

@@ -23,7 +23,7 @@ from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
-from embcache.service.transport.grpc.thread import GrpcServerThread, serving
+from embcache.service.transport.serving import GrpcServerThread, serving
 
 MiB = 1 << 20
 

@@ -18,7 +18,7 @@ from embcache.errors import InvalidArgument
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
 from embcache.service.engine import CacheEngine
-from embcache.service.transport.grpc.thread import GrpcServerThread
+from embcache.service.transport.serving import GrpcServerThread
 
 KiB, MiB = 1 << 10, 1 << 20
 

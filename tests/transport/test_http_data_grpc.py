@@ -1,7 +1,7 @@
 """REST and gRPC on one engine: what one transport writes the other reads, and both obey
 the same collision guard and lease rules.
 
-In process: a gRPC server (``grpc_thread.serving``) and the FastAPI app under uvicorn on the
+In process: a gRPC server (``serving.serving``) and the FastAPI app under uvicorn on the
 same engine, with the real client library. Then once through ``embcache serve`` as a
 subprocess (both listeners on one loop, as deployed), stopped by its pid.
 """
@@ -25,9 +25,9 @@ from embcache.errors import EntryLeased, MetadataConflict
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
 from embcache.service.observability.metrics import Metrics
-from embcache.service.transport.grpc.thread import serving
 from embcache.service.transport.http.app import create_app
 from embcache.service.transport.http.testing import serve_in_thread
+from embcache.service.transport.serving import serving
 
 KiB = 1 << 10
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -31,7 +31,7 @@ from embcache.errors import Unauthenticated
 from embcache.proto.constants import MAX_MESSAGE_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.engine import CacheEngine
-from embcache.service.transport.grpc.thread import GrpcServerThread
+from embcache.service.transport.serving import GrpcServerThread
 
 KiB, MiB = 1 << 10, 1 << 20
 HEADER = struct.Struct("<I")

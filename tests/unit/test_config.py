@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from embcache.service.config import Settings, format_size, parse_size
+from embcache.service.config import Settings
+from embcache.service.sizes import format_size, parse_size
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ from embcache.service.config import Settings
 from embcache.service.device.pool import DevicePool
 from embcache.service.engine import CacheEngine
 from embcache.service.engine.device_puts import PendingPut
-from embcache.service.transport.grpc import device_puts as grpc_device_puts
+from embcache.service.transport.handlers import device_puts as grpc_device_puts
 
 PAGE = 4096
 DEV_PAGE = 8192

@@ -7,7 +7,7 @@ import pytest
 
 from embcache.clients.device.device_replies import pool_handle
 from embcache.proto.locations import DevicePoolDesc, HostShmPool
-from embcache.service.transport.grpc.device import pool_handle_of
+from embcache.service.transport.handlers.device import pool_handle_of
 
 COMMON = {"pool_id": "dev0-x", "gpu_uuid": "GPU-1", "size": 1 << 30, "page_bytes": 1 << 18}
 

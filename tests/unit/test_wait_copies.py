@@ -16,7 +16,7 @@ from embcache.service.device.pool import DevicePool
 from embcache.service.engine import CacheEngine
 from embcache.service.transport import device_get
 from embcache.service.transport.device_get import wait_copies
-from embcache.service.transport.grpc.device import DevicePlane
+from embcache.service.transport.handlers.device import DevicePlane
 
 
 class FakePending:

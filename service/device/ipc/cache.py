@@ -269,7 +269,7 @@ class IpcCache:
                         self._events.popitem(last=False)
         return ClientEvent(self, key, event)
 
-    def _forget_event(self, key: tuple[str, bytes, int]) -> None:
+    def forget_event(self, key: tuple[str, bytes, int]) -> None:
         with self._lock:
             self._events.pop(key, None)
 
@@ -314,7 +314,7 @@ class ClientEvent:
         try:
             return fn()
         except RuntimeError as exc:
-            self.cache._forget_event(self.key)
+            self.cache.forget_event(self.key)
             raise InvalidArgument("cannot wait on event_handle", reason=str(exc)) from None
 
 

@@ -15,7 +15,7 @@ import grpc
 
 from embcache.errors import Unauthenticated
 from embcache.proto.constants import AUTH_KEY, ERROR_TYPE_KEY
-from embcache.service.transport.grpc.errors import RpcMetrics
+from embcache.service.transport.accounting import RpcMetrics
 from embcache.service.transport.status import status_for
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)

@@ -19,15 +19,12 @@ import grpc
 
 from embcache.errors import EmbCacheError, InvalidArgument
 from embcache.proto.constants import ERROR_TYPE_KEY
+from embcache.service.transport.accounting import RpcMetrics
 from embcache.service.transport.grpc.busy_poll import BusyPoll
-from embcache.service.transport.grpc.handlers import Undecodable
+from embcache.service.transport.grpc.decoding import Undecodable
 from embcache.service.transport.status import status_for
 
 log = logging.getLogger("embcache.grpc")
-
-
-class RpcMetrics(Protocol):
-    def observe_rpc(self, transport: str, method: str, code: str, seconds: float) -> None: ...
 
 
 class HasMetrics(Protocol):

@@ -14,8 +14,6 @@ import concurrent.futures
 import errno
 import functools
 import logging
-import socket
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,11 +26,11 @@ from embcache.proto.constants import MAX_MESSAGE_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
+from embcache.service.transport.accounting import RpcMetrics
 from embcache.service.transport.grpc.auth import TokenAuthInterceptor
-from embcache.service.transport.grpc.errors import RpcMetrics
-from embcache.service.transport.grpc.handlers import add_servicer
+from embcache.service.transport.grpc.decoding import add_servicer
 from embcache.service.transport.grpc.servicer import EmbeddingCacheServicer
-from embcache.service.transport.uds.server import LaneServer, lane_path
+from embcache.service.transport.sockets import prepare_socket_path, unlink_socket
 
 log = logging.getLogger("embcache.grpc")
 
@@ -66,7 +64,6 @@ class GrpcService:
     loop: asyncio.AbstractEventLoop
     ports: list[int] = field(default_factory=list)
     socket_path: Path | None = None
-    lane: LaneServer | None = None  # the session lane next to the Unix socket (lane.py)
 
     def set_serving(self, serving: bool) -> asyncio.Future[None] | concurrent.futures.Future[None]:
         """Report SERVING / NOT_SERVING on grpc.health.v1 (overall and for the service).
@@ -94,29 +91,38 @@ class GrpcService:
             await self.health.set(name, status)
 
     async def stop(self, grace: float) -> None:
-        """NOT_SERVING, stop accepting, give in-flight calls ``grace`` seconds, then cancel.
+        """:meth:`stop_calls`, then :meth:`close`."""
+        await self.stop_calls(grace)
+        await self.close()
 
-        Cancelled Session streams release their leases; cancelled Puts free their pages.
-        """
+    async def stop_calls(self, grace: float) -> None:
+        """NOT_SERVING, stop accepting, give in-flight calls ``grace`` seconds, then cancel.
+        Cancelled Session streams release their leases; cancelled Puts free their pages."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
-        if self.lane is not None:  # its calls had the same grace; their sessions end here
-            await self.lane.stop()
-            _unlink_socket(self.lane.path)
+
+    async def close(self) -> None:
+        """Once the calls stopped: the busy poller, the IPC mappings, the socket file."""
         await self.servicer.busy.stop()
         self.servicer.close()
         if self.socket_path is not None:
-            _unlink_socket(self.socket_path)
+            unlink_socket(self.socket_path)
 
 
 async def start_grpc(
-    engine: CacheEngine, settings: Settings, metrics: RpcMetrics | None = None
+    engine: CacheEngine,
+    settings: Settings,
+    metrics: RpcMetrics | None = None,
+    servicer: EmbeddingCacheServicer | None = None,
 ) -> GrpcService:
+    """Start the gRPC server for ``engine`` (with ``servicer``, when the caller made it:
+    the session socket shares it) on the running loop."""
     interceptors = []
     if settings.auth_token:
         interceptors.append(TokenAuthInterceptor(settings.auth_token, metrics))
     server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
-    servicer = EmbeddingCacheServicer(engine, settings, metrics)
+    if servicer is None:
+        servicer = EmbeddingCacheServicer(engine, settings, metrics)
     add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -128,26 +134,19 @@ async def start_grpc(
     socket_path = None
     if settings.grpc_socket is not None:
         socket_path = Path(settings.grpc_socket)
-        _prepare_socket_path(socket_path)
+        prepare_socket_path(socket_path)
         server.add_insecure_port(f"unix:{socket_path}")
-    lane = None
-    if socket_path is not None and settings.session_lane:
-        lane = LaneServer(servicer, lane_path(socket_path), settings.auth_token)
-        _prepare_socket_path(lane.path)
-    if lane is not None:  # first: a client that finds the gRPC socket finds the lane too
-        await lane.start()
     await server.start()
     servicer.busy.start()
     service = GrpcService(
-        server, servicer, health_servicer, asyncio.get_running_loop(), ports, socket_path, lane
+        server, servicer, health_servicer, asyncio.get_running_loop(), ports, socket_path
     )
     await service.apply_serving(True)
     log.info(
-        "gRPC listening on %s:%s%s%s",
+        "gRPC listening on %s:%s%s",
         settings.grpc_host,
         ports[0],
         f" and unix:{socket_path}" if socket_path else "",
-        f" (session lane {lane.path})" if lane else "",
     )
     return service
 
@@ -167,33 +166,3 @@ def _add_tcp_port(server: grpc.aio.Server, settings: Settings) -> int:
     if not port:
         raise OSError(errno.EADDRINUSE, f"cannot bind gRPC to {address}")
     return port
-
-
-def _prepare_socket_path(path: Path) -> None:
-    """Remove a stale socket left by a dead daemon; refuse a live one or a non-socket."""
-    try:
-        mode = path.lstat().st_mode
-    except FileNotFoundError:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return
-    if not stat.S_ISSOCK(mode):
-        raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(str(path))
-    except (ConnectionRefusedError, FileNotFoundError):
-        log.warning("removing stale gRPC socket %s", path)
-        path.unlink(missing_ok=True)
-        return
-    finally:
-        probe.close()
-    raise OSError(errno.EADDRINUSE, f"another process is listening on {path}")
-
-
-def _unlink_socket(path: Path) -> None:
-    try:
-        if stat.S_ISSOCK(path.lstat().st_mode):
-            path.unlink()
-    except FileNotFoundError:
-        pass

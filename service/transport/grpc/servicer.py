@@ -23,11 +23,13 @@ from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
 from embcache.service.config import Settings
 from embcache.service.device.ipc.cache import IpcCache
 from embcache.service.engine import CacheEngine, EvictOutcome, raise_for_evict
+from embcache.service.transport.accounting import RpcMetrics
 from embcache.service.transport.grpc.busy_poll import BusyPoll
-from embcache.service.transport.grpc.device import DevicePlane, meta_of, pool_handle_of
-from embcache.service.transport.grpc.errors import RpcMetrics, rpc
+from embcache.service.transport.grpc.errors import rpc
+from embcache.service.transport.handlers.device import DevicePlane, meta_of, pool_handle_of
 from embcache.service.transport.render import LocationRenderer
 from embcache.service.transport.session.calls import Send, SessionCalls
+from embcache.service.transport.session.open import OpenSession
 from embcache.service.transport.session.registry import SessionRegistry
 
 log = logging.getLogger("embcache.grpc")
@@ -291,43 +293,15 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
             calls=True,
             device_puts=True,
         )
-        return OpenSession(self, calls, opened)
+        return OpenSession(calls, opened, self._end_session)
 
-
-class OpenSession:
-    """A session of either transport: its calls, its hello, and its end."""
-
-    def __init__(
-        self, servicer: EmbeddingCacheServicer, calls: SessionCalls, opened: pb.SessionOpened
-    ) -> None:
-        self.servicer = servicer
-        self.calls = calls
-        self.opened = opened
-        self.session_id = opened.session_id
-        self.hello = ""
-
-    def handle(self, msg: pb.SessionRequest, peer: str) -> None:
-        """A call starts as a task; a hello names the session in the logs. (Pings are the
-        transport's: they need a reply in order.)"""
-        kind = msg.WhichOneof("kind")
-        if kind == "call":
-            self.calls.start(msg.call)
-        elif kind == "hello":
-            self.hello = f"{msg.hello.client_name} pid {msg.hello.pid}"
-            log.debug("session %s is %s (%s)", self.session_id, self.hello, peer)
-
-    def end(self) -> None:
-        """Close the session, cancel its running calls (each gives back the leases it took)
-        and drop its leases and the client allocations opened for it. Never awaits."""
-        s = self.servicer
-        s.sessions.close(self.session_id)
-        self.calls.cancel()
-        dropped = s.engine.drop_owner(self.session_id)
-        s.device.ipc.drop_owner(self.session_id)
-        if dropped:
-            log.info(
-                "session %s (%s) ended; released %d leases", self.session_id, self.hello, dropped
-            )
+    def _end_session(self, session_id: str) -> int:
+        """A session ended: forget its id, drop its leases and the client allocations
+        opened for it; returns how many leases it held."""
+        self.sessions.close(session_id)
+        dropped = self.engine.drop_owner(session_id)
+        self.device.ipc.drop_owner(session_id)
+        return dropped
 
 
 def _chunk_of(msg: Any) -> memoryview | bytes:

@@ -10,24 +10,21 @@ from fastapi.responses import JSONResponse
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from embcache.service.engine import CacheEngine
 from embcache.service.transport.http.models import Liveness, Readiness
 
 router = APIRouter(tags=["health"])
 
 
-def readiness(engine: Any) -> Readiness:
+def readiness(engine: CacheEngine) -> Readiness:
     """Ready = host pool allocated (and registered with CUDA where CUDA is used), not draining."""
-    closed = bool(getattr(engine, "closed", False))
-    pool = getattr(engine, "host_pool", None)
-    pool_allocated = pool is not None and not closed
+    pool_allocated = not engine.closed
     cuda_ready: bool | None = None
     if engine.settings.device != "cpu" and torch.cuda.is_available():
-        cuda_ready = bool(getattr(pool, "registered", False))
-    draining = bool(engine.draining)
-    ok = pool_allocated and cuda_ready is not False and not draining
-    ok = bool(getattr(engine, "ready", ok)) and ok  # the engine's own verdict where it has one
-    tier = getattr(engine, "device_tier", None)
-    failed = [p.index for p in getattr(tier, "pools", ()) if p.failed]
+        cuda_ready = engine.host_segment().registered if pool_allocated else False
+    draining = engine.draining
+    ok = engine.ready and pool_allocated and cuda_ready is not False and not draining
+    failed = [p.index for p in engine.device.pools if p.failed]
     return Readiness(
         status="ready" if ok else "not_ready",
         pool_allocated=pool_allocated,

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 
 from embcache.errors import EmbCacheError, InvalidArgument
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.service.transport.grpc.errors import RpcMetrics
+from embcache.service.transport.accounting import RpcMetrics
 from embcache.service.transport.status import status_for
 
 log = logging.getLogger("embcache.grpc")

@@ -22,7 +22,6 @@ import asyncio
 import hmac
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 
@@ -31,10 +30,8 @@ from embcache.proto.constants import MAX_MESSAGE_BYTES, UDS_SUFFIX
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.framing import FRAME_HEADER as HEADER
 from embcache.proto.framing import frame
+from embcache.service.transport.session.open import OpenSession, SessionHost
 from embcache.service.transport.status import status_for
-
-if TYPE_CHECKING:
-    from embcache.service.transport.grpc.servicer import EmbeddingCacheServicer, OpenSession
 
 log = logging.getLogger("embcache.lane")
 
@@ -47,12 +44,12 @@ def lane_path(grpc_socket: Path) -> Path:
 class LaneServer:
     """The lane's listener and its open connections."""
 
-    def __init__(self, servicer: EmbeddingCacheServicer, path: Path, token: str | None) -> None:
-        self.servicer = servicer
+    def __init__(self, host: SessionHost, path: Path, token: str | None) -> None:
+        self.host = host  # opens the sessions (the gRPC servicer: same registry and calls)
         self.path = path
         self._token = token.encode() if token else None
         self._server: asyncio.AbstractServer | None = None
-        self._conns: set[_Connection] = set()
+        self._conns: set[_Connection] = set()  # open ones (each a session)
 
     async def start(self) -> None:
         """Listen on ``path`` (which the caller prepared: no stale socket there)."""
@@ -62,6 +59,12 @@ class LaneServer:
     @property
     def connections(self) -> int:
         return len(self._conns)
+
+    def track(self, conn: _Connection) -> None:
+        self._conns.add(conn)
+
+    def forget(self, conn: _Connection) -> None:
+        self._conns.discard(conn)
 
     def authorized(self, hello: pb.SessionHello) -> bool:
         if self._token is None:
@@ -92,7 +95,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        self.lane._conns.add(self)
+        self.lane.track(self)
 
     def data_received(self, data: bytes) -> None:
         buf = self._buf
@@ -133,7 +136,7 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.lane._conns.discard(self)
+        self.lane.forget(self)
         self.resume_writing()
         if self.session is not None:
             self.session.end()  # cancels its calls, releases its leases
@@ -147,7 +150,7 @@ class _Connection(asyncio.Protocol):
             elif not self.lane.authorized(msg.hello):
                 self._refuse(Unauthenticated("missing or invalid auth token"))
             else:
-                self.session = self.lane.servicer.open_session(self._send, "lane")
+                self.session = self.lane.host.open_session(self._send, "lane")
                 self.session.handle(msg, self._peer())
                 self._write(pb.SessionResponse(opened=self.session.opened))
         elif kind == "ping":
@@ -186,7 +189,7 @@ class _Connection(asyncio.Protocol):
 
     def _count(self, code: str) -> None:
         """A connection refused or dropped, in the metrics as a failed Session call."""
-        metrics = self.lane.servicer.metrics
+        metrics = self.lane.host.metrics
         if metrics is not None:
             metrics.observe_rpc("lane", "Session", code, 0.0)
 

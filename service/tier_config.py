@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from embcache.service.config import parse_size
+from embcache.service.sizes import parse_size
 
 Backend = Literal["redis", "mooncake"]
 Ack = Literal["async", "sync"]

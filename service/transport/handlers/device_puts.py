@@ -31,7 +31,7 @@ from embcache.service.engine import CacheEngine
 from embcache.service.engine.device_puts import PendingPut
 from embcache.service.host import admission
 from embcache.service.transport.device_get import in_thread, poll_until, wait_copies
-from embcache.service.transport.grpc.ipc_tensors import IpcTensor, check_tensor, require_cuda
+from embcache.service.transport.handlers.ipc_tensors import IpcTensor, check_tensor, require_cuda
 
 log = logging.getLogger("embcache.grpc")
 

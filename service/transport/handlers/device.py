@@ -28,8 +28,8 @@ from embcache.service.host import admission
 from embcache.service.host.leases import Lease
 from embcache.service.transport import device_get
 from embcache.service.transport.device_get import Housekeeping, in_thread
-from embcache.service.transport.grpc import device_puts as grpc_device_puts
-from embcache.service.transport.grpc.ipc_tensors import check_tensor, require_cuda, shape_of
+from embcache.service.transport.handlers import device_puts as grpc_device_puts
+from embcache.service.transport.handlers.ipc_tensors import check_tensor, require_cuda, shape_of
 from embcache.service.transport.render import LocationRenderer
 
 log = logging.getLogger("embcache.grpc")

@@ -1,0 +1,152 @@
+"""The data plane: the gRPC server and, beside its Unix socket, the session socket.
+
+:func:`start_data_plane` starts both on the running loop: the session socket first, so a
+client that finds the gRPC socket finds the session socket too, and both serve the same
+sessions (the servicer opens them). :class:`GrpcServerThread` runs a data plane on a
+background loop, for tests, notebooks and programs without a loop of their own (the daemon
+awaits :func:`start_data_plane` on its own). All such servers share one process-wide loop
+thread: grpc.aio binds its completion-queue poller to a loop, and a loop made and closed per
+server leaves callbacks aimed at closed loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from embcache.service.config import Settings
+from embcache.service.engine import CacheEngine
+from embcache.service.transport.accounting import RpcMetrics
+from embcache.service.transport.grpc.server import GrpcService, start_grpc
+from embcache.service.transport.grpc.servicer import EmbeddingCacheServicer
+from embcache.service.transport.sockets import prepare_socket_path, unlink_socket
+from embcache.service.transport.uds.server import LaneServer, lane_path
+
+
+@dataclass
+class DataPlane:
+    """A running gRPC server and its session socket (None without a gRPC Unix socket, or
+    with ``session_lane`` off)."""
+
+    grpc: GrpcService
+    lane: LaneServer | None = None
+
+    @property
+    def servicer(self) -> EmbeddingCacheServicer:
+        return self.grpc.servicer
+
+    @property
+    def ports(self) -> list[int]:
+        return self.grpc.ports
+
+    @property
+    def socket_path(self) -> Path | None:
+        return self.grpc.socket_path
+
+    @property
+    def server(self) -> Any:
+        return self.grpc.server
+
+    def set_serving(self, serving: bool) -> asyncio.Future[None] | concurrent.futures.Future[None]:
+        """SERVING / NOT_SERVING on grpc.health.v1 (:meth:`GrpcService.set_serving`)."""
+        return self.grpc.set_serving(serving)
+
+    async def stop(self, grace: float) -> None:
+        """Stop accepting and give in-flight calls ``grace`` seconds on both; then the
+        session socket's sessions end and the sockets go."""
+        await self.grpc.stop_calls(grace)
+        if self.lane is not None:  # its calls had the same grace; their sessions end here
+            await self.lane.stop()
+            unlink_socket(self.lane.path)
+        await self.grpc.close()
+
+
+async def start_data_plane(
+    engine: CacheEngine, settings: Settings, metrics: RpcMetrics | None = None
+) -> DataPlane:
+    """Start the session socket (first: a client that finds the gRPC socket finds it too)
+    and the gRPC server for ``engine`` on the running loop; they share one servicer."""
+    servicer = EmbeddingCacheServicer(engine, settings, metrics)
+    lane = None
+    if settings.grpc_socket is not None and settings.session_lane:
+        lane = LaneServer(servicer, lane_path(Path(settings.grpc_socket)), settings.auth_token)
+        prepare_socket_path(lane.path)
+        await lane.start()
+    try:
+        grpc_service = await start_grpc(engine, settings, metrics, servicer)
+    except BaseException:
+        if lane is not None:
+            await lane.stop()
+            unlink_socket(lane.path)
+        servicer.close()
+        raise
+    return DataPlane(grpc_service, lane)
+
+
+_shared: asyncio.AbstractEventLoop | None = None
+_shared_lock = threading.Lock()
+
+
+def background_loop() -> asyncio.AbstractEventLoop:
+    """The process-wide loop thread (started on first use, a daemon thread)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="embcache-grpc", daemon=True).start()
+            _shared = loop
+        return _shared
+
+
+class GrpcServerThread:
+    def __init__(
+        self, engine: CacheEngine, settings: Settings, metrics: RpcMetrics | None = None
+    ) -> None:
+        self._engine = engine
+        self._settings = settings
+        self._metrics = metrics
+        self.loop = background_loop()
+        self.service: DataPlane | None = None
+
+    def start(self, timeout: float = 30.0) -> DataPlane:
+        coro = start_data_plane(self._engine, self._settings, self._metrics)
+        self.service = self.call(coro, timeout)
+        return self.service
+
+    def call(self, coro: Any, timeout: float = 30.0) -> Any:
+        """Run a coroutine on the server's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self, grace: float = 0.5) -> None:
+        if self.service is not None:
+            service, self.service = self.service, None
+            self.call(service.stop(grace), grace + 30.0)
+
+    def __enter__(self) -> DataPlane:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def serving(
+    settings: Settings, metrics: RpcMetrics | None = None
+) -> Iterator[tuple[CacheEngine, GrpcServerThread]]:
+    """An engine and a data plane for it on the background loop; both closed on exit."""
+    engine = CacheEngine(settings)
+    try:
+        thread = GrpcServerThread(engine, settings, metrics)
+        thread.start()
+        try:
+            yield engine, thread
+        finally:
+            thread.stop()
+    finally:
+        engine.close()

@@ -1,0 +1,60 @@
+"""An open session, whichever transport carries it: its calls, its hello, and its end.
+
+A session is opened by a gRPC ``Session`` stream or by a connection to the session socket
+(``uds/``). Either way its calls run through the same :class:`SessionCalls`, its leases
+belong to its id, and when the stream or connection ends, so does the session: its running
+calls are cancelled and everything it owned is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.service.transport.accounting import RpcMetrics
+from embcache.service.transport.session.calls import Send, SessionCalls
+
+log = logging.getLogger("embcache.session")
+
+
+class OpenSession:
+    """One open session (module docstring)."""
+
+    def __init__(
+        self, calls: SessionCalls, opened: pb.SessionOpened, end: Callable[[str], int]
+    ) -> None:
+        self.calls = calls
+        self.opened = opened
+        self.session_id = opened.session_id
+        self.hello = ""
+        self._end = end  # closes the id and drops what it owned; returns leases released
+
+    def handle(self, msg: pb.SessionRequest, peer: str) -> None:
+        """A call starts as a task; a hello names the session in the logs. (Pings are the
+        transport's: they need a reply in order.)"""
+        kind = msg.WhichOneof("kind")
+        if kind == "call":
+            self.calls.start(msg.call)
+        elif kind == "hello":
+            self.hello = f"{msg.hello.client_name} pid {msg.hello.pid}"
+            log.debug("session %s is %s (%s)", self.session_id, self.hello, peer)
+
+    def end(self) -> None:
+        """Close the session, cancel its running calls (each gives back the leases it took)
+        and drop what it owned. Never awaits: a second cancellation must not skip it."""
+        dropped = self._end(self.session_id)
+        self.calls.cancel()
+        if dropped:
+            log.info(
+                "session %s (%s) ended; released %d leases", self.session_id, self.hello, dropped
+            )
+
+
+class SessionHost(Protocol):
+    """What opens sessions (the gRPC servicer) offers the session socket."""
+
+    metrics: RpcMetrics | None
+
+    def open_session(self, send: Send, transport: str) -> OpenSession: ...
