@@ -1,6 +1,7 @@
 """GPU ops of embcache, each with a pure-torch reference that is its spec.
 
-Importing this package never imports triton; the Triton kernels load on first use.
+Importing this package never imports triton; the Triton kernels load on first use, so CPU-only
+code (clients, CI without a GPU) can import it. It imports nothing from the service either.
 """
 
 from embcache.kernels._env import current_raw_stream, current_stream_idle

@@ -1,6 +1,8 @@
 """Device memory the daemon owns, and CUDA IPC between processes on one node.
 
-Two ways to share a device allocation (FACTS.md, "CUDA IPC on the same machine"):
+Decoders read the daemon's device pool in place, so the pool must be shareable with other
+processes. Two ways to share a device allocation (docs/facts.md, "CUDA IPC between processes
+on one node", has their costs):
 
 - ``legacy``: a plain ``cudaMalloc`` slab exported with ``cudaIpcGetMemHandle`` (64 bytes) and
   opened with ``cudaIpcOpenMemHandle``. Containers must share IPC and PID namespaces.
@@ -125,8 +127,17 @@ def _on_device(device: int) -> Iterator[None]:
 
 @functools.cache
 def gpu_uuid(device: int) -> str:
-    """``GPU-xxxxxxxx-...``, the name nvidia-smi prints for the device. Asked on every
-    device get and put, and a process's GPUs never change: computed once per device."""
+    """The uuid nvidia-smi prints for a device, ``GPU-xxxxxxxx-...``.
+
+    Asked on every device get and put, and a process's GPUs never change: computed once per
+    device.
+
+    Args:
+        device: a visible CUDA device index.
+
+    Returns:
+        The uuid string, the name clients and the daemon use for a GPU on the wire.
+    """
     return "GPU-" + str(torch.cuda.get_device_properties(device).uuid)
 
 
@@ -136,7 +147,14 @@ def _indexes() -> dict[str, int]:
 
 
 def device_by_uuid(uuid: str) -> int | None:
-    """The index of the visible GPU named ``uuid``, or None."""
+    """The index of the visible GPU named ``uuid``.
+
+    Args:
+        uuid: a name as :func:`gpu_uuid` makes it.
+
+    Returns:
+        The device index, or None when no visible GPU has that uuid.
+    """
     return _indexes().get(uuid)
 
 
@@ -155,7 +173,18 @@ class _CudaArray:
 
 
 def wrap_device_bytes(ptr: int, nbytes: int, device: int, owner: object) -> torch.Tensor:
-    """A uint8 tensor over ``nbytes`` of device memory at ``ptr``; keeps ``owner`` alive."""
+    """A uint8 tensor over raw device memory, without a copy.
+
+    Args:
+        ptr: the device address of the first byte.
+        nbytes: how many bytes the tensor covers.
+        device: the CUDA device index the memory is on.
+        owner: kept alive as long as the tensor (or any view of it) lives: the object that
+            frees the memory.
+
+    Returns:
+        A 1-D uint8 CUDA tensor over exactly those bytes.
+    """
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
     with torch.cuda.device(device):
@@ -168,13 +197,28 @@ def wrap_device_bytes(ptr: int, nbytes: int, device: int, owner: object) -> torc
 
 
 class DeviceSlab:
-    """One device allocation owned by this process: ``cudaMalloc`` or VMM (``cuMemCreate``)."""
+    """One device allocation owned by this process: ``cudaMalloc`` or VMM (``cuMemCreate``).
+
+    The daemon's device pool lives in one; allocating it here, not through torch, is what
+    makes it exportable to other processes.
+    """
 
     def __init__(self, device: int, nbytes: int, mode: str, peers: Sequence[int] = ()) -> None:
-        """``peers``: other GPUs that copy from or into the slab (peer access). A VMM slab
-        grants them access itself (peer access enabled on a context does not cover VMM
-        memory); a ``cudaMalloc`` slab is reached once the peer's context enables access,
-        as torch does on its first cross-device copy."""
+        """Allocate the slab on ``device``.
+
+        Args:
+            device: the CUDA device index.
+            nbytes: the size; a VMM slab rounds it up to the allocation granularity.
+            mode: ``"legacy"`` (``cudaMalloc``) or ``"fd"`` (VMM with POSIX-fd handles).
+            peers: other GPUs that copy from or into the slab. A VMM slab grants them
+                access itself (peer access enabled on a context does not cover VMM memory);
+                a ``cudaMalloc`` slab is reached once the peer's context enables access, as
+                torch does on its first cross-device copy.
+
+        Raises:
+            ValueError: an unknown ``mode``.
+            CudaMemError: a CUDA call failed (no CUDA, out of memory, ...).
+        """
         if mode not in ("legacy", "fd"):
             raise ValueError(f"mode: must be 'legacy' or 'fd', got {mode!r}")
         self.device = device
@@ -228,7 +272,11 @@ class DeviceSlab:
         return prop
 
     def export_legacy(self) -> bytes:
-        """The 64-byte ``cudaIpcMemHandle_t`` of the slab (legacy mode only)."""
+        """The 64-byte ``cudaIpcMemHandle_t`` of the slab, for another process to open.
+
+        Raises:
+            CudaMemError: the slab is not a legacy one, or the export failed.
+        """
         if self.mode != "legacy":
             raise CudaMemError("legacy IPC handles need a cudaMalloc slab (ipc mode 'legacy')")
         rt, _ = _libs()
@@ -240,7 +288,14 @@ class DeviceSlab:
         return bytes(handle.reserved)
 
     def export_fd(self) -> int:
-        """A new POSIX file descriptor for the allocation (fd mode only); caller closes it."""
+        """A new POSIX file descriptor for the allocation, to send to another process.
+
+        Returns:
+            The fd; the caller closes it.
+
+        Raises:
+            CudaMemError: the slab is not an fd one, or the export failed.
+        """
         if self.mode != "fd":
             raise CudaMemError("POSIX-fd handles need a VMM slab (ipc mode 'fd')")
         _, drv = _libs()
@@ -254,7 +309,14 @@ class DeviceSlab:
         return fd.value
 
     def close(self) -> None:
-        """Free the slab. Every copy that touches it must have finished."""
+        """Free the slab (idempotent).
+
+        Every copy that touches it must have finished, in every process; this process's
+        work on the device is waited for first.
+
+        Raises:
+            CudaMemError: freeing failed.
+        """
         if self._closed:
             return
         self._closed = True
