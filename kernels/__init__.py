@@ -1,9 +1,12 @@
 """GPU ops of embcache, each with a pure-torch reference that is its spec.
 
-Importing this package never imports triton; the Triton kernels load on first use.
+Importing this package never imports triton; the Triton kernels load on first use, so CPU-only
+code (clients, CI without a GPU) can import it. It imports nothing from the service either.
 """
 
-from embcache.kernels._env import current_raw_stream, current_stream_idle
+from embcache.kernels._cudart import CudaRuntime, CudaRuntimeError, StreamEvent
+from embcache.kernels._cudart import runtime as cuda_runtime
+from embcache.kernels._env import current_raw_stream, current_stream_idle, on_device
 from embcache.kernels.host_memory import HostRegistration, register_host_memory
 from embcache.kernels.host_runs import copy_to_host_runs, queue_to_host_runs
 from embcache.kernels.page_table import (
@@ -24,7 +27,10 @@ from embcache.kernels.transfer import (
 )
 
 __all__ = [
+    "CudaRuntime",
+    "CudaRuntimeError",
     "HostRegistration",
+    "StreamEvent",
     "TransferConfig",
     "alloc_bind_inplace",
     "alloc_bind_inplace_reference",
@@ -34,10 +40,12 @@ __all__ = [
     "build_read_table_reference",
     "choose_backend",
     "copy_to_host_runs",
+    "cuda_runtime",
     "current_raw_stream",
     "current_stream_idle",
     "free_unbind_inplace",
     "free_unbind_inplace_reference",
+    "on_device",
     "queue_to_host_runs",
     "register_host_memory",
     "transfer_planned",

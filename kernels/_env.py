@@ -21,8 +21,11 @@ def use_kernel(*tensors: torch.Tensor) -> bool:
 
 
 def on_device(index: int) -> contextlib.AbstractContextManager[object]:
-    """Make CUDA device ``index`` current for a block; no switch (and no cost) when it is
-    current already, the usual case: a switch costs microseconds on every launch."""
+    """Make CUDA device ``index`` current for a block.
+
+    Nothing is switched when it is current already, the usual case: a switch costs host time
+    on every launch, and the copy paths launch on every get.
+    """
     if torch.cuda.current_device() == index:
         return contextlib.nullcontext()
     return torch.cuda.device(index)
@@ -35,8 +38,17 @@ def on_tensor_device(t: torch.Tensor) -> contextlib.AbstractContextManager[objec
 
 
 def current_raw_stream(index: int) -> int:
-    """The ``cudaStream_t`` of CUDA device ``index``'s current stream (0: the legacy default
-    stream), without making a Stream object (that costs several times more host time)."""
+    """The raw ``cudaStream_t`` of CUDA device ``index``'s current stream.
+
+    Read without making a Stream object, which costs several times more host time: callers
+    on the put path ask for it on every call.
+
+    Args:
+        index: the CUDA device.
+
+    Returns:
+        The stream handle as an int (0: the legacy default stream).
+    """
     # torch has no public call for the raw handle; fall back to a Stream object without it.
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # noqa: SLF001
     if raw is None:
@@ -45,9 +57,18 @@ def current_raw_stream(index: int) -> int:
 
 
 def current_stream_idle(index: int) -> bool:
-    """True when CUDA device ``index``'s current stream has no work left. Asks the runtime
-    directly when it can: ``torch.cuda.current_stream(index).query()`` makes a Stream object
-    first, about three times the host time of the query itself on the H200 host."""
+    """True when CUDA device ``index``'s current stream has no work left.
+
+    Asks the runtime directly when it can: ``torch.cuda.current_stream(index).query()`` makes
+    a Stream object first, which costs more host time than the query itself
+    (docs/kernels.md, "Host time").
+
+    Args:
+        index: the CUDA device whose current stream is asked about.
+
+    Returns:
+        Whether every piece of work queued on that stream so far has run.
+    """
     from embcache.kernels import _cudart
 
     rt = _cudart.runtime()

@@ -2,11 +2,14 @@
 
 Imported on first use only: nothing that CPU-only code imports may import triton.
 
-Design (FACTS.md): reads over PCIe are latency bound, so each program keeps many bytes in flight
-by loading a 2-D block of ``BLOCK_R`` runs x ``BLOCK_C`` elements at once (a run is cut into
-chunks of at most ``BLOCK_C`` elements on the host). The grid is persistent and capped by the SM
-budget. No ``tl.multiple_of`` hints: on the device->host store path they made stores 10-20x
-slower, and an unmasked variant faulted.
+Reads over PCIe are latency bound, so each program keeps many bytes in flight by loading a
+2-D block of ``BLOCK_R`` runs x ``BLOCK_C`` elements at once (a run is cut into chunks of at
+most ``BLOCK_C`` elements on the host). The grid is persistent and capped by the SM budget,
+because the kernel shares the GPU with the decoder's model. Every access is masked.
+``tl.multiple_of`` hints are given only when every offset and length on that side is 16-byte
+aligned, and each side can be switched off in ``TransferConfig``: such hints once made
+device-to-host stores much slower in another kernel (docs/facts.md, "A pitfall of the
+device-to-host kernel"; docs/kernels.md has the measurements of this one).
 """
 
 from __future__ import annotations
@@ -104,7 +107,11 @@ def _copy_chunks_kernel(
 def chunk_descriptors(
     src_off: np.ndarray, dst_off: np.ndarray, lengths: np.ndarray, chunk: int
 ) -> np.ndarray:
-    """Cut ranges (in elements) into chunks of at most ``chunk``: int64 [3, num_chunks]."""
+    """Cut ranges (in elements) into chunks of at most ``chunk``: int64 [3, num_chunks].
+
+    Rows are source offset, destination offset and length. Bounding every chunk by the
+    tile's width is what lets one tile load a block of several runs at once.
+    """
     counts = -(-lengths // chunk)
     if int(counts.max(initial=0)) <= 1:  # no range needs cutting (e.g. 8 KiB runs)
         return np.stack([src_off, dst_off, lengths])

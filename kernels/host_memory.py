@@ -1,5 +1,7 @@
 """Page-locking host memory that torch did not allocate (e.g. a POSIX shared-memory pool).
 
+The daemon's host pool is shared memory that CPU clients map, and GPUs must copy from it at
+link speed, which needs page-locked memory: registering the segment gives both.
 ``torch.Tensor.is_pinned()`` is False for memory registered with ``cudaHostRegister``, so the
 owner keeps the :class:`HostRegistration` and tells :func:`transfer_ranges` about it with
 ``host_registered=True``.
@@ -16,7 +18,11 @@ from embcache.kernels import _cudart
 
 @dataclass(slots=True)
 class HostRegistration:
-    """A host address range registered (Portable | Mapped) with the CUDA driver."""
+    """A host address range registered (Portable | Mapped) with the CUDA driver.
+
+    Portable: every device may copy from it; Mapped: kernels may read and write it through
+    UVA. Use it as a context manager, or call :meth:`unregister`, once copies are done.
+    """
 
     ptr: int
     nbytes: int
@@ -24,16 +30,21 @@ class HostRegistration:
 
     @property
     def registered(self) -> bool:
+        """True until :meth:`unregister` ran."""
         return self._registered
 
     def contains(self, tensor: torch.Tensor) -> bool:
-        """True when all bytes of ``tensor`` lie inside this range."""
+        """True when all bytes of ``tensor`` lie inside this (still registered) range."""
         start = tensor.data_ptr()
         end = start + tensor.numel() * tensor.element_size()
         return self._registered and self.ptr <= start and end <= self.ptr + self.nbytes
 
     def unregister(self) -> None:
-        """Unregister the range (idempotent). Copies that use it must have finished."""
+        """Unregister the range (idempotent). Copies that use it must have finished.
+
+        Raises:
+            CudaRuntimeError: ``cudaHostUnregister`` failed.
+        """
         if self._registered:
             rt = _cudart.runtime()
             assert rt is not None, "CUDA runtime vanished while memory was registered"
@@ -50,7 +61,19 @@ class HostRegistration:
 def register_host_memory(tensor: torch.Tensor) -> HostRegistration:
     """Page-lock and map the bytes of a contiguous CPU tensor for every device.
 
-    Costs about 0.75 s per GiB (FACTS.md): register large pools at start-up, maybe in slices.
+    Registering is slow, in proportion to the size (docs/facts.md, "One shared-memory segment
+    as the pinned host pool"): register large pools once, at start-up.
+
+    Args:
+        tensor: a contiguous, non-empty CPU tensor; its memory must outlive the registration.
+
+    Returns:
+        The registration; keep it, and unregister it before the memory goes.
+
+    Raises:
+        ValueError: ``tensor`` is not a contiguous, non-empty CPU tensor.
+        RuntimeError: there is no CUDA device.
+        CudaRuntimeError: ``cudaHostRegister`` failed.
     """
     if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
         raise ValueError("tensor: must be a CPU tensor")

@@ -3,10 +3,10 @@
 This is the shape of every put from a device: a client's tensor (one contiguous span of
 device memory) lands in the host pages reserved for it, which the allocator hands out as a
 few runs. :func:`~embcache.kernels.transfer_ranges` copies any row-range plan, but for this
-shape its general checks and planning cost about 40 us of host time on the H200's host,
-half the time the copy engine needs for a 4 MiB tensor, and a put waits for all of it. Here
-only what this shape needs is checked, and the copy engine is called directly: one
-``cudaMemcpyAsync`` per run, or one ``cudaMemcpyBatchAsync`` for many runs.
+shape its general checks and planning cost a sizeable share of a 4 MiB copy's time, and a
+put waits for all of it (docs/kernels.md, "copy_to_host_runs"). Here only what this shape
+needs is checked, and the copy engine is called directly: one ``cudaMemcpyAsync`` per run,
+or one ``cudaMemcpyBatchAsync`` for many runs.
 """
 
 from __future__ import annotations
@@ -31,15 +31,26 @@ def copy_to_host_runs(
     stream: torch.cuda.Stream | None = None,
     host_registered: bool = False,
 ) -> str:
-    """Copy the bytes of ``src`` into ``host`` at ``runs``, ``(byte offset, byte count)`` pairs
-    filled in order from ``src``'s first byte; the counts add up to ``src``'s size.
+    """Copy the bytes of ``src`` into byte runs of ``host``, filled in order.
 
-    ``src`` is a contiguous tensor on a CUDA device (the copy is queued on ``stream``, default
-    the current stream, and is asynchronous) or on the CPU (copied at once; ``stream`` must be
-    None). ``host`` is a contiguous CPU tensor; for a CUDA ``src`` it is page-locked (pinned,
-    or registered: pass ``host_registered=True``). Runs may not overlap. Everything is checked
-    before any byte moves (``ValueError`` naming the argument). Returns the way it copied:
-    ``"none"`` (no bytes), ``"memcpy"``, ``"batch"`` or ``"torch"``.
+    Everything is checked before any byte moves, so a refused call leaves ``host`` as it was.
+
+    Args:
+        src: a contiguous tensor on a CUDA device (the copy is queued on ``stream`` and is
+            asynchronous) or on the CPU (copied at once).
+        host: a contiguous CPU tensor; for a CUDA ``src``, page-locked memory.
+        runs: ``(byte offset, byte count)`` pairs into ``host``, filled in order from
+            ``src``'s first byte; they must not overlap, and the counts add up to ``src``'s
+            size.
+        stream: for a CUDA ``src``, a stream on its device (default: the current stream);
+            None for a CPU ``src``.
+        host_registered: ``host`` is registered memory (``is_pinned()`` is False for it).
+
+    Returns:
+        The way it copied: ``"none"`` (no bytes), ``"memcpy"``, ``"batch"`` or ``"torch"``.
+
+    Raises:
+        ValueError: naming the first bad argument.
     """
     pairs = _check(src, host, runs, stream, host_registered)
     if not pairs:
@@ -65,14 +76,23 @@ def queue_to_host_runs(
     runs: Sequence[tuple[int, int]],
     stream: torch.cuda.Stream | int,
 ) -> str:
-    """:func:`copy_to_host_runs` for a caller whose arguments hold by construction, without
-    the checks: ``src`` contiguous on ``stream``'s CUDA device, ``host_ptr`` the address of
-    page-locked memory, ``runs`` non-empty, in bounds, not overlapping, adding up to
-    ``src``'s size. The daemon's puts from a device make their runs from the host pool's own
-    allocator and wait for the copy, so the checks' host time (about 8 us on the H200 host,
-    a tenth of a 4 MiB copy) would delay every put. ``stream``: a Stream, or a raw
-    ``cudaStream_t`` (the legacy default stream, 0, takes one ``cudaMemcpyAsync`` per run:
-    the batch call refuses it). Needs the CUDA runtime."""
+    """:func:`copy_to_host_runs` without the checks, for arguments that hold by construction.
+
+    The daemon's puts from a device make their runs from the host pool's own allocator and
+    wait for the copy, so the checks' host time would delay every put (docs/kernels.md,
+    "copy_to_host_runs"). Needs the CUDA runtime.
+
+    Args:
+        src: contiguous, on ``stream``'s CUDA device.
+        host_ptr: the address of page-locked host memory.
+        runs: ``(byte offset, byte count)`` pairs from ``host_ptr``: non-empty, in bounds,
+            not overlapping, adding up to ``src``'s size. Nothing checks this.
+        stream: a Stream, or a raw ``cudaStream_t``; the legacy default stream (0) takes
+            one ``cudaMemcpyAsync`` per run, since the batch call refuses it.
+
+    Returns:
+        ``"memcpy"`` or ``"batch"``.
+    """
     rt = _cudart.runtime()
     assert rt is not None, "queue_to_host_runs needs the CUDA runtime"
     handle = stream if isinstance(stream, int) else stream.cuda_stream

@@ -1,5 +1,7 @@
 """Fused page-table updates over ``v2p`` / ``p2v`` (int64, ``-1`` = tombstone), one launch each.
 
+Every residency change of a device pool touches both tables; one launch per batch of
+changes, with no host sync, keeps that off the GPU's and the host's critical path.
 ``v2p[vpage]`` is the physical page bound to a virtual page and ``p2v[page]`` the reverse.
 Ids in one call must be unique. On CUDA the ops never sync with the host (capturable in a CUDA
 graph); ids outside a table are skipped by the kernel. On CPU tensors the Triton kernel runs
@@ -51,8 +53,10 @@ def _grid(n: int) -> tuple[int]:
 def alloc_bind_inplace_reference(
     vpages: torch.Tensor, first_page: int | torch.Tensor, v2p: torch.Tensor, p2v: torch.Tensor
 ) -> None:
-    """Bind ``vpages[i]`` to page ``first_page + i``. Mutates ``v2p[vpages]`` and
-    ``p2v[first_page : first_page + len(vpages)]``."""
+    """The spec of :func:`alloc_bind_inplace`: bind ``vpages[i]`` to page ``first_page + i``.
+
+    Mutates ``v2p[vpages]`` and ``p2v[first_page : first_page + len(vpages)]``.
+    """
     base = int(first_page)
     pages = torch.arange(base, base + vpages.numel(), dtype=torch.int64, device=vpages.device)
     v2p[vpages] = pages
@@ -62,7 +66,10 @@ def alloc_bind_inplace_reference(
 def bind_inplace_reference(
     vpages: torch.Tensor, pages: torch.Tensor, v2p: torch.Tensor, p2v: torch.Tensor
 ) -> None:
-    """Bind ``vpages[i]`` to ``pages[i]``. Mutates ``v2p[vpages]`` and ``p2v[pages]``."""
+    """The spec of :func:`bind_inplace`: bind ``vpages[i]`` to ``pages[i]``.
+
+    Mutates ``v2p[vpages]`` and ``p2v[pages]``.
+    """
     v2p[vpages] = pages
     p2v[pages] = vpages
 
@@ -70,9 +77,12 @@ def bind_inplace_reference(
 def free_unbind_inplace_reference(
     vpages: torch.Tensor, v2p: torch.Tensor, p2v: torch.Tensor
 ) -> torch.Tensor:
-    """Return ``v2p[vpages]`` (the freed pages, ``-1`` where unbound) and tombstone both tables.
+    """The spec of :func:`free_unbind_inplace`: tombstone both tables, return the freed pages.
 
     Mutates ``v2p[vpages] = -1`` and ``p2v[page] = -1`` for every bound page.
+
+    Returns:
+        ``v2p[vpages]`` as it was: the freed pages, ``-1`` where a vpage was unbound.
     """
     pages = v2p[vpages].clone()
     v2p.index_fill_(0, vpages, -1)
@@ -85,8 +95,17 @@ def alloc_bind_inplace(
 ) -> None:
     """Bind ``vpages[i]`` to the consecutive physical page ``first_page + i``, one launch.
 
-    ``first_page`` is an int, or a one-element int64 tensor on the tables' device (read by the
-    kernel, so no host sync).
+    The common case of a device get: its pages come from the allocator as one run.
+
+    Args:
+        vpages: 1-D int64 ids of virtual pages, unique, on the tables' device.
+        first_page: an int, or a one-element int64 tensor on the tables' device (read by
+            the kernel, so the host never waits for it).
+        v2p, p2v: the tables, 1-D contiguous int64 on one device; mutated.
+
+    Raises:
+        ValueError: a bad table or id tensor, or pages past ``p2v`` when ``first_page`` is
+            known on the host; on CPU tensors also ids out of range or repeated.
     """
     v2p, p2v = _check_tables(v2p, p2v)
     vpages = _check_ids("vpages", vpages, v2p, "v2p")
@@ -128,7 +147,17 @@ def alloc_bind_inplace(
 def bind_inplace(
     vpages: torch.Tensor, pages: torch.Tensor, v2p: torch.Tensor, p2v: torch.Tensor
 ) -> None:
-    """Bind ``vpages[i]`` to ``pages[i]`` in one launch."""
+    """Bind ``vpages[i]`` to ``pages[i]`` in one launch.
+
+    Args:
+        vpages: 1-D int64 ids of virtual pages, unique, on the tables' device.
+        pages: 1-D int64 physical page ids, unique, as many as ``vpages``.
+        v2p, p2v: the tables, 1-D contiguous int64 on one device; mutated.
+
+    Raises:
+        ValueError: a bad table or id tensor, or a length mismatch; on CPU tensors also ids
+            out of range or repeated.
+    """
     v2p, p2v = _check_tables(v2p, p2v)
     vpages = _check_ids("vpages", vpages, v2p, "v2p")
     pages = _check_ids("pages", pages, p2v, "p2v")
@@ -151,8 +180,21 @@ def free_unbind_inplace(
 ) -> torch.Tensor:
     """Tombstone ``vpages`` and their pages in both tables; return the freed page ids.
 
-    One launch, no host sync. A vpage that was unbound yields ``-1``. ``out`` (1-D int64, as
-    long as ``vpages``) receives the ids when given.
+    One launch, no host sync, so an eviction can be queued behind the copies that still
+    read the pages.
+
+    Args:
+        vpages: 1-D int64 ids of virtual pages, unique, on the tables' device.
+        v2p, p2v: the tables, 1-D contiguous int64 on one device; mutated.
+        out: optional 1-D int64 tensor, as long as ``vpages``, to receive the ids.
+
+    Returns:
+        The freed physical page of each vpage (``-1`` where it was unbound): ``out`` when
+        given, else a new tensor.
+
+    Raises:
+        ValueError: a bad table, id or ``out`` tensor; on CPU tensors also ids out of range
+            or repeated.
     """
     v2p, p2v = _check_tables(v2p, p2v)
     vpages = _check_ids("vpages", vpages, v2p, "v2p")

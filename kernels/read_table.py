@@ -25,7 +25,8 @@ def build_read_table_reference(
     out: torch.Tensor,
     page_size: int,
 ) -> None:
-    """The spec (plain loop). Mutates ``out[b, :n_b]`` for every request ``b``."""
+    """The spec of :func:`build_read_table` (a plain loop). Mutates ``out[b, :n_b]`` for every
+    request ``b``."""
     max_cols = min(out.shape[1], vpage_table.shape[1])
     for b in range(rows.numel()):
         row, length = int(rows[b]), int(lengths[b])
@@ -61,7 +62,22 @@ def build_read_table(
 ) -> None:
     """Fill ``out`` (``[bs, max_pages]``) with the physical pages of each request, one launch.
 
-    Grid ``(bs, min(cdiv(target_blocks, bs), cdiv(max_pages, block_cols)))``.
+    Grid ``(bs, min(cdiv(target_blocks, bs), cdiv(max_pages, block_cols)))``: sized from shapes
+    only, so a captured graph replays for any lengths (module docstring).
+
+    Args:
+        vpage_table: ``[rows, cols]`` int32/int64 virtual pages of each entry row.
+        rows: ``[bs]`` int32/int64, the row of ``vpage_table`` each request reads.
+        lengths: ``[bs]`` int32/int64, each request's length in the unit of ``page_size``.
+        v2p: 1-D int64 virtual-to-physical table.
+        out: ``[bs, max_pages]`` int32/int64; mutated where requests have pages.
+        page_size: length units per page, an int >= 1.
+        target_blocks: about how many programs to launch in all.
+        block_cols: page ids per program iteration, a power of two.
+
+    Raises:
+        ValueError: a bad shape, dtype, device, layout or size; on CPU tensors also rows out of
+            range or negative lengths.
     """
     vpage_table = _check("vpage_table", vpage_table, 2, _INDEX_DTYPES)
     rows = _check("rows", rows, 1, _INDEX_DTYPES)

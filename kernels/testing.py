@@ -1,4 +1,8 @@
-"""Helpers shared by the kernel tests and benchmarks: random plans, random rows, bit views."""
+"""Helpers shared by the kernel tests and benchmarks: random plans, random rows, bit views.
+
+Tests and benchmarks must exercise the same fragmented plans and compare bytes the same
+way, so they share these instead of each writing its own.
+"""
 
 from __future__ import annotations
 
@@ -19,10 +23,20 @@ def random_plan(
     short_last: bool = False,
     zero_ranges: bool = False,
 ) -> Plan:
-    """``(src_starts, dst_starts, lengths)``: disjoint destinations scattered at random over
-    ``dst_rows`` in shuffled order, and sources anywhere (they may overlap).
+    """A random copy plan: disjoint destinations scattered over ``dst_rows`` in shuffled
+    order, and sources anywhere (they may overlap).
 
-    ``fixed_len``: every range is ``max_len`` rows; ``short_last``: and the last one is 1 row.
+    Args:
+        rng: the random source.
+        src_rows, dst_rows: rows of the source and destination tensors.
+        num_ranges: how many ranges.
+        max_len: the longest range, in rows.
+        fixed_len: every range is ``max_len`` rows.
+        short_last: every range is ``max_len`` rows and the last one is 1 row.
+        zero_ranges: one range, chosen at random, is empty.
+
+    Returns:
+        ``(src_starts, dst_starts, lengths)``, int64 numpy arrays.
     """
     lengths = rng.integers(1, max_len + 1, num_ranges)
     if (fixed_len or short_last) and num_ranges:
@@ -57,7 +71,13 @@ def random_rows(
 ) -> torch.Tensor:
     """Random bytes seen as ``[rows, width]`` of ``dtype`` (NaNs included: compare with bits).
 
-    ``out``: a CPU tensor (e.g. pinned) of that shape and dtype to fill instead of a new one.
+    Args:
+        rows, width, dtype: the shape and dtype of the result.
+        seed: the seed; the same seed gives the same bytes.
+        out: a CPU tensor (e.g. pinned) of that shape and dtype to fill instead of a new one.
+
+    Returns:
+        ``out`` when given, else a new CPU tensor.
     """
     g = torch.Generator().manual_seed(seed)
     nbytes = rows * width * torch.empty(0, dtype=dtype).element_size()

@@ -1,14 +1,17 @@
 """``transfer_ranges``: copy row ranges between host and device memory, any fragmentation.
 
-Backends (see docs/kernels.md for the measurements behind the dispatch rules):
+Entries live in scattered page runs, and no single copy path is fast for every run size, so
+one call takes the whole plan and picks the path. Backends (docs/kernels.md has the
+measurements behind the dispatch rules):
 
 - ``kernel``: a Triton persistent-grid copy that reads/writes pinned host memory through UVA,
   capped at ``TransferConfig.sm_budget`` programs so co-located work keeps its SMs;
-- ``batch``: one ``cudaMemcpyBatchAsync`` (copy engine; falls back to ``memcpy`` when absent);
+- ``batch``: ``cudaMemcpyBatchAsync`` calls (copy engine; falls back to ``memcpy`` when
+  absent);
 - ``memcpy``: one ``cudaMemcpyAsync`` per range (falls back to ``torch`` without a runtime);
 - ``torch``: a ``copy_`` loop, the CPU path;
-- ``auto``: the copy engine where it is near link speed, the kernel for small runs, and both at
-  once (split by bytes) in between.
+- ``auto``: the copy engine where it is near link speed, the kernel for small runs, and both
+  at once (split by bytes) in between, a zone that is empty by default.
 """
 
 from __future__ import annotations
@@ -36,7 +39,11 @@ KIB = 1024
 
 @dataclass(frozen=True, slots=True)
 class TransferConfig:
-    """Settings of :func:`transfer_ranges`; pass one to override the defaults."""
+    """Settings of :func:`transfer_ranges`; pass one to override the defaults.
+
+    The defaults come from the measurements in docs/kernels.md; every threshold is a field so
+    that another GPU or link can be tuned without a code change.
+    """
 
     sm_budget: int = 8
     """Most programs (each on one SM) the copy kernel runs; bounds its cost to other work."""
@@ -47,12 +54,12 @@ class TransferConfig:
     chunk_bytes: int = 8 * KIB
     """Longest piece of one run in a tile row; longer runs are cut into such chunks."""
     kernel_below_bytes: int = 128 * KIB
-    """``auto``: plans whose mean run is shorter go to the kernel alone (H200: the kernel holds
-    48-50 GB/s from 8 KiB runs up, the batched copy engine 31 GB/s at 32 KiB, 52 at 128 KiB)."""
+    """``auto``: plans whose mean run is shorter go to the kernel alone; below it the batched
+    copy engine falls short of link speed while the kernel does not."""
     copy_engine_from_bytes: int = 128 * KIB
     """``auto``: plans whose mean run is at least this long go to the copy engine alone; runs in
-    between are split between kernel and copy engine (no such zone by default: on the H200 the
-    split never beat the better of the two)."""
+    between are split between kernel and copy engine (no such zone by default: the split never
+    beat the better of the two where it was measured)."""
     split_kernel_fraction: float = 0.35
     """``auto``, in between: the share of bytes the kernel copies while the copy engine runs."""
     copy_engine_streams: int = 1
@@ -60,15 +67,15 @@ class TransferConfig:
     batch_first_call: int = 16
     """``batch``: ranges in the first ``cudaMemcpyBatchAsync`` call; each next call takes twice
     as many, so the copy engine starts after a short call and later calls are queued while
-    it copies (one call of 256 ranges costs the host about 0.25 ms). 0: one call for all."""
+    it copies (a long call's host time would otherwise all come first). 0: one call for all."""
     vector_device: bool = True
     """Kernel: 16-byte accesses to device memory when the plan is 16-byte aligned."""
     vector_host_loads: bool = True
     """Kernel: 16-byte loads from pinned host memory (host to device) when aligned."""
     vector_host_stores: bool = True
-    """Kernel: 16-byte stores to pinned host memory (device to host) when aligned: 48 GB/s at
-    8 KiB runs against 41 with 8-byte stores (H200, masked stores; FACTS.md saw hinted stores
-    slow in another kernel, so this stays switchable)."""
+    """Kernel: 16-byte stores to pinned host memory (device to host) when aligned, which speeds
+    up small runs. Alignment hints once made such stores slow in another kernel, so it stays
+    switchable (docs/facts.md, docs/kernels.md)."""
 
     def __post_init__(self) -> None:
         for name in ("sm_budget", "num_warps", "tile_bytes", "chunk_bytes", "copy_engine_streams"):
@@ -90,7 +97,18 @@ DEFAULT_CONFIG = TransferConfig()
 def choose_backend(
     num_ranges: int, total_bytes: int, config: TransferConfig, *, has_batch: bool
 ) -> str:
-    """The ``auto`` rule: ``memcpy``, ``batch``, ``kernel`` or ``split`` for a CUDA plan."""
+    """The ``auto`` rule for a CUDA plan: which backend copies it.
+
+    Args:
+        num_ranges: non-empty ranges in the plan.
+        total_bytes: bytes the plan moves.
+        config: the thresholds (``kernel_below_bytes``, ``copy_engine_from_bytes``).
+        has_batch: whether the runtime has ``cudaMemcpyBatchAsync``.
+
+    Returns:
+        ``"memcpy"`` (one range, or large runs without a batch call), ``"batch"``,
+        ``"kernel"`` or ``"split"``.
+    """
     if num_ranges == 1:
         return "memcpy"  # one contiguous copy: the copy engine at no SM cost
     mean = total_bytes / num_ranges
@@ -108,7 +126,12 @@ def transfer_ranges_reference(
     dst_starts: IndexLike,
     lengths: IndexLike,
 ) -> None:
-    """The spec: ``dst[d:d+n] = src[s:s+n]`` for every range, in order. Mutates ``dst`` only."""
+    """The spec: ``dst[d:d+n] = src[s:s+n]`` for every range, in order. Mutates ``dst`` only.
+
+    Args:
+        src, dst: tensors indexed by row (dimension 0).
+        src_starts, dst_starts, lengths: one entry per range, in rows.
+    """
     s = as_index_array("src_starts", src_starts)
     d = as_index_array("dst_starts", dst_starts)
     n = as_index_array("lengths", lengths)
@@ -242,13 +265,29 @@ def transfer_ranges(
 ) -> str:
     """Copy ``dst[d:d+n] = src[s:s+n]`` for every range, asynchronously on ``stream``.
 
-    ``src`` and ``dst`` are contiguous 2-D tensors of one dtype and row width: one on a CUDA
-    device and the other in page-locked host memory (``pin_memory=True``, or registered with
-    :func:`register_host_memory`, then pass ``host_registered=True``), or both on the CPU.
-    Starts and lengths count rows. The whole plan is validated first (``ValueError`` naming the
-    argument) and nothing is written when it fails. Keep both tensors alive until ``stream``
-    (default: the current stream) has run the copy. Returns the backend that ran: ``"none"``
-    for an empty plan, else ``"kernel"``, ``"batch"``, ``"memcpy"``, ``"torch"`` or ``"split"``.
+    The whole plan is validated before anything is queued, so a bad plan never leaves a
+    destination half written. Keep both tensors alive until ``stream`` has run the copy.
+
+    Args:
+        src, dst: contiguous 2-D tensors of one dtype and row width: one on a CUDA device and
+            the other in page-locked host memory (``pin_memory=True``, or registered with
+            :func:`register_host_memory`), or both on the CPU.
+        src_starts, dst_starts, lengths: one entry per range, in rows (lists, numpy arrays,
+            or int32/int64 tensors). Destination ranges must not overlap.
+        stream: the CUDA stream to queue on (default: the device's current stream); None
+            for a CPU copy.
+        backend: ``"auto"``, or a forced ``"kernel"``, ``"batch"``, ``"memcpy"``, ``"torch"``.
+        host_registered: the host tensor is registered memory (``is_pinned()`` is False
+            for it).
+        config: thresholds and kernel settings (default: ``TransferConfig()``).
+
+    Returns:
+        The backend that ran: ``"none"`` for an empty plan, else ``"kernel"``, ``"batch"``,
+        ``"memcpy"``, ``"torch"`` or ``"split"``.
+
+    Raises:
+        ValueError: naming the first bad argument (shapes, dtypes, devices, pageable host
+            memory, bounds, overlapping destinations, a backend that cannot run here).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
@@ -291,13 +330,22 @@ def transfer_planned(
     backend: Backend = "auto",
     config: TransferConfig | None = None,
 ) -> str:
-    """:func:`transfer_ranges` without its checks, the same dispatch and backends, for a
-    caller whose plan holds by construction: ``src`` and ``dst`` contiguous 2-D tensors of
-    one dtype and row width, one of them page-locked host memory and the other on
-    ``stream``'s device (or both on the CPU); int64 arrays of positive lengths, every range
-    inside both tensors, destinations disjoint. The daemon plans a cold get's copies from its
-    allocators' own runs, and its first copy starts only once the call is made: the checks
-    took 135-145 us before it on the lent H200 host."""
+    """:func:`transfer_ranges` without its checks: the same dispatch and backends.
+
+    For a caller whose plan holds by construction. The daemon plans a cold get's copies from
+    its allocators' own runs, and the copy starts only once this call is made, so the checks'
+    host time would delay every get (docs/kernels.md, "copy_to_host_runs").
+
+    Args:
+        src, dst: contiguous 2-D tensors of one dtype and row width, one of them page-locked
+            host memory and the other on ``stream``'s device (or both on the CPU).
+        src_starts, dst_starts, lengths: int64 arrays, in rows: positive lengths, every range
+            inside both tensors, destinations disjoint. Nothing checks this.
+        stream, backend, config: as for :func:`transfer_ranges`.
+
+    Returns:
+        The backend that ran, as :func:`transfer_ranges` returns it.
+    """
     if config is None:
         config = DEFAULT_CONFIG
     on_cpu = (src.device.type == "cpu", dst.device.type == "cpu")

@@ -48,12 +48,12 @@ class UvaIds:
     """The ring of one device."""
 
     def __init__(self, device: torch.device) -> None:
-        from embcache.kernels import _cudart
+        from embcache import kernels
 
         self.device = device
         self.host = torch.empty((SLOTS, CAPACITY), dtype=torch.int64, pin_memory=True)
         self._np = self.host.numpy()
-        rt = _cudart.runtime()
+        rt = kernels.cuda_runtime()
         with torch.cuda.device(device):
             ptr = self.host.data_ptr()
             if rt is not None:

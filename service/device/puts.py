@@ -13,9 +13,7 @@ import torch
 
 from embcache import kernels
 from embcache.errors import InvalidArgument
-from embcache.kernels import _cudart
-from embcache.kernels._cudart import CudaRuntime, StreamEvent
-from embcache.kernels._env import on_device
+from embcache.kernels import CudaRuntime, StreamEvent, on_device
 from embcache.kernels.host_runs import MEMCPY_MAX_RUNS
 from embcache.proto.dtypes import from_torch
 from embcache.service.device.copier import Copier
@@ -103,7 +101,7 @@ def queue_d2h(
         index = src.get_device()
         raw = kernels.current_raw_stream(index)
         if raw != 0 or len(byte_runs) <= MEMCPY_MAX_RUNS:
-            rt = _cudart.runtime()
+            rt = kernels.cuda_runtime()
             assert rt is not None
             # What copy_to_host_runs would check holds here: src is contiguous on this
             # device (checked before), the pool registered through the CUDA runtime, and the

@@ -128,9 +128,9 @@ def copy_between_pools(
         so += s.tolist()
         do += d.tolist()
         ln += n.tolist()
-    from embcache.kernels import _cudart
+    from embcache import kernels
 
-    rt = _cudart.runtime() if dst_pool.stream is not None else None
+    rt = kernels.cuda_runtime() if dst_pool.stream is not None else None
     if rt is None or src_pool.stream is None or dst_pool.stream is None:  # CPU test pools
         for s_, d_, n_ in zip(so, do, ln, strict=True):
             dst_pool.tensor[d_ : d_ + n_].copy_(src_pool.tensor[s_ : s_ + n_])

@@ -318,7 +318,7 @@ def _take_out_of_service(pool: DevicePool, exc: BaseException) -> bool:
 
 def _is_device_error(exc: BaseException) -> bool:
     """A CUDA failure of the device itself (not a bad request, not a full pool)."""
-    from embcache.kernels._cudart import CudaRuntimeError
+    from embcache.kernels import CudaRuntimeError
     from embcache.kernels.cuda_mem import CudaMemError
 
     if isinstance(exc, (CudaMemError, CudaRuntimeError)):

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from embcache.errors import InvalidArgument
-from embcache.kernels._cudart import StreamEvent
+from embcache.kernels import StreamEvent
 from embcache.service.device import puts
 from embcache.service.device.puts import CallerStream, Stream
 from embcache.service.device.tier import DeviceTier
