@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import CpuMeter, git_commit, latencies_us
 
 from embcache.clients import EmbCacheClient
-from embcache.clients._backends.sync_lane import LaneSession
 from embcache.clients._backends.sync_session import Session
+from embcache.clients._backends.sync_uds import UdsSession
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.config import parse_cpu_list
 from embcache.service.daemon_process import DaemonProcess, read_line, stop
@@ -170,7 +170,7 @@ def measure_floor(target: str, base_target: str, iters: int = 500) -> dict[str, 
             next(replies)
 
         lane = client._open_session()  # the daemon's session lane (lane.py)
-        assert isinstance(lane, LaneSession), "the daemon serves no session lane"
+        assert isinstance(lane, UdsSession), "the daemon serves no session lane"
         stream = Session(client._stub, client._auth, "bench", 10.0)  # a gRPC Session stream
         empty = pb.ReleaseRequest()
 

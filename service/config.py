@@ -6,9 +6,11 @@ Sizes accept plain integers or values like ``4GiB``, ``256KiB``, ``1.5GB``.
 from __future__ import annotations
 
 import ipaddress
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -17,6 +19,13 @@ from embcache.service.sizes import parse_size
 from embcache.service.tier_config import SharedTierConfig
 
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
+
+# Old setting names -> new ones; the old still work for one release (CHANGELOG).
+DEPRECATED_NAMES = {
+    "session_lane": "uds_sessions",
+    "device_put_landing_bytes": "device_put_prealloc_bytes",
+}
+log = logging.getLogger("embcache.config")
 
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
@@ -68,7 +77,7 @@ class Settings(BaseSettings):
         0, description="Device (HBM) pool size per GPU; 0 disables the device tier."
     )
     device_page_bytes: ByteSize = Field(256 * 1024, description="Device page size in bytes.")
-    device_put_landing_bytes: ByteSize = Field(
+    device_put_prealloc_bytes: ByteSize = Field(
         64 * 1024**2,
         description="Host memory set aside for puts from a device (at most 1/16 of the host "
         "pool): such a put takes its pages from it and queues its copy before it is checked "
@@ -135,11 +144,11 @@ class Settings(BaseSettings):
     grpc_socket: Path | None = Field(
         None, description="gRPC Unix socket path (none: no Unix socket listener)."
     )
-    session_lane: bool = Field(
+    uds_sessions: bool = Field(
         True,
-        description="With a gRPC Unix socket PATH, also serve Session calls on PATH.lane "
-        "(length-prefixed messages without HTTP/2: a same-node round trip costs a third; "
-        "docs/grpc.md, 'Session lane'). Same permissions and token as the gRPC socket.",
+        description="With a gRPC Unix socket PATH, also serve Session calls on the session "
+        "socket PATH.lane (length-prefixed messages without HTTP/2: a same-node round trip "
+        "costs a third; docs/grpc.md). Same permissions and token as the gRPC socket.",
     )
     http_host: str = Field("127.0.0.1", description="HTTP bind address.")
     http_port: int = Field(7471, ge=0, le=65535, description="HTTP port (0 = pick a free one).")
@@ -261,6 +270,23 @@ class Settings(BaseSettings):
         if v:
             SharedTierConfig.from_url(v)  # raises ValueError naming what is wrong
         return v or None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        """Settings under their old names (arguments or ``EMBCACHE_<OLD>`` env vars) still
+        work for one release, with a log line naming the new one."""
+        if not isinstance(data, dict):
+            return data
+        for old, new in DEPRECATED_NAMES.items():
+            env = os.environ.get(f"EMBCACHE_{old.upper()}")
+            value = data.pop(old, None)
+            if value is None and env is not None and new not in data:
+                value = env
+            if value is not None:
+                log.warning("setting %r is deprecated: use %r", old, new)
+                data.setdefault(new, value)
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:

@@ -127,8 +127,8 @@ class Daemon:
                 await asyncio.sleep(0.01)
             if grpc_service.socket_path:
                 os.chmod(grpc_service.socket_path, int(s.socket_mode, 8))
-            if grpc_service.lane is not None:
-                os.chmod(grpc_service.lane.path, int(s.socket_mode, 8))
+            if grpc_service.uds is not None:
+                os.chmod(grpc_service.uds.path, int(s.socket_mode, 8))
             self._announce(grpc_service, http_sock.getsockname()[1], engine)
             _sd_notify("READY=1")
             await self._stop.wait()
@@ -169,7 +169,7 @@ class Daemon:
             "event": "ready",
             "grpc_port": ports[0] if ports else None,
             "grpc_socket": str(grpc_service.socket_path) if grpc_service.socket_path else None,
-            "session_lane": str(grpc_service.lane.path) if grpc_service.lane else None,
+            "session_lane": str(grpc_service.uds.path) if grpc_service.uds else None,
             "http_port": http_port,
             "shm_name": segment.name,
             "cuda": segment.registered,

@@ -15,8 +15,8 @@ from typing import Any, overload
 
 import torch
 
-from embcache.clients._async.plain_calls import AsyncPlainCalls
 from embcache.clients._async.results import AsyncLeasedTensors
+from embcache.clients._async.stateless_calls import AsyncStatelessCalls
 from embcache.clients._backends.async_io import leased_call
 from embcache.clients.core.errors import RpcFailed
 from embcache.clients.core.payload import payload_of
@@ -28,7 +28,7 @@ from embcache.errors import DeviceUnavailable
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
 
-class AsyncEmbCacheClient(AsyncPlainCalls):
+class AsyncEmbCacheClient(AsyncStatelessCalls):
     """A client of one embcache daemon, for asyncio programs (docs/grpc.md).
 
     Made on the event loop that uses it. ``async with AsyncEmbCacheClient(target) as c:``

@@ -18,8 +18,8 @@ from typing import Any, overload
 import torch
 
 from embcache.clients._backends.sync_io import leased_call
-from embcache.clients._sync.plain_calls import PlainCalls
 from embcache.clients._sync.results import LeasedTensors
+from embcache.clients._sync.stateless_calls import StatelessCalls
 from embcache.clients.core.errors import RpcFailed
 from embcache.clients.core.payload import payload_of
 from embcache.clients.core.requests import as_keys, device_get_request, get_request
@@ -30,7 +30,7 @@ from embcache.errors import DeviceUnavailable
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
 
-class EmbCacheClient(PlainCalls):
+class EmbCacheClient(StatelessCalls):
     """A client of one embcache daemon, for asyncio programs (docs/grpc.md).
 
     Made on the event loop that uses it. ``async with AsyncEmbCacheClient(target) as c:``

@@ -23,14 +23,14 @@ from typing import Any, Self, TypeVar
 import grpc
 
 from embcache.clients._backends.sync_io import CallFn, Lock, connect, sleep
-from embcache.clients._backends.sync_lane import LaneSession
 from embcache.clients._backends.sync_session import Session
+from embcache.clients._backends.sync_uds import UdsSession
 from embcache.clients.core.capabilities import Capabilities, HostFallbacks
 from embcache.clients.core.channel import auth_metadata
 from embcache.clients.core.errors import RpcFailed, from_call_error, translate
 from embcache.clients.core.retry import backoff_s, is_unknown_session, retry_step, should_retry
 from embcache.clients.core.session_calls import SessionLost, serves
-from embcache.clients.core.targets import lane_path, normalize_target
+from embcache.clients.core.targets import normalize_target, uds_path
 from embcache.clients.device.pools import process_device_pools
 from embcache.clients.device.shm import process_pool_maps
 from embcache.proto.constants import SESSION_KEY
@@ -80,8 +80,8 @@ class Connection:
         self._auth = auth_metadata(token)
         self._token = token
         self._client_name = client_name
-        self._lane = lane_path(target) if session_lane else None
-        self._session: Session | LaneSession | None = None
+        self._uds = uds_path(target) if session_lane else None
+        self._session: Session | UdsSession | None = None
         self._session_lock = Lock()
         self._closed = False
         self._maps = process_pool_maps()
@@ -96,7 +96,7 @@ class Connection:
         assert session.session_id is not None
         return session.session_id
 
-    def _open_session(self) -> Session | LaneSession:
+    def _open_session(self) -> Session | UdsSession:
         with self._session_lock:
             if self._closed:
                 raise RpcFailed("client is closed", "CANCELLED")
@@ -104,24 +104,24 @@ class Connection:
                 if self._session is not None:
                     self._session.close()  # ended: let go of its socket or reader
                     self._session = None
-                # A retry (UNAVAILABLE: a restarting daemon) looks for the lane again.
-                self._session = self._call(self._lane_or_stream)
+                # A retry (UNAVAILABLE: a restarting daemon) looks for the session socket again.
+                self._session = self._call(self._uds_or_stream)
             return self._session
 
-    def _lane_or_stream(self, metadata: Any, timeout: float) -> Session | LaneSession:
-        """A session on the daemon's lane if it has one, else a gRPC Session stream."""
-        lane = self._open_lane()
-        return lane or Session.open(self._stub, metadata, self._client_name, timeout)
+    def _uds_or_stream(self, metadata: Any, timeout: float) -> Session | UdsSession:
+        """A session on the daemon's session socket if it has one, else a gRPC Session stream."""
+        uds = self._open_uds()
+        return uds or Session.open(self._stub, metadata, self._client_name, timeout)
 
-    def _open_lane(self) -> LaneSession | None:
-        """A session on the daemon's lane; None if it has none (this session uses gRPC; the
-        next one looks for the lane again, e.g. after the daemon restarted with one)."""
-        if self._lane is None:
+    def _open_uds(self) -> UdsSession | None:
+        """A session on the daemon's session socket; None if it has none (this session uses
+        gRPC; the next one looks for the socket again, e.g. after the daemon restarted)."""
+        if self._uds is None:
             return None
         try:
-            return LaneSession.open(self._lane, self._token, self._client_name, self.timeout)
+            return UdsSession.open(self._uds, self._token, self._client_name, self.timeout)
         except OSError as err:
-            log.debug("no session lane at %s (%s): this session uses gRPC", self._lane, err)
+            log.debug("no session socket at %s (%s): this session uses gRPC", self._uds, err)
             return None
 
     def _drop_session(self) -> None:

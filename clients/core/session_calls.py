@@ -22,7 +22,7 @@ class SessionLost(RpcFailed):
 
 
 class CallCarrier(Protocol):
-    """What :func:`serves` reads: a session of either transport (gRPC stream or lane)."""
+    """What :func:`serves` reads: a session of either transport (gRPC stream or session socket)."""
 
     serves_calls: bool
     serves_device_puts: bool

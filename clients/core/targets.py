@@ -12,9 +12,9 @@ def normalize_target(target: str) -> str:
     return target
 
 
-def lane_path(target: str) -> str | None:
-    """The lane of a daemon reached at ``target``: its Unix socket path plus ``.lane``; None
-    for a TCP or abstract-socket target."""
+def uds_path(target: str) -> str | None:
+    """The session socket of a daemon reached at ``target``: its Unix socket path plus
+    ``.lane``; None for a TCP or abstract-socket target."""
     if not target.startswith("unix:") or target.startswith("unix-abstract:"):
         return None
     path = target[len("unix:") :]

@@ -15,7 +15,7 @@ import typer
 from pydantic import ValidationError
 from rich.markup import escape
 
-from embcache.service.config import Settings
+from embcache.service.config import DEPRECATED_NAMES, Settings
 
 
 def flag_name(field: str) -> str:
@@ -58,9 +58,21 @@ def with_settings(func: Callable[..., Any]) -> Callable[..., Any]:
             )
         )
 
+    for old, new in DEPRECATED_NAMES.items():  # hidden, still accepted for one release
+        extra.append(
+            inspect.Parameter(
+                old,
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=str | None,
+                default=typer.Option(None, flag_name(old), hidden=True, help=f"{flag_name(new)}"),
+            )
+        )
+
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         overrides = {name: kwargs.pop(name) for name in Settings.model_fields}
+        for old in DEPRECATED_NAMES:
+            overrides[old] = kwargs.pop(old)
         return func(*args, settings=build_settings(overrides), **kwargs)
 
     wrapper.__signature__ = sig.replace(parameters=own + extra)  # type: ignore[attr-defined]

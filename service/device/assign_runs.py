@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 
 
-def deal_runs(runs: list[tuple[int, int]], sizes: list[int]) -> list[tuple[tuple[int, int], ...]]:
+def assign_runs(runs: list[tuple[int, int]], sizes: list[int]) -> list[tuple[tuple[int, int], ...]]:
     """Cut the batch's physical runs into one page list per entry (``sum(sizes)`` pages).
 
     Entries that fit in one piece come first, largest first, each taking the smallest piece

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from embcache.service.device.assign_runs import deal_runs
+from embcache.service.device.assign_runs import assign_runs
 from embcache.service.device.table_updates import TableUpdates
 from embcache.service.host.allocator import PageRunAllocator
 from embcache.service.host.entries import Entry
@@ -131,7 +131,7 @@ class DevicePool:
         All or nothing: None (and nothing reserved) when the batch does not fit after
         evicting every unleased resident. The batch's virtual pages are one range, cut
         into one sub-range per entry; its physical runs are dealt out so that every entry
-        that fits in one piece of them gets one run (see ``deal_runs``).
+        that fits in one piece of them gets one run (see ``assign_runs``).
         """
         sizes = [self.pages_for(e.nbytes) for e in entries]
         total = sum(sizes)
@@ -145,7 +145,7 @@ class DevicePool:
         assert vruns is not None and len(vruns) <= 1 and runs is not None, (vruns, runs)
         vstart = vruns[0][0] if vruns else 0
         out: list[Residency] = []
-        for entry, n, mine in zip(entries, sizes, deal_runs(runs, sizes), strict=True):
+        for entry, n, mine in zip(entries, sizes, assign_runs(runs, sizes), strict=True):
             res = Residency(vstart, n, mine)
             vstart += n
             self._resident[entry] = res

@@ -80,7 +80,7 @@ class CacheEngine:
             raise
         self._store = HostStore(
             pool,
-            prealloc_pages=settings.device_put_landing_bytes // settings.page_bytes,
+            prealloc_pages=settings.device_put_prealloc_bytes // settings.page_bytes,
             on_evict=self._tier.drop,
             clock=clock,
         )

@@ -26,16 +26,16 @@ from embcache.service.transport.accounting import RpcMetrics
 from embcache.service.transport.grpc.server import GrpcService, start_grpc
 from embcache.service.transport.grpc.servicer import EmbeddingCacheServicer
 from embcache.service.transport.sockets import prepare_socket_path, unlink_socket
-from embcache.service.transport.uds.server import LaneServer, lane_path
+from embcache.service.transport.uds.server import UdsServer, uds_path
 
 
 @dataclass
 class DataPlane:
     """A running gRPC server and its session socket (None without a gRPC Unix socket, or
-    with ``session_lane`` off)."""
+    with ``uds_sessions`` off)."""
 
     grpc: GrpcService
-    lane: LaneServer | None = None
+    uds: UdsServer | None = None  # the session socket
 
     @property
     def servicer(self) -> EmbeddingCacheServicer:
@@ -61,9 +61,9 @@ class DataPlane:
         """Stop accepting and give in-flight calls ``grace`` seconds on both; then the
         session socket's sessions end and the sockets go."""
         await self.grpc.stop_calls(grace)
-        if self.lane is not None:  # its calls had the same grace; their sessions end here
-            await self.lane.stop()
-            unlink_socket(self.lane.path)
+        if self.uds is not None:  # its calls had the same grace; their sessions end here
+            await self.uds.stop()
+            unlink_socket(self.uds.path)
         await self.grpc.close()
 
 
@@ -73,20 +73,20 @@ async def start_data_plane(
     """Start the session socket (first: a client that finds the gRPC socket finds it too)
     and the gRPC server for ``engine`` on the running loop; they share one servicer."""
     servicer = EmbeddingCacheServicer(engine, settings, metrics)
-    lane = None
-    if settings.grpc_socket is not None and settings.session_lane:
-        lane = LaneServer(servicer, lane_path(Path(settings.grpc_socket)), settings.auth_token)
-        prepare_socket_path(lane.path)
-        await lane.start()
+    uds = None
+    if settings.grpc_socket is not None and settings.uds_sessions:
+        uds = UdsServer(servicer, uds_path(Path(settings.grpc_socket)), settings.auth_token)
+        prepare_socket_path(uds.path)
+        await uds.start()
     try:
         grpc_service = await start_grpc(engine, settings, metrics, servicer)
     except BaseException:
-        if lane is not None:
-            await lane.stop()
-            unlink_socket(lane.path)
+        if uds is not None:
+            await uds.stop()
+            unlink_socket(uds.path)
         servicer.close()
         raise
-    return DataPlane(grpc_service, lane)
+    return DataPlane(grpc_service, uds)
 
 
 _shared: asyncio.AbstractEventLoop | None = None

@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from embcache.clients import EmbCacheClient
-from embcache.clients._backends.sync_lane import LaneSession
+from embcache.clients._backends.sync_uds import UdsSession
 from embcache.errors import Unauthenticated
 from embcache.service.daemon_process import DaemonProcess, stop
 
@@ -291,13 +291,13 @@ def test_a_client_finds_the_lane_again_after_a_daemon_restart(tmp_path: Path) ->
         with EmbCacheClient(f"unix:{sock}", timeout=10) as client:
             client.put("k", torch.ones(4))
             with client.get("k"):
-                assert isinstance(client._session, LaneSession)
+                assert isinstance(client._session, UdsSession)
             assert first.stop(timeout=30) == 0
             second = DaemonProcess(flags, timeout=60)
             client.put("k", torch.full((4,), 2.0))
             with client.get("k") as (t,):
                 assert torch.equal(t, torch.full((4,), 2.0))
-                assert isinstance(client._session, LaneSession)
+                assert isinstance(client._session, UdsSession)
     finally:
         stop(first.proc, timeout=10, sig=signal.SIGKILL)
         if second is not None:

@@ -23,7 +23,7 @@ from relkit import figures
 from relkit import malformed_grpc as mg
 
 from embcache.clients import EmbCacheClient
-from embcache.clients._backends.sync_lane import LaneSession
+from embcache.clients._backends.sync_uds import UdsSession
 from embcache.errors import Unauthenticated
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.config import Settings
@@ -111,8 +111,8 @@ def test_token_enforced_on_the_session_lane(guarded: dm.Daemon) -> None:
     lane = f"{guarded.socket_path}.lane"
     for token in (None, "wrong"):
         with pytest.raises(Unauthenticated):
-            LaneSession(lane, token, "audit", 5.0)
-    session = LaneSession(lane, TOKEN, "audit", 5.0)
+            UdsSession(lane, token, "audit", 5.0)
+    session = UdsSession(lane, TOKEN, "audit", 5.0)
     try:
         assert session.call(5.0, release=pb.ReleaseRequest()).release.released == 0
     finally:

@@ -25,10 +25,10 @@ import pytest
 import torch
 
 from embcache.clients import AsyncEmbCacheClient, EmbCacheClient
-from embcache.clients._backends.async_lane import AsyncLaneSession
 from embcache.clients._backends.async_session import AsyncSession
-from embcache.clients._backends.sync_lane import LaneSession
+from embcache.clients._backends.async_uds import AsyncUdsSession
 from embcache.clients._backends.sync_session import Session
+from embcache.clients._backends.sync_uds import UdsSession
 from embcache.clients.device import device_replies as dr
 from embcache.clients.device import exports, into
 from embcache.clients.device import pools as client_device
@@ -604,9 +604,9 @@ def session_calls(monkeypatch) -> list[str]:  # type: ignore[no-untyped-def]
         monkeypatch.setattr(cls, "call", acall)
 
     counted(Session)  # either transport: the gRPC Session stream or the session lane
-    counted(LaneSession)
+    counted(UdsSession)
     acounted(AsyncSession)
-    acounted(AsyncLaneSession)
+    acounted(AsyncUdsSession)
     return kinds
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from embcache.clients import AsyncEmbCacheClient, EmbCacheClient
-from embcache.clients._backends.async_lane import AsyncLaneSession
-from embcache.clients._backends.sync_lane import LaneSession
+from embcache.clients._backends.async_uds import AsyncUdsSession
+from embcache.clients._backends.sync_uds import UdsSession
 from embcache.errors import InvalidArgument
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
@@ -47,7 +47,7 @@ def test_client_gets_and_releases_on_its_session(server, lane: bool, wait_until)
         with client.get(["k", "nope"]) as (got, miss):
             assert miss is None and torch.equal(got, src)
             assert client._session is not None and client._session.serves_calls
-            assert isinstance(client._session, LaneSession) == lane
+            assert isinstance(client._session, UdsSession) == lane
             assert engine.stats().leases_active == 1
         assert engine.stats().leases_active == 0
         held = client.get("k")  # the session owns the lease: closing the client ends it
@@ -126,7 +126,7 @@ def test_async_client_uses_its_session(server, lane: bool) -> None:
             src = torch.arange(50.0)
             await client.put("a", src)
             results = await asyncio.gather(*(client.get(["a", "nope"]) for _ in range(6)))
-            assert isinstance(client._session, AsyncLaneSession) == lane
+            assert isinstance(client._session, AsyncUdsSession) == lane
             for leased in results:
                 async with leased as (got, miss):
                     assert miss is None and torch.equal(got, src)

@@ -183,7 +183,7 @@ def test_a_batch_takes_landing_pages_item_by_item(engine: CacheEngine) -> None:
 
 
 def test_no_landing_when_it_is_off(shm_name: str) -> None:
-    with make_engine(shm_name, device_put_landing_bytes=0) as e:
+    with make_engine(shm_name, device_put_prealloc_bytes=0) as e:
         e.device.put("a", blob(1))
         e.device.put("b", blob(2))
         assert e.host_store.prealloc.pages == 0 and e.stats().put_landing_bytes == 0

@@ -273,7 +273,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
 
     def open_session(self, send: Send, transport: str) -> OpenSession:
         """A new session whose results go out through ``send`` (a gRPC Session stream's or
-        a lane connection's, ``lane.py``); :meth:`OpenSession.end` ends it."""
+        a session-socket connection's, ``uds/server.py``); :meth:`OpenSession.end` ends it."""
         session_id = self.sessions.open()
         calls = SessionCalls(
             session_id,

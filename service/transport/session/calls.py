@@ -61,7 +61,7 @@ class SessionCalls:
         transport: str = "grpc",
     ) -> None:
         self.owner = owner
-        self._transport = transport  # the metrics' label: "grpc" or "lane"
+        self._transport = transport  # the metrics' label: "grpc"; "lane": the session socket
         self._send = send
         self._get = get
         self._release = release

@@ -1,9 +1,9 @@
-"""The session lane: Session calls over a plain Unix socket next to the gRPC socket.
+"""The session socket: Session calls over a plain Unix socket next to the gRPC socket.
 
 A same-node client (a decoder pulling device gets) pays for gRPC's HTTP/2 machinery twice per
 call, once on each side: a round trip on an open gRPC stream costs about 320 us in Python on
 a 2-core CI machine, the same messages over a Unix socket with a length prefix about 120 us.
-The lane carries exactly the Session stream's messages (``SessionRequest`` /
+It carries exactly the Session stream's messages (``SessionRequest`` /
 ``SessionResponse``, framing in the .proto): the same calls, handlers, error table and
 metrics (transport ``lane``), and the same session registry, so its session id also works in
 ``x-embcache-session`` on gRPC calls. The connection is the session: when it closes (the
@@ -33,16 +33,16 @@ from embcache.proto.framing import frame
 from embcache.service.transport.session.open import OpenSession, SessionHost
 from embcache.service.transport.status import status_for
 
-log = logging.getLogger("embcache.lane")
+log = logging.getLogger("embcache.uds")
 
 
-def lane_path(grpc_socket: Path) -> Path:
-    """Where the lane listens for a gRPC Unix socket at ``grpc_socket``."""
+def uds_path(grpc_socket: Path) -> Path:
+    """Where the session socket listens for a gRPC Unix socket at ``grpc_socket``."""
     return grpc_socket.with_name(grpc_socket.name + UDS_SUFFIX)
 
 
-class LaneServer:
-    """The lane's listener and its open connections."""
+class UdsServer:
+    """The session socket's listener and its open connections."""
 
     def __init__(self, host: SessionHost, path: Path, token: str | None) -> None:
         self.host = host  # opens the sessions (the gRPC servicer: same registry and calls)
@@ -84,8 +84,8 @@ class LaneServer:
 class _Connection(asyncio.Protocol):
     """One client connection: one session, opened by the client's hello."""
 
-    def __init__(self, lane: LaneServer) -> None:
-        self.lane = lane
+    def __init__(self, server: UdsServer) -> None:
+        self.server = server
         self.transport: asyncio.Transport | None = None
         self.session: OpenSession | None = None
         self._buf = bytearray()
@@ -95,7 +95,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        self.lane.track(self)
+        self.server.track(self)
 
     def data_received(self, data: bytes) -> None:
         buf = self._buf
@@ -136,7 +136,7 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.lane.forget(self)
+        self.server.forget(self)
         self.resume_writing()
         if self.session is not None:
             self.session.end()  # cancels its calls, releases its leases
@@ -147,10 +147,10 @@ class _Connection(asyncio.Protocol):
         if self.session is None:
             if kind != "hello":
                 self._drop("the first message must be a hello")
-            elif not self.lane.authorized(msg.hello):
+            elif not self.server.authorized(msg.hello):
                 self._refuse(Unauthenticated("missing or invalid auth token"))
             else:
-                self.session = self.lane.host.open_session(self._send, "lane")
+                self.session = self.server.host.open_session(self._send, "lane")
                 self.session.handle(msg, self._peer())
                 self._write(pb.SessionResponse(opened=self.session.opened))
         elif kind == "ping":
@@ -165,7 +165,7 @@ class _Connection(asyncio.Protocol):
         while self._writable is not None:
             await self._writable
         if self.transport is None or self.transport.is_closing():
-            raise ConnectionResetError("the lane connection closed")
+            raise ConnectionResetError("the session socket connection closed")
         self._write(msg)
 
     def _write(self, msg: pb.SessionResponse) -> None:
@@ -175,21 +175,21 @@ class _Connection(asyncio.Protocol):
     def _refuse(self, err: EmbCacheError) -> None:
         """Answer ``err`` as a failed call (code from the one error table) and close."""
         code = status_for(err).grpc_code
-        log.info("lane: refused a session: %s", err)
+        log.info("session socket: refused a session: %s", err)
         self._count(code)
         error = pb.CallError(code=code, message=err.describe(), error_type=type(err).__name__)
         self._write(pb.SessionResponse(result=pb.SessionResult(call_id=0, error=error)))
         self.close()
 
     def _drop(self, reason: str) -> None:
-        log.info("lane: closing a connection: %s", reason)
+        log.info("session socket: closing a connection: %s", reason)
         self._count("INVALID_ARGUMENT")
         assert self.transport is not None
         self.transport.abort()
 
     def _count(self, code: str) -> None:
         """A connection refused or dropped, in the metrics as a failed Session call."""
-        metrics = self.lane.host.metrics
+        metrics = self.server.host.metrics
         if metrics is not None:
             metrics.observe_rpc("lane", "Session", code, 0.0)
 
@@ -198,4 +198,4 @@ class _Connection(asyncio.Protocol):
             self.transport.close()  # after what is buffered; connection_lost ends the session
 
     def _peer(self) -> str:
-        return f"lane:{self.lane.path}"
+        return f"lane:{self.server.path}"

@@ -1,4 +1,4 @@
-# GENERATED from clients/_async/plain_calls.py by scripts/unasync.py: do not edit.
+# GENERATED from clients/_async/stateless_calls.py by scripts/unasync.py: do not edit.
 # Change the asyncio source, then run `python scripts/unasync.py`.
 """The calls that need neither the session nor a device: exists, evict, prefetch, stats,
 renew and get_bytes. Each is one RPC with the connection's deadline and retries."""
@@ -25,7 +25,7 @@ from embcache.errors import EmbCacheError
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
 
-class PlainCalls(Connection):
+class StatelessCalls(Connection):
     """The connection plus its session-free calls (the client adds puts and gets)."""
 
     @overload

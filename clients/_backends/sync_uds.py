@@ -39,8 +39,8 @@ class _Waiter:
         self.result: pb.SessionResult | None = None
 
 
-class LaneSession:
-    """One session on the lane; the interface of :class:`~.sync_session.Session`."""
+class UdsSession:
+    """One session on the session socket; the interface of :class:`~.sync_session.Session`."""
 
     def __init__(self, path: str, token: str | None, name: str, timeout: float) -> None:
         """Connect, say hello (with the token) and wait up to ``timeout`` for the session."""
@@ -76,32 +76,32 @@ class LaneSession:
         if first is _TIMEOUT or first is None:
             self.close()
             why = "did not open in time" if first is _TIMEOUT else "closed at once"
-            raise RpcFailed(f"the session lane {why}", "UNAVAILABLE")
+            raise RpcFailed(f"the session socket {why}", "UNAVAILABLE")
         assert isinstance(first, pb.SessionResponse)
         if first.WhichOneof("kind") != "opened":
             self.close()
             if first.WhichOneof("kind") == "result" and first.result.HasField("error"):
                 raise from_call_error(first.result.error)
-            raise RpcFailed("the session lane did not open", "UNKNOWN")
+            raise RpcFailed("the session socket did not open", "UNKNOWN")
         self.session_id = first.opened.session_id
         self.serves_calls = first.opened.calls
         self.serves_device_puts = first.opened.device_puts
 
     @classmethod
-    def open(cls, path: str, token: str | None, name: str, timeout: float) -> LaneSession:
+    def open(cls, path: str, token: str | None, name: str, timeout: float) -> UdsSession:
         """A new session (the constructor; named as the asyncio twin's, which must await)."""
         return cls(path, token, name, timeout)
 
     # -- calls -----------------------------------------------------------------------------
     def call(self, timeout: float, **request: Any) -> pb.SessionResult:
         """Send a call (``get=``, ``release=``, ``put_from_device=``...) and wait for its
-        result. RpcFailed(DEADLINE_EXCEEDED) after ``timeout``; SessionLost if the lane
+        result. RpcFailed(DEADLINE_EXCEEDED) after ``timeout``; SessionLost if the socket
         closes first."""
         call_id = next(self._ids)
         waiter = _Waiter()
         with self._cond:
             if not self.alive:
-                raise SessionLost("the session lane has closed")
+                raise SessionLost("the session socket has closed")
             self._waiting[call_id] = waiter
         try:
             self._send(pb.SessionRequest(call=pb.SessionCall(call_id=call_id, **request)))
@@ -114,11 +114,11 @@ class LaneSession:
                 return waiter.result
             self._waiting.pop(call_id, None)
             if not self.alive:
-                raise SessionLost("the session lane closed during the call")
+                raise SessionLost("the session socket closed during the call")
         raise RpcFailed("deadline exceeded waiting for a session call", "DEADLINE_EXCEEDED")
 
     def _wait(self, waiter: _Waiter, deadline: float) -> None:
-        """Until ``waiter`` has its result, the lane closes or the deadline passes: wait
+        """Until ``waiter`` has its result, the socket closes or the deadline passes: wait
         while another caller reads, else read one message and look again."""
         cond = self._cond
         while True:
@@ -164,7 +164,7 @@ class LaneSession:
                 self._cond.notify_all()
                 return
         if (release := unclaimed_release(result)) is not None:  # its caller gave up
-            with contextlib.suppress(OSError):  # if the lane is gone, so are the leases
+            with contextlib.suppress(OSError):  # if the socket is gone, so are the leases
                 self._send(release)
 
     # -- the socket ------------------------------------------------------------------------
@@ -181,7 +181,7 @@ class LaneSession:
             if len(buf) >= HEADER.size:
                 (size,) = HEADER.unpack_from(buf)
                 if size > MAX_MESSAGE_BYTES:
-                    raise OSError(f"the session lane sent a message of {size} bytes")
+                    raise OSError(f"the session socket sent a message of {size} bytes")
                 end = HEADER.size + size
                 if len(buf) >= end:
                     with memoryview(buf) as view:  # parsed in place, not copied first

@@ -23,7 +23,7 @@ from embcache.errors import EmbCacheError
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
 
-class AsyncPlainCalls(AsyncConnection):
+class AsyncStatelessCalls(AsyncConnection):
     """The connection plus its session-free calls (the client adds puts and gets)."""
 
     @overload

@@ -21,11 +21,11 @@ from embcache.proto.framing import FRAME_HEADER as HEADER
 from embcache.proto.framing import frame
 
 
-class AsyncLaneSession(AsyncCalls):
-    """The asyncio twin of :class:`LaneSession`: a task reads the results."""
+class AsyncUdsSession(AsyncCalls):
+    """The asyncio twin of :class:`UdsSession`: a task reads the results."""
 
     transport_errors = (OSError, DecodeError)
-    what = "the session lane"
+    what = "the session socket"
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         super().__init__()
@@ -33,9 +33,7 @@ class AsyncLaneSession(AsyncCalls):
         self._writer = writer
 
     @classmethod
-    async def open(
-        cls, path: str, token: str | None, name: str, timeout: float
-    ) -> AsyncLaneSession:
+    async def open(cls, path: str, token: str | None, name: str, timeout: float) -> AsyncUdsSession:
         reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout)
         session = cls(reader, writer)
         try:
@@ -49,7 +47,7 @@ class AsyncLaneSession(AsyncCalls):
             writer.close()
             if first is not None and first.WhichOneof("kind") == "result":
                 raise from_call_error(first.result.error)
-            raise RpcFailed("the session lane closed at once", "UNAVAILABLE")
+            raise RpcFailed("the session socket closed at once", "UNAVAILABLE")
         session._opened(first.opened)
         return session
 
@@ -58,7 +56,7 @@ class AsyncLaneSession(AsyncCalls):
             head = await self._stream.readexactly(HEADER.size)
             (size,) = HEADER.unpack(head)
             if size > MAX_MESSAGE_BYTES:
-                raise OSError(f"the session lane sent a message of {size} bytes")
+                raise OSError(f"the session socket sent a message of {size} bytes")
             return pb.SessionResponse.FromString(await self._stream.readexactly(size))
         except asyncio.IncompleteReadError:
             return None

@@ -1,11 +1,11 @@
-"""``deal_runs``: a batch's physical page runs dealt out to its entries."""
+"""``assign_runs``: a batch's physical page runs dealt out to its entries."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embcache.service.device.assign_runs import deal_runs
+from embcache.service.device.assign_runs import assign_runs
 
 
 @settings(max_examples=200, deadline=None)
@@ -24,7 +24,7 @@ def test_deal_runs_partitions_the_pages(hole_sizes: list[int], entry_sizes: list
         if left:
             taken.append((s0, min(k, left)))
             left -= min(k, left)
-    dealt = deal_runs(taken, entry_sizes)
+    dealt = assign_runs(taken, entry_sizes)
     pages = [p for mine in dealt for s0, k in mine for p in range(s0, s0 + k)]
     assert sorted(pages) == [p for s0, k in taken for p in range(s0, s0 + k)]
     assert [sum(k for _, k in mine) for mine in dealt] == entry_sizes
@@ -38,5 +38,5 @@ def test_deal_runs_partitions_the_pages(hole_sizes: list[int], entry_sizes: list
 def test_deal_runs_cuts_oversized_entries_last() -> None:
     """8-page holes: the 16-page entries (cut anyway) leave whole holes to the small ones."""
     holes = [(i * 9, 8) for i in range(14)] + [(14 * 9, 6)]
-    small = deal_runs(holes, [16] * 6 + [3, 3, 3, 3, 5, 5])[6:]
+    small = assign_runs(holes, [16] * 6 + [3, 3, 3, 3, 5, 5])[6:]
     assert all(len(mine) == 1 for mine in small), small

@@ -22,11 +22,11 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from embcache.clients import EmbCacheClient, RpcFailed
-from embcache.clients._backends.async_lane import AsyncLaneSession
-from embcache.clients._backends.sync_lane import LaneSession
+from embcache.clients._backends.async_uds import AsyncUdsSession
 from embcache.clients._backends.sync_session import Session
+from embcache.clients._backends.sync_uds import UdsSession
 from embcache.clients.core.session_calls import SessionLost
-from embcache.clients.core.targets import lane_path
+from embcache.clients.core.targets import uds_path
 from embcache.errors import Unauthenticated
 from embcache.proto.constants import MAX_MESSAGE_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
@@ -43,7 +43,7 @@ def server(counting_server):  # type: ignore[no-untyped-def]
 
 
 def lane_of(server: tuple[CacheEngine, GrpcServerThread]) -> str:
-    path = lane_path(f"unix:{server[1].service.socket_path}")
+    path = uds_path(f"unix:{server[1].service.socket_path}")
     assert path is not None
     return path
 
@@ -169,7 +169,7 @@ def test_a_client_that_does_not_read_is_held_back(server, wait_until) -> None:
                 sent += 1
     assert sent < 100, sent
     assert wait_until(lambda: len(thread.service.servicer.sessions) == 0)
-    assert wait_until(lambda: thread.service.lane.connections == 0)
+    assert wait_until(lambda: thread.service.uds.connections == 0)
     assert engine.stats().leases_active == 0
     with EmbCacheClient(f"unix:{thread.service.socket_path}", timeout=10) as client:
         assert client.exists(["nope"]) == [False]
@@ -193,7 +193,7 @@ def test_junk_after_the_hello_leaves_nothing_behind(server, junk: list[bytes], w
                 break
     assert wait_until(lambda: engine.stats().leases_active == 0)
     assert wait_until(lambda: len(thread.service.servicer.sessions) == 0)
-    assert wait_until(lambda: thread.service.lane.connections == 0)
+    assert wait_until(lambda: thread.service.uds.connections == 0)
     stats = engine.stats()
     assert stats.entries_filling == 0 and stats.reserved_filling_bytes == 0
     assert stats.lease_owners == 0
@@ -216,12 +216,12 @@ def test_the_lane_checks_the_token(token_server) -> None:
     assert len(thread.service.servicer.sessions) == 0
     target = f"unix:{thread.service.socket_path}"
     with pytest.raises(Unauthenticated):
-        LaneSession(lane_of(token_server), None, "x", 5.0)
+        UdsSession(lane_of(token_server), None, "x", 5.0)
     with EmbCacheClient(target, token="s3cret", timeout=10) as client:
         client.put("k", torch.ones(3))
         with client.get("k") as (t,):
             assert torch.equal(t, torch.ones(3))
-            assert isinstance(client._session, LaneSession)
+            assert isinstance(client._session, UdsSession)
     with (
         EmbCacheClient(target, token="wrong", timeout=10, retries=0) as client,
         pytest.raises(Unauthenticated),
@@ -231,8 +231,8 @@ def test_the_lane_checks_the_token(token_server) -> None:
 
 # -- the client -------------------------------------------------------------------------------
 def test_a_daemon_without_a_lane_is_reached_over_grpc(server_factory) -> None:
-    with server_factory(session_lane=False) as (_, thread):
-        assert thread.service.lane is None
+    with server_factory(uds_sessions=False) as (_, thread):
+        assert thread.service.uds is None
         with EmbCacheClient(f"unix:{thread.service.socket_path}", timeout=10) as client:
             client.put("k", torch.ones(2))
             with client.get("k") as (t,):
@@ -245,7 +245,7 @@ def test_each_new_session_looks_for_the_lane_again(server, monkeypatch, wait_unt
     next session, so a client does not stay on gRPC for good."""
     engine, thread = server
     engine.put("k", torch.ones(2))
-    real = LaneSession.__init__
+    real = UdsSession.__init__
     failures = [ConnectionRefusedError("the daemon is restarting")]
 
     def flaky(self, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -253,21 +253,21 @@ def test_each_new_session_looks_for_the_lane_again(server, monkeypatch, wait_unt
             raise failures.pop()
         real(self, *args, **kwargs)
 
-    monkeypatch.setattr(LaneSession, "__init__", flaky)
+    monkeypatch.setattr(UdsSession, "__init__", flaky)
     with EmbCacheClient(f"unix:{thread.service.socket_path}", timeout=10) as client:
         with client.get("k"):
             assert isinstance(client._session, Session)
         client._drop_session()  # as when the daemon restarts: the stream ends
         with client.get("k"):
-            assert isinstance(client._session, LaneSession)
+            assert isinstance(client._session, UdsSession)
     assert wait_until(lambda: engine.stats().leases_active == 0)
 
 
 def test_the_lane_path_of_targets() -> None:
-    assert lane_path("unix:/run/embcache/g.sock") == "/run/embcache/g.sock.lane"
-    assert lane_path("unix:///run/g.sock") == "/run/g.sock.lane"
-    assert lane_path("127.0.0.1:7470") is None
-    assert lane_path("unix-abstract:embcache") is None
+    assert uds_path("unix:/run/embcache/g.sock") == "/run/embcache/g.sock.lane"
+    assert uds_path("unix:///run/g.sock") == "/run/g.sock.lane"
+    assert uds_path("127.0.0.1:7470") is None
+    assert uds_path("unix-abstract:embcache") is None
 
 
 class FakeLane:
@@ -320,7 +320,7 @@ def test_deadline_then_a_late_result_is_released(wait_until) -> None:
     with tempfile.TemporaryDirectory(prefix="ecl-") as d:
         fake = FakeLane(d)
         try:
-            session = LaneSession(fake.path, None, "t", 5.0)
+            session = UdsSession(fake.path, None, "t", 5.0)
             assert session.session_id == "session:fake" and session.serves_calls
             t0 = time.monotonic()
             with pytest.raises(RpcFailed) as err:
@@ -354,17 +354,17 @@ def test_deadline_then_a_late_result_is_released(wait_until) -> None:
 def test_a_result_read_by_another_caller_wakes_its_own_at_once(monkeypatch) -> None:
     """Caller A reads the socket when B's result arrives: B returns at once, not when the
     next message (A's, a second later) comes in, however slowly A hands the result over."""
-    real = LaneSession._dispatch
+    real = UdsSession._dispatch
 
     def slow(self, msg):  # type: ignore[no-untyped-def]
         time.sleep(0.1)  # as if A's thread were descheduled here
         real(self, msg)
 
-    monkeypatch.setattr(LaneSession, "_dispatch", slow)
+    monkeypatch.setattr(UdsSession, "_dispatch", slow)
     with tempfile.TemporaryDirectory(prefix="ecl-") as d:
         fake = FakeLane(d)
         try:
-            session = LaneSession(fake.path, None, "t", 5.0)
+            session = UdsSession(fake.path, None, "t", 5.0)
             done: dict[str, float] = {}
 
             def call(name: str) -> None:
@@ -396,7 +396,7 @@ def test_concurrent_callers_share_one_lane(server, wait_until, concurrently) -> 
     data = {f"k{i}": torch.full((64,), float(i)) for i in range(8)}
     for key, value in data.items():
         engine.put(key, value)
-    session = LaneSession(lane_of(server), None, "t", 5.0)
+    session = UdsSession(lane_of(server), None, "t", 5.0)
 
     def caller(seed: int) -> None:
         for j in range(50):
@@ -420,7 +420,7 @@ def test_stopping_the_server_ends_lane_sessions(server_factory) -> None:
         held = client.get("k")
         assert engine.stats().leases_active == 1
         session = client._session
-        assert isinstance(session, LaneSession)
+        assert isinstance(session, UdsSession)
         path = lane_of((engine, thread))
         thread.stop()
         assert engine.stats().leases_active == 0
@@ -436,7 +436,7 @@ def test_async_lane_deadline_late_result_and_close(wait_until) -> None:
     a lane that closes failing the next call with SessionLost."""
 
     async def main(fake: FakeLane) -> None:
-        session = await AsyncLaneSession.open(fake.path, None, "t", 5.0)
+        session = await AsyncUdsSession.open(fake.path, None, "t", 5.0)
         assert session.session_id == "session:fake" and session.alive
         with pytest.raises(RpcFailed) as err:
             await session.call(0.2, get=pb.GetRequest(keys=["k"]))
@@ -471,8 +471,8 @@ def test_async_lane_deadline_late_result_and_close(wait_until) -> None:
 def test_async_lane_checks_the_token(token_server, wait_until) -> None:
     async def main() -> None:
         with pytest.raises(Unauthenticated):
-            await AsyncLaneSession.open(lane_of(token_server), "wrong", "t", 5.0)
-        session = await AsyncLaneSession.open(lane_of(token_server), "s3cret", "t", 5.0)
+            await AsyncUdsSession.open(lane_of(token_server), "wrong", "t", 5.0)
+        session = await AsyncUdsSession.open(lane_of(token_server), "s3cret", "t", 5.0)
         result = await session.call(5.0, release=pb.ReleaseRequest())
         assert result.release.released == 0
         await session.close()
