@@ -22,8 +22,9 @@ def test_rest_and_metrics_with_a_device_pool(shm_name: str) -> None:
     settings = Settings(host_pool_bytes=64 * MiB, page_bytes="64KiB", shm_name=shm_name,
                         device="cuda", device_pool_bytes=32 * MiB,
                         device_page_bytes="64KiB", ipc_mode="legacy")  # fmt: skip
-    with CacheEngine(settings) as engine:
-        metrics = Metrics(engine)
+    metrics = Metrics()  # the engine reports its copies to it (constructor hook)
+    with CacheEngine(settings, copy_observer=metrics.observe_copy) as engine:
+        metrics.watch_engine(engine)
         engine.put("a", torch.randn(256, 1024))  # 1 MiB: 16 pages on either side
         engine.put("b", torch.randn(64, 1024))
         leased, _ = engine.device.get(["a"], "decoder-0")
