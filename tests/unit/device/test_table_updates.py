@@ -1,7 +1,7 @@
 """Coalesced page-table updates (``device_table_flush_s``, ``DevicePool.flush_if_due``): gets
 queue their table updates, which are launched together once the oldest has waited the
 interval (or too many wait); whoever reads the tables flushes first, so a reader never sees
-them behind. CPU "device" pools, as in test_device_tier.py."""
+them behind. CPU "device" pools, as in test_tier.py."""
 
 from __future__ import annotations
 

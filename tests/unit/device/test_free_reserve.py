@@ -1,7 +1,7 @@
 """The device pool's free reserve (``DevicePool.evict_to_free_target``): after a cold get,
 least recently used unleased copies are evicted until ``device_free_reserve`` of the pool is
 free, so the next cold get takes its pages without evicting on its path. Leased copies are
-never evicted. CPU "device" pools, as in test_device_tier.py."""
+never evicted. CPU "device" pools, as in test_tier.py."""
 
 from __future__ import annotations
 
