@@ -101,8 +101,8 @@ class Settings(BaseSettings):
     )
     shm_name: str = Field(
         "",
-        description="Name of the POSIX shared-memory segment of the host pool "
-        "(empty: derived from the gRPC port, 'embcache-<port>').",
+        description="Name of the POSIX shared-memory segment of the host pool (empty: "
+        "'embcache-<port>-<random>', created exclusively; the ready line names it).",
     )
     gpus: str = Field(
         "all",
@@ -157,6 +157,11 @@ class Settings(BaseSettings):
     )
     tls_cert: Path | None = Field(None, description="TLS certificate (PEM) for gRPC and HTTP.")
     tls_key: Path | None = Field(None, description="TLS private key (PEM).")
+    tls_client_ca: Path | None = Field(
+        None,
+        description="CA certificates (PEM) that client certificates must chain to: with it, "
+        "the gRPC and HTTP listeners require and verify a client certificate (mTLS).",
+    )
     drain_grace_s: float = Field(
         10.0, ge=0, description="Seconds SIGTERM waits for in-flight calls."
     )
@@ -257,6 +262,15 @@ class Settings(BaseSettings):
             raise ValueError("must be a permission without execute bits, at most 0666")
         return v
 
+    @field_validator("shm_mode")
+    @classmethod
+    def _owner_writes(cls, v: str) -> str:
+        # Clients map the pool read-only; a segment others may write is a cache anyone
+        # on the node can corrupt under every reader.
+        if int(v, 8) & 0o022:
+            raise ValueError("must not let group or others write the segment (e.g. 0600, 0640)")
+        return v
+
     @field_validator("host_pool_bytes")
     @classmethod
     def _pool_size(cls, v: int) -> int:
@@ -301,20 +315,24 @@ class Settings(BaseSettings):
             raise ValueError("device_pool_bytes must be a multiple of device_page_bytes")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mTLS) needs tls_cert and tls_key")
         exposed = [
             f"{name}={host}"
             for name, host in (("grpc_host", self.grpc_host), ("http_host", self.http_host))
             if not is_loopback(host)
         ]
-        if exposed and not self.auth_token and self.tls_cert is None:
+        if exposed and not self.auth_token and self.tls_client_ca is None:
             raise ValueError(
-                f"non-loopback bind ({', '.join(exposed)}) needs auth_token or tls_cert/tls_key"
+                f"non-loopback bind ({', '.join(exposed)}) needs auth_token, or mTLS "
+                "(tls_cert, tls_key and tls_client_ca): TLS alone encrypts but lets anyone in"
             )
         return self
 
     @property
-    def effective_shm_name(self) -> str:
-        return self.shm_name or f"embcache-{self.grpc_port}"
+    def shm_prefix(self) -> str:
+        """Segments without a ``shm_name`` are ``<this>-<random>`` (``unique_host_pool``)."""
+        return f"embcache-{self.grpc_port}"
 
     @property
     def effective_ipc_socket(self) -> Path:

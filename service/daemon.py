@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -115,6 +116,8 @@ class Daemon:
                 access_log=False,
                 ssl_certfile=str(s.tls_cert) if s.tls_cert else None,
                 ssl_keyfile=str(s.tls_key) if s.tls_key else None,
+                ssl_ca_certs=str(s.tls_client_ca) if s.tls_client_ca else None,
+                ssl_cert_reqs=ssl.CERT_REQUIRED if s.tls_client_ca else ssl.CERT_NONE,
                 timeout_graceful_shutdown=max(1, int(s.drain_grace_s)),
             )
             http = _QuietSignalsServer(config)

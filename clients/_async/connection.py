@@ -50,6 +50,8 @@ class AsyncConnection:
         retries: int = 4,
         root_certificates: bytes | None = None,
         tls: bool = False,
+        private_key: bytes | None = None,
+        certificate_chain: bytes | None = None,
         client_name: str = "",
         options: Sequence[tuple[str, Any]] = (),
         session_lane: bool = True,
@@ -63,6 +65,8 @@ class AsyncConnection:
             retries: how many times a call is tried again while the daemon is UNAVAILABLE.
             root_certificates: PEM roots for TLS (implies ``tls``).
             tls: connect over TLS with the system's roots.
+            private_key, certificate_chain: a client certificate (PEM), for a daemon that
+                verifies one (mTLS; implies ``tls``).
             client_name: shown by the daemon for this client's session.
             options: extra gRPC channel options, after embcache's own.
             session_lane: use the daemon's session socket when it has one (False: always
@@ -70,7 +74,12 @@ class AsyncConnection:
         """
         target = normalize_target(target)
         self._channel, self._stub, self._put = connect(
-            target, tls=tls, root_certificates=root_certificates, options=options
+            target,
+            tls=tls,
+            root_certificates=root_certificates,
+            options=options,
+            private_key=private_key,
+            certificate_chain=certificate_chain,
         )
         self.target = target
         self.timeout = timeout

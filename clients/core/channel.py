@@ -40,14 +40,20 @@ def connect(
     root_certificates: bytes | None,
     options: Sequence[tuple[str, Any]],
     aio: bool,
+    private_key: bytes | None = None,
+    certificate_chain: bytes | None = None,
 ) -> tuple[Any, Any, Any]:
     """``(channel, stub, put)`` of a client: a channel (``grpc.aio`` with ``aio``) with
-    embcache's options, TLS when asked for; the service stub; and the ``Put`` client
-    stream, whose requests use :func:`encode_put` (chunks serialised without a copy)."""
+    embcache's options, TLS when asked for (with a client certificate for a daemon that
+    verifies one: ``private_key`` and ``certificate_chain``); the service stub; and the
+    ``Put`` client stream, whose requests use :func:`encode_put` (chunks serialised
+    without a copy)."""
     opts = [*CHANNEL_OPTIONS, *options]
     flavour: Any = grpc.aio if aio else grpc
-    if tls or root_certificates is not None:
-        creds = grpc.ssl_channel_credentials(root_certificates)
+    if (private_key is None) != (certificate_chain is None):
+        raise ValueError("private_key and certificate_chain go together (a client certificate)")
+    if tls or root_certificates is not None or certificate_chain is not None:
+        creds = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
         channel = flavour.secure_channel(target, creds, options=opts)
     else:
         channel = flavour.insecure_channel(target, options=opts)

@@ -13,7 +13,7 @@ from embcache.service.config import Settings
 from embcache.service.device.copier import CopyObserver
 from embcache.service.device.pool import DevicePool
 from embcache.service.device.tier import DeviceTier
-from embcache.service.host.host_pool import HostPool
+from embcache.service.host.host_pool import HostPool, unique_host_pool
 
 log = logging.getLogger("embcache.service.engine")
 
@@ -166,11 +166,9 @@ def build_tier(
 
 
 def build_host_pool(settings: Settings, uses_cuda: bool) -> HostPool:
-    """The host pool's shared-memory segment, registered with CUDA when it is used."""
-    return HostPool(
-        settings.effective_shm_name,
-        settings.host_pool_bytes,
-        settings.page_bytes,
-        register_cuda=uses_cuda,
-        mode=int(settings.shm_mode, 8),
-    )
+    """The host pool's shared-memory segment, registered with CUDA when it is used: named
+    ``shm_name`` when one is set, else ``embcache-<port>-<random>`` (``unique_host_pool``)."""
+    size, page, mode = settings.host_pool_bytes, settings.page_bytes, int(settings.shm_mode, 8)
+    if settings.shm_name:
+        return HostPool(settings.shm_name, size, page, register_cuda=uses_cuda, mode=mode)
+    return unique_host_pool(settings.shm_prefix, size, page, register_cuda=uses_cuda, mode=mode)

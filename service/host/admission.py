@@ -65,11 +65,16 @@ def check_meta(
         if d < 0:
             raise InvalidArgument("shape entries must be >= 0", dim=i, value=d)
         dims.append(d)
+    # The byte size of each dim's stride must fit int64 whatever the dims' order, zero dims
+    # included: [0, 2**63-1] and [2**63-1, 0] are both refused or both accepted.
+    strides = dt.itemsize
+    for d in dims:
+        strides *= max(d, 1)
+        if strides > _INT64_MAX:
+            raise InvalidArgument("shape overflows int64 bytes", shape=dims)
     expected = dt.itemsize
     for d in dims:
         expected *= d
-        if expected > _INT64_MAX:
-            raise InvalidArgument("shape overflows int64 bytes", shape=dims)
     if nbytes is not None:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise InvalidArgument("nbytes must be a non-negative integer", nbytes=str(nbytes))

@@ -18,9 +18,12 @@ import mmap
 import os
 import re
 import secrets
+import stat
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,6 +33,8 @@ from embcache.service.host.allocator import page_byte_runs
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
+_NAME_TRIES = 8  # fresh random names tried before giving up
+_FRESH_S = 5.0  # a segment younger than this may be a starting daemon's: never removed
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
 
@@ -61,7 +66,10 @@ class HostPool:
         register_cuda: bool = False,
         populate: bool = True,
         mode: int = 0o600,
+        exclusive: bool = False,
     ) -> None:
+        """Create the segment ``/dev/shm/<name>`` (``exclusive``: FileExistsError if the name
+        exists; else a stale one of this user that no daemon holds is replaced)."""
         if not _NAME_RE.match(name):
             raise ValueError(f"shm name {name!r} must match {_NAME_RE.pattern}")
         assert nbytes > 0 and nbytes % page_bytes == 0, (nbytes, page_bytes)
@@ -74,7 +82,7 @@ class HostPool:
         self.registered = False
         self._closed = False
         self._mode = mode
-        self._fd = self._create_segment()
+        self._fd = self._create_segment(exclusive)
         try:
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
             self._mmap = mmap.mmap(self._fd, nbytes, flags=flags)
@@ -88,10 +96,12 @@ class HostPool:
             raise
 
     # -- segment life cycle --------------------------------------------------------------
-    def _create_segment(self) -> int:
+    def _create_segment(self, exclusive: bool) -> int:
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
+            if exclusive:
+                raise
             fd = self._reclaim_stale()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -112,13 +122,15 @@ class HostPool:
         return fd
 
     def _reclaim_stale(self) -> int:
-        fd = os.open(self.path, os.O_RDWR)
+        """The segment exists already: replace it if it is ours and no daemon holds it."""
+        fd = _open_own(self.path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             raise PoolInUseError(
-                f"shared-memory segment {self.name!r} belongs to a running daemon"
+                f"shared-memory segment {self.name!r} belongs to a running daemon "
+                "(stop it, or give this one another --shm-name)"
             ) from None
         log.warning("replacing stale shared-memory segment %s left by a dead daemon", self.name)
         os.unlink(self.path)
@@ -175,3 +187,58 @@ class HostPool:
     def byte_runs(self, runs: Sequence[tuple[int, int]], nbytes: int) -> list[tuple[int, int]]:
         """Byte ranges ``(offset, length)`` that hold the first ``nbytes`` of page runs."""
         return page_byte_runs(runs, self.page_bytes, nbytes)
+
+
+def _open_own(path: Path) -> int:
+    """Open an existing segment for reclaiming; PoolInUseError if it is another user's (a
+    name another local user took first is never adopted or replaced)."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        raise PoolInUseError(f"shared-memory segment {path.name!r} vanished; try again") from None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        raise PoolInUseError(
+            f"shared-memory segment {path.name!r} exists and belongs to uid {st.st_uid}, not to "
+            "this daemon's user: give this daemon another --shm-name (or leave it empty)"
+        )
+    return os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+
+
+def unique_host_pool(prefix: str, nbytes: int, page_bytes: int, **options: Any) -> HostPool:
+    """A host pool in a new segment named ``<prefix>-<random>``, created exclusively: a name
+    nobody can take first, and two daemons never share one. Segments of this prefix that
+    this user's dead daemons left behind are removed first."""
+    remove_stale_segments(prefix)
+    for _ in range(_NAME_TRIES):
+        name = f"{prefix}-{secrets.token_hex(4)}"
+        try:
+            return HostPool(name, nbytes, page_bytes, exclusive=True, **options)
+        except FileExistsError:
+            continue
+    raise PoolInUseError(f"no free shared-memory name with prefix {prefix!r}; try again")
+
+
+def remove_stale_segments(prefix: str) -> int:
+    """Remove ``<prefix>-*`` segments of this user that no live daemon holds (the flock of a
+    daemon that died is free); returns how many went."""
+    removed = 0
+    for path in sorted(SHM_DIR.glob(f"{prefix}-*")):
+        try:
+            st = path.lstat()
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            if time.time() - st.st_ctime < _FRESH_S:
+                continue  # maybe a daemon that is starting: not locked yet
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a running daemon's
+        finally:
+            os.close(fd)
+        log.warning("removing stale shared-memory segment %s left by a dead daemon", path.name)
+        path.unlink(missing_ok=True)
+        removed += 1
+    return removed

@@ -43,7 +43,7 @@ def test_defaults() -> None:
         "127.0.0.1",
         7471,
     )
-    assert s.effective_shm_name == "embcache-7470"
+    assert s.shm_prefix == "embcache-7470"  # the segment: embcache-7470-<random>
     assert s.num_host_pages * s.page_bytes == s.host_pool_bytes
 
 

@@ -157,8 +157,11 @@ def _add_tcp_port(server: grpc.aio.Server, settings: Settings) -> int:
         host = f"[{host}]"
     address = f"{host}:{settings.grpc_port}"
     if settings.tls_cert is not None and settings.tls_key is not None:
+        ca = settings.tls_client_ca
         creds = grpc.ssl_server_credentials(
-            [(Path(settings.tls_key).read_bytes(), Path(settings.tls_cert).read_bytes())]
+            [(Path(settings.tls_key).read_bytes(), Path(settings.tls_cert).read_bytes())],
+            root_certificates=Path(ca).read_bytes() if ca is not None else None,
+            require_client_auth=ca is not None,  # mTLS: a verified client certificate
         )
         port = server.add_secure_port(address, creds)
     else:

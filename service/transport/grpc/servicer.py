@@ -23,6 +23,7 @@ from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
 from embcache.service.config import Settings
 from embcache.service.device.ipc.cache import IpcCache
 from embcache.service.engine import CacheEngine, EvictOutcome, raise_for_evict
+from embcache.service.host import admission
 from embcache.service.transport.accounting import RpcMetrics
 from embcache.service.transport.grpc.busy_poll import BusyPoll
 from embcache.service.transport.grpc.errors import rpc
@@ -200,7 +201,8 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
     async def Exists(
         self, request: pb.ExistsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ExistsResponse:
-        return pb.ExistsResponse(exists=self.engine.exists(list(request.keys)))
+        keys = [admission.check_key(k, self.settings) for k in request.keys]
+        return pb.ExistsResponse(exists=self.engine.exists(keys))
 
     @rpc("Evict")
     async def Evict(

@@ -9,12 +9,14 @@ from __future__ import annotations
 import hmac
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from embcache.errors import Unauthenticated
+from embcache.errors import EmbCacheError, InvalidArgument, Unauthenticated
 from embcache.service.observability.metrics import Metrics
 from embcache.service.transport.status import error_body
 
@@ -82,10 +84,15 @@ class OperatorMiddleware:
             await send(message)
 
         try:
-            if self._authorized(scope):
-                await self.app(scope, receive, send_wrapper)
-            else:
+            if not self._authorized(scope):
                 await _unauthorized(send_wrapper)
+            elif not _utf8_path(scope):
+                # The server decodes such bytes to U+FFFD, so %FF and %FE would name the
+                # same key: refuse them before any route sees the path.
+                err = InvalidArgument("the path is not valid UTF-8 once percent-decoded")
+                await _answer(send_wrapper, 400, err)
+            else:
+                await self.app(scope, receive, send_wrapper)
         finally:
             seconds = time.perf_counter() - start
             self.metrics.observe_rpc("http", route_label(scope), str(status), seconds)
@@ -93,12 +100,30 @@ class OperatorMiddleware:
 
 async def _unauthorized(send: Send) -> None:
     err = Unauthenticated("missing or invalid bearer token")
+    await _answer(send, 401, err, [(b"www-authenticate", b'Bearer realm="embcache"')])
+
+
+async def _answer(
+    send: Send, status: int, err: EmbCacheError, extra: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
     body = json.dumps(error_body(err)).encode()
     headers: list[tuple[bytes, bytes]] = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
-        (b"www-authenticate", b'Bearer realm="embcache"'),
+        *extra,
     ]
-    start: dict[str, Any] = {"type": "http.response.start", "status": 401, "headers": headers}
+    start: dict[str, Any] = {"type": "http.response.start", "status": status, "headers": headers}
     await send(start)
     await send({"type": "http.response.body", "body": body})
+
+
+def _utf8_path(scope: Scope) -> bool:
+    """Whether the request's raw path, percent-decoded, is valid UTF-8."""
+    raw = scope.get("raw_path") or scope.get("path", "").encode()
+    if b"%" not in raw:
+        return True
+    try:
+        unquote_to_bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
