@@ -148,7 +148,8 @@ class Settings(BaseSettings):
         True,
         description="With a gRPC Unix socket PATH, also serve Session calls on the session "
         "socket PATH.lane (length-prefixed messages without HTTP/2: a same-node round trip "
-        "costs a third; docs/grpc.md). Same permissions and token as the gRPC socket.",
+        "costs a fraction of gRPC's; docs/grpc.md). Same permissions and token as the gRPC "
+        "socket.",
     )
     http_host: str = Field("127.0.0.1", description="HTTP bind address.")
     http_port: int = Field(7471, ge=0, le=65535, description="HTTP port (0 = pick a free one).")
@@ -176,9 +177,9 @@ class Settings(BaseSettings):
         ge=0,
         le=1_000_000,
         description="After each gRPC call the event loop polls without sleeping for this "
-        "many microseconds, so the next call of a burst skips the loop's wake-up (H200 host: "
-        "-340 us on a cold 1 x 4 MiB device Get). Costs up to one core while calls keep "
-        "coming, none when idle; 0 turns it off.",
+        "many microseconds, so the next call of a burst skips the loop's wake-up "
+        "(docs/operators.md, CPU placement). Costs up to one core while calls keep coming, "
+        "none when idle; 0 turns it off.",
     )
     # Kernels / devices
     device: Literal["auto", "cpu", "cuda"] = Field(
@@ -190,7 +191,7 @@ class Settings(BaseSettings):
     copy_backend: Literal["auto", "kernel", "batch", "memcpy", "torch"] = Field(
         "auto", description="transfer_ranges backend: auto, kernel, batch, memcpy, torch."
     )
-    # Shared tier (service/tiers; docs/scale-out.md)
+    # Shared tier (service/shared_tier/; docs/scale-out.md)
     shared_tier: str | None = Field(
         None,
         description="Shared tier URL: redis://host:port[,host:port...][/db] | rediss://... | "
@@ -336,6 +337,7 @@ class Settings(BaseSettings):
 
     @property
     def effective_ipc_socket(self) -> Path:
+        """The fd socket's path: ``ipc_socket``, else beside the gRPC socket, else in /tmp."""
         if self.ipc_socket is not None:
             return self.ipc_socket
         if self.grpc_socket is not None:
@@ -344,10 +346,12 @@ class Settings(BaseSettings):
 
     @property
     def num_host_pages(self) -> int:
+        """Pages in the host pool."""
         return self.host_pool_bytes // self.page_bytes
 
     @property
     def inflight_limit(self) -> int:
+        """Bytes one owner may hold in unfinished puts (0 in the settings: the pool size)."""
         return self.max_inflight_bytes_per_client or self.host_pool_bytes
 
     def device_config(self) -> DeviceConfig:

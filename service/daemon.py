@@ -45,7 +45,8 @@ class _QuietSignalsServer(uvicorn.Server):
 def _bind_http(settings: Settings) -> socket.socket:
     family = socket.AF_INET6 if ":" in settings.http_host.strip("[]") else socket.AF_INET
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets created with it, and
-    # without TCP_NODELAY every response waits ~40 ms on Nagle + delayed ACK.
+    # without TCP_NODELAY a small response can wait on Nagle's algorithm for the client's
+    # delayed ACK (docs/facts.md, "The CPU machine").
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((settings.http_host.strip("[]"), settings.http_port))
@@ -79,14 +80,19 @@ def _sd_notify(message: str) -> None:
 
 
 class Daemon:
+    """One daemon run (module docstring); :meth:`request_stop` starts the drain."""
+
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._stop = asyncio.Event()
 
     def request_stop(self) -> None:
+        """Begin the drain (what SIGTERM and SIGINT do); call on the daemon's loop."""
         self._stop.set()
 
     async def run(self) -> int:
+        """Start everything, print the ready line, serve until asked to stop, then drain;
+        returns the exit code (0; a failed start raises)."""
         from embcache.service.observability.metrics import Metrics
         from embcache.service.shared_tier import SharedTierConfig, shared_tier_hooks
         from embcache.service.transport.http.app import create_app
@@ -153,6 +159,7 @@ class Daemon:
         return 0
 
     async def _reap(self, engine: CacheEngine) -> None:
+        """Expire leases and launch due page-table updates, at least once a second."""
         period = min(1.0, self.settings.lease_ttl_s / 4)
         while True:
             await asyncio.sleep(period)
@@ -195,6 +202,7 @@ class Daemon:
 
 
 def serve(settings: Settings) -> int:
+    """``embcache serve``: set up logging, pin the CPUs, run the daemon; its exit code."""
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -46,6 +46,9 @@ def _split_hosts(netloc: str, default_port: int) -> tuple[tuple[str, int], ...]:
 
 @dataclass(frozen=True, slots=True)
 class SharedTierConfig:
+    """The shared tier's settings: where the store is (from the URL) and the write-through
+    knobs (from ``Settings``); the password never shows in ``repr``."""
+
     backend: Backend
     hosts: tuple[tuple[str, int], ...]
     tls: bool = False
@@ -62,6 +65,7 @@ class SharedTierConfig:
 
     @classmethod
     def from_url(cls, url: str, **knobs: Any) -> SharedTierConfig:
+        """Parse a URL (module docstring) plus knobs; ValueError naming what is wrong."""
         parts = urlsplit(url.strip())
         scheme = parts.scheme.lower()
         if scheme in ("redis", "rediss"):
@@ -111,6 +115,7 @@ class SharedTierConfig:
         return cls.from_url(url, **knobs)
 
     def validate(self) -> None:
+        """ValueError unless the knobs are in range and mooncake:// names one master."""
         if self.ack not in ("async", "sync"):
             raise ValueError(f"ack must be 'async' or 'sync', not {self.ack!r}")
         if self.queue_size < 1 or self.batch_max < 1 or self.retries < 0:
@@ -121,15 +126,18 @@ class SharedTierConfig:
             raise ValueError("mooncake:// takes one master address")
 
     def option(self, name: str, default: str) -> str:
+        """An adapter option from the query string (the last one given wins)."""
         for key, value in reversed(self.options):
             if key == name:
                 return value
         return default
 
     def size_option(self, name: str, default: int) -> int:
+        """A size option (``4MiB``) in bytes."""
         return parse_size(self.option(name, str(default)))
 
     def redacted_url(self) -> str:
+        """The store's URL without credentials or options, for logs and health pages."""
         hosts = ",".join(f"{h}:{p}" for h, p in self.hosts)
         scheme = "rediss" if self.tls else self.backend
         return f"{scheme}://{hosts}"

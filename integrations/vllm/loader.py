@@ -37,6 +37,7 @@ class LoadReport:
     def ok(
         self, spec: LoadSpec, tensor: torch.Tensor, cache: MutableMapping[str, torch.Tensor]
     ) -> None:
+        """``spec`` loaded: its tensor goes into the encoder cache and is counted."""
         cache[spec.identifier] = tensor
         self.loaded.add(spec.identifier)
         self._count("loads")
@@ -49,6 +50,8 @@ class LoadReport:
         cache: MutableMapping[str, torch.Tensor],
         device: torch.device,
     ) -> None:
+        """``spec`` failed (``reason``): a zero placeholder of its shape keeps the step running,
+        and the request is reported failed (vLLM fails it, retryable)."""
         width = spec.shape[1] if spec.shape and len(spec.shape) == 2 else spec.fallback_width
         cache[spec.identifier] = torch.zeros(
             (spec.rows, max(width, 1)), dtype=getattr(torch, spec.dtype), device=device

@@ -1,4 +1,4 @@
-"""The ``embcache`` command: ``serve`` here, operator commands from :mod:`cli_ops`."""
+"""The ``embcache`` command: ``serve`` here, the operator commands from ``cli/ops.py``."""
 
 from __future__ import annotations
 

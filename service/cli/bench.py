@@ -24,6 +24,7 @@ def default_bench_dir() -> Path:
 
 
 def find_benchmarks(bench_dir: Path, only: list[str] | None) -> list[Path]:
+    """The scripts of ``bench_dir`` (not ``_private`` ones), or those named in ``only``."""
     scripts = sorted(p for p in bench_dir.glob("*.py") if not p.name.startswith("_"))
     if only:
         wanted = {n.removesuffix(".py") for n in only}

@@ -27,6 +27,7 @@ _WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
 
 # -- talking to the daemon -----------------------------------------------------------------
 def http_base_url(settings: Settings) -> str:
+    """The daemon's REST base URL from its settings (a wildcard bind means loopback)."""
     host = settings.http_host
     host = "127.0.0.1" if host in _WILDCARD_HOSTS else host
     if ":" in host and not host.startswith("["):
@@ -93,6 +94,7 @@ def _pct(part: float, whole: float) -> str:
 
 
 def stats_table(s: dict[str, Any]) -> Table:
+    """The stats document (``GET /v1/stats``) as a table for people."""
     table = Table(title="embcache", show_header=False, title_justify="left", box=None)
     table.add_column(style="bold cyan")
     table.add_column(justify="right")
@@ -239,6 +241,7 @@ def load_tensor(path: Path, name: str | None) -> Any:
 
 
 def save_tensor(tensor: Any, path: Path, name: str) -> None:
+    """Write ``tensor`` as ``.npy`` or ``.safetensors`` (under ``name``); ValueError else."""
     suffix = path.suffix.lower()
     if suffix == ".npy":
         import numpy as np

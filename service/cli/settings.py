@@ -19,6 +19,7 @@ from embcache.service.config import DEPRECATED_NAMES, Settings
 
 
 def flag_name(field: str) -> str:
+    """The flag of a Settings field: ``host_pool_bytes`` -> ``--host-pool-bytes``."""
     return "--" + field.replace("_", "-")
 
 

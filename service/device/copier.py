@@ -2,8 +2,9 @@
 
 Gets, get-into and puts from a device all copy between the host pool and device memory
 through :meth:`Copier.transfer` (``kernels.transfer_ranges`` with the daemon's backend and
-SM budget), so the choice of copy path is made in one place. Copies that are not a device
-pool's own (into a client's buffer, out of a client's tensor) run on a put stream per GPU.
+SM budget), so the choice of copy path is made in one place. Copies that no device pool's
+stream orders (out of a client's tensor, or into a client's buffer on a GPU without a pool)
+run on a put stream per GPU, or, for a put, on the caller's own stream (``puts.py``).
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class Copier:
                 self._copied[direction] += nbytes
 
     def copied(self) -> dict[str, int]:
+        """Bytes queued so far, by direction (the stats' ``bytes_copied``)."""
         with self._lock:
             return {d: self._copied[d] for d in ("h2d", "d2h", "d2d")}
 

@@ -56,7 +56,7 @@ def merge_arrays(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`merge_runs` on int64 columns (address, length) of each side.
 
-    Written for few numpy calls (each costs about a microsecond, more than the work):
+    Written for few numpy calls (each has a fixed cost larger than the work on a few runs):
     a sort instead of ``union1d``, and the join and empty-run steps only when needed.
     """
     total = int(src_len.sum())
@@ -145,9 +145,8 @@ def plan_entries(
 
 
 # Up to this many runs (both sides together), :func:`plan_entries` merges in plain Python:
-# numpy's fixed cost per call (a microsecond or more, some ten calls) is more than the
-# work. H200 host, 16 x 4 MiB entries each in one host run and two device runs: the numpy
-# merge took about 250 us of the get, before its copy could start.
+# the numpy merge's fixed cost (some ten calls) is more than the work on small plans, and
+# it is paid before a get's copy can start (docs/device.md, "Engine API").
 SMALL_PLAN = 128
 
 
@@ -214,6 +213,7 @@ class PlanBuilder:
         return len(self._src)
 
     def rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The plan of everything added: ``(src, dst, length)`` in rows of ``row`` bytes."""
         so, do, ln = merge_runs(self._src, self._dst)
         r = self.row
         assert not ((so | do | ln) % r).any(), f"a piece is not a whole number of {r}-byte rows"

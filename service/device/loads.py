@@ -43,9 +43,9 @@ def load(
     # from the tail's evictions. The table updates (tombstones of this batch's evictions,
     # then one bind launch) are queued behind the copies, by the caller's flush. Stream
     # order keeps that safe: a copy writes pages no reader holds (freed pages, read only by
-    # earlier work on this stream), and copies never read the tables.
-    # (Queuing the copy in one call per entry measured no faster on the H200 and slower
-    # when device pages are fragmented: 2756 against 1828 us for 16 x 4 MiB.)
+    # earlier work on this stream), and copies never read the tables. One copy call per
+    # part, not one per entry: per-entry calls gained nothing and lost on fragmented
+    # device pages (docs/device.md, "Engine API").
     for part in _head_and_tail(todo):
         fresh = pool.reserve_batch(part)
         if fresh is None:

@@ -93,6 +93,7 @@ class PendingGet:
         return left
 
     def wait(self) -> tuple[list[DeviceLease | None], torch.Tensor | None]:
+        """Block until the copies are complete; then ``(results, table)`` may be handed out."""
         for ev in self._events:
             ev.synchronize()
         self._finish()

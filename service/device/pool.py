@@ -39,6 +39,10 @@ PAGE_FREE, PAGE_RESIDENT, PAGE_LEASED = 0, 1, 2
 
 @dataclass(slots=True, eq=False)
 class Residency:
+    """Where an entry's copy lies in one pool: ``npages`` virtual pages from ``vstart``,
+    the physical page runs bound to them, and the event of the copy that filled them (a
+    reader that cannot wait for it reads the host copy instead)."""
+
     vstart: int
     npages: int
     runs: tuple[tuple[int, int], ...]  # physical page runs
@@ -46,10 +50,15 @@ class Residency:
 
     @property
     def contiguous(self) -> bool:
+        """One physical run: clients get a view at a byte offset instead of page ids."""
         return len(self.runs) <= 1
 
 
 class DevicePool:
+    """One GPU's device pool (module docstring): ``nbytes`` of ``page_bytes`` pages, the
+    slab exported for ``ipc_mode``, and ``peers`` (other served GPUs) allowed to read it.
+    ``index`` is the pool's place in the device tier, not a CUDA ordinal."""
+
     def __init__(
         self,
         device: torch.device,
@@ -101,6 +110,7 @@ class DevicePool:
 
     # -- residency -----------------------------------------------------------------------
     def lookup(self, entry: Entry) -> Residency | None:
+        """``entry``'s copy here, if any, marked as just used (LRU)."""
         res = self._resident.get(entry)
         if res is not None:
             self._resident.move_to_end(entry)
@@ -118,9 +128,11 @@ class DevicePool:
         self.tables.clear()
 
     def is_resident(self, entry: Entry) -> bool:
+        """Whether ``entry`` has a copy here (finished or still being copied)."""
         return entry in self._resident
 
     def pages_for(self, nbytes: int) -> int:
+        """Device pages an entry of ``nbytes`` takes."""
         return -(-nbytes // self.page_bytes)
 
     def reserve_batch(self, entries: list[Entry]) -> list[Residency] | None:
@@ -174,6 +186,7 @@ class DevicePool:
 
     @property
     def flush_every_s(self) -> float:
+        """Longest the table updates wait to be launched together (the tier sets it)."""
         return self.tables.flush_every_s
 
     @flush_every_s.setter
@@ -221,6 +234,7 @@ class DevicePool:
         return True
 
     def evict_unleased(self) -> int:
+        """Forget every unleased copy (tests: make the next gets cold); returns how many."""
         count = 0
         while self._evict_one() is not None:
             count += 1
@@ -253,6 +267,7 @@ class DevicePool:
 
     # -- export --------------------------------------------------------------------------
     def export_legacy(self) -> bytes:
+        """The slab's ``cudaIpcMemHandle`` (made once); RuntimeError on a CPU pool."""
         if self.slab is None:
             raise RuntimeError("a CPU device pool has no IPC handle")
         if self._legacy_handle is None:
@@ -260,6 +275,7 @@ class DevicePool:
         return self._legacy_handle
 
     def export_fd(self) -> int:
+        """A new POSIX fd of the slab (the caller closes it); RuntimeError on a CPU pool."""
         if self.slab is None:
             raise RuntimeError("a CPU device pool has no IPC handle")
         return self.slab.export_fd()
@@ -270,12 +286,15 @@ class DevicePool:
 
     # -- views ---------------------------------------------------------------------------
     def byte_runs(self, res: Residency) -> list[tuple[int, int]]:
+        """``res``'s pages as ``(offset, length)`` byte runs of the slab (whole pages)."""
         return [(s * self.page_bytes, k * self.page_bytes) for s, k in res.runs]
 
     def page_ids(self, res: Residency) -> list[int]:
+        """The physical page ids of ``res``, in order (what a reply of pages carries)."""
         return [p for s, k in res.runs for p in range(s, s + k)]
 
     def stats(self) -> PoolStats:
+        """Sizes and fragmentation of the physical pages (``out_of_service`` says why)."""
         free = self._pages.num_free_pages
         used = self.num_pages - free
         return PoolStats(
@@ -310,6 +329,7 @@ class DevicePool:
         assert len(bound) == self.num_pages - self._pages.num_free_pages, "bound != used"
 
     def page_states(self) -> np.ndarray:
+        """One uint8 per physical page: 0 free, 1 resident, 2 leased (the pool map)."""
         states = np.zeros(self.num_pages, dtype=np.uint8)
         for entry, res in self._resident.items():
             for s, k in res.runs:
@@ -317,6 +337,7 @@ class DevicePool:
         return states
 
     def close(self) -> None:
+        """Forget every copy and queued update, and free the slab."""
         self._resident.clear()
         self.tables.clear()  # a flush scheduled before the close finds nothing to do
         if self.slab is not None:

@@ -33,10 +33,12 @@ class CallerStream:
         self.handle = handle
 
     def synchronize(self) -> None:
+        """Block until the work queued on the stream so far is done."""
         with on_device(self.index):
             self._rt.stream_synchronize(self.handle)
 
     def record(self) -> StreamEvent:
+        """An event after the work queued on the stream so far."""
         with on_device(self.index):
             return self._rt.event_after(self.handle)
 
@@ -45,6 +47,7 @@ Stream = torch.cuda.Stream | CallerStream | None  # None: a CPU copy, done alrea
 
 
 def handle_of(stream: torch.cuda.Stream | CallerStream) -> int:
+    """The raw CUDA stream handle, which tells two streams of a batch apart."""
     return stream.handle if isinstance(stream, CallerStream) else int(stream.cuda_stream)
 
 

@@ -2,9 +2,9 @@
 
 An entry already resident on GPU A and wanted on GPU B can be copied A -> B over the GPU
 interconnect instead of host -> B. Which is faster depends on the machine (NVLink, PCIe
-switch topology, NUMA), so the choice comes from rates measured at start-up
+switch topology, NUMA), so the choice comes from rates timed at start-up
 (:meth:`PeerRates.calibrate`), never from a constant. Rates can also be given (tests,
-operators who measured their own).
+operators who timed their own).
 
 A pool whose device raises a CUDA error is taken out of service: its residencies are
 forgotten on the host side and gets for that GPU fail with DeviceUnavailable, while the
@@ -30,12 +30,13 @@ HOST = -1  # source index of the host pool in the rate table
 
 @dataclass
 class PeerRates:
-    """Measured copy rates in GB/s: ``rates[(src, dst)]``, ``src`` a pool index or HOST."""
+    """Copy rates (gigabytes per second) timed at start-up or given: ``rates[(src, dst)]``,
+    ``src`` a pool index or HOST."""
 
     rates: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def prefer_peer(self, src: int, dst: int) -> bool:
-        """Copy from pool ``src`` rather than from the host when it was measured faster."""
+        """Copy from pool ``src`` rather than from the host when its rate is higher."""
         peer = self.rates.get((src, dst))
         host = self.rates.get((HOST, dst))
         return peer is not None and host is not None and peer > host
@@ -61,7 +62,8 @@ class PeerRates:
     def calibrate(
         cls, pools: list[DevicePool], host: torch.Tensor, nbytes: int = 64 << 20
     ) -> PeerRates:
-        """Time host -> each GPU and each GPU -> each other GPU once (a few ms per pair)."""
+        """Time host -> each GPU and each GPU -> each other GPU (at start-up), with copies
+        of ``nbytes`` or less; fewer than two GPUs: no rates, nothing to choose."""
         rates: dict[tuple[int, int], float] = {}
         cuda = [p for p in pools if p.device.type == "cuda"]
         if len(cuda) < 2:
@@ -107,8 +109,8 @@ def copy_between_pools(
     stream order. The source residencies are complete already (``best_source`` takes only
     those), so nothing waits before the copies; after them, the source pool's stream waits
     for this one, so a reuse of those pages after an eviction there comes after the reads.
-    (A torch ``copy_`` per piece paid two cross-device event syncs each: 16 x 4 MiB over
-    NVLink ran slower than from the host.)
+    Not a torch ``copy_`` per piece: each pays cross-device event syncs, which made peer
+    copies slower than the host path (docs/device.md, "Several GPUs").
     """
     so: list[int] = []
     do: list[int] = []

@@ -57,17 +57,21 @@ class TableUpdates:
 
     @property
     def pending(self) -> bool:
+        """True while updates wait for :meth:`flush`."""
         return bool(self._ops)
 
     def bind(self, batch: Sequence[Residency]) -> None:
+        """Queue the bindings of new residencies (empty ones need none)."""
         batch = [res for res in batch if res.npages]
         if batch:
             self._queue("bind", batch)
 
     def unbind(self, vstart: int, npages: int) -> None:
+        """Queue the tombstones of a dropped residency's virtual pages."""
         self._queue("unbind", [(vstart, npages)])
 
     def clear(self) -> None:
+        """Drop what is queued (the pool failed or closed: its tables are not used again)."""
         self._ops.clear()
         self._items = 0
 

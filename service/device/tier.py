@@ -58,7 +58,7 @@ class DeviceTier:
             host, backend=config.copy_backend, sm_budget=config.sm_budget, observer=copy_observer
         )
         self._ready: dict[int, ReadyEvents] = {}  # pool index -> its ring of IPC events
-        # Measured host->GPU and GPU->GPU rates decide where a device copy comes from.
+        # Host->GPU and GPU->GPU rates timed now decide where a device copy comes from.
         self.rates = PeerRates.calibrate(self.pools, host.tensor)
 
     # -- pools ---------------------------------------------------------------------------
@@ -279,9 +279,11 @@ class DeviceTier:
 
     # -- stats and life cycle ------------------------------------------------------------
     def stats(self) -> list[PoolStats]:
+        """Each pool's sizes, by index."""
         return [pool.stats() for pool in self.pools]
 
     def resident_entries(self) -> list[int]:
+        """How many entries have a copy in each pool, by index."""
         return [pool.resident_entries for pool in self.pools]
 
     def page_states(self, index: int) -> np.ndarray:
@@ -301,6 +303,7 @@ class DeviceTier:
             raise
 
     def close(self) -> None:
+        """Wait for the put streams' copies, then free every pool."""
         self.copier.close()
         for pool in self.pools:
             pool.close()

@@ -71,6 +71,7 @@ class PendingPut:
         return not self._events
 
     def wait(self) -> None:
+        """Block until every copy has completed."""
         for ev in self._events:
             ev.synchronize()
         self._events = []

@@ -5,6 +5,12 @@ It works on the engine's own parts, under the engine's lock: the host store pins
 leases entries, the device tier places them and queues the copies, and the lock is let go
 before anything waits for a copy. Owned and built by :class:`CacheEngine`, which hands it
 what it needs; it holds no state of its own.
+
+Devices are named by pool index (``index_for`` maps a GPU's uuid to one); an index is the
+pool's place in the device tier, not a CUDA ordinal. Every call that names a pool raises
+DeviceUnavailable when there is none, and the calls that copy into it also when a device
+error took it out of service. Calls that lease or reserve raise Draining once the engine
+drains. Puts from device memory are described in ``device_puts.py``.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ class DeviceSide:
     # -- pools ---------------------------------------------------------------------------
     @property
     def pools(self) -> tuple[DevicePool, ...]:
+        """Every device pool, in service or not, by index."""
         return tuple(self._tier.pools)
 
     def pool(self, device: int) -> DevicePool:
@@ -75,15 +82,18 @@ class DeviceSide:
         read_table: bool = False,
     ) -> tuple[list[DeviceLease | None], torch.Tensor | None]:
         """Lease each key and make it resident in device pool ``device``; returns once the
-        copies are complete.
+        copies are complete. Misses are asked of the shared tier first, if there is one.
 
+        Args:
+            owner: who holds the leases; they end with it (or by ``ttl_s``, or release).
+            read_table: also build the batch's physical page table on the device.
         Returns:
-            Per key its DeviceLease (None for a miss) and, with ``read_table``, the batch's
-            physical page table built on the device by ``build_read_table``.
-
+            Per key its DeviceLease (None for a miss) and, with ``read_table``, the table
+            ``build_read_table`` made (one row per found entry), else None.
         Raises:
             PoolExhausted: the pool cannot hold the batch (every other copy is leased).
             DeviceUnavailable: no such pool, or a device error took it out of service.
+            InvalidArgument: a bad ``ttl_s``. On any error no lease is left behind.
         """
         placement, pending = self._start(keys, owner, ttl_s, device, True, False)
         try:
@@ -109,12 +119,20 @@ class DeviceSide:
         defer_tables: bool = False,
     ) -> PendingGet:
         """:meth:`get` without waiting for the copies, for callers that wait their own way
-        (an event loop). Hand out ``pending.results`` only once ``pending.done()`` or
-        ``pending.wait()``; the leases are the caller's either way.
+        (an event loop).
 
-        ``fill_misses=False``: the caller asked the shared tier already (that may wait on
-        the network; this call waits only for the lock). ``defer_tables``: the page-table
-        updates wait for :meth:`housekeeping`, run later, off the caller's critical path."""
+        Args:
+            fill_misses: False when the caller asked the shared tier already (that may wait
+                on the network; this call then waits only for the lock).
+            defer_tables: leave the page-table updates and the free-reserve evictions for
+                :meth:`housekeeping`, run later, off the caller's critical path.
+        Returns:
+            The pending get. Hand out ``pending.results`` only once ``pending.done()`` or
+            ``pending.wait()``; the leases are the caller's either way (release them if it
+            gives up).
+        Raises:
+            As :meth:`get`, before anything is leased.
+        """
         return self._start(keys, owner, ttl_s, device, fill_misses, defer_tables)[1]
 
     def _start(
@@ -140,8 +158,8 @@ class DeviceSide:
             return placement, self._tier.pending(placement, leases)
 
     def warm(self, keys: Sequence[str], device: int) -> int:
-        """Make ``keys`` resident in device pool ``device`` (no lease is kept); returns how
-        many were found."""
+        """Make ``keys`` resident in device pool ``device`` (no lease is kept, and the
+        gets are not counted as hits); returns how many were found. Raises as :meth:`get`."""
         if not keys:
             return 0
         placed, _ = self.get(keys, SHARED_TIER_OWNER, device=device)
@@ -151,12 +169,14 @@ class DeviceSide:
 
     def ready_event(self, pending: PendingGet, device: int = 0) -> bytes | None:
         """For a client that waits on the GPU: an interprocess event handle that fires once
-        ``pending``'s copies are complete (None: complete already, or not on a GPU)."""
+        ``pending``'s copies are complete (None: complete already, or not on a GPU), so the
+        reply need not wait for them (``device/ready_events.py``)."""
         return self._tier.ready_event(pending, device)
 
     # -- housekeeping --------------------------------------------------------------------
     def flush_tables(self, device: int = 0) -> None:
-        """Launch device ``device``'s queued page-table updates now."""
+        """Evict device ``device``'s copies down to its free reserve, then launch its queued
+        page-table updates now (tests call it before they read the tables)."""
         with self._lock:
             self._tier.flush_tables(device)
 
@@ -168,13 +188,18 @@ class DeviceSide:
 
     def flush_due(self) -> int:
         """Launch the page-table updates that are due in any pool (the daemon's reaper calls
-        this, so the tables catch up once gets stop); returns how many pools did."""
+        this, so the tables catch up once gets stop); returns how many pools did. A device
+        error takes that pool out of service instead of raising."""
         with self._lock:
             return self._tier.flush_due()
 
     def evict(self, keys: Sequence[str], device: int) -> list[EvictOutcome]:
-        """Drop each key's copy in device pool ``device``; its host copy stays. NOT_FOUND:
-        no such entry, or no copy there; LEASED: refused (never forced)."""
+        """Drop each key's copy in device pool ``device``; its host copy stays.
+
+        Returns:
+            Per key EVICTED; NOT_FOUND (no such entry, or no copy there); or LEASED
+            (refused, never forced).
+        """
         with self._lock:
             self._store.expire(self._store.clock())
             out = self._store.evictable(keys)
@@ -187,7 +212,8 @@ class DeviceSide:
 
     def evict_bytes(self, device: int, nbytes: int) -> tuple[int, int]:
         """Free ``nbytes`` of device pool ``device`` by LRU over its unleased copies (host
-        copies stay): (entries, bytes of pages freed)."""
+        copies stay); returns ``(entries, bytes of pages freed)``. InvalidArgument for
+        ``nbytes`` < 0."""
         if nbytes < 0:
             raise InvalidArgument("nbytes must be >= 0", nbytes=nbytes)
         with self._lock:
@@ -211,11 +237,20 @@ class DeviceSide:
         *,
         device: int | None = None,
     ) -> list[Lease | None]:
-        """Copy each entry found into ``dest`` (flat uint8) at its offset, from device pool
-        ``device`` where it is resident there; returns once the copies are complete.
+        """Copy each entry found into ``dest`` at its offset, from device pool ``device``
+        where it is resident there (and loaded), else from the host pool; returns once the
+        copies are complete.
 
+        Args:
+            dest: a flat contiguous uint8 buffer (a client's memory the daemon mapped, or
+                this process's own); ``offsets``: one byte offset per key.
+            device: the pool on ``dest``'s GPU, if there is one (None: host copies only).
         Returns:
             Per key its lease (ended by the time this returns), or None for a miss.
+        Raises:
+            InvalidArgument: a bad ``dest``, an offset count that is not one per key, or a
+                slot that does not fit or overlaps another (checked before any copy).
+            DeviceUnavailable: no pool ``device``, or out of service.
         """
         check_destination(dest, len(keys), len(offsets))
         if device is not None:
@@ -252,9 +287,21 @@ class DeviceSide:
         checksum: int | None = None,
         src_ready: bool = False,
     ) -> bool:
-        """Store a (device) tensor; returns once its bytes are in the host pool. The copy
-        follows the work queued so far on the current stream (``src_ready``: the caller
-        knows ``src`` is written already, e.g. it waited for its producer's event)."""
+        """Store a (device) tensor; returns once its bytes are in the host pool.
+
+        Args:
+            src: a contiguous tensor, on a GPU or the CPU. Its copy follows the work queued
+                so far on the current stream.
+            checksum: a CRC32 the copied bytes must match (None: not checked).
+            src_ready: the caller knows ``src`` is written already (e.g. it waited for its
+                producer's event), so the copy follows nothing.
+        Returns:
+            True if created, False if an identical entry existed already.
+        Raises:
+            InvalidArgument: a dtype the cache does not take, or a tensor not contiguous.
+            ChecksumMismatch: the copied bytes do not match ``checksum``.
+            And the errors of :meth:`CacheEngine.begin_put`; nothing becomes visible.
+        """
         items = [(key, src)]
         pending = start_puts(self._puts, self._tier, items, owner, [checksum], src_ready=src_ready)
         return pending.finish()[0]
@@ -267,9 +314,18 @@ class DeviceSide:
         checksums: Sequence[int | None] | None = None,
         src_ready: bool = False,
     ) -> list[bool]:
-        """Store several (device) tensors, ``(key, tensor)`` each, with one wait; True per
-        created entry. All or nothing: an error (a checksum mismatch included) leaves none
-        of the batch visible. ``checksums``: a CRC32 or None per item."""
+        """Store several (device) tensors, ``(key, tensor)`` each, with one wait; all or
+        nothing: an error (a checksum mismatch included) leaves none of the batch visible.
+
+        Args:
+            items: distinct keys, each with a tensor as :meth:`put` takes.
+            checksums: a CRC32 or None per item (None: none checked).
+        Returns:
+            Per item, True if created, False if an identical entry existed already.
+        Raises:
+            InvalidArgument: a key twice, a checksum count that does not match, or an item
+                :meth:`put` would refuse. ChecksumMismatch, and ``begin_put``'s errors.
+        """
         pending = start_puts(self._puts, self._tier, items, owner, checksums, src_ready=src_ready)
         return pending.finish()
 
@@ -281,7 +337,14 @@ class DeviceSide:
         checksums: Sequence[int | None] | None = None,
         src_ready: bool = False,
     ) -> PendingPut:
-        """:meth:`put_many` without waiting for the copies: ``pending.finish()`` once
-        ``pending.done()`` commits the batch, ``pending.abort()`` gives it up. The tensors
-        must stay readable until then."""
+        """:meth:`put_many` without waiting for the copies (an event loop polls).
+
+        Returns:
+            The pending batch: ``pending.finish()`` (once ``pending.done()``, or it waits)
+            checks the checksums and commits, ``pending.abort()`` gives it up. The tensors
+            must stay readable until either returns.
+        Raises:
+            As :meth:`put_many` but ChecksumMismatch, which ``finish()`` raises; nothing
+            stays reserved then.
+        """
         return start_puts(self._puts, self._tier, items, owner, checksums, src_ready=src_ready)

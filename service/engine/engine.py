@@ -4,9 +4,8 @@ The engine owns its parts and one plain lock: the host store (pages, entries, re
 leases), the device tier (pools and copies) and, if there is one, the shared tier (hooks
 given to the constructor). A call takes the lock for its bookkeeping and lets go before it
 waits: bytes copied into a FILLING reservation have one writer, and a leased entry is never
-freed, so neither needs the lock. Leases also expire lazily inside calls.
-
-::
+freed, so neither needs the lock. Leases also expire lazily inside calls. The bookkeeping
+of puts is in puts.py, reads in reads.py, snapshots in stats.py::
 
     transports ──▶ CacheEngine ──────────────────▶ HostStore  (host/: pages, entries, leases)
                     ├─ .device: DeviceSide ──────▶ DeviceTier (device/: pools, copies, tables)
@@ -51,8 +50,8 @@ log = logging.getLogger("embcache.service.engine")
 
 
 class CacheEngine:
-    """The engine (module docstring). Thread-safe; every public method may raise
-    ``Draining`` once the engine drains or closes."""
+    """The engine (module docstring). Thread-safe. Calls that reserve pages or take leases
+    raise ``Draining`` once the engine drains or closes; releases and reads still work."""
 
     def __init__(
         self,
@@ -63,9 +62,10 @@ class CacheEngine:
         copy_observer: CopyObserver | None = None,
         shared_tier: SharedTierFactory | None = None,
     ) -> None:
-        """Allocate the host pool and the device pools (``device_pools``, else one per GPU
-        used), then start the shared tier, if any. ``clock``: the time leases expire by;
-        ``copy_observer``: told ``(direction, nbytes, seconds)`` of every finished copy."""
+        """Allocate the host pool and the device pools (``device_pools``, closed with the
+        engine; None: one per served GPU), then start the shared tier ``shared_tier`` builds.
+        ``clock``: the time leases expire by; ``copy_observer``: told of every finished copy
+        ``(direction, nbytes, seconds)``. PoolInUseError: a live daemon owns the segment."""
         self.settings = settings
         self._clock = clock
         self._lock = threading.Lock()
@@ -127,9 +127,7 @@ class CacheEngine:
 
         Args:
             key, dtype, shape: the entry; ``nbytes`` and ``checksum`` (CRC32) are checked.
-            owner: whose in-flight quota the reservation counts against.
-            copy_in, pages: for puts from a device (``puts.reserve``); ``copy_in`` runs
-                under the engine's lock and must not call the engine.
+            owner: whose in-flight quota it counts against; copy_in, pages: see puts.py.
         Returns:
             The handle that fills, commits or aborts the reservation (for a key that exists
             with the same metadata, one that only checks the bytes).
@@ -183,10 +181,9 @@ class CacheEngine:
             puts.abort(self._store, put_id)
 
     def prealloc_copy(self, key: str, nbytes: int, copy_in: CopyIn) -> Runs | None:
-        """Take pages for a put from the prealloc and queue its copy into them before the
-        put is checked (``puts.prealloc_copy``); then :meth:`begin_put` with ``pages=``.
-        Under the lock, so :meth:`close` never unmaps the pool under a copy it has not
-        seen queued (None once closed)."""
+        """Returns the prealloc's pages for a put of ``nbytes`` with ``copy_in(byte_runs)``
+        queued into them, for :meth:`begin_put` with ``pages=``; None, nothing copied, when
+        it has too few, the key exists, or the engine closed (puts.py)."""
         with self._lock:
             return None if self._closed else puts.prealloc_copy(self._store, key, nbytes, copy_in)
 
@@ -195,7 +192,7 @@ class CacheEngine:
         self._store.prealloc.give_back(pages)
 
     def top_up_prealloc(self) -> None:
-        """Refill the prealloc (evicting LRU entries as a put would) while a put's copy
+        """Top the prealloc up (evicting LRU entries as a put would) while a put's copy
         runs, so the next put from a device finds its pages ready."""
         with self._lock:
             if not self._closed:
@@ -213,6 +210,8 @@ class CacheEngine:
             ttl_s: lease lifetime (the settings' ``lease_ttl_s`` when None).
         Returns:
             Per key, its lease, or None for a miss.
+        Raises:
+            InvalidArgument: ``ttl_s`` is not positive, or above ``max_lease_ttl_s``.
         """
         self.fill_misses(keys)
         expires = admission.check_ttl(ttl_s, self.settings)
@@ -240,7 +239,7 @@ class CacheEngine:
             return self._store.release(lease_ids)
 
     def renew(self, lease_ids: Iterable[int], ttl_s: float | None = None) -> int:
-        """Push back the expiry of live leases; returns how many were renewed."""
+        """Push back the expiry of live leases to ``ttl_s`` from now; returns how many."""
         expires = admission.check_ttl(ttl_s, self.settings)
         with self._lock:
             now = self._clock()
@@ -279,7 +278,7 @@ class CacheEngine:
         self, lease: Lease, offset: int = 0, length: int | None = None, chunk_bytes: int = 1 << 20
     ) -> Iterator[bytes]:
         """The entry's bytes ``[offset, offset+length)`` in chunks, each copied while the
-        lease lives (LeaseExpired as soon as it does not)."""
+        lease lives. Iterating raises InvalidArgument (range outside the entry), LeaseExpired."""
         return reads.iter_bytes(self._store.pool, lease, offset, length, chunk_bytes, self._require)
 
     def _require(self, lease: Lease) -> None:
@@ -294,7 +293,7 @@ class CacheEngine:
         return self._shared.exists(keys, out)
 
     def evict(self, keys: Sequence[str]) -> list[EvictOutcome]:
-        """Evict each key unless it is leased (never forced)."""
+        """Evict each key with its device copies unless it is leased (never forced)."""
         with self._lock:
             self._store.expire(self._clock())
             out = self._store.evictable(keys)
@@ -304,7 +303,7 @@ class CacheEngine:
             return [outcome for outcome, _ in out]
 
     def evict_one(self, key: str) -> None:
-        """Evict one key: NotFound if there is none, EntryLeased if it is leased."""
+        """Evict one key; raises NotFound if there is none, EntryLeased if it is leased."""
         raise_for_evict(key, self.evict([key])[0])
 
     def evict_bytes(self, nbytes: int) -> tuple[int, int]:
@@ -316,8 +315,8 @@ class CacheEngine:
             return self._store.evict_bytes(nbytes)
 
     def prefetch(self, keys: Sequence[str], *, device: int | None = None) -> dict[str, int]:
-        """Warm the local tiers: fetch missing keys from the shared tier (if any) and, with
-        ``device``, make them resident in that device pool. Never fails on a tier outage."""
+        """Warm the local tiers: fetch misses from the shared tier and, with ``device``, make
+        the keys resident there. Returns the Prefetch counts; raises for a bad ``device`` only."""
         return self._shared.prefetch(keys, device, self.exists, self.device.warm)
 
     # -- introspection -------------------------------------------------------------------
@@ -338,7 +337,8 @@ class CacheEngine:
     def list_entries(
         self, offset: int = 0, limit: int = 100, state: str | None = None
     ) -> tuple[int, list[EntryInfo]]:
-        """Entries in insertion order; ``state`` filters ``ready`` / ``filling``."""
+        """``(total, entries[offset:offset+limit])``: READY in insertion order, then
+        FILLING; ``state`` keeps ``ready`` or ``filling`` only."""
         with self._lock:
             total, page = self._store.listing(offset, limit, state)
             now = self._clock()

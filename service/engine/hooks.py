@@ -1,5 +1,5 @@
-"""What the engine is built from: its device tier (with one pool per served GPU), and the
-shared tier's hooks."""
+"""What the engine is built from: its host pool, its device tier (with one pool per served
+GPU), and the shared tier's hooks."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ log = logging.getLogger("embcache.service.engine")
 
 
 class PrefetchCounts(Protocol):
+    """What a shared tier's prefetch returns: counts, as the Prefetch call reports them."""
+
     def to_dict(self) -> dict[str, int]: ...
 
 
@@ -53,6 +55,7 @@ class SharedCalls:
         self.hooks = hooks
 
     def fetch(self, missing: list[str]) -> None:
+        """Ask the tier for local misses (each once); a failure is logged, never raised."""
         if self.hooks is None or not missing:
             return
         try:
@@ -75,6 +78,7 @@ class SharedCalls:
         return out
 
     def on_commit(self, key: str, owner: str) -> None:
+        """Tell the tier of a new entry (write-through); a failure is logged, never raised."""
         if self.hooks is None:
             return
         try:

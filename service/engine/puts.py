@@ -4,6 +4,14 @@ A put is validated before any page is reserved (``host/admission.py``). Its FILL
 reservation lives outside the key map, so no reader can see it. Two puts of one key may
 both fill; the first commit wins and the second gives its pages back. A put of a key that
 is READY with the same metadata gets a handle that checks and drops its bytes.
+
+Puts from a device (``device_puts.py``) queue their copy as early as they can, in one of
+two ways. With pages from the prealloc (:func:`prealloc_copy`): the copy is queued before
+the put is checked, then ``CacheEngine.begin_put(..., pages=)`` lets the entry adopt them.
+Otherwise :func:`reserve` calls ``copy_in(byte_runs)`` the moment pages are reserved,
+before the entry is recorded. Both run under the engine's lock, so ``copy_in`` must not
+call the engine, and ``CacheEngine.close`` never unmaps the pool under a copy it has not
+seen queued (a closed engine hands out no prealloc pages).
 """
 
 from __future__ import annotations
@@ -125,6 +133,7 @@ def prealloc_copy(store: HostStore, key: str, nbytes: int, copy_in: CopyIn) -> R
 
 
 def check_same_meta(existing: Entry, dtype: DType, shape: tuple[int, ...]) -> None:
+    """The collision guard: MetadataConflict unless ``existing`` has this dtype and shape."""
     if not existing.same_meta(dtype, shape):
         raise MetadataConflict(
             "key exists with different metadata",

@@ -14,6 +14,9 @@ from embcache.service.host.store import HostCounts
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
+    """The engine's counts at one moment: pools, entries, hits, puts, leases, copies. The
+    Stats calls answer with ``to_dict()``; the metrics read it at every scrape."""
+
     host: PoolStats
     device: list[PoolStats]
     entries_ready: int
@@ -33,14 +36,16 @@ class EngineStats:
     bytes_copied: dict[str, int] = field(default_factory=dict)  # direction -> bytes
     device_resident: list[int] = field(default_factory=list)  # entries resident per device
     draining: bool = False
-    put_landing_bytes: int = 0  # host pages set aside for puts from a device (free, on loan)
+    put_landing_bytes: int = 0  # the prealloc's pages (free, on loan); the name is on the wire
 
     @property
     def hit_rate(self) -> float:
+        """Hits over lookups since start (0.0 before the first)."""
         total = self.hits + self.misses
         return self.hits / total if total else 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready values, ``hit_rate`` included."""
         d = asdict(self)
         d["hit_rate"] = self.hit_rate
         return d
@@ -48,6 +53,9 @@ class EngineStats:
 
 @dataclass(frozen=True, slots=True)
 class EntryInfo:
+    """One entry as operators see it (``state``: ``ready`` or ``filling``; ``leases``: how
+    many; ``residency``: ``host``, ``device:<i>``, ...)."""
+
     key: str
     state: str
     dtype: str
@@ -60,6 +68,7 @@ class EntryInfo:
     lease_holders: tuple[tuple[str, float], ...] = ()  # (owner, expires_in_s); ids stay secret
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready values (lists for tuples, lease holders as objects)."""
         d = asdict(self)
         d["shape"] = list(self.shape)
         d["page_runs"] = [list(r) for r in self.page_runs]

@@ -28,6 +28,7 @@ class EntryMeta:
 
 
 def check_key(key: object, settings: Settings) -> str:
+    """``key`` if it is a non-empty UTF-8 string without NUL within ``max_key_bytes``."""
     if not isinstance(key, str):
         raise InvalidArgument("key must be a string", key_type=type(key).__name__)
     if not key:
@@ -102,6 +103,7 @@ def check_meta(
 
 
 def check_checksum(checksum: object) -> int | None:
+    """A CRC32 a put declared (None: none declared), checked to fit in 32 bits."""
     if checksum is None:
         return None
     if isinstance(checksum, bool) or not isinstance(checksum, int) or not 0 <= checksum < 2**32:

@@ -18,6 +18,8 @@ Run = tuple[int, int]  # (first page, number of pages)
 
 
 class PageRunAllocator:
+    """Free runs of a pool of ``num_pages`` pages (module docstring); host bookkeeping only."""
+
     def __init__(self, num_pages: int) -> None:
         assert num_pages > 0, f"num_pages must be positive, got {num_pages}"
         self.num_pages = num_pages
@@ -29,13 +31,16 @@ class PageRunAllocator:
     # -- queries -------------------------------------------------------------------------
     @property
     def num_free_runs(self) -> int:
+        """How many free runs there are (a measure of fragmentation)."""
         return len(self._by_start)
 
     @property
     def largest_free_run(self) -> int:
+        """Pages in the longest free run: the largest allocation that stays one run."""
         return self._by_size[-1][0] if self._by_size else 0
 
     def free_runs(self) -> list[Run]:
+        """Every free run, by start (tests and debugging)."""
         return sorted(self._by_start.items())
 
     # -- allocation ----------------------------------------------------------------------

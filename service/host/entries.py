@@ -1,9 +1,10 @@
 """Entries and the LRU of evictable ones.
 
-An entry is READY in ``EntryTable.by_key``; FILLING entries live only in the engine's
-reservation map, so no reader can see them. The LRU holds exactly the READY entries with
-no lease: taking the first lease removes an entry from it, dropping the last puts it back
-at the most-recently-used end. Eviction therefore never has to skip leased entries.
+An entry is READY in ``EntryTable.by_key``; FILLING entries live only in the host store's
+reservation map (``HostStore.open_fill``), so no reader can see them. The LRU holds exactly
+the READY entries with no lease: taking the first lease removes an entry from it, dropping
+the last puts it back at the most-recently-used end. Eviction therefore never has to skip
+leased entries.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
 
 
 class EntryState(enum.IntEnum):
+    """FILLING (reserved, invisible), READY (in the key map), FREED (its pages went back)."""
+
     FILLING = 1
     READY = 2
     FREED = 3
@@ -27,6 +30,11 @@ class EntryState(enum.IntEnum):
 
 @dataclass(slots=True, eq=False)
 class Entry:
+    """One cached tensor: its metadata, its host page runs and its lease count.
+
+    Compared by identity (``eq=False``): device pools key their residencies by the entry
+    object, so a new entry of the same key never inherits an evicted one's copies."""
+
     key: str
     dtype: DType
     shape: tuple[int, ...]
@@ -43,10 +51,13 @@ class Entry:
         self.num_pages = sum(n for _, n in self.runs)
 
     def same_meta(self, dtype: DType, shape: tuple[int, ...]) -> bool:
+        """Whether a put of this dtype and shape is the same entry (the collision guard)."""
         return self.dtype is dtype and self.shape == shape
 
 
 class EntryTable:
+    """The READY entries by key, and the LRU of those without a lease (module docstring)."""
+
     def __init__(self) -> None:
         self.by_key: dict[str, Entry] = {}
         self._lru: OrderedDict[str, Entry] = OrderedDict()
@@ -59,6 +70,7 @@ class EntryTable:
         return self.by_key.get(key)
 
     def add_ready(self, entry: Entry) -> None:
+        """A committed entry becomes visible, at the most-recently-used end of the LRU."""
         assert entry.state is EntryState.READY and entry.key not in self.by_key, entry.key
         self.by_key[entry.key] = entry
         self._lru_push(entry)
@@ -72,16 +84,19 @@ class EntryTable:
         entry.state = EntryState.FREED
 
     def touch(self, entry: Entry) -> None:
+        """Mark an unleased entry as just used (a repeated identical put)."""
         if entry.key in self._lru:
             self._lru.move_to_end(entry.key)
 
     def acquire(self, entry: Entry) -> None:
+        """Take a reference; the first one takes the entry out of the LRU (not evictable)."""
         entry.ref_cnt += 1
         if entry.ref_cnt == 1:
             self._lru.pop(entry.key)
             self.evictable_pages -= entry.num_pages
 
     def release(self, entry: Entry) -> None:
+        """Drop a reference; the last one puts a READY entry back in the LRU."""
         assert entry.ref_cnt > 0, f"release of unleased entry {entry.key!r}"
         entry.ref_cnt -= 1
         if entry.ref_cnt == 0 and entry.state is EntryState.READY:

@@ -2,7 +2,8 @@
 
 The same segment serves both tiers of readers: CPU clients on the node map it by name
 (zero-copy gets), and on a CUDA machine it is registered with the driver
-(``cudaHostRegister``, portable + mapped), so GPUs copy from it at link speed (FACTS.md).
+(``cudaHostRegister``, portable + mapped), so GPUs copy from it at link speed
+(docs/facts.md, "One shared-memory segment as the pinned host pool").
 
 An exclusive ``flock`` on the segment marks it as owned by a live daemon. A segment left by
 a daemon that died is recognised by a free lock and replaced at start; one whose lock is
@@ -57,6 +58,12 @@ class SegmentInfo:
 
 
 class HostPool:
+    """The segment, mapped here as ``array``/``tensor`` (module docstring).
+
+    ``register_cuda``: pin it for the GPUs (slow for a large pool, so readiness waits for
+    it); ``populate``: fault every page in now, not on a get's path; ``mode``: who may map it.
+    Raises PoolInUseError when a live daemon owns the name."""
+
     def __init__(
         self,
         name: str,
@@ -170,10 +177,12 @@ class HostPool:
 
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` ran."""
         return self._closed
 
     # -- access --------------------------------------------------------------------------
     def info(self) -> SegmentInfo:
+        """What clients need to map the segment (and adapters to reach its bytes)."""
         return SegmentInfo(
             self.pool_id,
             self.name,

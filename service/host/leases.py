@@ -1,9 +1,8 @@
 """Lease table: who holds which entry, until when.
 
 Ids are random 63-bit integers (from the OS's random source) so one client cannot guess
-another's lease. Expiry uses a
-heap of ``(expires_at, lease_id)``; renewing pushes a new item and stale items are
-skipped when popped, so every operation is O(log n).
+another's lease. Expiry uses a heap of ``(expires_at, lease_id)``; renewing pushes a new
+item and stale items are skipped when popped, so every operation is O(log n).
 """
 
 from __future__ import annotations
@@ -20,6 +19,9 @@ from embcache.service.host.entries import Entry
 
 @dataclass(slots=True, eq=False)
 class Lease:
+    """One hold on an entry: while it lives, the entry's pages are neither evicted nor
+    reused. What transports describe to clients (its byte runs, metadata, id)."""
+
     lease_id: int
     entry: Entry
     owner: str
@@ -53,6 +55,7 @@ class Lease:
 
     @property
     def contiguous(self) -> bool:
+        """True when the entry is one byte run (a client gets a view, not a gathered copy)."""
         return len(self.byte_runs) <= 1
 
 
@@ -67,6 +70,7 @@ class RandomIds:
         self._ids: list[int] = []
 
     def next(self) -> int:
+        """One id (may be 0 or taken: the table draws again)."""
         if not self._ids:
             raw = np.frombuffer(os.urandom(8 * self.BATCH), dtype=np.uint64) >> np.uint64(1)
             self._ids = raw.tolist()
@@ -74,6 +78,9 @@ class RandomIds:
 
 
 class LeaseTable:
+    """Leases by id and by owner, and the expiry heap (module docstring). It does not
+    touch the entries' reference counts: the host store does."""
+
     def __init__(self) -> None:
         self._ids = RandomIds()
         self._leases: dict[int, Lease] = {}
@@ -87,6 +94,7 @@ class LeaseTable:
         return self._leases.get(lease_id)
 
     def add(self, entry: Entry, owner: str, expires_at: float, page_bytes: int) -> Lease:
+        """A new lease with a fresh unguessable id (never 0, never one in use)."""
         lease_id = self._ids.next()
         while lease_id == 0 or lease_id in self._leases:
             lease_id = self._ids.next()
@@ -97,6 +105,7 @@ class LeaseTable:
         return lease
 
     def pop(self, lease_id: int) -> Lease | None:
+        """Forget a lease (None: unknown id); its stale heap item is skipped later."""
         lease = self._leases.pop(lease_id, None)
         if lease is not None:
             ids = self._by_owner[lease.owner]
@@ -106,6 +115,7 @@ class LeaseTable:
         return lease
 
     def renew(self, lease: Lease, expires_at: float) -> None:
+        """Move a lease's expiry (the old heap item goes stale)."""
         lease.expires_at = expires_at
         heapq.heappush(self._heap, (expires_at, lease.lease_id))
 
@@ -123,12 +133,15 @@ class LeaseTable:
         return list(self._leases)
 
     def owned_by(self, owner: str) -> list[int]:
+        """Ids of ``owner``'s leases (a session that ended, say)."""
         return list(self._by_owner.get(owner, ()))
 
     def owners(self) -> int:
+        """How many owners hold a lease."""
         return len(self._by_owner)
 
     def pop_expired(self, now: float) -> list[Lease]:
+        """Forget and return the leases whose expiry is ``now`` or earlier."""
         expired: list[Lease] = []
         heap = self._heap
         while heap and heap[0][0] <= now:

@@ -81,6 +81,7 @@ class PutHandle:
 
     @property
     def exists_already(self) -> bool:
+        """The key is stored with the same metadata: the bytes are checked, then dropped."""
         return self._target is None
 
     @property

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class PoolStats:
+    """One pool's sizes and fragmentation (``tier``: ``host`` or ``device:<index>``)."""
+
     tier: str
     capacity_bytes: int
     used_bytes: int
@@ -24,6 +26,7 @@ RUN_BUCKETS = ((1, "1"), (2, "2"), (4, "3-4"), (8, "5-8"), (16, "9-16"), (None, 
 
 
 def run_bucket(num_runs: int) -> str:
+    """The histogram label of an entry held in ``num_runs`` page runs."""
     for limit, label in RUN_BUCKETS:
         if limit is None or num_runs <= limit:
             return label

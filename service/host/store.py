@@ -33,6 +33,8 @@ SHARED_TIER_OWNER = "shared-tier"  # owner of the shared tier's own leases and f
 
 
 class EvictOutcome(enum.Enum):
+    """What an eviction did to one key (leased entries are never forced)."""
+
     EVICTED = "evicted"
     NOT_FOUND = "not_found"
     LEASED = "leased"
@@ -95,6 +97,7 @@ class HostStore:
 
     # -- pages ---------------------------------------------------------------------------
     def pages_for(self, nbytes: int) -> int:
+        """Host pages an entry of ``nbytes`` takes."""
         return -(-nbytes // self.page_bytes)
 
     def byte_runs(self, runs: Sequence[Run], nbytes: int) -> tuple[tuple[int, int], ...]:
@@ -187,6 +190,7 @@ class HostStore:
         return out
 
     def unpin(self, entries: Iterable[Entry | None]) -> None:
+        """Undo :meth:`pin` for entries that will not be leased (a failed placement)."""
         for entry in entries:
             if entry is not None:
                 self.entries.release(entry)
@@ -199,6 +203,7 @@ class HostStore:
         return [None if e is None else add(e, owner, expires_at, page) for e in entries]
 
     def end_lease(self, lease_id: int) -> bool:
+        """End one lease and drop its reference; False for an unknown or ended id."""
         lease = self.leases.pop(lease_id)
         if lease is None:
             return False
@@ -206,9 +211,11 @@ class HostStore:
         return True
 
     def release(self, lease_ids: Iterable[int]) -> int:
+        """End these leases (unknown ids skipped); returns how many ended."""
         return sum(self.end_lease(i) for i in lease_ids)
 
     def renew(self, lease_ids: Iterable[int], expires_at: float) -> int:
+        """Move the expiry of the live ones to ``expires_at``; returns how many."""
         renewed = 0
         for lease_id in lease_ids:
             lease = self.leases.get(lease_id)
@@ -218,6 +225,7 @@ class HostStore:
         return renewed
 
     def alive(self, lease: Lease, now: float) -> bool:
+        """Whether ``lease`` is still held and not past its expiry (its pages are its own)."""
         return self.leases.get(lease.lease_id) is lease and lease.expires_at > now
 
     def expire(self, now: float) -> int:
@@ -282,6 +290,7 @@ class HostStore:
         return len(found), found[max(offset, 0) : max(offset, 0) + max(limit, 0)]
 
     def counts(self) -> HostCounts:
+        """A snapshot for the stats; the prealloc's pages count as free (on loan)."""
         a, page = self.alloc, self.page_bytes
         prealloc = self.prealloc.pages  # free capacity on loan to device puts: counted free
         free_pages = a.num_free_pages + prealloc

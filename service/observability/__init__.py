@@ -1,0 +1,1 @@
+"""What operators watch: the Prometheus metrics (``metrics.py``) and MPS (``mps.py``)."""

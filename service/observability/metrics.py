@@ -39,7 +39,8 @@ RPC_BUCKETS = (
     5.0,
     10.0,
 )
-# Bytes per second, from a slow small copy (~10 MB/s) to a saturated PCIe Gen5 link.
+# Bytes per second, from 1e7 (a small copy held up by its overheads) to 8e10, more than a
+# PCIe Gen5 x16 link carries.
 BANDWIDTH_BUCKETS = tuple(
     float(x) * 1e9
     for x in (
@@ -175,7 +176,7 @@ class _IpcSource(Protocol):
 
 
 class IpcCollector(Collector):
-    """Client GPU memory the daemon holds open through CUDA IPC (``service/ipc_cache.py``):
+    """Client GPU memory the daemon holds open through CUDA IPC (``device/ipc/cache.py``):
     an open mapping keeps a client's allocation alive after the client frees it."""
 
     def __init__(self, cache: _IpcSource) -> None:
@@ -218,9 +219,9 @@ class Metrics:
 
     Give :meth:`observe_copy` to the engine (``CacheEngine(copy_observer=...)``) so every
     timed copy lands in the bandwidth histogram. ``embcache_copy_bytes_total`` comes from
-    the engine's counters
-    (``stats().bytes_copied``); bytes passed to :meth:`observe_copy` count there only for
-    directions the engine does not count itself, so no copy is counted twice.
+    the engine's counters (``stats().bytes_copied``); bytes passed to :meth:`observe_copy`
+    count there only for directions the engine does not count itself, so no copy is counted
+    twice.
     """
 
     def __init__(self, engine: _StatsSource | None = None) -> None:

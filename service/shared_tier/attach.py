@@ -32,6 +32,7 @@ log = logging.getLogger("embcache.tiers")
 
 
 def make_backend(config: SharedTierConfig) -> SharedTierBackend:
+    """The adapter the URL names; its package is imported only here (an optional extra)."""
     if config.backend == "redis":
         from embcache.service.shared_tier.redis_tier import RedisTier
 
@@ -43,6 +44,8 @@ def make_backend(config: SharedTierConfig) -> SharedTierBackend:
 
 @dataclass(frozen=True, slots=True)
 class PrefetchResult:
+    """What a Prefetch did, in distinct keys."""
+
     requested: int  # distinct keys asked for
     local: int  # already in the host pool
     fetched: int  # brought in from the shared tier now
@@ -50,6 +53,7 @@ class PrefetchResult:
     resident: int  # made resident in the device pool (when a device was asked for)
 
     def to_dict(self) -> dict[str, int]:
+        """The Prefetch reply's fields."""
         return {
             "requested": self.requested,
             "local": self.local,
@@ -63,6 +67,9 @@ BackendFactory = Callable[[SharedTierConfig], SharedTierBackend]
 
 
 class SharedTier:
+    """One engine's shared tier (module docstring): the adapter, its health, the
+    write-through thread and the monitor that reconnects after an outage."""
+
     def __init__(
         self,
         engine: CacheEngine,
@@ -88,6 +95,7 @@ class SharedTier:
 
     # -- backend and recovery ------------------------------------------------------------
     def backend(self) -> SharedTierBackend | None:
+        """The adapter, or None until one could be made (the store was down at start)."""
         return self._backend
 
     def _connect(self) -> None:
@@ -260,6 +268,7 @@ class SharedTier:
         return detail
 
     def stats(self) -> dict[str, Any]:
+        """Counters, errors by operation, queue depth and whether the tier is degraded."""
         return {
             **self.health.counters(),
             "errors": self.health.error_counts(),
@@ -268,6 +277,7 @@ class SharedTier:
         }
 
     def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until everything queued is written through; False on timeout."""
         return self.writer.flush(timeout_s)
 
     def close(self) -> None:

@@ -42,6 +42,8 @@ class TierError(RuntimeError):
 
 
 class FetchResult(enum.Enum):
+    """What a fetch of one key found."""
+
     FILLED = "filled"  # payload is in the reserved runs (the checksum is checked on commit)
     MISSING = "missing"  # not in the shared tier
     CORRUPT = "corrupt"  # header or sizes do not match: treated as a miss
@@ -54,11 +56,14 @@ def key_digest(key: str) -> bytes:
 
 
 def object_name(prefix: str, key: str) -> str:
+    """The store's name for ``key``'s object: ``prefix`` and the key's digest in hex."""
     return prefix + key_digest(key).hex()
 
 
 @dataclass(frozen=True, slots=True)
 class Header:
+    """The fixed header in front of every stored payload (module docstring)."""
+
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
@@ -69,6 +74,7 @@ class Header:
     gen: int = 0  # Redis: names the chunk keys of one write
 
     def pack(self) -> bytes:
+        """``HEADER_BYTES`` bytes, with a CRC32 of their own; ValueError past ``MAX_NDIM``."""
         if len(self.shape) > MAX_NDIM:
             raise ValueError(f"shape has more than {MAX_NDIM} dimensions: {self.shape}")
         shape = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
@@ -132,6 +138,7 @@ Reserve = Callable[[str, Header], ByteRuns | None]
 
 
 def payload_crc(pool: np.ndarray, runs: ByteRuns) -> int:
+    """The CRC32 of the payload held in ``runs`` of the host pool, in order."""
     crc = 0
     for off, length in runs:
         crc = crc32(pool[off : off + length].data, crc)

@@ -39,6 +39,8 @@ COUNTERS = (
 
 
 class TierHealth:
+    """Degraded or not, the counters, and the last error (module docstring); thread-safe."""
+
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._lock = threading.Lock()
@@ -50,9 +52,11 @@ class TierHealth:
 
     @property
     def ok(self) -> bool:
+        """False while degraded."""
         return self._degraded_since is None
 
     def inc(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to counter ``name`` (one of :data:`COUNTERS`)."""
         with self._lock:
             self._counters[name] += n
 
@@ -71,6 +75,7 @@ class TierHealth:
             log.warning("shared tier degraded (%s failed): %s", op, message)
 
     def recovered(self) -> None:
+        """The store answered again: leave degraded mode (logged once)."""
         with self._lock:
             if self._degraded_since is None:
                 return
@@ -80,6 +85,7 @@ class TierHealth:
         log.warning("shared tier recovered after %.1f s", down)
 
     def counters(self) -> dict[str, int]:
+        """Every counter of :data:`COUNTERS`, zeros included."""
         with self._lock:
             return {name: self._counters[name] for name in COUNTERS}
 
@@ -88,6 +94,7 @@ class TierHealth:
             return dict(self.errors)
 
     def detail(self) -> dict[str, object]:
+        """The state for health pages: since when degraded, the last error, outages."""
         with self._lock:
             since = self._degraded_since
             return {

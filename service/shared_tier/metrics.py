@@ -37,6 +37,8 @@ _WRITES = {
 
 
 class TierCollector(Collector):
+    """The ``embcache_shared_tier_*`` families of one shared tier."""
+
     def __init__(self, tier: _Tier) -> None:
         self._tier = tier
 

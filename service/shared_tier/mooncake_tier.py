@@ -77,6 +77,9 @@ class _HeaderArena:
 
 
 class MooncakeTier(SharedTierBackend):
+    """The store through ``MooncakeDistributedStore`` (module docstring); set up against the
+    master on construction (TierError when that fails)."""
+
     name = "mooncake"
 
     def __init__(self, config: SharedTierConfig) -> None:

@@ -41,6 +41,8 @@ DEFAULT_CHUNK = 4 * 1024 * 1024
 
 
 class RedisTier(SharedTierBackend):
+    """Redis or Redis Cluster through redis-py (module docstring); connects lazily."""
+
     name = "redis"
 
     def __init__(self, config: SharedTierConfig) -> None:
@@ -99,6 +101,7 @@ class RedisTier(SharedTierBackend):
         return r.Redis(host=c.hosts[0][0], port=c.hosts[0][1], db=c.db, **self._common())
 
     def client(self) -> Any:
+        """The redis-py client, built on first use (TierError when the store is down)."""
         with self._lock:
             if self._client is None:
                 try:
@@ -130,10 +133,12 @@ class RedisTier(SharedTierBackend):
             raise TierError(f"redis {commands[0][0]} failed: {type(exc).__name__}: {exc}") from exc
 
     def head_key(self, key: str) -> str:
+        """The key holding ``key``'s header and first chunk (its hash tag names the slot)."""
         return f"{self.prefix}{{{key_digest(key).hex()}}}"
 
     @staticmethod
     def chunk_key(head: str, gen: int, index: int) -> str:
+        """The key of chunk ``index`` of write ``gen`` of an entry."""
         return f"{head}:{gen:016x}:{index}"
 
     # -- interface -----------------------------------------------------------------------

@@ -49,6 +49,8 @@ class _Item:
 
 
 class WriteThrough:
+    """The write-through queue and its thread (module docstring)."""
+
     def __init__(
         self,
         engine: CacheEngine,
@@ -73,10 +75,13 @@ class WriteThrough:
 
     @property
     def depth(self) -> int:
+        """Entries queued now."""
         return self._queue.qsize()
 
     # -- producer side (commit listener) -------------------------------------------------
     def submit(self, key: str) -> None:
+        """Queue a committed entry for writing (the committing put waits as the module
+        docstring says: for room, and with ``ack="sync"`` for the write)."""
         sync = self._config.ack == "sync" and self._health.ok
         item = _Item(key, threading.Event() if sync else None)
         try:

@@ -6,4 +6,6 @@ from typing import Protocol
 
 
 class RpcMetrics(Protocol):
+    """What a transport reports to: ``Metrics``, or a fake in tests."""
+
     def observe_rpc(self, transport: str, method: str, code: str, seconds: float) -> None: ...

@@ -82,6 +82,7 @@ class Housekeeping:
         self._waiting: set[int] = set()  # pools with a call scheduled
 
     def later(self, device: int) -> None:
+        """Schedule pool ``device``'s housekeeping on the running loop (once while pending)."""
         if device in self._waiting:
             return
         self._waiting.add(device)

@@ -40,10 +40,12 @@ from embcache.service.host.leases import Lease
 
 
 def host_location(lease: Lease, pool_id: str) -> HostLocation:
+    """Where a leased entry's bytes are in the host pool ``pool_id``."""
     return HostLocation(pool_id, tuple(lease.byte_runs))
 
 
 def device_location(found: DeviceLease) -> DeviceLocation:
+    """Where a leased entry is in a device pool: a byte offset, or its page ids."""
     if found.offset is not None:
         return DeviceLocation(found.pool_id, found.gpu_uuid, found.offset, ())
     return DeviceLocation(found.pool_id, found.gpu_uuid, None, tuple(found.page_ids))
@@ -65,6 +67,7 @@ class LocationRenderer:
 
     # -- pools ---------------------------------------------------------------------------
     def host_pool(self) -> HostShmPool:
+        """How a client maps the host pool, with the segment's identity (boot id, inode)."""
         if self._host is None:
             pool = self.engine.host_segment()
             st = os.stat(pool.path)

@@ -105,6 +105,9 @@ def background_loop() -> asyncio.AbstractEventLoop:
 
 
 class GrpcServerThread:
+    """A data plane for ``engine`` on :func:`background_loop`: :meth:`start` (or ``with``)
+    starts it, :meth:`stop` stops it; the engine stays the caller's."""
+
     def __init__(
         self, engine: CacheEngine, settings: Settings, metrics: RpcMetrics | None = None
     ) -> None:
@@ -115,6 +118,7 @@ class GrpcServerThread:
         self.service: DataPlane | None = None
 
     def start(self, timeout: float = 30.0) -> DataPlane:
+        """Start the data plane and wait (up to ``timeout`` seconds) until it listens."""
         coro = start_data_plane(self._engine, self._settings, self._metrics)
         self.service = self.call(coro, timeout)
         return self.service
@@ -124,6 +128,7 @@ class GrpcServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self, grace: float = 0.5) -> None:
+        """Stop it, giving in-flight calls ``grace`` seconds (a no-op when not started)."""
         if self.service is not None:
             service, self.service = self.service, None
             self.call(service.stop(grace), grace + 30.0)

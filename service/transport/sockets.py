@@ -34,6 +34,7 @@ def prepare_socket_path(path: Path) -> None:
 
 
 def unlink_socket(path: Path) -> None:
+    """Remove the socket file at ``path``, if it is one (anything else stays)."""
     try:
         if stat.S_ISSOCK(path.lstat().st_mode):
             path.unlink()

@@ -16,6 +16,8 @@ from embcache import errors as e
 
 @dataclass(frozen=True, slots=True)
 class Status:
+    """One row of the table: the gRPC code and the HTTP status of an error class."""
+
     grpc_code: str  # the name of a grpc.StatusCode member
     http_status: int
 

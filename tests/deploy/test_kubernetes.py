@@ -223,8 +223,8 @@ def test_startup_probe_covers_pinning_the_pool(
 ) -> None:
     probe = container["startupProbe"]
     budget_s = probe["periodSeconds"] * probe["failureThreshold"]
-    # FACTS.md: registering pinned memory takes ~0.75 s per GiB; ~30 s for imports and
-    # CUDA start-up; 1.5x margin.
+    # docs/facts.md ("One shared-memory segment as the pinned host pool"): registering
+    # pinned memory takes ~0.75 s per GiB; ~30 s for imports and CUDA start-up; 1.5x margin.
     pool_gib = daemon_settings.host_pool_bytes / 1024**3
     assert budget_s >= 1.5 * (30 + 0.75 * pool_gib), (budget_s, pool_gib)
 

@@ -1,8 +1,9 @@
 """Client allocations the daemon opened through CUDA IPC, cached and bounded.
 
 ``PutFromDevice`` and ``GetInto`` name a client's CUDA tensor by the legacy IPC handle of
-the allocation holding it. Opening a handle costs about half a millisecond (FACTS.md) and
-CUDA maps one handle at most once per process, so mappings are cached by handle bytes and
+the allocation holding it. Opening a handle costs more than a whole cached get (docs/facts.md,
+"CUDA IPC between processes on one node") and CUDA maps one handle at most once per process,
+so mappings are cached by handle bytes and
 shared by every owner (session, or ``anon:<peer>``) that used them. A mapping is closed when
 the last owner that used it ends (``drop_owner``) or when the cache is over its bound and the
 mapping is the least recently used one; never while a copy is using it (``in_use``).
@@ -14,9 +15,9 @@ cache is bounded and tied to owners.
 
 A client's interprocess events (they say when its writes of a tensor are done) are cached
 too, per session and handle: clients reuse their events from call to call, and opening one
-costs hundreds of microseconds (the first time in a process, ~0.6 ms on the H200's host)
-where waiting on a fired one costs a few. They hold no memory; they go with their owner, or
-the least recently used beyond :data:`MAX_EVENTS`.
+costs far more than waiting on one that has fired (docs/grpc.md, "Client events"). They
+hold no memory; they go with their owner, or the least recently used beyond
+:data:`MAX_EVENTS`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 
 MAX_MAPPINGS = 64
 MAX_EVENTS = 256
-ANON_PREFIX = "anon:"  # owners of calls without a session (transport/grpc_sessions.py)
+ANON_PREFIX = "anon:"  # owners of calls without a session (transport/session/registry.py)
 IPC_HANDLE_BYTES = 64
 
 
@@ -73,14 +74,20 @@ class CudaIpc:
         self._cuda = cuda_in_use
 
     def available(self) -> bool:
+        """Whether this daemon uses CUDA (else the device RPCs are refused)."""
         return self._cuda and torch.cuda.is_available()
 
     def gpu_index(self, gpu_uuid: str) -> int | None:
+        """The CUDA ordinal of the GPU with this uuid here (None: not visible)."""
         from embcache.kernels import cuda_mem
 
         return cuda_mem.device_by_uuid(gpu_uuid)
 
     def open(self, handle: bytes, device: int, alloc_size: int) -> Mapping:
+        """Map the allocation behind ``handle``, checked to hold ``alloc_size`` bytes.
+
+        Raises DeviceUnavailable when it cannot be opened here, InvalidArgument when the
+        allocation is smaller than the client said."""
         from embcache.kernels import cuda_ipc, cuda_mem
 
         try:
@@ -108,6 +115,7 @@ class CudaIpc:
         return mem
 
     def open_event(self, handle: bytes, device: int) -> IpcEvent:
+        """Open a client's interprocess event; InvalidArgument when that fails."""
         try:
             return torch.cuda.Event.from_ipc_handle(torch.device("cuda", device), handle)
         except RuntimeError as exc:
@@ -145,6 +153,8 @@ class _Opened:
 
 
 class IpcCache:
+    """The open client allocations and events (module docstring); thread-safe."""
+
     def __init__(self, backend: IpcBackend, max_mappings: int = MAX_MAPPINGS) -> None:
         if max_mappings < 1:
             raise ValueError(f"max_mappings: must be >= 1, got {max_mappings}")
@@ -161,6 +171,7 @@ class IpcCache:
         return len(self._open)
 
     def stats(self) -> IpcStats:
+        """What is open now and the opens so far (the metrics read it)."""
         with self._lock:
             return IpcStats(
                 mappings=len(self._open),
@@ -270,6 +281,7 @@ class IpcCache:
         return ClientEvent(self, key, event)
 
     def forget_event(self, key: tuple[str, bytes, int]) -> None:
+        """Drop a cached event that failed, so the next call opens it again."""
         with self._lock:
             self._events.pop(key, None)
 
@@ -308,6 +320,7 @@ class ClientEvent:
         return bool(self._use(self.event.query))
 
     def wait(self) -> None:
+        """Block until it has fired."""
         self._use(self.event.synchronize)
 
     def _use(self, fn: Callable[[], object]) -> object:
@@ -319,6 +332,7 @@ class ClientEvent:
 
 
 def check_ipc_handle(handle: Any, what: str) -> bytes:
+    """``handle`` if it is a legacy IPC handle's size; InvalidArgument naming ``what``."""
     if not isinstance(handle, bytes) or len(handle) != IPC_HANDLE_BYTES:
         size = len(handle) if isinstance(handle, bytes) else None
         raise InvalidArgument(f"{what} must be {IPC_HANDLE_BYTES} bytes", got=size)

@@ -61,6 +61,9 @@ class _Server(socketserver.ThreadingUnixStreamServer):
 
 
 class FdServer:
+    """The fd socket at ``path`` (mode ``mode``), served from a daemon thread.
+    ``lookup(pool_id)`` gives a pool's token and its fd export, or None."""
+
     def __init__(self, path: Path, lookup: PoolLookup, mode: int = 0o660) -> None:
         self.path = Path(path)
         if self.path.exists() or self.path.is_symlink():
@@ -78,6 +81,7 @@ class FdServer:
         self._thread.start()
 
     def close(self) -> None:
+        """Stop serving and remove the socket file."""
         self._server.shutdown()
         self._server.server_close()
         self.path.unlink(missing_ok=True)

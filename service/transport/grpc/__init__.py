@@ -1,0 +1,1 @@
+"""The gRPC server: servicer, request decoding, errors, auth, busy polling, listeners."""

@@ -9,16 +9,11 @@ CPU, a busy one at most the loop's core. (Low-latency data planes such as NCCL p
 RDMA transfer engines poll the same way; here it is bounded by the window.)
 
 The polling step holds the GIL but for the loop's ``select(0)``, so polling stops while any
-work runs in the loop's worker threads (``asyncio.to_thread``: put_from_device, get_into,
-long copy waits), which need the GIL: the loop's default executor counts them.
+work runs in the loop's worker threads (``asyncio.to_thread``: get_into, large device-put
+batches, long copy waits), which need the GIL: the loop's default executor counts them.
 
-H200 host, scratch runs one after the other, p50 at the client of the session Get path:
-cold 1 x 4 MiB device Get 1153 and 1064 us off, 901 us on; resident hit 728 and 715 us off,
-578 us on; put_from_device of 16 x 4 MiB tensors (it runs in a worker thread) 2.17 GB/s off,
-2.49 on. A polite variant that slept 20 us per step was slower than no polling (cold 1226 us,
-hit 859 us, put_from_device 1.47 GB/s), so there is none. ``bench/grpc_e2e.py`` measures
-both settings in one run; in its run at 8c8364c (before polling paused for worker threads)
-put_from_device over gRPC was slower with polling (1.5 against 1.9 GB/s).
+The step never sleeps: a variant that slept briefly per step was slower than no polling at
+all. What polling gains and costs is in docs/operators.md ("CPU placement").
 """
 
 from __future__ import annotations
@@ -46,6 +41,7 @@ class BusyPoll:
 
     @property
     def enabled(self) -> bool:
+        """False for a window of 0 (never polls)."""
         return self.window_s > 0
 
     @property
@@ -89,6 +85,7 @@ class BusyPoll:
             self._wake.clear()
 
     async def stop(self) -> None:
+        """Cancel the polling task (the server stops)."""
         task, self._task, self._wake = self._task, None, None
         if task is not None:
             task.cancel()

@@ -63,7 +63,7 @@ async def _single_request(context: grpc.aio.ServicerContext) -> Any:
 
     One read: a unary client sends its message and the end of the stream together, so
     waiting for the end as well would cost every call another trip through the loop
-    (about 0.1 ms). Messages after the first are not read.
+    (docs/grpc.md, "Server"). Messages after the first are not read.
     """
     message = await context.read()
     if message is grpc.aio.EOF:

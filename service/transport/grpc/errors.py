@@ -28,6 +28,8 @@ log = logging.getLogger("embcache.grpc")
 
 
 class HasMetrics(Protocol):
+    """What :func:`rpc` needs of the servicer it wraps."""
+
     metrics: RpcMetrics | None
     busy: BusyPoll
 

@@ -1,6 +1,7 @@
 """The gRPC data plane of the daemon: listeners, options, health, reflection, auth.
 
-``start_grpc(engine, settings, metrics)`` is what ``service/daemon.py`` calls. It listens on
+``start_grpc(engine, settings, metrics)`` starts it (``serving.start_data_plane`` calls it, with
+the session socket beside it, for the daemon). It listens on
 ``settings.grpc_host:settings.grpc_port`` (port 0 picks a free one) and, when
 ``settings.grpc_socket`` is set, on that Unix socket. With an auth token every call on every
 listener needs ``authorization: Bearer <token>`` (health checks excepted); with TLS the TCP

@@ -2,8 +2,9 @@
 
 Handlers run on the daemon's event loop and call the engine directly: its calls are short
 (table updates under one lock, or one <= 1 MiB memcpy per chunk), so a thread hop would
-cost more than it saves. The device RPCs (``grpc_device.py``) may wait on copies and run
-their engine calls in worker threads.
+cost more than it saves. The device calls (``handlers/device.py``) wait on copies without
+blocking the loop: polled on it, or in a worker thread when long (``device_get.py``).
+The servicer also opens the sessions that gRPC streams and the session socket carry.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ _EVICT_OUTCOMES = {
 
 
 class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
+    """Every RPC of the service (docs/grpc.md, "RPCs"); owns the session registry, the
+    device plane and the busy poller."""
+
     def __init__(
         self,
         engine: CacheEngine,
@@ -307,7 +311,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
 
 
 def _chunk_of(msg: Any) -> memoryview | bytes:
-    if isinstance(msg, memoryview):  # the fast path of grpc_handlers.decode_put_request
+    if isinstance(msg, memoryview):  # the fast path of decoding.decode_put_request
         return msg
     if isinstance(msg, pb.PutRequest) and msg.WhichOneof("kind") == "chunk":
         return msg.chunk

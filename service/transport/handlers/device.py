@@ -1,10 +1,11 @@
-"""The device RPCs of the servicer: ``Get`` with a GPU uuid, ``PutFromDevice``, ``GetInto``.
+"""The device calls of the servicer: ``Get`` with a GPU uuid, ``PutFromDevice``, ``GetInto``.
 
-Every request is validated completely before any IPC handle is opened. Engine calls that
-may wait on a copy run in a worker thread (``asyncio.to_thread``) so the event loop keeps
-serving; a call cancelled while its thread runs gives back the leases the thread took.
-IPC descriptors (pool handles, fd tokens) only reach callers that passed the auth check:
-the interceptor runs before any handler.
+Every request is validated completely before any IPC handle is opened. A device Get goes
+through the one device-get flow (``device_get.py``), the puts through ``device_puts.py``;
+both wait for their copies without blocking the event loop. ``GetInto`` runs its engine
+call in a worker thread, and a call cancelled while that runs gives back the leases the
+thread took. IPC descriptors (pool handles, fd tokens) only reach callers that passed the
+auth check: the interceptor runs before any handler.
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ _UINT63 = 2**63
 
 
 def meta_of(lease: Lease) -> pb.TensorMeta:
+    """A leased entry's dtype, shape and size, as the wire's ``TensorMeta``."""
     return pb.TensorMeta(dtype=lease.dtype, shape=lease.shape, nbytes=lease.nbytes)
 
 
 def pool_handle_of(desc: PoolDesc) -> pb.PoolHandle:
-    """A pool description (``descriptors.py``) as the wire's ``PoolHandle``."""
+    """A pool description (``render.py``) as the wire's ``PoolHandle``."""
     if isinstance(desc, HostShmPool):
         shm = pb.HostShmPool(
             segment_name=desc.segment_name,
@@ -69,6 +71,9 @@ def pool_handle_of(desc: PoolDesc) -> pb.PoolHandle:
 
 
 class DevicePlane:
+    """The device calls for one engine, with the IPC cache of the client memory they open
+    (module docstring)."""
+
     def __init__(self, engine: CacheEngine, settings: Settings, ipc: IpcCache | None = None):
         self.engine = engine
         self.settings = settings
@@ -145,7 +150,7 @@ class DevicePlane:
             self._handles[pool.pool_id] = handle
         return handle
 
-    # -- PutFromDevice (grpc_device_puts.py) ---------------------------------------------
+    # -- PutFromDevice (handlers/device_puts.py) -----------------------------------------
     async def put_from_device(self, request: pb.PutFromDeviceRequest, owner: str) -> pb.PutResponse:
         return await grpc_device_puts.put_from_device(self.puts, request, owner)
 
@@ -156,6 +161,8 @@ class DevicePlane:
 
     # -- GetInto -------------------------------------------------------------------------
     async def get_into(self, request: pb.GetIntoRequest, owner: str) -> pb.GetIntoResponse:
+        """Validate the destination and keys, then, in a worker thread, wait for the
+        client's event and copy the entries into its buffer (docs/grpc.md, ``GetInto``)."""
         buf = request.destination.buffer
         require_cuda(self.ipc, "GetInto", buf.gpu_uuid)
         if not request.HasField("destination"):

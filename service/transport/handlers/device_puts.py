@@ -4,13 +4,12 @@ Every item is validated before any IPC handle is opened. Then, on the event loop
 the client's event (polled, as a get's copies are: ``poll_until``), map its allocation
 (once per allocation: ``IpcCache``), reserve pages and queue the copies
 (``engine.device.start_put_many``), wait for them the same way and commit. No worker
-thread: a hand-off to one and back cost a 4 MiB put about 0.25 ms on the H200's host, and
-the engine's Python ran twice as slowly there while the loop polled. Batches of more than
-:data:`INLINE_ITEMS` items, whose bookkeeping would hold up the loop, still run in a worker
-thread. A batch makes one entry per item and waits once for all the copies, so an encoder
-that produces several embeddings pays for one call and one wait; it is all or nothing: when
-any item fails, none becomes visible. A call cancelled while its copies run gives its pages
-back once they are complete.
+thread: the hand-off to one and back cost a small put more than its bookkeeping on the loop
+(docs/grpc.md, "Server"). Batches of more than :data:`INLINE_ITEMS` items, whose
+bookkeeping would hold up the loop, still run in a worker thread. A batch makes one entry
+per item and waits once for all the copies, so an encoder that produces several embeddings
+pays for one call and one wait; it is all or nothing: when any item fails, none becomes
+visible. A call cancelled while its copies run gives its pages back once they are complete.
 """
 
 from __future__ import annotations
@@ -84,6 +83,7 @@ def _mapped(
 async def put_from_device(
     plane: DevicePuts, request: pb.PutFromDeviceRequest, owner: str
 ) -> pb.PutResponse:
+    """One client tensor into the host pool; answers once its bytes are there."""
     key, src, crc = _checked(plane, request, "tensor", "PutFromDevice")
     [created] = await _put(plane, owner, [(key, src, crc)])
     return pb.PutResponse(created=created, nbytes=src.nbytes)
@@ -92,6 +92,7 @@ async def put_from_device(
 async def put_from_device_batch(
     plane: DevicePuts, request: pb.PutFromDeviceBatchRequest, owner: str
 ) -> pb.PutFromDeviceBatchResponse:
+    """Several client tensors with one wait, all or nothing (module docstring)."""
     # A daemon without CUDA refuses the call, even empty: the client should stream bytes.
     gpu_uuid = request.items[0].tensor.gpu_uuid if request.items else ""
     require_cuda(plane.ipc, "PutFromDeviceBatch", gpu_uuid)

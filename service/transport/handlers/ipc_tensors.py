@@ -82,6 +82,7 @@ def check_tensor(
 
 
 def shape_of(dims: Sequence[int], what: str) -> tuple[int, ...]:
+    """A wire shape, checked: at most ``MAX_NDIM`` dims, none negative."""
     if len(dims) > admission.MAX_NDIM or any(d < 0 for d in dims):
         raise InvalidArgument(f"{what} must be at most 8 dims >= 0", shape=list(dims))
     return tuple(dims)

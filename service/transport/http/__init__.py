@@ -1,0 +1,1 @@
+"""The HTTP side: the operator API, the REST data plane, health, metrics and the pool map."""

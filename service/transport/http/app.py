@@ -42,6 +42,7 @@ def _static_dir() -> str:
 def error_response(
     status: int, error: str, code: str, message: str, details: dict[str, Any] | None = None
 ) -> JSONResponse:
+    """An error in REST's one body shape: error type, gRPC code name, message, details."""
     body = {"error": error, "code": code, "message": message, "details": details or {}}
     return JSONResponse(body, status_code=status)
 

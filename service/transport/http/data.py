@@ -3,8 +3,9 @@
 Parity with gRPC, not a second implementation: puts go through ``engine.begin_put`` and
 ``PutHandle.write`` (same admission checks, collision guard and error table), bytes are read
 with ``engine.get`` + ``engine.iter_bytes``, and ``POST /v1/get`` describes its leases with
-``descriptors.py``, which gRPC can share. Leases belong to ``rest:<client ip>`` and end by
-release or TTL (HTTP has no session whose end could release them).
+``render.py``'s LocationRenderer, as gRPC does (a device get through the same flow,
+``device_get.py``). Leases belong to ``rest:<client ip>`` and end by release or TTL (HTTP
+has no session whose end could release them).
 
 Put bodies are streamed into the reserved pages chunk by chunk as they arrive; the body is
 never held in memory whole. Any way out but a commit (bad bytes, a short body, the client
@@ -251,6 +252,7 @@ class LeasedStream(StreamingResponse):
 
 
 def entry_headers(lease: Lease) -> dict[str, str]:
+    """The response headers that describe an entry (dtype, shape, size, CRC32 if known)."""
     headers = {
         DTYPE_HEADER: lease.dtype,
         SHAPE_HEADER: ",".join(str(d) for d in lease.shape),

@@ -30,6 +30,7 @@ PUBLIC_PREFIXES = ("/static/",)
 
 
 def is_public(path: str) -> bool:
+    """Whether ``path`` is served without the token (probes, the page, the API description)."""
     return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
 
 
@@ -55,6 +56,8 @@ def route_label(scope: Scope) -> str:
 
 
 class OperatorMiddleware:
+    """Checks the bearer token (when the daemon has one) and times every HTTP request."""
+
     def __init__(self, app: ASGIApp, *, metrics: Metrics, token: str | None) -> None:
         self.app = app
         self.metrics = metrics

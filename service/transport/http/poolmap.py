@@ -26,6 +26,8 @@ _PRIORITY = {"leased": 3, "filling": 2, "ready": 1, "resident": 1, "free": 0}
 
 @dataclass(frozen=True, slots=True)
 class DownsampledPool:
+    """A pool's page states as the page draws them: cells of ``pages_per_cell`` pages."""
+
     num_pages: int
     pages_per_cell: int
     cells: str  # one digit per cell: the index into ``states`` of the state drawn
@@ -70,6 +72,8 @@ def downsample(states: np.ndarray, names: Sequence[str], max_cells: int) -> Down
 
 @dataclass(frozen=True, slots=True)
 class Sample:
+    """Cumulative counters at one moment."""
+
     t: float  # monotonic seconds
     wall: float  # unix seconds, for the page's time axis
     hits: int
@@ -79,6 +83,8 @@ class Sample:
 
 @dataclass(frozen=True, slots=True)
 class Series:
+    """Rates between neighbouring samples, for the page's charts."""
+
     t: list[float]  # unix seconds at the end of each interval
     hit_rate: list[float | None]  # None: no lookups in that interval
     bandwidth: dict[str, list[float]]  # bytes per second per direction
@@ -106,6 +112,7 @@ class History:
         self._samples: deque[Sample] = deque(maxlen=int(window_s / interval_s) + 1)
 
     def sample(self) -> None:
+        """Read the counters now (the oldest sample beyond the window goes)."""
         hits, misses, copied = self._read()
         self._samples.append(
             Sample(self._clock(), self._wall(), int(hits), int(misses), dict(copied))
@@ -117,6 +124,7 @@ class History:
             self.sample()
 
     def series(self) -> Series:
+        """Hit rate and bandwidth per interval between the samples held."""
         samples = list(self._samples)
         directions = sorted({d for s in samples for d in s.copied})
         out = Series(t=[], hit_rate=[], bandwidth={d: [] for d in directions})

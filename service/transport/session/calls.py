@@ -2,9 +2,9 @@
 (PutFromDevice, PutFromDeviceBatch) without a new RPC.
 
 A message on an open stream costs about half a unary call in Python gRPC (no new HTTP/2
-stream, headers, deadline or trailers; measured on loopback: 262 against 482 us per round
-trip), and device gets are latency-bound. The request, the reply and the error table are
-those of the unary RPCs; the leases belong to the session that carries the call.
+stream, headers, deadline or trailers; docs/grpc.md, ``Session`` in "RPCs"), and device
+gets are latency-bound. The request, the reply and the error table are those of the unary
+RPCs; the leases belong to the session that carries the call.
 
 Calls run as tasks, so a slow one (a shared-tier fill) does not hold up the next; results
 go back as they finish, tagged with the client's call id. When the stream ends, the session
@@ -72,6 +72,7 @@ class SessionCalls:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def start(self, call: pb.SessionCall) -> None:
+        """Run ``call`` as a task; its result is sent when it finishes."""
         if self._on_call is not None:
             self._on_call()
         task = asyncio.get_running_loop().create_task(self._run(call))

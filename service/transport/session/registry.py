@@ -20,6 +20,8 @@ _PREFIX = "session:"
 
 
 class SessionRegistry:
+    """The ids of the sessions open on this daemon (both transports share it)."""
+
     def __init__(self) -> None:
         self._live: set[str] = set()
 
@@ -27,15 +29,18 @@ class SessionRegistry:
         return len(self._live)
 
     def open(self) -> str:
+        """A new session id."""
         # Unguessable: knowing a session id lets a caller attach leases to it.
         session_id = _PREFIX + secrets.token_hex(16)
         self._live.add(session_id)
         return session_id
 
     def close(self, session_id: str) -> None:
+        """Forget an id (its session ended)."""
         self._live.discard(session_id)
 
     def alive(self, owner: str) -> bool:
+        """False only for a session id that is not open (owners without one stay alive)."""
         return not owner.startswith(_PREFIX) or owner in self._live
 
     def owner_for(self, context: Any) -> str:

@@ -1,0 +1,1 @@
+"""The session socket: Session calls on a plain Unix socket beside the gRPC one."""

@@ -1,9 +1,9 @@
 """The session socket: Session calls over a plain Unix socket next to the gRPC socket.
 
 A same-node client (a decoder pulling device gets) pays for gRPC's HTTP/2 machinery twice per
-call, once on each side: a round trip on an open gRPC stream costs about 320 us in Python on
-a 2-core CI machine, the same messages over a Unix socket with a length prefix about 120 us.
-It carries exactly the Session stream's messages (``SessionRequest`` /
+call, once on each side: a round trip on an open gRPC stream costs several times what the
+same messages cost over a Unix socket with a length prefix (docs/grpc.md, "Session
+socket"). It carries exactly the Session stream's messages (``SessionRequest`` /
 ``SessionResponse``, framing in the .proto): the same calls, handlers, error table and
 metrics (transport ``lane``), and the same session registry, so its session id also works in
 ``x-embcache-session`` on gRPC calls. The connection is the session: when it closes (the
@@ -58,6 +58,7 @@ class UdsServer:
 
     @property
     def connections(self) -> int:
+        """Connections open now (each a session)."""
         return len(self._conns)
 
     def track(self, conn: _Connection) -> None:
@@ -67,6 +68,7 @@ class UdsServer:
         self._conns.discard(conn)
 
     def authorized(self, hello: pb.SessionHello) -> bool:
+        """Whether a hello carries the daemon's token (always, without one)."""
         if self._token is None:
             return True
         return hmac.compare_digest(hello.auth_token.encode(), self._token)
@@ -194,6 +196,7 @@ class _Connection(asyncio.Protocol):
             metrics.observe_rpc("lane", "Session", code, 0.0)
 
     def close(self) -> None:
+        """Close after what is buffered is sent; that ends the session."""
         if self.transport is not None:
             self.transport.close()  # after what is buffered; connection_lost ends the session
 
