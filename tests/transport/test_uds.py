@@ -1,7 +1,7 @@
 """The session socket (service/transport/uds/server.py, clients/_backends/*_uds.py): Session
-calls over a plain Unix socket next to the gRPC one. The calls themselves are tested on both transports in
-test_grpc_session_calls.py; here: the raw wire, bad input, auth, the end of a session, the
-client's deadline and fallback."""
+calls over a plain Unix socket next to the gRPC one. The calls themselves are tested on both
+transports in test_grpc_session_calls.py; here: the raw wire, bad input, auth, the end of a
+session, the client's deadline and fallback."""
 
 from __future__ import annotations
 
