@@ -21,7 +21,7 @@ ruff format --check .
 python scripts/unasync.py --check
 # mypy checks the packages by their import names: _gen/embcache links to the repository root.
 mkdir -p _gen && ln -sfn .. _gen/embcache
-MYPYPATH=_gen mypy -p embcache.service -p embcache.clients -p embcache.kernels -p embcache.proto -p embcache.integrations -m embcache.errors
+MYPYPATH=_gen mypy -p embcache.service -p embcache.clients -p embcache.kernels -p embcache.proto -p embcache.integrations -m embcache.errors -m embcache.build_info
 # The layers (pyproject.toml, [tool.importlinter]); tests/unit/test_import_graph.py finds cycles.
 lint-imports
 set +e

@@ -120,6 +120,11 @@ class DevicePool:
     def is_resident(self, entry: Entry) -> bool:
         return entry in self._resident
 
+    def resident_bytes(self, entry: Entry) -> int | None:
+        """Bytes of the pages ``entry``'s copy here holds; None when it has none."""
+        res = self._resident.get(entry)
+        return None if res is None else res.npages * self.page_bytes
+
     def pages_for(self, nbytes: int) -> int:
         return -(-nbytes // self.page_bytes)
 

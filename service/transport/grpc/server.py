@@ -20,7 +20,6 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from embcache.proto.constants import MAX_MESSAGE_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
@@ -29,6 +28,7 @@ from embcache.service.engine import CacheEngine
 from embcache.service.transport.accounting import RpcMetrics
 from embcache.service.transport.grpc.auth import TokenAuthInterceptor
 from embcache.service.transport.grpc.decoding import add_servicer
+from embcache.service.transport.grpc.reflection import enable_reflection
 from embcache.service.transport.grpc.servicer import EmbeddingCacheServicer
 from embcache.service.transport.sockets import prepare_socket_path, unlink_socket
 
@@ -126,9 +126,7 @@ async def start_grpc(
     add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    enable_reflection(server, (SERVICE_NAME, health.SERVICE_NAME))
 
     ports = [_add_tcp_port(server, settings)]
     socket_path = None

@@ -115,6 +115,12 @@ class EntryPage(_Model):
     items: list[EntrySummary]
 
 
+FREED_BYTES = (
+    "Pool memory made free, in bytes: whole pages of the host pool (of device pool 'device' "
+    "when given), whether keys or bytes were evicted; an entry's own nbytes may be less."
+)
+
+
 class EvictRequest(_Model):
     """Either ``keys`` to evict (leased ones are refused, never forced) or ``bytes`` to free.
     With ``device``, only copies in that device pool go; host copies stay."""
@@ -141,13 +147,13 @@ class EvictResponse(_Model):
     not_found: list[str]
     leased: list[str] = Field(description="Keys refused because they are leased.")
     freed_entries: int
-    freed_bytes: int
+    freed_bytes: int = Field(description=FREED_BYTES)
 
 
 class DeleteResponse(_Model):
     key: str
     evicted: bool
-    freed_bytes: int
+    freed_bytes: int = Field(description=FREED_BYTES)
 
 
 class Liveness(_Model):

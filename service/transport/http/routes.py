@@ -143,10 +143,8 @@ def get_entry(request: Request, key: str) -> EntryDetail:
 
 @router.delete("/entries/{key:path}", response_model=DeleteResponse, summary="Evict one entry")
 def delete_entry(request: Request, key: str) -> DeleteResponse:
-    engine = _engine(request)
-    info = engine.entry_info(key)
-    engine.evict_one(key)  # NotFound -> 404, EntryLeased -> 409
-    return DeleteResponse(key=key, evicted=True, freed_bytes=info.nbytes if info else 0)
+    freed = _engine(request).evict_one(key)  # NotFound -> 404, EntryLeased -> 409
+    return DeleteResponse(key=key, evicted=True, freed_bytes=freed)
 
 
 @router.post(
@@ -165,10 +163,6 @@ def evict(request: Request, body: EvictRequest) -> EvictResponse:
             evicted=[], not_found=[], leased=[], freed_entries=count, freed_bytes=freed
         )
     keys = list(dict.fromkeys(body.keys or []))  # a key named twice is evicted once
-    sizes = {}
-    for key in keys:
-        info = engine.entry_info(key)
-        sizes[key] = info.nbytes if info is not None else 0
     out: dict[EvictOutcome, list[str]] = {o: [] for o in EvictOutcome}
     device = body.device
     outcomes = engine.evict(keys) if device is None else engine.device.evict(keys, device)
@@ -180,7 +174,7 @@ def evict(request: Request, body: EvictRequest) -> EvictResponse:
         not_found=out[EvictOutcome.NOT_FOUND],
         leased=out[EvictOutcome.LEASED],
         freed_entries=len(evicted),
-        freed_bytes=sum(sizes[k] for k in evicted),
+        freed_bytes=outcomes.freed_bytes,
     )
 
 
