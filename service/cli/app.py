@@ -29,11 +29,15 @@ def serve(settings: Settings) -> None:
     """Run the daemon (gRPC + HTTP) with the given settings; CPU mode without a GPU."""
     from embcache.service.daemon import serve as run_daemon
     from embcache.service.host.host_pool import PoolInUseError
+    from embcache.service.startup import StartupError
 
     try:
         code = run_daemon(settings)
-    except (PoolInUseError, OSError) as exc:
-        logging.getLogger("embcache").error("cannot start: %s", exc)
+    except (StartupError, PoolInUseError, OSError) as exc:
+        message = str(exc)
+        if isinstance(exc, OSError) and exc.filename is None and exc.strerror:
+            message = exc.strerror  # without the "[Errno N]" prefix
+        logging.getLogger("embcache").error("cannot start: %s", message)
         raise typer.Exit(1) from None
     raise typer.Exit(code)
 

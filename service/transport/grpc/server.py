@@ -158,9 +158,17 @@ def _add_tcp_port(server: grpc.aio.Server, settings: Settings) -> int:
         creds = grpc.ssl_server_credentials(
             [(Path(settings.tls_key).read_bytes(), Path(settings.tls_cert).read_bytes())]
         )
-        port = server.add_secure_port(address, creds)
+        add = functools.partial(server.add_secure_port, address, creds)
     else:
-        port = server.add_insecure_port(address)
+        add = functools.partial(server.add_insecure_port, address)
+    try:
+        port = add()
+    except RuntimeError:  # grpcio >= 1.62 raises where older ones returned 0
+        port = 0
     if not port:
-        raise OSError(errno.EADDRINUSE, f"cannot bind gRPC to {address}")
+        raise OSError(
+            errno.EADDRINUSE,
+            f"cannot bind gRPC to {address}: the port is in use or the address is not this "
+            "machine's (--grpc-port, 0 picks a free one; --grpc-host)",
+        )
     return port
