@@ -12,6 +12,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request, Security
 from fastapi.security import HTTPBearer
 
+from embcache import build_info
 from embcache.errors import NotFound
 from embcache.service.engine import EvictOutcome
 from embcache.service.engine.stats import EntryInfo
@@ -24,6 +25,7 @@ from embcache.service.transport.http.models import (
     EntryStateFilter,
     EntrySummary,
     ErrorBody,
+    EvictBytes,
     EvictRequest,
     EvictResponse,
     LeaseHolder,
@@ -71,7 +73,7 @@ def _on_device(info: EntryInfo) -> bool:
 
 @router.get("/stats", response_model=StatsResponse, summary="Engine statistics")
 def get_stats(request: Request) -> dict[str, Any]:
-    return _engine(request).stats().to_dict()
+    return {**build_info.as_dict(), **_engine(request).stats().to_dict()}
 
 
 @router.get("/entries", response_model=EntryPage, summary="List entries (paged)")
@@ -154,15 +156,15 @@ def delete_entry(request: Request, key: str) -> DeleteResponse:
 )
 def evict(request: Request, body: EvictRequest) -> EvictResponse:
     engine = _engine(request)
-    if body.bytes is not None:
+    if isinstance(body, EvictBytes):
         if body.device is None:
-            count, freed = engine.evict_bytes(body.bytes)
+            count, freed = engine.evict_bytes(body.nbytes())
         else:  # DeviceUnavailable -> 409 when there is no such pool
-            count, freed = engine.device.evict_bytes(body.device, body.bytes)
+            count, freed = engine.device.evict_bytes(body.device, body.nbytes())
         return EvictResponse(
             evicted=[], not_found=[], leased=[], freed_entries=count, freed_bytes=freed
         )
-    keys = list(dict.fromkeys(body.keys or []))  # a key named twice is evicted once
+    keys = list(dict.fromkeys(body.keys))  # a key named twice is evicted once
     out: dict[EvictOutcome, list[str]] = {o: [] for o in EvictOutcome}
     device = body.device
     outcomes = engine.evict(keys) if device is None else engine.device.evict(keys, device)
@@ -208,6 +210,7 @@ def pool_map(
         )
     series = history.series()
     return PoolMapResponse(
+        **build_info.as_dict(),
         time=time.time(),
         ready=readiness(engine).status == "ready",
         draining=bool(engine.draining),
