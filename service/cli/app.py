@@ -1,8 +1,7 @@
 """The ``embcache`` command: ``serve`` here, operator commands from :mod:`cli_ops`."""
 
-from __future__ import annotations
-
 import logging
+from typing import Annotated
 
 import typer
 
@@ -18,8 +17,26 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from embcache import build_info
+
+        typer.echo(f"embcache {build_info.describe()}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _main() -> None:
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_print_version,
+            is_eager=True,
+            help="Print the version and commit, and exit.",
+        ),
+    ] = False,
+) -> None:
     """GPU embedding cache for disaggregated multimodal serving."""
 
 

@@ -51,6 +51,8 @@ class PoolStatsModel(_OpenModel):
 class StatsResponse(_OpenModel):
     version: str = Field(description="The daemon's version.")
     commit: str = Field(description="The git commit it was built from ('unknown' if not known).")
+    grpc_port: int | None = Field(default=None, description="The daemon's gRPC TCP port.")
+    grpc_socket: str | None = Field(default=None, description="Its gRPC Unix socket, if any.")
     host: PoolStatsModel
     device: list[PoolStatsModel]
     entries_ready: int

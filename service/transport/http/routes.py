@@ -73,7 +73,8 @@ def _on_device(info: EntryInfo) -> bool:
 
 @router.get("/stats", response_model=StatsResponse, summary="Engine statistics")
 def get_stats(request: Request) -> dict[str, Any]:
-    return {**build_info.as_dict(), **_engine(request).stats().to_dict()}
+    endpoints = getattr(request.app.state, "endpoints", {})  # the daemon sets its listeners
+    return {**build_info.as_dict(), **endpoints, **_engine(request).stats().to_dict()}
 
 
 @router.get("/entries", response_model=EntryPage, summary="List entries (paged)")
