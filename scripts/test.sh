@@ -6,9 +6,11 @@ set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/install_engines.sh"  # vLLM and SGLang, CPU torch kept
 export TRITON_INTERPRET=1   # Triton kernels run on CPU tensors; must be set before any @triton.jit
 # System packages some tests need (each test skips with a reason where one is missing):
-# chromium (pool-map page), redis-server (shared tier), libibverbs1 (Mooncake's libraries).
+# chromium (pool-map page, /docs), redis-server (shared tier), libibverbs1 (Mooncake's
+# libraries), prometheus (its promtool checks the alert rules).
 need=()
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || need+=(libibverbs1)
 if [ ${#need[@]} -gt 0 ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then

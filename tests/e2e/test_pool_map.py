@@ -8,6 +8,7 @@ Skipped where Debian's ``chromium`` is not installed.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import pytest
 import torch
 from pagekit import CHROMIUM, DevTools, launch
 
+from embcache import build_info
 from embcache.service.config import Settings
 from embcache.service.device.pool import DevicePool
 from embcache.service.engine import CacheEngine
@@ -96,8 +98,29 @@ def test_pool_map_page(browser: DevTools, site: tuple[str, CacheEngine], tmp_pat
     browser.wait_for(f"{keys}[0] === 'fresh/after-load'")
     assert browser.evaluate("window.__noReload") == 1
 
+    # The hit-rate card labels its two figures: the last interval, and lifetime.
+    label = browser.evaluate("document.getElementById('hit-rate-label').textContent")
+    assert re.fullmatch(r"last \d+ s(: no lookups)?", label), label
+    foot = browser.evaluate("document.querySelector('#hit-foot').parentNode.textContent")
+    assert "lifetime" in foot and "lookups" in foot, foot
+    build = browser.evaluate("document.getElementById('build').textContent")
+    assert build == f"embcache {build_info.version()} · commit {build_info.git_commit()}"
+
+    # The key search: an entry in words, and an absent key said to be absent.
+    result = "document.getElementById('search-result')"
+    browser.evaluate("document.getElementById('search-key').value = 'img/011.jpg'")
+    browser.evaluate("document.getElementById('search').requestSubmit()")
+    found = browser.wait_for(f"{result}.dataset.found === '1' && {result}.textContent")
+    assert found.startswith("img/011.jpg: ready, float32 [48, 1024]") and "1 leases" in found
+    browser.evaluate("document.getElementById('search-key').value = 'no/such key'")
+    browser.evaluate("document.getElementById('search').requestSubmit()")
+    assert browser.wait_for(f"{result}.dataset.found === '0' && {result}.textContent") == (
+        "No entry no/such key."
+    )
+
     shot = browser.screenshot(tmp_path / "pool-map.png")
     if out_dir := os.environ.get("EMBCACHE_SCREENSHOT_DIR"):
         shutil.copy(tmp_path / "pool-map.png", Path(out_dir) / "pool-map.png")
     assert shot.startswith(b"\x89PNG") and len(shot) > 10_000
-    assert browser.errors() == []
+    # The one refused request is the lookup of the absent key (a 404, logged by Chromium).
+    assert [e for e in browser.errors() if "404" not in e] == []
