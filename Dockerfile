@@ -27,6 +27,8 @@ ARG PIP_EXTRA_INDEX_URL
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# Distribution packages float with the base image's security updates (no version pins).
+# hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv \
  && rm -rf /var/lib/apt/lists/*
@@ -51,6 +53,7 @@ LABEL org.opencontainers.image.title="embcache" \
 
 # gcc, libc6-dev and python3-dev: Triton compiles a small C launcher the first time a
 # kernel runs, so the runtime needs a C compiler and the Python headers.
+# hadolint ignore=DL3008
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
         python3 python3-venv python3-dev gcc libc6-dev \

@@ -38,6 +38,11 @@ def lookup(name: str) -> DType | None:
     return DTYPES.get(_ALIASES.get(name, name))
 
 
+def names() -> list[str]:
+    """Every name :func:`lookup` accepts: the wire names and their aliases."""
+    return [*DTYPES, *_ALIASES]
+
+
 def from_torch(dtype: torch.dtype) -> DType | None:
     return _BY_TORCH.get(dtype)
 

@@ -6,9 +6,11 @@ set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/install_engines.sh"  # vLLM and SGLang, CPU torch kept
 export TRITON_INTERPRET=1   # Triton kernels run on CPU tensors; must be set before any @triton.jit
 # System packages some tests need (each test skips with a reason where one is missing):
-# chromium (pool-map page), redis-server (shared tier), libibverbs1 (Mooncake's libraries).
+# chromium (pool-map page, /docs), redis-server (shared tier), libibverbs1 (Mooncake's
+# libraries), prometheus (its promtool checks the alert rules).
 need=()
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || need+=(libibverbs1)
 if [ ${#need[@]} -gt 0 ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
@@ -21,7 +23,7 @@ ruff format --check .
 python scripts/unasync.py --check
 # mypy checks the packages by their import names: _gen/embcache links to the repository root.
 mkdir -p _gen && ln -sfn .. _gen/embcache
-MYPYPATH=_gen mypy -p embcache.service -p embcache.clients -p embcache.kernels -p embcache.proto -p embcache.integrations -m embcache.errors
+MYPYPATH=_gen mypy -p embcache.service -p embcache.clients -p embcache.kernels -p embcache.proto -p embcache.integrations -m embcache.errors -m embcache.build_info
 # The layers (pyproject.toml, [tool.importlinter]); tests/unit/test_import_graph.py finds cycles.
 lint-imports
 set +e

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -28,6 +29,7 @@ DEPRECATED_NAMES = {
 log = logging.getLogger("embcache.config")
 
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+SHM_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")  # a file name under /dev/shm
 
 
 def is_loopback(host: str) -> bool:
@@ -213,12 +215,31 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level."
     )
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="Format of the log lines on stderr, uvicorn's included: text, or json "
+        "(one object a line: time, level, logger, message).",
+    )
 
     @field_validator("page_bytes", "device_page_bytes")
     @classmethod
     def _page_size(cls, v: int) -> int:
         if v < 4096 or v & (v - 1):
             raise ValueError("must be a power of two of at least 4096 bytes")
+        return v
+
+    @field_validator("shm_name")
+    @classmethod
+    def _shm_name(cls, v: str) -> str:
+        if v and not SHM_NAME.match(v):
+            raise ValueError("use 1-200 letters, digits, '.', '_' or '-'")
+        return v
+
+    @field_validator("auth_token")
+    @classmethod
+    def _token(cls, v: str | None) -> str | None:
+        if v and (v != v.strip() or not v.isprintable() or " " in v):
+            raise ValueError("holds spaces or control characters (a newline from a file?)")
         return v
 
     @field_validator("gpus")

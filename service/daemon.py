@@ -23,10 +23,12 @@ from typing import Any
 
 import uvicorn
 
+from embcache.service import logs
 from embcache.service.config import Settings
 from embcache.service.device.ipc.fd_server import FdServer
 from embcache.service.engine import CacheEngine
 from embcache.service.observability import mps
+from embcache.service.startup import check_unix_socket, preflight
 
 log = logging.getLogger("embcache.daemon")
 
@@ -42,19 +44,6 @@ class _QuietSignalsServer(uvicorn.Server):
         return None
 
 
-def _bind_http(settings: Settings) -> socket.socket:
-    family = socket.AF_INET6 if ":" in settings.http_host.strip("[]") else socket.AF_INET
-    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets created with it, and
-    # without TCP_NODELAY a small response can wait on Nagle's algorithm for the client's
-    # delayed ACK (docs/facts.md, "The CPU machine").
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((settings.http_host.strip("[]"), settings.http_port))
-    sock.listen(512)
-    sock.setblocking(False)
-    return sock
-
-
 def _start_fd_server(engine: CacheEngine, settings: Settings) -> FdServer | None:
     """The Unix socket that hands POSIX fds of the device pools to local clients."""
     pools = {p.pool_id: p for p in engine.device.pools if p.ipc_mode == "fd"}
@@ -65,7 +54,9 @@ def _start_fd_server(engine: CacheEngine, settings: Settings) -> FdServer | None
         pool = pools.get(pool_id)
         return None if pool is None else (pool.fd_token, pool.export_fd)
 
-    return FdServer(settings.effective_ipc_socket, lookup, int(settings.socket_mode, 8))
+    path = settings.effective_ipc_socket
+    check_unix_socket(path, "--ipc-socket")
+    return FdServer(path, lookup, int(settings.socket_mode, 8))
 
 
 def _sd_notify(message: str) -> None:
@@ -82,8 +73,9 @@ def _sd_notify(message: str) -> None:
 class Daemon:
     """One daemon run (module docstring); :meth:`request_stop` starts the drain."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, http_sock: socket.socket) -> None:
         self.settings = settings
+        self._http_sock = http_sock  # bound by startup.preflight; listens once we serve
         self._stop = asyncio.Event()
 
     def request_stop(self) -> None:
@@ -109,16 +101,23 @@ class Daemon:
         engine = await asyncio.to_thread(
             CacheEngine, s, copy_observer=metrics.observe_copy, shared_tier=shared
         )
-        fd_server = None
+        fd_server = grpc_service = None
         try:
             metrics.watch_engine(engine)
             fd_server = _start_fd_server(engine, s)
             grpc_service = await start_data_plane(engine, s, metrics)
             metrics.watch_ipc(grpc_service.servicer.device.ipc)
-            http_sock = _bind_http(s)
+            http_sock = self._http_sock
+            http_sock.listen(512)
+            app = create_app(engine, s, metrics)
+            app.state.endpoints = {  # in /v1/stats: the CLI finds the gRPC plane from it
+                "grpc_port": grpc_service.ports[0] if grpc_service.ports else None,
+                "grpc_socket": str(grpc_service.socket_path) if grpc_service.socket_path else None,
+            }
             config = uvicorn.Config(
-                create_app(engine, s, metrics),
+                app,
                 log_level=s.log_level,
+                log_config=None,  # uvicorn's lines go through our handler (service/logs.py)
                 access_log=False,
                 ssl_certfile=str(s.tls_cert) if s.tls_cert else None,
                 ssl_keyfile=str(s.tls_key) if s.tls_key else None,
@@ -145,13 +144,16 @@ class Daemon:
             log.info("draining: refusing new work, %.1fs grace", s.drain_grace_s)
             grpc_service.set_serving(False)
             engine.begin_drain()
-            await grpc_service.stop(s.drain_grace_s)
+            service, grpc_service = grpc_service, None
+            await service.stop(s.drain_grace_s)
             http.should_exit = True
             await http_task
             reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
         finally:
+            if grpc_service is not None:  # start-up failed after the data plane started
+                await grpc_service.stop(0)
             if fd_server is not None:
                 fd_server.close()
             await asyncio.to_thread(engine.close)  # the shared tier writes what it has queued
@@ -189,9 +191,8 @@ class Daemon:
             else None,
             "mps_control": str(pipe) if pipe else None,
         }
-        sys.stdout.write(json.dumps(ready) + "\n")
+        sys.stdout.write(json.dumps(ready) + "\n")  # the one ready event (stdout, for tools)
         sys.stdout.flush()
-        log.info("ready: %s", ready)
         if pools and pipe is None:
             log.warning(
                 "no MPS control daemon (CUDA_MPS_PIPE_DIRECTORY): decoders' kernels on these "
@@ -202,14 +203,15 @@ class Daemon:
 
 
 def serve(settings: Settings) -> int:
-    """``embcache serve``: set up logging, pin the CPUs, run the daemon; its exit code."""
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    """Run the daemon until SIGTERM/SIGINT; StartupError (or PoolInUseError, OSError) when
+    it cannot start, with a message naming what to change."""
+    logs.configure(settings.log_level, settings.log_format)
     pin_cpus(settings)
-    return asyncio.run(Daemon(settings).run())
+    http_sock = preflight(settings)
+    try:
+        return asyncio.run(Daemon(settings, http_sock).run())
+    finally:
+        http_sock.close()
 
 
 def pin_cpus(settings: Settings) -> None:
@@ -229,7 +231,7 @@ def pin_cpus(settings: Settings) -> None:
         os.sched_setaffinity(0, before)
         raise OSError(
             errno.EINVAL,
-            f"cpu_affinity={settings.cpu_affinity}: CPUs {sorted(cpus - got)} are not "
+            f"--cpu-affinity {settings.cpu_affinity}: CPUs {sorted(cpus - got)} are not "
             "available to this process (offline, or outside its cpuset)",
         )
     log.info("pinned to CPUs %s", settings.cpu_affinity)

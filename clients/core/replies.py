@@ -3,6 +3,7 @@ outcomes, and the count a Release returns."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,8 +100,12 @@ def _ints(value: Any) -> Any:
 
 
 def stats_dict(reply: pb.StatsResponse) -> dict[str, Any]:
-    """The daemon's stats document as plain Python, with the open sessions added."""
-    out: dict[str, Any] = _ints(json_format.MessageToDict(reply.stats))
+    """The daemon's stats document as plain Python, with the open sessions added: from
+    ``stats_json`` (integers exact) where the daemon sets it, else from the Struct."""
+    if reply.stats_json:
+        out: dict[str, Any] = json.loads(reply.stats_json)
+    else:  # an older daemon: doubles only, integral ones read back as ints
+        out = _ints(json_format.MessageToDict(reply.stats))
     out["grpc_sessions"] = reply.sessions
     return out
 

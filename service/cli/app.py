@@ -1,8 +1,7 @@
 """The ``embcache`` command: ``serve`` here, the operator commands from ``cli/ops.py``."""
 
-from __future__ import annotations
-
 import logging
+from typing import Annotated
 
 import typer
 
@@ -18,8 +17,26 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from embcache import build_info
+
+        typer.echo(f"embcache {build_info.describe()}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _main() -> None:
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_print_version,
+            is_eager=True,
+            help="Print the version and commit, and exit.",
+        ),
+    ] = False,
+) -> None:
     """GPU embedding cache for disaggregated multimodal serving."""
 
 
@@ -29,11 +46,15 @@ def serve(settings: Settings) -> None:
     """Run the daemon (gRPC + HTTP) with the given settings; CPU mode without a GPU."""
     from embcache.service.daemon import serve as run_daemon
     from embcache.service.host.host_pool import PoolInUseError
+    from embcache.service.startup import StartupError
 
     try:
         code = run_daemon(settings)
-    except (PoolInUseError, OSError) as exc:
-        logging.getLogger("embcache").error("cannot start: %s", exc)
+    except (StartupError, PoolInUseError, OSError) as exc:
+        message = str(exc)
+        if isinstance(exc, OSError) and exc.filename is None and exc.strerror:
+            message = exc.strerror  # without the "[Errno N]" prefix
+        logging.getLogger("embcache").error("cannot start: %s", message)
         raise typer.Exit(1) from None
     raise typer.Exit(code)
 

@@ -1,21 +1,20 @@
 """``embcache bench``: run the scripts in ``bench/`` with progress bars and print their tables
 (the daemon's address and token reach them as ``EMBCACHE_*`` variables)."""
 
-# No ``from __future__ import annotations`` here: typer reads the Annotated[...] metadata
-# through the signature that ``with_settings`` rebuilds, which must hold real objects.
+# No ``from __future__ import annotations`` here: typer reads the Annotated[...] metadata.
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 import typer
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from embcache.service.cli.output import console, fail
-from embcache.service.cli.settings import with_settings
-from embcache.service.config import Settings
+from embcache.service.cli.target import CaOpt, TargetOpt, TokenOpt, http_url
 
 
 def default_bench_dir() -> Path:
@@ -32,18 +31,18 @@ def find_benchmarks(bench_dir: Path, only: list[str] | None) -> list[Path]:
     return scripts
 
 
-def _bench_env(settings: Settings) -> dict[str, str]:
+def _bench_env(target: str | None, token: str | None, ca_cert: Path | None) -> dict[str, str]:
+    """The scripts' environment: the daemon's address as EMBCACHE_* variables."""
     env = dict(os.environ)
-    for field in ("grpc_host", "grpc_port", "grpc_socket", "http_host", "http_port", "auth_token"):
-        value = getattr(settings, field)
-        if value is not None:
-            env[f"EMBCACHE_{field.upper()}"] = str(value)
+    url = urlsplit(http_url(target, ca_cert))
+    env.update(EMBCACHE_TARGET=url.geturl(), EMBCACHE_HTTP_HOST=url.hostname or "127.0.0.1",
+               EMBCACHE_HTTP_PORT=str(url.port))  # fmt: skip
+    if token:
+        env["EMBCACHE_AUTH_TOKEN"] = token
     return env
 
 
-@with_settings
 def bench(
-    settings: Settings,
     only: Annotated[list[str] | None, typer.Option("--only", help="Run this script.")] = None,
     bench_dir: Annotated[Path | None, typer.Option(help="Folder of bench scripts.")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds each script may run.")] = 1800.0,
@@ -51,6 +50,9 @@ def bench(
     script_args: Annotated[
         list[str] | None, typer.Argument(help="After --: arguments for every script.")
     ] = None,
+    target: TargetOpt = None,
+    token: TokenOpt = None,
+    ca_cert: CaOpt = None,
 ) -> None:
     """Run the benchmarks in bench/ with progress bars and print their tables."""
     folder = bench_dir or default_bench_dir()
@@ -75,7 +77,7 @@ def bench(
             progress.update(overall, description=f"running [bold]{script.stem}[/]")
             started = time.monotonic()
             rc, out, err = _run_script(
-                [script, *(script_args or [])], _bench_env(settings), timeout
+                [script, *(script_args or [])], _bench_env(target, token, ca_cert), timeout
             )
             seconds = time.monotonic() - started
             status = "[green]ok[/]" if rc == 0 else f"[red]failed ({rc})[/]"

@@ -6,7 +6,7 @@ import typer
 from rich.console import Console
 
 console = Console()
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # one message, one line (never cut)
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:

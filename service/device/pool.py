@@ -131,6 +131,11 @@ class DevicePool:
         """Whether ``entry`` has a copy here (finished or still being copied)."""
         return entry in self._resident
 
+    def resident_bytes(self, entry: Entry) -> int | None:
+        """Bytes of the pages ``entry``'s copy here holds; None when it has none."""
+        res = self._resident.get(entry)
+        return None if res is None else res.npages * self.page_bytes
+
     def pages_for(self, nbytes: int) -> int:
         """Device pages an entry of ``nbytes`` takes."""
         return -(-nbytes // self.page_bytes)

@@ -122,12 +122,12 @@ class DeviceTier:
         """Where ``entry`` has copies: ``("host", "device:0", ...)``."""
         return ("host", *(f"device:{p.index}" for p in self.pools if p.is_resident(entry)))
 
-    def evict_copies(self, entries: list[Entry], device: int) -> list[bool]:
+    def evict_copies(self, entries: list[Entry], device: int) -> list[int | None]:
         """Drop these unleased entries' copies in pool ``device`` (host copies stay); per
-        entry, whether it had one."""
+        entry, the bytes of the pages its copy freed, or None when it had none."""
         pool = self.at(device)
-        had = [pool.is_resident(entry) for entry in entries]
-        present = [entry for entry, h in zip(entries, had, strict=True) if h]
+        had = [pool.resident_bytes(entry) for entry in entries]
+        present = [entry for entry, h in zip(entries, had, strict=True) if h is not None]
         self._guarded(pool, lambda: pool.evict_entries(present))
         return had
 

@@ -2,12 +2,18 @@
 
 from embcache.service.engine.engine import CacheEngine, SharedTierFactory
 from embcache.service.engine.hooks import SharedTierHooks, cuda_wanted, default_device_pools
-from embcache.service.host.store import SHARED_TIER_OWNER, EvictOutcome, raise_for_evict
+from embcache.service.host.store import (
+    SHARED_TIER_OWNER,
+    EvictOutcome,
+    EvictResults,
+    raise_for_evict,
+)
 
 __all__ = [
     "SHARED_TIER_OWNER",
     "CacheEngine",
     "EvictOutcome",
+    "EvictResults",
     "SharedTierFactory",
     "SharedTierHooks",
     "cuda_wanted",

@@ -30,7 +30,7 @@ from embcache.service.device.tier import DeviceTier
 from embcache.service.engine.device_puts import PendingPut, PutTarget, start_puts
 from embcache.service.host.entries import Entry
 from embcache.service.host.leases import Lease
-from embcache.service.host.store import SHARED_TIER_OWNER, EvictOutcome, HostStore
+from embcache.service.host.store import SHARED_TIER_OWNER, EvictOutcome, EvictResults, HostStore
 
 Pin = Callable[[Sequence[str], str], list[Entry | None]]  # the engine's pin (lock held)
 
@@ -193,22 +193,24 @@ class DeviceSide:
         with self._lock:
             return self._tier.flush_due()
 
-    def evict(self, keys: Sequence[str], device: int) -> list[EvictOutcome]:
+    def evict(self, keys: Sequence[str], device: int) -> EvictResults:
         """Drop each key's copy in device pool ``device``; its host copy stays.
 
         Returns:
             Per key EVICTED; NOT_FOUND (no such entry, or no copy there); or LEASED
-            (refused, never forced).
+            (refused, never forced); and ``freed_bytes`` of that pool's pages.
         """
         with self._lock:
             self._store.expire(self._store.clock())
             out = self._store.evictable(keys)
             todo = [entry for _, entry in out if entry is not None]
-            had = iter(self._tier.evict_copies(todo, device))
-            return [
-                EvictOutcome.NOT_FOUND if entry is not None and not next(had) else outcome
+            freed = self._tier.evict_copies(todo, device)
+            had = iter(freed)
+            outcomes = [
+                EvictOutcome.NOT_FOUND if entry is not None and next(had) is None else outcome
                 for outcome, entry in out
             ]
+            return EvictResults(outcomes, sum(n for n in freed if n is not None))
 
     def evict_bytes(self, device: int, nbytes: int) -> tuple[int, int]:
         """Free ``nbytes`` of device pool ``device`` by LRU over its unleased copies (host

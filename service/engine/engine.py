@@ -44,7 +44,7 @@ from embcache.service.host.entries import Entry
 from embcache.service.host.host_pool import HostPool, SegmentInfo
 from embcache.service.host.leases import Lease
 from embcache.service.host.put_writer import FillTarget, PutHandle
-from embcache.service.host.store import EvictOutcome, HostStore, raise_for_evict
+from embcache.service.host.store import EvictResults, HostStore, raise_for_evict
 
 log = logging.getLogger("embcache.service.engine")
 
@@ -292,19 +292,19 @@ class CacheEngine:
             out = [isinstance(k, str) and self._store.entries.get(k) is not None for k in keys]
         return self._shared.exists(keys, out)
 
-    def evict(self, keys: Sequence[str]) -> list[EvictOutcome]:
-        """Evict each key with its device copies unless it is leased (never forced)."""
+    def evict(self, keys: Sequence[str]) -> EvictResults:
+        """Evict each key unless it is leased (never forced); with the host bytes freed."""
         with self._lock:
             self._store.expire(self._clock())
             out = self._store.evictable(keys)
-            for _, entry in out:
-                if entry is not None:
-                    self._store.evict(entry)
-            return [outcome for outcome, _ in out]
+            freed = sum(self._store.evict(entry) for _, entry in out if entry is not None)
+            return EvictResults((outcome for outcome, _ in out), freed)
 
-    def evict_one(self, key: str) -> None:
-        """Evict one key; raises NotFound if there is none, EntryLeased if it is leased."""
-        raise_for_evict(key, self.evict([key])[0])
+    def evict_one(self, key: str) -> int:
+        """Evict one key (the host bytes freed): NotFound if absent, EntryLeased if leased."""
+        out = self.evict([key])
+        raise_for_evict(key, out[0])
+        return out.freed_bytes
 
     def evict_bytes(self, nbytes: int) -> tuple[int, int]:
         """Evict LRU entries until ``nbytes`` are freed or none is left: (entries, bytes)."""

@@ -122,8 +122,8 @@ class HostPool:
             if exc.errno == errno.ENOSPC:
                 raise OSError(
                     exc.errno,
-                    f"no room for a {self.nbytes}-byte host pool in {SHM_DIR} "
-                    "(raise its size or lower host_pool_bytes)",
+                    f"no room for a {self.nbytes}-byte host pool in {SHM_DIR}: lower "
+                    f"--host-pool-bytes or enlarge {SHM_DIR}",
                 ) from None
             raise
         return fd
@@ -136,8 +136,8 @@ class HostPool:
         except BlockingIOError:
             os.close(fd)
             raise PoolInUseError(
-                f"shared-memory segment {self.name!r} belongs to a running daemon "
-                "(stop it, or give this one another --shm-name)"
+                f"shared-memory segment {self.name!r} belongs to a running daemon: stop it, "
+                "or give this one another --shm-name (or --grpc-port)"
             ) from None
         log.warning("replacing stale shared-memory segment %s left by a dead daemon", self.name)
         os.unlink(self.path)

@@ -40,6 +40,15 @@ class EvictOutcome(enum.Enum):
     LEASED = "leased"
 
 
+class EvictResults(list[EvictOutcome]):
+    """The outcome of each key, in key order (a list), and ``freed_bytes``: the pool memory
+    the evictions made free, in whole pages (what an eviction by bytes counts too)."""
+
+    def __init__(self, outcomes: Iterable[EvictOutcome], freed_bytes: int) -> None:
+        super().__init__(outcomes)
+        self.freed_bytes = freed_bytes
+
+
 def raise_for_evict(key: str, outcome: EvictOutcome, *, device: int | None = None) -> None:
     """The typed error of one key's eviction outcome (none when evicted); ``device``: the
     eviction was of that device pool's copies only."""
@@ -253,21 +262,22 @@ class HostStore:
                 out.append((EvictOutcome.EVICTED, entry))
         return out
 
-    def evict(self, entry: Entry) -> None:
-        """Remove an unleased READY entry and free its pages (its device copies first)."""
+    def evict(self, entry: Entry) -> int:
+        """Remove an unleased READY entry and free its pages (its device copies first);
+        returns the bytes of those pages."""
         self._on_evict(entry)
         self.entries.remove(entry)
         self.alloc.free(entry.runs)
         self._runs_hist[run_bucket(len(entry.runs))] -= 1
         self.counters["evictions"] += 1
         self.counters["evicted_bytes"] += entry.nbytes
+        return entry.num_pages * self.page_bytes
 
     def evict_bytes(self, nbytes: int) -> tuple[int, int]:
         """Evict LRU entries until ``nbytes`` of pages are freed or none is left."""
         count = freed = 0
         while freed < nbytes and (victim := self.entries.lru_oldest()) is not None:
-            freed += victim.num_pages * self.page_bytes
-            self.evict(victim)
+            freed += self.evict(victim)
             count += 1
         return count, freed
 

@@ -14,9 +14,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from embcache import build_info
 
 PREFIX = "embcache"
 
@@ -226,6 +228,15 @@ class Metrics:
 
     def __init__(self, engine: _StatsSource | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # The standard process_* metrics (CPU seconds, resident memory, open fds, start
+        # time) and which build is running, as Prometheus exporters conventionally do.
+        ProcessCollector(registry=self.registry)
+        Gauge(
+            f"{PREFIX}_build_info",
+            "Always 1; the labels say which build runs.",
+            ["version", "commit"],
+            registry=self.registry,
+        ).labels(build_info.version(), build_info.git_commit()).set(1)
         self._lock = threading.Lock()
         self._observed_copy: dict[str, float] = {}
         self.rpc_duration = Histogram(

@@ -109,7 +109,8 @@ def test_probes_are_open_and_metrics_need_the_token(live_daemon: dict[str, Any])
 
 def test_metrics_are_live_and_histograms_have_samples(exported: dict[str, Any]) -> None:
     names = exported["names"]
-    assert all(n.startswith("embcache_") for n in names)
+    assert all(n.startswith(("embcache_", "process_")) for n in names)
+    assert {"embcache_build_info", "process_resident_memory_bytes"} <= names
     rpc = exported["families"]["embcache_rpc_duration_seconds"]
     transports = {s.labels.get("transport") for s in rpc.samples if s.name.endswith("_count")}
     assert {"grpc", "lane", "http"} <= transports  # the client's get went over the session lane

@@ -7,22 +7,18 @@ Skipped where Debian's ``chromium`` is not installed.
 
 from __future__ import annotations
 
-import base64
-import json
 import os
 import re
 import shutil
-import subprocess
-import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from pagekit import CHROMIUM, DevTools, launch
 
+from embcache import build_info
 from embcache.service.config import Settings
 from embcache.service.device.pool import DevicePool
 from embcache.service.engine import CacheEngine
@@ -30,111 +26,15 @@ from embcache.service.observability.metrics import Metrics
 from embcache.service.transport.http.app import create_app
 from embcache.service.transport.http.testing import serve_in_thread
 
-CHROMIUM = Path("/usr/bin/chromium")
 TOKEN = "page-token"
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium")
 ws_client = pytest.importorskip("websockets.sync.client")
 
 
-class DevTools:
-    """Just enough of the Chrome DevTools protocol: commands, and events kept for later."""
-
-    def __init__(self, ws: Any) -> None:
-        self._ws = ws
-        self._next_id = 0
-        self.events: list[dict[str, Any]] = []
-
-    def call(self, method: str, timeout: float = 15.0, **params: Any) -> dict[str, Any]:
-        self._next_id += 1
-        self._ws.send(json.dumps({"id": self._next_id, "method": method, "params": params}))
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(method)
-            msg = json.loads(self._ws.recv(timeout=left))
-            if msg.get("id") == self._next_id:
-                if "error" in msg:
-                    raise RuntimeError(f"{method}: {msg['error']}")
-                return msg.get("result", {})
-            if "method" in msg:
-                self.events.append(msg)
-
-    def evaluate(self, expression: str) -> Any:
-        out = self.call("Runtime.evaluate", expression=expression, returnByValue=True)
-        if "exceptionDetails" in out:
-            raise RuntimeError(out["exceptionDetails"])
-        return out["result"].get("value")
-
-    def wait_for(self, expression: str, timeout: float = 20.0) -> Any:
-        deadline = time.monotonic() + timeout
-        guarded = f"(() => {{ try {{ return ({expression}); }} catch (e) {{ return null; }} }})()"
-        while time.monotonic() < deadline:
-            value = self.evaluate(guarded)  # null while the page is still loading
-            if value:
-                return value
-            time.sleep(0.2)
-        raise AssertionError(f"timed out waiting for: {expression}")
-
-    def errors(self) -> list[str]:
-        found = []
-        for ev in self.events:
-            method, params = ev["method"], ev.get("params", {})
-            if method == "Runtime.exceptionThrown":
-                found.append(json.dumps(params["exceptionDetails"])[:500])
-            elif method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
-                found.append(json.dumps(params.get("args"))[:500])
-            elif method == "Log.entryAdded" and params["entry"]["level"] == "error":
-                found.append(params["entry"].get("text", "")[:500])
-        return found
-
-
 @pytest.fixture
 def browser(tmp_path: Path) -> Iterator[DevTools]:
-    profile = tmp_path / "profile"
-    cmd = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-           "--no-first-run", "--disable-background-networking", "--disable-component-update",
-           "--disable-sync", "--disable-extensions", f"--user-data-dir={profile}",
-           "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
-           "--window-size=1400,1000", "about:blank"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    found = threading.Event()
-
-    def read_stderr() -> None:  # keeps draining so Chromium never blocks on a full pipe
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line)
-            if "DevTools listening on" in line:
-                found.set()
-
-    reader = threading.Thread(target=read_stderr, daemon=True)
-    reader.start()
-    try:
-        if not found.wait(30):
-            raise RuntimeError("chromium did not start:\n" + "".join(lines[-20:]))
-        endpoint = re.search(r"ws://127\.0\.0\.1:(\d+)/", "".join(lines))
-        assert endpoint is not None
-        with urllib.request.urlopen(f"http://127.0.0.1:{endpoint.group(1)}/json/list") as r:
-            pages = [t for t in json.load(r) if t["type"] == "page"]
-        ws_url = pages[0]["webSocketDebuggerUrl"]
-        with ws_client.connect(ws_url, max_size=64 * 1024 * 1024, open_timeout=10) as ws:
-            tools = DevTools(ws)
-            for domain in ("Runtime", "Log", "Page"):
-                tools.call(f"{domain}.enable")
-            tools.call("Emulation.setDeviceMetricsOverride", width=1400, height=1000,
-                       deviceScaleFactor=1, mobile=False)  # fmt: skip
-            yield tools
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-        reader.join(timeout=5)
-        if proc.stderr is not None:
-            proc.stderr.close()
+    with launch(tmp_path / "profile") as tools:
+        yield tools
 
 
 @pytest.fixture
@@ -198,9 +98,29 @@ def test_pool_map_page(browser: DevTools, site: tuple[str, CacheEngine], tmp_pat
     browser.wait_for(f"{keys}[0] === 'fresh/after-load'")
     assert browser.evaluate("window.__noReload") == 1
 
-    shot = base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"])
-    (tmp_path / "pool-map.png").write_bytes(shot)
+    # The hit-rate card labels its two figures: the last interval, and lifetime.
+    label = browser.evaluate("document.getElementById('hit-rate-label').textContent")
+    assert re.fullmatch(r"last \d+ s(: no lookups)?", label), label
+    foot = browser.evaluate("document.querySelector('#hit-foot').parentNode.textContent")
+    assert "lifetime" in foot and "lookups" in foot, foot
+    build = browser.evaluate("document.getElementById('build').textContent")
+    assert build == f"embcache {build_info.version()} · commit {build_info.git_commit()}"
+
+    # The key search: an entry in words, and an absent key said to be absent.
+    result = "document.getElementById('search-result')"
+    browser.evaluate("document.getElementById('search-key').value = 'img/011.jpg'")
+    browser.evaluate("document.getElementById('search').requestSubmit()")
+    found = browser.wait_for(f"{result}.dataset.found === '1' && {result}.textContent")
+    assert found.startswith("img/011.jpg: ready, float32 [48, 1024]") and "1 leases" in found
+    browser.evaluate("document.getElementById('search-key').value = 'no/such key'")
+    browser.evaluate("document.getElementById('search').requestSubmit()")
+    assert browser.wait_for(f"{result}.dataset.found === '0' && {result}.textContent") == (
+        "No entry no/such key."
+    )
+
+    shot = browser.screenshot(tmp_path / "pool-map.png")
     if out_dir := os.environ.get("EMBCACHE_SCREENSHOT_DIR"):
         shutil.copy(tmp_path / "pool-map.png", Path(out_dir) / "pool-map.png")
     assert shot.startswith(b"\x89PNG") and len(shot) > 10_000
-    assert browser.errors() == []
+    # The one refused request is the lookup of the absent key (a 404, logged by Chromium).
+    assert [e for e in browser.errors() if "404" not in e] == []

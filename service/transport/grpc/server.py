@@ -21,7 +21,6 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from embcache.proto.constants import MAX_MESSAGE_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
@@ -30,6 +29,7 @@ from embcache.service.engine import CacheEngine
 from embcache.service.transport.accounting import RpcMetrics
 from embcache.service.transport.grpc.auth import TokenAuthInterceptor
 from embcache.service.transport.grpc.decoding import add_servicer
+from embcache.service.transport.grpc.reflection import enable_reflection
 from embcache.service.transport.grpc.servicer import EmbeddingCacheServicer
 from embcache.service.transport.sockets import prepare_socket_path, unlink_socket
 
@@ -127,9 +127,7 @@ async def start_grpc(
     add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    enable_reflection(server, (SERVICE_NAME, health.SERVICE_NAME))
 
     ports = [_add_tcp_port(server, settings)]
     socket_path = None
@@ -164,9 +162,17 @@ def _add_tcp_port(server: grpc.aio.Server, settings: Settings) -> int:
             root_certificates=Path(ca).read_bytes() if ca is not None else None,
             require_client_auth=ca is not None,  # mTLS: a verified client certificate
         )
-        port = server.add_secure_port(address, creds)
+        add = functools.partial(server.add_secure_port, address, creds)
     else:
-        port = server.add_insecure_port(address)
+        add = functools.partial(server.add_insecure_port, address)
+    try:
+        port = add()
+    except RuntimeError:  # grpcio >= 1.62 raises where older ones returned 0
+        port = 0
     if not port:
-        raise OSError(errno.EADDRINUSE, f"cannot bind gRPC to {address}")
+        raise OSError(
+            errno.EADDRINUSE,
+            f"cannot bind gRPC to {address}: the port is in use or the address is not this "
+            "machine's (--grpc-port, 0 picks a free one; --grpc-host)",
+        )
     return port

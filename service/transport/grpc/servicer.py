@@ -10,6 +10,7 @@ The servicer also opens the sessions that gRPC streams and the session socket ca
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,13 +18,14 @@ from typing import Any
 import grpc
 from google.protobuf import struct_pb2
 
+from embcache import build_info
 from embcache.errors import InvalidArgument, NotFound, UnknownSession
 from embcache.proto.constants import CHUNK_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
 from embcache.service.config import Settings
 from embcache.service.device.ipc.cache import IpcCache
-from embcache.service.engine import CacheEngine, EvictOutcome, raise_for_evict
+from embcache.service.engine import CacheEngine, EvictOutcome, EvictResults, raise_for_evict
 from embcache.service.host import admission
 from embcache.service.transport.accounting import RpcMetrics
 from embcache.service.transport.grpc.busy_poll import BusyPoll
@@ -35,6 +37,9 @@ from embcache.service.transport.session.open import OpenSession
 from embcache.service.transport.session.registry import SessionRegistry
 
 log = logging.getLogger("embcache.grpc")
+# Initial metadata of the Session stream and of Stats: which daemon build answers. The
+# data-path unary calls leave it out (it would cost them a write of its own).
+VERSION_METADATA = (("embcache-version", build_info.describe()),)
 
 _EVICT_OUTCOMES = {
     EvictOutcome.EVICTED: pb.EVICTED,
@@ -219,24 +224,29 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
             if len(keys) == 1:  # a single key fails loudly, as below
                 raise_for_evict(keys[0], outcomes[0], device=index)
         elif len(keys) == 1:  # a single key fails loudly: NOT_FOUND / FAILED_PRECONDITION
-            self.engine.evict_one(keys[0])
-            outcomes = [EvictOutcome.EVICTED]
+            freed = self.engine.evict_one(keys[0])
+            outcomes = EvictResults([EvictOutcome.EVICTED], freed)
         else:
             outcomes = self.engine.evict(keys)
         return pb.EvictResponse(
             results=[
                 pb.EvictResult(key=k, outcome=_EVICT_OUTCOMES[o])
                 for k, o in zip(keys, outcomes, strict=True)
-            ]
+            ],
+            freed_bytes=outcomes.freed_bytes,
         )
 
     @rpc("Stats")
     async def Stats(
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatsResponse:
+        document = {**_jsonable(self.engine.stats().to_dict()), **build_info.as_dict()}
         stats = struct_pb2.Struct()
-        stats.update(_jsonable(self.engine.stats().to_dict()))
-        return pb.StatsResponse(stats=stats, sessions=len(self.sessions))
+        stats.update(document)
+        await context.send_initial_metadata(VERSION_METADATA)
+        return pb.StatsResponse(
+            stats=stats, sessions=len(self.sessions), stats_json=json.dumps(document)
+        )
 
     @rpc("Prefetch")
     async def Prefetch(
@@ -264,6 +274,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
 
         session = self.open_session(send, "grpc")
         try:
+            await context.send_initial_metadata(VERSION_METADATA)
             await send(pb.SessionResponse(opened=session.opened))
             async for msg in request_iterator:
                 if not isinstance(msg, pb.SessionRequest):
@@ -328,6 +339,4 @@ def _jsonable(value: Any) -> Any:
 
 
 def _version() -> str:
-    from embcache import __version__
-
-    return __version__
+    return build_info.version()

@@ -24,6 +24,7 @@ from embcache.service.config import Settings
 from embcache.service.observability.metrics import Metrics
 from embcache.service.transport.device_get import Housekeeping
 from embcache.service.transport.http import data as http_data
+from embcache.service.transport.http import docs as http_docs
 from embcache.service.transport.http import health as http_health
 from embcache.service.transport.http import prefetch as http_prefetch
 from embcache.service.transport.http import routes as http_routes
@@ -86,6 +87,8 @@ async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     )
     if exc.headers:
         response.headers.update(exc.headers)
+    if exc.status_code == 405 and (allowed := http_docs.allowed_methods(request)):
+        response.headers["Allow"] = allowed  # Starlette names the first route's methods only
     return response
 
 
@@ -122,7 +125,7 @@ def create_app(engine: Any, settings: Settings, metrics: Metrics) -> FastAPI:
         summary="Operator and data API of the embcache embedding-cache daemon.",
         version="1",
         lifespan=_lifespan,
-        docs_url="/docs",
+        docs_url=None,  # docs.py serves /docs from the package, not from a CDN
         redoc_url=None,
     )
     app.state.engine = engine
@@ -148,6 +151,8 @@ def create_app(engine: Any, settings: Settings, metrics: Metrics) -> FastAPI:
     app.include_router(http_data.router)
     app.include_router(http_prefetch.router)
     app.include_router(http_routes.router)
+    http_docs.mount_docs(app)
+    http_docs.bound_schema(app, settings)
 
     static = _static_dir()
 

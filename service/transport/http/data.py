@@ -28,6 +28,7 @@ from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
 
 from embcache.errors import InvalidArgument, NotFound
+from embcache.proto import dtypes
 from embcache.proto.constants import (
     CHECKSUM_HEADER,
     CHUNK_BYTES,
@@ -75,7 +76,7 @@ def _engine(request: Request) -> CacheEngine:
 
 # -- put -----------------------------------------------------------------------------------
 def _one_of(header: str | None, query: str | None, name: str) -> str | None:
-    if header is not None and query is not None and header.strip() != query.strip():
+    if header is not None and query is not None and header != query:
         raise InvalidArgument(
             f"{name} given as header and query parameter with different values",
             header=header,
@@ -121,6 +122,48 @@ def _content_length(request: Request) -> int | None:
     return int(raw)
 
 
+# Every dtype name a put accepts (the wire names and their aliases), for the schema.
+_DTYPE: dict[str, Any] = {"enum": sorted(dtypes.names())}
+# A CRC32 as parse_checksum reads it: decimal up to 4294967295, or 0x and 1-8 hex digits.
+_CRC32 = (
+    r"^(0[xX][0-9a-fA-F]{1,8}|[0-9]{1,9}|[0-3][0-9]{9}|4[01][0-9]{8}|42[0-8][0-9]{7}"
+    r"|429[0-3][0-9]{6}|4294[0-8][0-9]{5}|42949[0-5][0-9]{4}|429496[0-6][0-9]{3}"
+    r"|4294967[01][0-9]{2}|42949672[0-8][0-9]|429496729[0-5])$"
+)
+
+
+class _NotOnData(APIRoute):
+    """Any method but GET on a path ending in a real ``/data``: 405. The last ``/data`` of a
+    path is the bytes suffix for every method; the key ``a/data`` is ``a%2Fdata``."""
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        raw = scope.get("raw_path")
+        if not (isinstance(raw, bytes) and raw.endswith(b"/data")):
+            return Match.NONE, {}
+        if scope.get("method") in ("GET", "HEAD"):
+            return Match.NONE, {}
+        return super().matches(scope)
+
+
+async def _data_method_not_allowed() -> JSONResponse:
+    body = {
+        "error": "MethodNotAllowed",
+        "code": "INVALID_ARGUMENT",
+        "message": "a path ending in /data is an entry's bytes: only GET; put or delete the "
+        "key 'a/data' as /v1/entries/a%2Fdata",
+        "details": {},
+    }
+    return JSONResponse(body, status_code=405, headers={"Allow": "GET"})
+
+
+router.add_api_route(
+    "/entries/{key:path}/data",
+    _data_method_not_allowed,
+    methods=["PUT", "POST", "DELETE", "PATCH", "OPTIONS"],
+    route_class_override=_NotOnData,
+    include_in_schema=False,
+)
+
 PUT_BODY: dict[str, Any] = {
     "requestBody": {
         "required": True,
@@ -144,19 +187,26 @@ async def put_entry(
     request: Request,
     key: str,
     x_dtype: Annotated[
-        str | None, Header(alias=DTYPE_HEADER, description="dtype, e.g. bfloat16, float32.")
+        str | None,
+        Header(alias=DTYPE_HEADER, description="dtype, e.g. bfloat16.", json_schema_extra=_DTYPE),
     ] = None,
     x_shape: Annotated[
         str | None, Header(alias=SHAPE_HEADER, description="Comma-separated dims: 3,4.")
     ] = None,
     x_checksum: Annotated[
         str | None,
-        Header(alias=CHECKSUM_HEADER, description="CRC32 of the body (decimal or 0x hex)."),
+        Header(
+            alias=CHECKSUM_HEADER,
+            description="CRC32 of the body (decimal or 0x hex).",
+            json_schema_extra={"pattern": _CRC32},
+        ),
     ] = None,
-    dtype: Annotated[str | None, Query(max_length=64, description="Or X-Embcache-Dtype.")] = None,
+    dtype: Annotated[
+        str | None, Query(description="Or X-Embcache-Dtype.", json_schema_extra=_DTYPE)
+    ] = None,
     shape: Annotated[str | None, Query(max_length=256, description="Or X-Embcache-Shape.")] = None,
     checksum: Annotated[
-        str | None, Query(max_length=16, description="Or X-Embcache-Checksum.")
+        str | None, Query(pattern=_CRC32, description="Or X-Embcache-Checksum.")
     ] = None,
 ) -> JSONResponse:
     engine = _engine(request)
@@ -171,7 +221,7 @@ async def put_entry(
     crc = parse_checksum(crc_s) if crc_s is not None else None
     # Everything is checked before a page is reserved: size limits first (413 for a huge
     # declared entry), then the body length against the metadata.
-    meta = admission.check_meta(dtype_s.strip(), dims, None, engine.settings)
+    meta = admission.check_meta(dtype_s, dims, None, engine.settings)
     length = _content_length(request)
     if length is not None and length != meta.nbytes:
         raise InvalidArgument(

@@ -10,12 +10,12 @@ from __future__ import annotations
 import base64
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from embcache.service.transport import render as d
+from embcache.service.transport.http.models import Count
 
 MAX_BATCH = 10_000
-_U64 = 2**64
 
 DecimalId = Annotated[str, Field(pattern=r"^[0-9]{1,20}$", description="Decimal string.")]
 
@@ -178,18 +178,15 @@ def _pool(pool: d.PoolDesc) -> HostShmPoolModel | DevicePoolModel:
 
 
 # -- leases --------------------------------------------------------------------------------
+# A lease id as a request may give it: a non-negative integer, or its decimal string (19
+# digits at most: every 63-bit id). Ids no lease has (past 2^63 too) are skipped.
+LeaseIdIn = Count | Annotated[str, Field(pattern=r"^[0-9]{1,19}$")]
+
+
 class _LeaseIds(_Model):
-    lease_ids: list[int | DecimalId] = Field(
+    lease_ids: list[LeaseIdIn] = Field(
         max_length=MAX_BATCH, description="Lease ids (decimal strings or integers)."
     )
-
-    @field_validator("lease_ids")
-    @classmethod
-    def _in_range(cls, ids: list[int | str]) -> list[int | str]:
-        for i in ids:
-            if not 0 <= int(i) < _U64:
-                raise ValueError("lease ids are unsigned 64-bit integers")
-        return ids
 
     def ids(self) -> list[int]:
         return [int(i) for i in self.lease_ids]

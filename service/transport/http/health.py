@@ -11,7 +11,7 @@ from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from embcache.service.engine import CacheEngine
-from embcache.service.transport.http.models import Liveness, Readiness
+from embcache.service.transport.http.models import ErrorBody, Liveness, Readiness
 
 router = APIRouter(tags=["health"])
 
@@ -34,11 +34,13 @@ def readiness(engine: CacheEngine) -> Readiness:
     )
 
 
+@router.head("/livez", operation_id="head_livez", summary="The process answers (no body)")
 @router.get("/livez", response_model=Liveness, summary="The process answers")
 async def livez() -> Liveness:
     return Liveness(status="ok")
 
 
+@router.head("/readyz", operation_id="head_readyz", summary="Ready (status only, no body)")
 @router.get(
     "/readyz",
     response_model=Readiness,
@@ -55,7 +57,10 @@ def readyz(request: Request) -> Any:
 @router.get(
     "/metrics",
     response_class=Response,
-    responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text."}},
+    responses={
+        200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text."},
+        401: {"model": ErrorBody, "description": "A token is set and was not given."},
+    },
     summary="Prometheus metrics",
     dependencies=[Security(HTTPBearer(auto_error=False))],
 )

@@ -26,7 +26,7 @@ from embcache.service.transport.status import error_body
 PUBLIC_PATHS = frozenset(
     {"/livez", "/readyz", "/", "/docs", "/docs/oauth2-redirect", "/openapi.json"}
 )
-PUBLIC_PREFIXES = ("/static/",)
+PUBLIC_PREFIXES = ("/static/", "/docs/assets/")
 
 
 def is_public(path: str) -> bool:
@@ -41,8 +41,9 @@ def route_label(scope: Scope) -> str:
     before routing (401) is matched here; anything that matches no route is ``unmatched``.
     """
     method = scope.get("method", "GET")
-    if scope.get("path", "").startswith(PUBLIC_PREFIXES):
-        return f"{method} /static"  # the mount does not record itself in the scope
+    path = scope.get("path", "")
+    if path.startswith(PUBLIC_PREFIXES):  # mounts do not record themselves in the scope
+        return f"{method} {'/docs/assets' if path.startswith('/docs/') else '/static'}"
     route = scope.get("route")
     if route is None:
         router = getattr(scope.get("app"), "router", None)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from embcache.service.config import ByteSize
+from embcache.service.sizes import parse_size
 
 EntryStateFilter = Literal["ready", "filling", "leased"]
 TierName = Literal["host", "device"]
@@ -49,6 +49,10 @@ class PoolStatsModel(_OpenModel):
 
 
 class StatsResponse(_OpenModel):
+    version: str = Field(description="The daemon's version.")
+    commit: str = Field(description="The git commit it was built from ('unknown' if not known).")
+    grpc_port: int | None = Field(default=None, description="The daemon's gRPC TCP port.")
+    grpc_socket: str | None = Field(default=None, description="Its gRPC Unix socket, if any.")
     host: PoolStatsModel
     device: list[PoolStatsModel]
     entries_ready: int
@@ -115,25 +119,57 @@ class EntryPage(_Model):
     items: list[EntrySummary]
 
 
-class EvictRequest(_Model):
-    """Either ``keys`` to evict (leased ones are refused, never forced) or ``bytes`` to free.
-    With ``device``, only copies in that device pool go; host copies stay."""
+FREED_BYTES = (
+    "Pool memory made free, in bytes: whole pages of the host pool (of device pool 'device' "
+    "when given), whether keys or bytes were evicted; an entry's own nbytes may be less."
+)
 
-    keys: list[str] | None = Field(None, max_length=10_000)
-    bytes: ByteSize | None = Field(
-        None, description="Free at least this many bytes by LRU eviction (e.g. 1048576 or '1MiB')."
-    )
+
+def _whole_number(value: Any) -> Any:
+    """A JSON integer: ints, and numbers like ``1320.0`` (JSON Schema counts them as
+    integers); never booleans, strings or fractions."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("must be an integer")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError("must be a whole number")
+        return int(value)
+    return value
+
+
+# A non-negative JSON integer (see _whole_number).
+Count = Annotated[int, Field(ge=0), BeforeValidator(_whole_number)]
+# A size as JSON text: whole bytes with an optional unit (k, KB, KiB, M, MB, MiB, G, ...).
+SIZE_TEXT = r"^[0-9]{1,15}([KkMmGgTt]([Bb]|[Ii][Bb])?|[Bb])?$"
+
+
+class _Evict(_Model):
     device: int | None = Field(
         default=None,
         ge=0,
         description="Device pool index: evict its copies only (host copies stay).",
     )
 
-    @model_validator(mode="after")
-    def _one_of(self) -> EvictRequest:
-        if (self.keys is None) == (self.bytes is None):
-            raise ValueError("give exactly one of 'keys' or 'bytes'")
-        return self
+
+class EvictKeys(_Evict):
+    """Evict these keys; leased ones are refused, never forced."""
+
+    keys: list[str] = Field(max_length=10_000)
+
+
+class EvictBytes(_Evict):
+    """Free at least ``bytes`` of pool pages by LRU eviction."""
+
+    bytes: Count | Annotated[str, Field(pattern=SIZE_TEXT)] = Field(
+        description="A number of bytes, or a size with a unit: 1048576, '1MiB', '4GiB'."
+    )
+
+    def nbytes(self) -> int:
+        return parse_size(self.bytes)
+
+
+# Exactly one of the two shapes: a body with both, or with neither, fits none (422).
+EvictRequest = EvictKeys | EvictBytes
 
 
 class EvictResponse(_Model):
@@ -141,13 +177,13 @@ class EvictResponse(_Model):
     not_found: list[str]
     leased: list[str] = Field(description="Keys refused because they are leased.")
     freed_entries: int
-    freed_bytes: int
+    freed_bytes: int = Field(description=FREED_BYTES)
 
 
 class DeleteResponse(_Model):
     key: str
     evicted: bool
-    freed_bytes: int
+    freed_bytes: int = Field(description=FREED_BYTES)
 
 
 class Liveness(_Model):
@@ -202,6 +238,8 @@ class PoolMapHistory(_Model):
 
 
 class PoolMapResponse(_Model):
+    version: str
+    commit: str
     time: float
     ready: bool
     draining: bool

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request, Security
 from fastapi.security import HTTPBearer
 
+from embcache import build_info
 from embcache.errors import NotFound
 from embcache.service.engine import EvictOutcome
 from embcache.service.engine.stats import EntryInfo
@@ -24,6 +25,7 @@ from embcache.service.transport.http.models import (
     EntryStateFilter,
     EntrySummary,
     ErrorBody,
+    EvictBytes,
     EvictRequest,
     EvictResponse,
     LeaseHolder,
@@ -71,7 +73,8 @@ def _on_device(info: EntryInfo) -> bool:
 
 @router.get("/stats", response_model=StatsResponse, summary="Engine statistics")
 def get_stats(request: Request) -> dict[str, Any]:
-    return _engine(request).stats().to_dict()
+    endpoints = getattr(request.app.state, "endpoints", {})  # the daemon sets its listeners
+    return {**build_info.as_dict(), **endpoints, **_engine(request).stats().to_dict()}
 
 
 @router.get("/entries", response_model=EntryPage, summary="List entries (paged)")
@@ -143,10 +146,8 @@ def get_entry(request: Request, key: str) -> EntryDetail:
 
 @router.delete("/entries/{key:path}", response_model=DeleteResponse, summary="Evict one entry")
 def delete_entry(request: Request, key: str) -> DeleteResponse:
-    engine = _engine(request)
-    info = engine.entry_info(key)
-    engine.evict_one(key)  # NotFound -> 404, EntryLeased -> 409
-    return DeleteResponse(key=key, evicted=True, freed_bytes=info.nbytes if info else 0)
+    freed = _engine(request).evict_one(key)  # NotFound -> 404, EntryLeased -> 409
+    return DeleteResponse(key=key, evicted=True, freed_bytes=freed)
 
 
 @router.post(
@@ -156,19 +157,15 @@ def delete_entry(request: Request, key: str) -> DeleteResponse:
 )
 def evict(request: Request, body: EvictRequest) -> EvictResponse:
     engine = _engine(request)
-    if body.bytes is not None:
+    if isinstance(body, EvictBytes):
         if body.device is None:
-            count, freed = engine.evict_bytes(body.bytes)
+            count, freed = engine.evict_bytes(body.nbytes())
         else:  # DeviceUnavailable -> 409 when there is no such pool
-            count, freed = engine.device.evict_bytes(body.device, body.bytes)
+            count, freed = engine.device.evict_bytes(body.device, body.nbytes())
         return EvictResponse(
             evicted=[], not_found=[], leased=[], freed_entries=count, freed_bytes=freed
         )
-    keys = list(dict.fromkeys(body.keys or []))  # a key named twice is evicted once
-    sizes = {}
-    for key in keys:
-        info = engine.entry_info(key)
-        sizes[key] = info.nbytes if info is not None else 0
+    keys = list(dict.fromkeys(body.keys))  # a key named twice is evicted once
     out: dict[EvictOutcome, list[str]] = {o: [] for o in EvictOutcome}
     device = body.device
     outcomes = engine.evict(keys) if device is None else engine.device.evict(keys, device)
@@ -180,7 +177,7 @@ def evict(request: Request, body: EvictRequest) -> EvictResponse:
         not_found=out[EvictOutcome.NOT_FOUND],
         leased=out[EvictOutcome.LEASED],
         freed_entries=len(evicted),
-        freed_bytes=sum(sizes[k] for k in evicted),
+        freed_bytes=outcomes.freed_bytes,
     )
 
 
@@ -214,6 +211,7 @@ def pool_map(
         )
     series = history.series()
     return PoolMapResponse(
+        **build_info.as_dict(),
         time=time.time(),
         ready=readiness(engine).status == "ready",
         draining=bool(engine.draining),

@@ -190,7 +190,7 @@ def test_the_reaper_outlives_a_failing_flush() -> None:
     )
 
     async def run() -> None:
-        task = asyncio.create_task(Daemon(Settings(lease_ttl_s=1.0))._reap(engine))  # type: ignore[arg-type]
+        task = asyncio.create_task(Daemon(Settings(lease_ttl_s=1.0), None)._reap(engine))  # type: ignore[arg-type]
         while len(expired) < 3 and not task.done():
             await asyncio.sleep(0.05)
         assert not task.done(), task

@@ -9,6 +9,7 @@ import torch
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from embcache import build_info
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
 from embcache.service.observability.metrics import Metrics
@@ -107,8 +108,8 @@ def test_every_name_is_prefixed_and_typed(engine: CacheEngine) -> None:
     text = generate_latest(Metrics(engine).registry).decode()
     families = list(text_string_to_metric_families(text))
     assert families
-    for family in families:
-        assert family.name.startswith("embcache_"), family.name
+    for family in families:  # the standard process_* metrics keep their standard names
+        assert family.name.startswith(("embcache_", "process_")), family.name
         if family.type == "counter":
             assert all(s.name.endswith(("_total", "_created")) for s in family.samples)
 
@@ -149,3 +150,13 @@ def test_the_put_landing_is_free_capacity_on_loan(engine: CacheEngine) -> None:
     assert value(s, "embcache_put_landing_bytes") == 2 * PAGE  # topped up for the next one
     assert value(s, "embcache_pool_used_bytes", **host) == 2 * PAGE  # the entry only
     assert value(s, "embcache_pool_pages", state="free", **host) == 62
+
+
+def test_build_info_and_process_metrics(engine: CacheEngine) -> None:
+    samples = scrape(Metrics(engine))
+    labels = {"version": build_info.version(), "commit": build_info.git_commit()}
+    assert value(samples, "embcache_build_info", **labels) == 1
+    names = {name for name, _ in samples}
+    for name in ("process_cpu_seconds_total", "process_resident_memory_bytes",
+                 "process_open_fds", "process_start_time_seconds"):  # fmt: skip
+        assert name in names, name

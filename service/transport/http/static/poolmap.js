@@ -208,10 +208,15 @@
     setText("evictions", `pin ${fmtBytes(pinned)} of host pages`);
 
     const hist = map.history;
-    const rates = hist.hit_rate.filter((v) => v !== null);
+    // Two figures, each with its own label: the last sampling interval (null when nothing
+    // was read in it: shown as such, never replaced by the lifetime figure) and lifetime.
+    const last = hist.hit_rate.length ? hist.hit_rate[hist.hit_rate.length - 1] : null;
     const lifetime = s.hits + s.misses > 0 ? s.hits / (s.hits + s.misses) : null;
-    setText("hit-rate", fmtPct(rates.length ? rates[rates.length - 1] : lifetime));
-    setText("hit-foot", `lifetime ${fmtPct(lifetime)} of ${fmtInt(s.hits + s.misses)} lookups`);
+    const interval = `last ${hist.interval_s.toFixed(0)} s`;
+    setText("hit-rate", last === null ? "–" : fmtPct(last));
+    setText("hit-rate-label", last === null ? `${interval}: no lookups` : interval);
+    setText("hit-foot", `${fmtPct(lifetime)} of ${fmtInt(s.hits + s.misses)} lookups`);
+    setText("build", `embcache ${map.version} · commit ${map.commit}`);
     drawSpark(document.getElementById("spark-hit"), hist.hit_rate, COLORS.ready, 1);
 
     const dirs = Object.keys(hist.bandwidth);
@@ -333,6 +338,29 @@
     } catch (e) { /* private mode */ }
     polls = 0;
     tick();
+  });
+
+  // Look up one key: its detail from the API, in words (absent keys say so).
+  document.getElementById("search").addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    const key = document.getElementById("search-key").value;
+    const out = document.getElementById("search-result");
+    out.hidden = false;
+    if (!key) { out.textContent = "Type a key to look it up."; return; }
+    const path = "v1/entries/" + key.split("/").map(encodeURIComponent).join("/");
+    try {
+      const e = await api(path);
+      const where = e.residency.join(", ");
+      const leases = e.leases ? `${fmtInt(e.leases)} leases` : "no leases";
+      out.textContent = `${e.key}: ${e.state}, ${e.dtype} [${e.shape.join(", ")}], ` +
+        `${fmtBytes(e.nbytes)} in ${fmtInt(e.num_runs)} page runs, on ${where}, ${leases}, ` +
+        `idle ${fmtAge(e.idle_s)}`;
+      out.dataset.found = "1";
+    } catch (err) {
+      out.dataset.found = "0";
+      out.textContent = String(err.message).startsWith("404") ? `No entry ${key}.`
+        : "Lookup failed: " + err.message;
+    }
   });
 
   document.getElementById("pause").addEventListener("click", (ev) => {

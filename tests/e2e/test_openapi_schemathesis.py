@@ -1,0 +1,39 @@
+"""schemathesis against a live daemon: every check, with a token, bounded in examples and
+time. The one documented exception is in schemathesis.toml beside this file."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from embcache.service.daemon_process import DaemonProcess
+
+pytest.importorskip("schemathesis")
+TOKEN = "schema-token"
+CONFIG = Path(__file__).with_name("schemathesis.toml")
+
+
+def test_schemathesis_finds_no_failures(tmp_path: Path) -> None:
+    st = shutil.which("st", path=str(Path(sys.executable).parent)) or shutil.which("st")
+    assert st, "schemathesis installs the st command"
+    flags = ["--host-pool-bytes", "64MiB", "--page-bytes", "64KiB", "--device", "cpu"]
+    daemon = DaemonProcess([*flags, "--auth-token", TOKEN], timeout=60)
+    try:
+        out = subprocess.run(
+            [st, "--config-file", str(CONFIG), "run", f"{daemon.http_url}/openapi.json",
+             "--checks", "all", "--header", f"Authorization: Bearer {TOKEN}",
+             "--max-examples", "40", "--request-timeout", "10", "--workers", "2",
+             "--generation-database", "none", "--no-color",
+             "--report", "junit", "--report-dir", str(tmp_path)],
+            capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        )  # fmt: skip
+    finally:
+        assert daemon.stop(timeout=30) == 0
+    summary = out.stdout[-4000:]
+    assert out.returncode == 0, out.stdout[-20000:] + out.stderr[-2000:]
+    assert "failures" not in summary.splitlines()[-1], summary
+    assert " passed" in summary
