@@ -366,16 +366,23 @@ class Ops:
 
     def ipc_serve(self, size: int, groups: list[list[int]]) -> int:
         """The producer of the CUDA-IPC handoff: tensors on its GPU; each request (ids) is
-        answered with ``reduce_tensor`` of each; ends on None."""
+        answered with ``reduce_tensor`` of each (or the error, as a string); ends on None."""
         from torch.multiprocessing.reductions import reduce_tensor
 
         assert self.peer is not None
-        tensors = {i: torch.from_numpy(payload(i, size)).cuda() for g in groups for i in g}
-        torch.cuda.synchronize()
+        try:
+            tensors = {i: torch.from_numpy(payload(i, size)).cuda() for g in groups for i in g}
+            torch.cuda.synchronize()
+        except Exception:
+            self.peer.send(traceback.format_exc())  # the consumer stops too
+            raise
         self.peer.send("ready")
         served = 0
         while (want := self.peer.recv()) is not None:
-            self.peer.send([reduce_tensor(tensors[i]) for i in want])
+            try:
+                self.peer.send([reduce_tensor(tensors[i]) for i in want])
+            except Exception:
+                self.peer.send(traceback.format_exc())
             served += 1
         return served
 
@@ -383,18 +390,23 @@ class Ops:
         """The consumer: ask, rebuild each handed tensor and clone it, until the clones are
         ready on the GPU."""
         assert self.peer is not None
-        assert self.peer.recv() == "ready"
+        if (first := self.peer.recv()) != "ready":
+            raise RuntimeError(f"the producer failed:\n{first}")
         lat, bad = [], 0
-        for g in groups:
-            t0 = time.perf_counter()
-            self.peer.send(g)
-            handed = self.peer.recv()
-            copies = [rebuild(*args).clone() for rebuild, args in handed]
-            torch.cuda.synchronize()
-            lat.append((time.perf_counter() - t0) * 1e6)
-            bad += sum(not same(c, payload(i, size)) for c, i in zip(copies, g, strict=True))
-            del copies, handed
-        self.peer.send(None)
+        try:
+            for g in groups:
+                t0 = time.perf_counter()
+                self.peer.send(g)
+                handed = self.peer.recv()
+                if isinstance(handed, str):
+                    raise RuntimeError(f"the producer failed:\n{handed}")
+                copies = [rebuild(*args).clone() for rebuild, args in handed]
+                torch.cuda.synchronize()
+                lat.append((time.perf_counter() - t0) * 1e6)
+                bad += sum(not same(c, payload(i, size)) for c, i in zip(copies, g, strict=True))
+                del copies, handed
+        finally:
+            self.peer.send(None)  # the producer stops serving
         return lat, bad
 
     def close(self) -> None:
@@ -709,6 +721,11 @@ def mooncake_problem(netns: bool) -> str | None:
 
 
 # -- the sections ---------------------------------------------------------------------------
+def shm_dir(tmp: Path) -> Path:
+    """Where the safetensors files go: /dev/shm (memory), as ECExampleConnector is used."""
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp
+
+
 def skipped(system: str, reason: str) -> Row:
     return Row(system, "-", "-", 0, 0, note=f"skipped: {reason}")
 
@@ -766,7 +783,7 @@ def start_servers(
     except ImportError:
         skips.append(skipped("safetensors", "safetensors not installed"))
     else:
-        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp
+        shm = shm_dir(tmp)
         folder = tempfile.mkdtemp(prefix="embcache-peers-", dir=shm)
         stack.callback(shutil.rmtree, folder, ignore_errors=True)
         files = ("safetensors", folder, "cpu")
@@ -838,8 +855,10 @@ def ipc_rows(bench: Bench, calls: tuple[int, int]) -> list[Row]:
     for batch, n in zip((1, BATCH), calls, strict=True):
         groups = [bench.ids.take(batch) for _ in range(n + WARMUP)]
         bench.producer.send("ipc_serve", LARGE, groups)
-        lat, bad = bench.consumer.call("ipc_fetch", LARGE, groups)
-        bench.producer.result()
+        try:
+            lat, bad = bench.consumer.call("ipc_fetch", LARGE, groups)
+        finally:
+            bench.producer.result()  # its answer, whatever the consumer's was
         rows.append(
             timed_row(
                 "torch CUDA IPC",
@@ -901,7 +920,7 @@ def gpu_section(
     except ImportError:
         rows.append(skipped("safetensors -> cuda", "safetensors not installed"))
     else:
-        folder = tempfile.mkdtemp(prefix="embcache-peers-", dir="/dev/shm")
+        folder = tempfile.mkdtemp(prefix="embcache-peers-", dir=shm_dir(tmp))
         try:
             spec = ("safetensors", folder, "cuda:0")
             names = ("safetensors", "/dev/shm -> cuda")
