@@ -330,6 +330,18 @@ def in_flight(
     return statistics.median(rates), {name: statistics.median(v) for name, v in cpu.items()}
 
 
+def fragment_device_pool(client: EmbCacheClient) -> int:
+    """Fragment the daemon's device pool: 511 fillers of 8 pages, every other one evicted,
+    so each 16-page entry put next lands in two runs. Returns the largest free run."""
+    fillers = [f"filler-{i}" for i in range(511)]
+    for key in fillers:
+        client.put(key, torch.zeros(2 * MiB, dtype=torch.uint8))
+    for i in range(0, len(fillers), 64):
+        client.get(fillers[i : i + 64], device="cuda").release()
+    client.evict(fillers[1::2])
+    return int(client.stats()["device"][0]["largest_free_run_pages"])
+
+
 def device_gets(
     target: str, iters: int, rounds: int, daemon_pid: int, lane: bool
 ) -> dict[str, Any]:
@@ -364,15 +376,7 @@ def device_gets(
             out[f"get_device_{name}_p50_us"], out[f"get_device_{name}_p99_us"] = percentiles(lat)
         session.serves_calls = client._caps.ready_events = True
         client.evict(keys)
-        # Fragment the device pool: 511 fillers of 8 pages, every other one evicted, so each
-        # 16-page entry below lands in two runs.
-        fillers = [f"filler-{i}" for i in range(511)]
-        for key in fillers:
-            client.put(key, torch.zeros(2 * MiB, dtype=torch.uint8))
-        for i in range(0, len(fillers), 64):
-            client.get(fillers[i : i + 64], device="cuda").release()
-        client.evict(fillers[1::2])
-        largest = client.stats()["device"][0]["largest_free_run_pages"]
+        largest = fragment_device_pool(client)
         rates: dict[bool, list[float]] = {True: [], False: []}
         for r in range(2 * rounds):
             fast = r % 2 == 0  # alternate: default path, then the RPC path

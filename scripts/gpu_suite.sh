@@ -83,6 +83,7 @@ for part in "${parts[@]}"; do
     bench-rest)
       [ -e bench/rest_e2e.py ] && { python3 bench/rest_e2e.py --out-dir "$OUT" 2>&1 \
         | tee "$OUT/bench_rest.log" || status=1; } ;;
+    bench-peers) python3 bench/peers.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench_peers.log" || status=1 ;;
     *) echo "unknown part $part"; status=1 ;;
   esac
 done
