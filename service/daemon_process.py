@@ -4,6 +4,7 @@ if it hangs)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import selectors
@@ -13,6 +14,25 @@ import sys
 import time
 import uuid
 from typing import Any
+
+PR_SET_PDEATHSIG = 1  # prctl option: the signal a child gets when its parent exits
+
+
+def _die_with_parent() -> Any:
+    """A ``preexec_fn`` that asks Linux to SIGTERM the child when the process that started
+    it exits (a killed test run then leaves no daemon behind); ``None`` elsewhere. The libc
+    call is looked up here, before the fork, so the child only makes the system call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return preexec
 
 
 def serve_command(*flags: str) -> list[str]:
@@ -84,6 +104,7 @@ class DaemonProcess:
             stdout=subprocess.PIPE,
             text=True,
             env={**inherited, **(env or {})},
+            preexec_fn=_die_with_parent(),  # one system call in the child, no locks
         )
         try:
             self.ready: dict[str, Any] = json.loads(read_line(self.proc, '"ready"', timeout))
