@@ -65,10 +65,6 @@ def _summary(info: EntryInfo) -> dict[str, Any]:
     }
 
 
-def _on_device(info: EntryInfo) -> bool:
-    return any(r != "host" for r in info.residency)
-
-
 @router.get("/stats", response_model=StatsResponse, summary="Engine statistics")
 def get_stats(request: Request) -> dict[str, Any]:
     return _engine(request).stats().to_dict()
@@ -89,27 +85,9 @@ def list_entries(
         ),
     ] = "none",
 ) -> EntryPage:
-    engine = _engine(request)
-    engine_state = state if state in ("ready", "filling") else None
-    if state != "leased" and tier is None and sort == "none":
-        total, infos = engine.list_entries(offset=offset, limit=limit, state=engine_state)
-    else:
-        # Filters and orders the engine does not offer: walk every entry once. This is the
-        # operator plane; entries number in the thousands to low millions.
-        total, _ = engine.list_entries(offset=0, limit=0, state=engine_state)
-        _, infos = engine.list_entries(offset=0, limit=total, state=engine_state)
-        if state == "leased":
-            infos = [i for i in infos if i.leases > 0]
-        if tier == "device":
-            infos = [i for i in infos if _on_device(i)]
-        elif tier == "host":
-            infos = [i for i in infos if "host" in i.residency]
-        if sort == "size":
-            infos.sort(key=lambda i: (-i.nbytes, i.key))
-        elif sort in ("recent", "idle"):
-            infos.sort(key=lambda i: (i.idle_s, i.key), reverse=sort == "idle")
-        total = len(infos)
-        infos = infos[offset : offset + limit]
+    # The engine filters and sorts holding its lock a slice at a time (engine/listing.py),
+    # so a listing of many entries never stalls the data plane.
+    total, infos = _engine(request).list_entries(offset, limit, state, tier=tier, sort=sort)
     return EntryPage(
         total=total,
         offset=offset,
