@@ -39,6 +39,7 @@ from embcache.service.engine import CacheEngine
 from embcache.service.host import admission
 from embcache.service.host.leases import Lease
 from embcache.service.transport import device_get
+from embcache.service.transport.http.bodies import JsonBodyRoute
 from embcache.service.transport.http.data_models import (
     GetRequest,
     GetResponse,
@@ -60,7 +61,9 @@ log = logging.getLogger(__name__)
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 422, 429, 503, 507)
 }
-router = APIRouter(prefix="/v1", responses=ERRORS, dependencies=[BEARER])
+router = APIRouter(
+    prefix="/v1", responses=ERRORS, dependencies=[BEARER], route_class=JsonBodyRoute
+)
 
 
 def rest_owner(request: Request) -> str:

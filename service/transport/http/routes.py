@@ -15,6 +15,7 @@ from fastapi.security import HTTPBearer
 from embcache.errors import NotFound
 from embcache.service.engine import EvictOutcome
 from embcache.service.engine.stats import EntryInfo
+from embcache.service.transport.http.bodies import JsonBodyRoute
 from embcache.service.transport.http.health import readiness
 from embcache.service.transport.http.models import (
     DeleteResponse,
@@ -38,12 +39,12 @@ from embcache.service.transport.http.models import (
 from embcache.service.transport.http.poolmap import DEVICE_STATES, HOST_STATES, History, downsample
 
 ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody} for code in (400, 401, 404, 409, 422, 503)
+    code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 422, 503)
 }
 # The token itself is checked by the middleware (before routing); this dependency only
 # declares the scheme in OpenAPI so /docs offers an "Authorize" button.
 BEARER = Security(HTTPBearer(auto_error=False, description="Needed when the daemon has a token."))
-router = APIRouter(prefix="/v1", responses=ERRORS, dependencies=[BEARER])
+router = APIRouter(prefix="/v1", responses=ERRORS, dependencies=[BEARER], route_class=JsonBodyRoute)
 
 
 def _engine(request: Request) -> Any:
