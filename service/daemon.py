@@ -117,7 +117,7 @@ class Daemon:
             metrics.watch_ipc(grpc_service.servicer.device.ipc)
             http_sock = _bind_http(s)
             config = uvicorn.Config(
-                create_app(engine, s, metrics),
+                create_app(engine, s, metrics, grpc_service.servicer.admin),
                 log_level=s.log_level,
                 access_log=False,
                 ssl_certfile=str(s.tls_cert) if s.tls_cert else None,

@@ -1,4 +1,5 @@
-"""Operator commands of the ``embcache`` CLI: stats, ls, evict, put, get, bench.
+"""Operator commands of the ``embcache`` CLI: stats, ls, evict, sessions, drop-session, put,
+get, bench.
 
 Each command talks to a running daemon found through the same settings as ``serve``
 (``--http-port``, ``--grpc-port``, ``--grpc-socket``, ``--auth-token``, env ``EMBCACHE_*``):
@@ -11,6 +12,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import httpx
 import typer
@@ -219,6 +221,46 @@ def evict(
         raise typer.Exit(1)
 
 
+# -- sessions ----------------------------------------------------------------------------
+@with_settings
+def sessions(
+    settings: Settings,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the raw JSON.")] = False,
+) -> None:
+    """List the open sessions: client, pid, leases and leased bytes, calls in flight, age."""
+    body = _request(settings, "GET", "/v1/sessions")
+    if as_json:
+        console.print_json(data=body)
+        return
+    table = Table(caption=f"{len(body['sessions'])} sessions", caption_justify="left")
+    for name in ("session", "transport", "client", "pid", "leases", "leased", "calls", "age"):
+        right = name in ("pid", "leases", "leased", "calls", "age")
+        table.add_column(name, justify="right" if right else "left", overflow="fold")
+    for s in body["sessions"]:
+        table.add_row(
+            s["session_id"],
+            s["transport"],
+            s["client_name"] or "-",
+            str(s["pid"] or "-"),
+            str(s["leases"]),
+            format_size(s["leased_bytes"]),
+            str(s["calls_in_flight"]),
+            f"{s['age_s']:.0f}s",
+        )
+    console.print(table)
+
+
+@with_settings
+def drop_session(
+    settings: Settings,
+    session_id: Annotated[str, typer.Argument(help="A session id, as `sessions` lists it.")],
+) -> None:
+    """End a session: its leases end and its stream or connection closes (the client opens a
+    new session on its next call)."""
+    out = _request(settings, "DELETE", f"/v1/sessions/{quote(session_id, safe='')}")
+    console.print(f"dropped {session_id}: {out['leases_ended']} leases ended", highlight=False)
+
+
 # -- put / get ----------------------------------------------------------------------------
 def load_tensor(path: Path, name: str | None) -> Any:
     """A CPU tensor from ``.npy`` or ``.safetensors`` (``name`` picks one of several)."""
@@ -309,8 +351,9 @@ def register(app: typer.Typer) -> None:
     """Add the operator commands to the ``embcache`` typer app."""
     from embcache.service.cli.bench import bench
 
-    for func in (stats, ls, evict, put, get, bench):
+    for func in (stats, ls, evict, sessions, put, get, bench):
         app.command(func.__name__)(func)
+    app.command("drop-session")(drop_session)
 
 
 __all__ = ["http_base_url", "load_tensor", "register", "save_tensor"]
