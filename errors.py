@@ -69,6 +69,25 @@ class QuotaExceeded(EmbCacheError):
     """A client's in-flight bytes would pass its limit."""
 
 
+class LeaseLimitExceeded(QuotaExceeded):
+    """A get would take an owner past its cap on leases or leased bytes; nothing was
+    leased for that call."""
+
+
+class ReplyTooLarge(EmbCacheError):
+    """A reply would exceed the message limit; its leases were given back (ask for fewer
+    keys per call)."""
+
+
+class IdleTimeout(EmbCacheError):
+    """A put received no bytes for the daemon's idle timeout; it was aborted and its pages
+    freed."""
+
+
+class BodyTooLarge(EmbCacheError):
+    """A request body larger than the daemon accepts on that route."""
+
+
 class Draining(EmbCacheError):
     """The daemon is shutting down (or closed) and takes no new work."""
 
@@ -87,19 +106,23 @@ class DeviceUnavailable(EmbCacheError):
 
 
 __all__ = [
+    "BodyTooLarge",
     "ChecksumMismatch",
     "DeviceUnavailable",
     "Draining",
     "EmbCacheError",
     "EntryLeased",
     "EntryTooLarge",
+    "IdleTimeout",
     "InvalidArgument",
     "LeaseExpired",
+    "LeaseLimitExceeded",
     "MetadataConflict",
     "NotFound",
     "PermissionDenied",
     "PoolExhausted",
     "QuotaExceeded",
+    "ReplyTooLarge",
     "Unauthenticated",
     "UnknownSession",
 ]

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from embcache.service.sizes import parse_size
+from embcache.service.sizes import parse_cpu_list, parse_size
 from embcache.service.tier_config import SharedTierConfig
 
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
@@ -41,23 +41,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
-
-
-def parse_cpu_list(text: str) -> set[int]:
-    """CPUs of a list like ``0-3,8`` (the kernel's cpu-list syntax); empty text: none."""
-    cpus: set[int] = set()
-    for part in text.replace(" ", "").split(","):
-        if not part:
-            continue
-        lo, dash, hi = part.partition("-")
-        try:
-            first, last = int(lo), int(hi if dash else lo)
-        except ValueError:
-            raise ValueError(f"bad CPU list item {part!r}: use forms like 2, 2-5") from None
-        if first < 0 or last < first:
-            raise ValueError(f"bad CPU range {part!r}")
-        cpus.update(range(first, last + 1))
-    return cpus
 
 
 class Settings(BaseSettings):
@@ -140,6 +123,30 @@ class Settings(BaseSettings):
     max_inflight_bytes_per_client: ByteSize = Field(
         0, description="Bytes one client may have reserved in unfinished puts (0 = pool size)."
     )
+    # Fair sharing (docs/reliability.md, "One client against the others")
+    put_idle_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="A put that receives no bytes for this long is "
+        "aborted and its pages freed (gRPC Put streams, REST PUT bodies).",
+    )  # fmt: skip
+    max_entries: int = Field(
+        0, ge=0, description="Most entries, zero-byte ones included; past it the least recently "
+        "used are evicted (0: host pages + 1024).",
+    )  # fmt: skip
+    max_leases_per_owner: int = Field(
+        16384, ge=1, description="Most leases one owner (a session, a peer) may hold at once."
+    )
+    max_leased_bytes_per_owner: ByteSize = Field(
+        0, description="Most bytes of distinct entries one owner may hold leased at once "
+        "(0: half the host pool, at least one largest entry).",
+    )  # fmt: skip
+    max_session_calls: int = Field(
+        128, ge=1, le=65536, description="Calls one session may have in flight; past it the "
+        "daemon stops reading that session's requests until one finishes.",
+    )  # fmt: skip
+    max_request_body_bytes: ByteSize = Field(
+        1024**2, ge=1024, description="Largest JSON body of a REST control route (413 past "
+        "it); PUT data bodies stream into pages and are bounded by the entry size.",
+    )  # fmt: skip
     # Listeners
     grpc_host: str = Field("127.0.0.1", description="gRPC TCP bind address.")
     grpc_port: int = Field(7470, ge=0, le=65535, description="gRPC TCP port (0 = pick a free one).")
@@ -374,6 +381,18 @@ class Settings(BaseSettings):
     def inflight_limit(self) -> int:
         """Bytes one owner may hold in unfinished puts (0 in the settings: the pool size)."""
         return self.max_inflight_bytes_per_client or self.host_pool_bytes
+
+    @property
+    def entry_limit(self) -> int:
+        """Most entries (0 in the settings: one per host page, plus 1024 zero-byte ones)."""
+        return self.max_entries or self.num_host_pages + 1024
+
+    @property
+    def leased_bytes_limit(self) -> int:
+        """Bytes one owner may hold leased (0 in the settings: half the host pool, and never
+        less than the largest entry the pool takes, so any entry can be read)."""
+        largest = min(self.max_entry_bytes, self.host_pool_bytes)
+        return self.max_leased_bytes_per_owner or max(self.host_pool_bytes // 2, largest)
 
     def device_config(self) -> DeviceConfig:
         """The settings the device tier needs, and no others."""

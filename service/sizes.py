@@ -1,4 +1,5 @@
-"""Sizes in bytes, as people write them (``4GiB``, ``256KiB``) and read them."""
+"""Sizes in bytes, as people write them (``4GiB``, ``256KiB``) and read them; CPU lists
+(``0-3,8``) as the kernel writes them."""
 
 from __future__ import annotations
 
@@ -58,3 +59,20 @@ def format_size(nbytes: int) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """CPUs of a list like ``0-3,8`` (the kernel's cpu-list syntax); empty text: none."""
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        lo, dash, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi if dash else lo)
+        except ValueError:
+            raise ValueError(f"bad CPU list item {part!r}: use forms like 2, 2-5") from None
+        if first < 0 or last < first:
+            raise ValueError(f"bad CPU range {part!r}")
+        cpus.update(range(first, last + 1))
+    return cpus

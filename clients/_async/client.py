@@ -67,7 +67,8 @@ class AsyncEmbCacheClient(AsyncStatelessCalls):
             messages = payload.messages(key, checksum=checksum)
             return await self._put(messages, timeout=to, metadata=md)
 
-        reply = await self._call(send)
+        # In the session: the daemon counts the put's in-flight bytes against this client.
+        reply = await self._call(send, session=True)
         return bool(reply.created)
 
     async def put_many(

@@ -220,8 +220,10 @@ class AsyncConnection:
                 if result.WhichOneof("outcome") == "release":
                     return int(result.release.released)
                 raise from_call_error(result.error)
+        # In the session: the daemon releases only the caller's own leases (a session that
+        # ended took its leases with it, so a new one releases none).
         reply = await self._call(
-            lambda md, to: self._stub.Release(request, timeout=to, metadata=md)
+            lambda md, to: self._stub.Release(request, timeout=to, metadata=md), session=True
         )
         return int(reply.released)
 

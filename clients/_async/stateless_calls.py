@@ -24,7 +24,8 @@ from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
 
 class AsyncStatelessCalls(AsyncConnection):
-    """The connection plus its session-free calls (the client adds puts and gets)."""
+    """The connection plus its simple calls (the client adds puts and gets); renew names
+    the session, whose leases it extends."""
 
     @overload
     async def exists(self, keys: str) -> bool: ...  # type: ignore[overload-overlap]
@@ -121,7 +122,8 @@ class AsyncStatelessCalls(AsyncConnection):
             InvalidArgument: a lifetime the daemon refuses.
         """
         request = renew_request(lease_ids, ttl_s)
-        reply = await self._call(_unary(self._stub.Renew, request))
+        # In the session: the daemon renews only the caller's own leases.
+        reply = await self._call(_unary(self._stub.Renew, request), session=True)
         return int(reply.renewed)
 
     async def get_bytes(

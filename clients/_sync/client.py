@@ -69,7 +69,8 @@ class EmbCacheClient(StatelessCalls):
             messages = payload.messages(key, checksum=checksum)
             return self._put(messages, timeout=to, metadata=md)
 
-        reply = self._call(send)
+        # In the session: the daemon counts the put's in-flight bytes against this client.
+        reply = self._call(send, session=True)
         return bool(reply.created)
 
     def put_many(

@@ -220,7 +220,11 @@ class Connection:
                 if result.WhichOneof("outcome") == "release":
                     return int(result.release.released)
                 raise from_call_error(result.error)
-        reply = self._call(lambda md, to: self._stub.Release(request, timeout=to, metadata=md))
+        # In the session: the daemon releases only the caller's own leases (a session that
+        # ended took its leases with it, so a new one releases none).
+        reply = self._call(
+            lambda md, to: self._stub.Release(request, timeout=to, metadata=md), session=True
+        )
         return int(reply.released)
 
     def close(self) -> None:

@@ -26,7 +26,8 @@ from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
 
 class StatelessCalls(Connection):
-    """The connection plus its session-free calls (the client adds puts and gets)."""
+    """The connection plus its simple calls (the client adds puts and gets); renew names
+    the session, whose leases it extends."""
 
     @overload
     def exists(self, keys: str) -> bool: ...  # type: ignore[overload-overlap]
@@ -123,7 +124,8 @@ class StatelessCalls(Connection):
             InvalidArgument: a lifetime the daemon refuses.
         """
         request = renew_request(lease_ids, ttl_s)
-        reply = self._call(_unary(self._stub.Renew, request))
+        # In the session: the daemon renews only the caller's own leases.
+        reply = self._call(_unary(self._stub.Renew, request), session=True)
         return int(reply.renewed)
 
     def get_bytes(self, key: str, offset: int = 0, length: int | None = None) -> EntryBytes | None:

@@ -1,5 +1,5 @@
-"""Operator commands of the ``embcache`` CLI: stats, ls, evict (here), put, get
-(``tensors.py``) and bench (``bench.py``).
+"""Operator commands of the ``embcache`` CLI: stats, ls, evict, sessions and drop-session
+(here), put, get (``tensors.py``) and bench (``bench.py``).
 
 Each takes only its own flags plus ``--target``, ``--token`` and ``--ca-cert``
 (``target.py``: one address for both planes). Tables are for terminals; piped, ``ls``
@@ -9,6 +9,7 @@ prints one tab-separated record a line.
 # No ``from __future__ import annotations`` here: typer reads the Annotated[...] metadata.
 import enum
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import typer
 from rich.table import Table
@@ -188,13 +189,57 @@ def evict(
         raise typer.Exit(1)
 
 
+# -- sessions ----------------------------------------------------------------------------
+def sessions(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the raw JSON.")] = False,
+    target: TargetOpt = None,
+    token: TokenOpt = None,
+    ca_cert: CaOpt = None,
+) -> None:
+    """List the open sessions: client, pid, leases and leased bytes, calls in flight, age."""
+    body = Daemon.of(target, token, ca_cert).request("GET", "/v1/sessions")
+    if as_json:
+        console.print_json(data=body)
+        return
+    table = Table(caption=f"{len(body['sessions'])} sessions", caption_justify="left")
+    for name in ("session", "transport", "client", "pid", "leases", "leased", "calls", "age"):
+        right = name in ("pid", "leases", "leased", "calls", "age")
+        table.add_column(name, justify="right" if right else "left", overflow="fold")
+    for s in body["sessions"]:
+        table.add_row(
+            s["session_id"],
+            s["transport"],
+            s["client_name"] or "-",
+            str(s["pid"] or "-"),
+            str(s["leases"]),
+            format_size(s["leased_bytes"]),
+            str(s["calls_in_flight"]),
+            f"{s['age_s']:.0f}s",
+        )
+    console.print(table)
+
+
+def drop_session(
+    session_id: Annotated[str, typer.Argument(help="A session id, as `sessions` lists it.")],
+    target: TargetOpt = None,
+    token: TokenOpt = None,
+    ca_cert: CaOpt = None,
+) -> None:
+    """End a session: its leases end and its stream or connection closes (the client opens a
+    new session on its next call)."""
+    path = f"/v1/sessions/{quote(session_id, safe='')}"
+    out = Daemon.of(target, token, ca_cert).request("DELETE", path)
+    console.print(f"dropped {session_id}: {out['leases_ended']} leases ended", highlight=False)
+
+
 def register(app: typer.Typer) -> None:
     """Add the operator commands to the ``embcache`` typer app."""
     from embcache.service.cli.bench import bench
     from embcache.service.cli.tensors import get, put
 
-    for func in (stats, ls, evict, put, get, bench):
+    for func in (stats, ls, evict, sessions, put, get, bench):
         app.command(func.__name__)(func)
+    app.command("drop-session")(drop_session)
 
 
 __all__ = ["register", "stats_table"]

@@ -28,7 +28,7 @@ from embcache.service.config import Settings
 from embcache.service.device.copier import CopyObserver
 from embcache.service.device.pool import DevicePool
 from embcache.service.device.tier import DeviceTier
-from embcache.service.engine import puts, reads
+from embcache.service.engine import listing, puts, reads
 from embcache.service.engine.device_side import DeviceSide
 from embcache.service.engine.hooks import (
     SharedCalls,
@@ -38,11 +38,11 @@ from embcache.service.engine.hooks import (
     cuda_wanted,
 )
 from embcache.service.engine.puts import CopyIn, Runs
-from embcache.service.engine.stats import EngineStats, EntryInfo, engine_stats, entry_info
+from embcache.service.engine.stats import EngineStats, EntryInfo, engine_stats
 from embcache.service.host import admission
 from embcache.service.host.entries import Entry
 from embcache.service.host.host_pool import HostPool, SegmentInfo
-from embcache.service.host.leases import Lease
+from embcache.service.host.leases import Lease, LeaseCaps
 from embcache.service.host.put_writer import FillTarget, PutHandle
 from embcache.service.host.store import EvictResults, HostStore, raise_for_evict
 
@@ -83,6 +83,8 @@ class CacheEngine:
             prealloc_pages=settings.device_put_prealloc_bytes // settings.page_bytes,
             on_evict=self._tier.drop,
             clock=clock,
+            caps=LeaseCaps(settings.max_leases_per_owner, settings.leased_bytes_limit),
+            max_entries=settings.entry_limit,
         )
         # The parts, for tests, benchmarks and debugging; transports use the methods.
         self.host_pool: HostPool = pool
@@ -233,18 +235,21 @@ class CacheEngine:
         """True when gets may wait on the shared tier for local misses."""
         return self._shared.hooks is not None
 
-    def release(self, lease_ids: Iterable[int]) -> int:
-        """End leases; unknown or already-ended ids are skipped. Returns how many ended."""
+    def release(self, lease_ids: Iterable[int], owner: str | None = None) -> int:
+        """End leases (with ``owner``: its own only; others skipped); returns how many."""
         with self._lock:
-            return self._store.release(lease_ids)
+            return self._store.release(lease_ids, owner)
 
-    def renew(self, lease_ids: Iterable[int], ttl_s: float | None = None) -> int:
-        """Push back the expiry of live leases to ``ttl_s`` from now; returns how many."""
+    def renew(
+        self, lease_ids: Iterable[int], ttl_s: float | None = None, owner: str | None = None
+    ) -> int:
+        """Push back the expiry of live leases (with ``owner``: its own) to ``ttl_s`` from
+        now; returns how many."""
         expires = admission.check_ttl(ttl_s, self.settings)
         with self._lock:
             now = self._clock()
             self._store.expire(now)
-            return self._store.renew(lease_ids, now + expires)
+            return self._store.renew(lease_ids, now + expires, owner)
 
     def lease_alive(self, lease: Lease) -> bool:
         with self._lock:
@@ -254,6 +259,11 @@ class CacheEngine:
         """A client went away: end every lease it holds; returns how many."""
         with self._lock:
             return self._store.release(self._store.leases.owned_by(owner))
+
+    def lease_usage(self, owner: str) -> tuple[int, int]:
+        """``(leases, bytes of the distinct entries leased)`` that ``owner`` holds."""
+        with self._lock:
+            return self._store.leases.usage(owner)
 
     def expire_leases(self) -> int:
         """End the leases whose TTL has passed (the daemon's reaper calls this)."""
@@ -295,10 +305,7 @@ class CacheEngine:
     def evict(self, keys: Sequence[str]) -> EvictResults:
         """Evict each key unless it is leased (never forced); with the host bytes freed."""
         with self._lock:
-            self._store.expire(self._clock())
-            out = self._store.evictable(keys)
-            freed = sum(self._store.evict(entry) for _, entry in out if entry is not None)
-            return EvictResults((outcome for outcome, _ in out), freed)
+            return self._store.evict_keys(keys, self._clock())
 
     def evict_one(self, key: str) -> int:
         """Evict one key (the host bytes freed): NotFound if absent, EntryLeased if leased."""
@@ -328,21 +335,16 @@ class CacheEngine:
     def entry_info(self, key: str) -> EntryInfo | None:
         """Metadata, page runs, residency and lease holders of one READY entry."""
         with self._lock:
-            entry = self._store.entries.get(key)
-            if entry is None:
-                return None
-            now = self._clock()
-            return entry_info(entry, self._tier, now, self._store.leases.holders(entry, now))
+            return listing.entry_detail(self._store, self._tier, self._clock(), key)
 
     def list_entries(
-        self, offset: int = 0, limit: int = 100, state: str | None = None
-    ) -> tuple[int, list[EntryInfo]]:
-        """``(total, entries[offset:offset+limit])``: READY in insertion order, then
-        FILLING; ``state`` keeps ``ready`` or ``filling`` only."""
-        with self._lock:
-            total, page = self._store.listing(offset, limit, state)
-            now = self._clock()
-            return total, [entry_info(e, self._tier, now) for e in page]
+        self, offset: int = 0, limit: int = 100, state: str | None = None,
+        *, tier: str | None = None, sort: str = "none",
+    ) -> tuple[int, list[EntryInfo]]:  # fmt: skip
+        """``(total, entries[offset:offset+limit])`` of those in ``state`` with a copy on
+        ``tier``, ordered by ``sort`` (``listing.Query``); the lock is held a slice at a time."""
+        query = listing.Query(offset, limit, state, tier, sort)
+        return listing.list_entries(self._lock, self._store, self._tier, self._clock, query)
 
     def page_states(self) -> np.ndarray:
         """One uint8 per host page: 0 free, 1 filling, 2 ready, 3 leased."""

@@ -49,7 +49,8 @@ def reserve(
     from the prealloc that are being copied into already; the entry adopts them.
 
     Raises QuotaExceeded (``owner`` has more than ``quota`` bytes in open puts) and
-    PoolExhausted (no room even after evicting every unleased entry), reserving nothing."""
+    PoolExhausted (no room, or ``max_entries`` reached, even after evicting every unleased
+    entry), reserving nothing."""
     existing = store.entries.get(key)
     if existing is not None:
         check_same_meta(existing, meta.dtype, meta.shape)
@@ -63,6 +64,11 @@ def reserve(
             inflight=quota - left,
             nbytes=meta.nbytes,
             limit=quota,
+        )
+    if not store.entry_room():  # max_entries: evicts LRU entries, zero-byte ones too
+        raise PoolExhausted(
+            "no room for another entry: every entry is leased or filling",
+            max_entries=store.max_entries,
         )
     npages = store.pages_for(meta.nbytes)
     if pages is None:

@@ -37,6 +37,8 @@ class EngineStats:
     device_resident: list[int] = field(default_factory=list)  # entries resident per device
     draining: bool = False
     put_landing_bytes: int = 0  # the prealloc's pages (free, on loan); the name is on the wire
+    metadata_bytes: int = 0  # an estimate of the READY entries' metadata (host/entries.py)
+    max_entries: int = 0  # READY and FILLING entries together are kept at most this many
 
     @property
     def hit_rate(self) -> float:
@@ -101,6 +103,8 @@ def engine_stats(host: HostCounts, tier: DeviceTier, *, draining: bool) -> Engin
         device_resident=tier.resident_entries(),
         draining=draining,
         put_landing_bytes=host.prealloc_bytes,
+        metadata_bytes=host.metadata_bytes,
+        max_entries=host.max_entries,
     )
 
 

@@ -5,11 +5,16 @@ reservation map (``HostStore.open_fill``), so no reader can see them. The LRU ho
 the READY entries with no lease: taking the first lease removes an entry from it, dropping
 the last puts it back at the most-recently-used end. Eviction therefore never has to skip
 leased entries.
+
+The table also sums an estimate of the memory its entries' metadata takes
+(:func:`meta_bytes`), for the stats: the number of entries is bounded, not their bytes, so
+zero-byte entries (which take no page) still cost something.
 """
 
 from __future__ import annotations
 
 import enum
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -55,6 +60,18 @@ class Entry:
         return self.dtype is dtype and self.shape == shape
 
 
+# The key map's and the LRU's slots for one entry: a dict slot and an OrderedDict node,
+# measured with tracemalloc on CPython 3.11 at about 40 and 90 bytes.
+TABLE_SLOT_BYTES = 130
+
+
+def meta_bytes(entry: Entry) -> int:
+    """An estimate of the memory one READY entry's metadata takes: the Entry, its key, shape
+    and runs (``sys.getsizeof``) plus its slots in the tables (``TABLE_SLOT_BYTES``)."""
+    size = sys.getsizeof
+    return size(entry) + size(entry.key) + size(entry.shape) + size(entry.runs) + TABLE_SLOT_BYTES
+
+
 class EntryTable:
     """The READY entries by key, and the LRU of those without a lease (module docstring)."""
 
@@ -62,6 +79,7 @@ class EntryTable:
         self.by_key: dict[str, Entry] = {}
         self._lru: OrderedDict[str, Entry] = OrderedDict()
         self.evictable_pages = 0
+        self.meta_bytes = 0  # sum of meta_bytes() over the READY entries
 
     def __len__(self) -> int:
         return len(self.by_key)
@@ -73,12 +91,14 @@ class EntryTable:
         """A committed entry becomes visible, at the most-recently-used end of the LRU."""
         assert entry.state is EntryState.READY and entry.key not in self.by_key, entry.key
         self.by_key[entry.key] = entry
+        self.meta_bytes += meta_bytes(entry)
         self._lru_push(entry)
 
     def remove(self, entry: Entry) -> None:
         """Forget an unleased entry (evicted or freed)."""
         assert entry.ref_cnt == 0, f"removing leased entry {entry.key!r}"
         del self.by_key[entry.key]
+        self.meta_bytes -= meta_bytes(entry)
         if self._lru.pop(entry.key, None) is not None:
             self.evictable_pages -= entry.num_pages
         entry.state = EntryState.FREED
@@ -105,6 +125,11 @@ class EntryTable:
     def _lru_push(self, entry: Entry) -> None:
         self._lru[entry.key] = entry
         self.evictable_pages += entry.num_pages
+
+    @property
+    def evictable_count(self) -> int:
+        """How many entries have no lease (and may be evicted)."""
+        return len(self._lru)
 
     def lru_oldest(self) -> Entry | None:
         """The least recently used unleased entry, or None when every entry is leased."""

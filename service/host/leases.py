@@ -1,8 +1,12 @@
-"""Lease table: who holds which entry, until when.
+"""Lease table: who holds which entry, until when, and how much each owner holds.
 
 Ids are random 63-bit integers (from the OS's random source) so one client cannot guess
 another's lease. Expiry uses a heap of ``(expires_at, lease_id)``; renewing pushes a new
 item and stale items are skipped when popped, so every operation is O(log n).
+
+Each owner's leases are counted, with the bytes of the distinct entries they hold (two
+leases of one entry pin its pages once), so a get that would take an owner past its caps
+(:class:`LeaseCaps`) is refused before anything is leased.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from embcache.errors import LeaseLimitExceeded
 from embcache.service.host.allocator import page_byte_runs
 from embcache.service.host.entries import Entry
 
@@ -59,6 +64,14 @@ class Lease:
         return len(self.byte_runs) <= 1
 
 
+@dataclass(frozen=True, slots=True)
+class LeaseCaps:
+    """The most leases, and bytes of distinct leased entries, one owner may hold."""
+
+    leases: int
+    nbytes: int
+
+
 class RandomIds:
     """Unguessable 63-bit ids from the OS's random source (the table skips 0), read 512 at
     a time (one ``os.urandom`` call per id costs a system call; a batch get takes one id per
@@ -85,6 +98,8 @@ class LeaseTable:
         self._ids = RandomIds()
         self._leases: dict[int, Lease] = {}
         self._by_owner: dict[str, set[int]] = {}
+        self._held: dict[str, dict[Entry, int]] = {}  # owner -> entry -> its leases on it
+        self._held_bytes: dict[str, int] = {}  # owner -> bytes of the distinct entries held
         self._heap: list[tuple[float, int]] = []
 
     def __len__(self) -> int:
@@ -101,6 +116,10 @@ class LeaseTable:
         lease = Lease(lease_id, entry, owner, expires_at, page_bytes)
         self._leases[lease_id] = lease
         self._by_owner.setdefault(owner, set()).add(lease_id)
+        held = self._held.setdefault(owner, {})
+        if not held.get(entry):
+            self._held_bytes[owner] = self._held_bytes.get(owner, 0) + entry.nbytes
+        held[entry] = held.get(entry, 0) + 1
         heapq.heappush(self._heap, (expires_at, lease_id))
         return lease
 
@@ -108,10 +127,18 @@ class LeaseTable:
         """Forget a lease (None: unknown id); its stale heap item is skipped later."""
         lease = self._leases.pop(lease_id, None)
         if lease is not None:
-            ids = self._by_owner[lease.owner]
+            owner, entry = lease.owner, lease.entry
+            ids = self._by_owner[owner]
             ids.discard(lease_id)
             if not ids:
-                del self._by_owner[lease.owner]
+                del self._by_owner[owner]
+            held = self._held[owner]
+            held[entry] -= 1
+            if not held[entry]:
+                del held[entry]
+                self._held_bytes[owner] -= entry.nbytes
+            if not held:
+                del self._held[owner], self._held_bytes[owner]
         return lease
 
     def renew(self, lease: Lease, expires_at: float) -> None:
@@ -139,6 +166,29 @@ class LeaseTable:
     def owners(self) -> int:
         """How many owners hold a lease."""
         return len(self._by_owner)
+
+    def usage(self, owner: str) -> tuple[int, int]:
+        """``(leases, bytes of the distinct entries leased)`` of ``owner``."""
+        return len(self._by_owner.get(owner, ())), self._held_bytes.get(owner, 0)
+
+    def check_caps(self, owner: str, entries: list[Entry | None], caps: LeaseCaps) -> None:
+        """LeaseLimitExceeded if leasing ``entries`` (None: a miss) would take ``owner``
+        past ``caps``; nothing is changed either way."""
+        found = [e for e in entries if e is not None]
+        count, nbytes = self.usage(owner)
+        if count + len(found) > caps.leases:
+            raise LeaseLimitExceeded(
+                "too many leases for one owner",
+                owner=owner, leases=count, asked=len(found), limit=caps.leases,
+            )  # fmt: skip
+        held = self._held.get(owner, {})
+        new = {id(e): e.nbytes for e in found if e not in held}
+        if nbytes + sum(new.values()) > caps.nbytes:
+            raise LeaseLimitExceeded(
+                "too many leased bytes for one owner",
+                owner=owner, leased_bytes=nbytes, asked_bytes=sum(new.values()),
+                limit=caps.nbytes,
+            )  # fmt: skip
 
     def pop_expired(self, now: float) -> list[Lease]:
         """Forget and return the leases whose expiry is ``now`` or earlier."""

@@ -24,7 +24,7 @@ from embcache.errors import EntryLeased, NotFound
 from embcache.service.host.allocator import PageRunAllocator, Run
 from embcache.service.host.entries import Entry, EntryState, EntryTable
 from embcache.service.host.host_pool import HostPool
-from embcache.service.host.leases import Lease, LeaseTable
+from embcache.service.host.leases import Lease, LeaseCaps, LeaseTable
 from embcache.service.host.prealloc import PutPrealloc
 from embcache.service.host.stats import PoolStats, run_bucket
 
@@ -68,6 +68,8 @@ class HostCounts:
     entries_ready: int
     entries_filling: int
     reserved_filling_bytes: int
+    metadata_bytes: int
+    max_entries: int
     leases_active: int
     lease_owners: int
     runs_per_entry: dict[str, int]
@@ -79,7 +81,9 @@ class HostStore:
     """Pages, entries, reservations and leases of the host pool (module docstring).
 
     ``on_evict(entry)`` runs before an entry's pages are freed (the engine drops its device
-    copies there); ``clock`` gives the time leases expire by.
+    copies there); ``clock`` gives the time leases expire by. ``caps``: each owner's most
+    leases and leased bytes (None: none); ``max_entries``: READY and FILLING entries
+    together, zero-byte ones included (past it, LRU entries are evicted).
     """
 
     def __init__(
@@ -89,6 +93,8 @@ class HostStore:
         prealloc_pages: int,
         on_evict: Callable[[Entry], None],
         clock: Callable[[], float],
+        caps: LeaseCaps | None = None,
+        max_entries: int | None = None,
     ) -> None:
         self.pool = pool
         self.page_bytes = pool.page_bytes
@@ -103,6 +109,8 @@ class HostStore:
         self.counters: Counter[str] = Counter()  # hits, misses, evictions, puts, ...
         self._on_evict = on_evict
         self.clock = clock
+        self.caps = caps
+        self.max_entries = max_entries if max_entries is not None else pool.num_pages + 1024
 
     # -- pages ---------------------------------------------------------------------------
     def pages_for(self, nbytes: int) -> int:
@@ -139,6 +147,18 @@ class HostStore:
         n = self.prealloc.shortfall()
         if n and (runs := self.take_pages(n)) is not None:
             self.prealloc.add(runs)
+
+    def entry_room(self) -> bool:
+        """Make room for one more entry under ``max_entries`` by evicting LRU entries (any
+        size, zero-byte ones included); False, nothing evicted, when all are leased."""
+        over = len(self.entries) + len(self._filling) + 1 - self.max_entries
+        if over > 0 and self.entries.evictable_count < over:
+            return False
+        for _ in range(max(over, 0)):
+            victim = self.entries.lru_oldest()
+            assert victim is not None, "evictable count out of step with the LRU"
+            self.evict(victim)
+        return True
 
     # -- puts ----------------------------------------------------------------------------
     def quota_left(self, owner: str, limit: int) -> int:
@@ -185,17 +205,17 @@ class HostStore:
         (:meth:`unpin`)."""
         self.expire(now)
         counted = owner != SHARED_TIER_OWNER  # write-through reads are not client hits
-        out: list[Entry | None] = []
-        for key in keys:
-            entry = self.entries.get(key) if isinstance(key, str) else None
+        found = self.entries.get
+        out = [found(key) if isinstance(key, str) else None for key in keys]
+        if counted and self.caps is not None:
+            self.leases.check_caps(owner, out, self.caps)  # refused: nothing pinned
+        for entry in out:
             if entry is None:
                 self.counters["misses"] += counted
-                out.append(None)
                 continue
             self.counters["hits"] += counted
             self.entries.acquire(entry)
             entry.last_access = now
-            out.append(entry)
         return out
 
     def unpin(self, entries: Iterable[Entry | None]) -> None:
@@ -211,24 +231,28 @@ class HostStore:
         add, page = self.leases.add, self.page_bytes
         return [None if e is None else add(e, owner, expires_at, page) for e in entries]
 
-    def end_lease(self, lease_id: int) -> bool:
-        """End one lease and drop its reference; False for an unknown or ended id."""
-        lease = self.leases.pop(lease_id)
-        if lease is None:
+    def end_lease(self, lease_id: int, owner: str | None = None) -> bool:
+        """End one lease and drop its reference; False for an unknown or ended id, or one
+        ``owner`` (when given) does not hold."""
+        lease = self.leases.get(lease_id)
+        if lease is None or (owner is not None and lease.owner != owner):
             return False
+        self.leases.pop(lease_id)
         self.entries.release(lease.entry)
         return True
 
-    def release(self, lease_ids: Iterable[int]) -> int:
-        """End these leases (unknown ids skipped); returns how many ended."""
-        return sum(self.end_lease(i) for i in lease_ids)
+    def release(self, lease_ids: Iterable[int], owner: str | None = None) -> int:
+        """End these leases (unknown ids, and with ``owner`` others' ids, skipped); returns
+        how many ended."""
+        return sum(self.end_lease(i, owner) for i in lease_ids)
 
-    def renew(self, lease_ids: Iterable[int], expires_at: float) -> int:
-        """Move the expiry of the live ones to ``expires_at``; returns how many."""
+    def renew(self, lease_ids: Iterable[int], expires_at: float, owner: str | None = None) -> int:
+        """Move the expiry of the live ones (with ``owner``: of its own only) to
+        ``expires_at``; returns how many."""
         renewed = 0
         for lease_id in lease_ids:
             lease = self.leases.get(lease_id)
-            if lease is not None:
+            if lease is not None and (owner is None or lease.owner == owner):
                 self.leases.renew(lease, expires_at)
                 renewed += 1
         return renewed
@@ -262,6 +286,14 @@ class HostStore:
                 out.append((EvictOutcome.EVICTED, entry))
         return out
 
+    def evict_keys(self, keys: Sequence[str], now: float) -> EvictResults:
+        """Evict each key that is not leased (:meth:`evictable`): the outcome of each and
+        the bytes of the pages freed."""
+        self.expire(now)
+        out = self.evictable(keys)
+        freed = sum(self.evict(entry) for _, entry in out if entry is not None)
+        return EvictResults((outcome for outcome, _ in out), freed)
+
     def evict(self, entry: Entry) -> int:
         """Remove an unleased READY entry and free its pages (its device copies first);
         returns the bytes of those pages."""
@@ -289,15 +321,15 @@ class HostStore:
         self.inflight.clear()
 
     # -- views ---------------------------------------------------------------------------
-    def listing(self, offset: int, limit: int, state: str | None) -> tuple[int, list[Entry]]:
-        """How many entries there are (READY in insertion order, then FILLING; ``state``
-        keeps ``ready`` or ``filling`` only) and those of ``[offset, offset + limit)``."""
+    def snapshot(self, state: str | None) -> list[Entry]:
+        """The entries now: READY in insertion order, then FILLING (``state`` keeps
+        ``ready`` or ``filling`` only); one copy of the tables (``engine/listing.py``)."""
         found: list[Entry] = []
         if state in (None, "ready"):
-            found.extend(self.entries.by_key.values())
+            found = list(self.entries.by_key.values())
         if state in (None, "filling"):
             found.extend(entry for entry, _ in self._filling.values())
-        return len(found), found[max(offset, 0) : max(offset, 0) + max(limit, 0)]
+        return found
 
     def counts(self) -> HostCounts:
         """A snapshot for the stats; the prealloc's pages count as free (on loan)."""
@@ -322,6 +354,8 @@ class HostStore:
             entries_ready=len(self.entries),
             entries_filling=len(self._filling),
             reserved_filling_bytes=sum(e.num_pages for e, _ in self._filling.values()) * page,
+            metadata_bytes=self.entries.meta_bytes,
+            max_entries=self.max_entries,
             leases_active=len(self.leases),
             lease_owners=self.leases.owners(),
             runs_per_entry={k: v for k, v in self._runs_hist.items() if v},

@@ -1,4 +1,5 @@
-"""Unix socket files of the daemon's listeners: replacing a stale one, removing one."""
+"""Unix socket files of the daemon's listeners: replacing a stale one, removing one; and
+who is at the other end of a connection (``SO_PEERCRED``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import errno
 import logging
 import socket
 import stat
+import struct
 from pathlib import Path
 
 log = logging.getLogger("embcache.transport")
@@ -40,3 +42,20 @@ def unlink_socket(path: Path) -> None:
             path.unlink()
     except FileNotFoundError:
         pass
+
+
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_credentials(sock: socket.socket | None) -> tuple[int, int, int] | None:
+    """``(pid, uid, gid)`` of the process at the other end of a Unix socket, from the
+    kernel (``SO_PEERCRED``, as of when it connected); None where there is none (not Linux,
+    not a Unix socket)."""
+    if sock is None or not hasattr(socket, "SO_PEERCRED") or sock.family != socket.AF_UNIX:
+        return None
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    except OSError:
+        return None
+    pid, uid, gid = _UCRED.unpack(raw)
+    return pid, uid, gid

@@ -70,7 +70,10 @@ INDEPENDENT_CLIENT = textwrap.dedent(
         hit, miss = reply.results
         assert hit.found and not miss.found and hit.meta.nbytes == len(data)
         assert reply.pools[0].host_shm.segment_name
-        assert stub.Release(pb.ReleaseRequest(lease_ids=[hit.lease_id])).released == 1
+        # Release (and Renew) take the caller's own leases only: name the session.
+        assert stub.Release(pb.ReleaseRequest(lease_ids=[hit.lease_id])).released == 0
+        assert stub.Release(pb.ReleaseRequest(lease_ids=[hit.lease_id]),
+                            metadata=(("x-embcache-session", sid),)).released == 1
         got = b"".join(m.chunk for m in stub.GetBytes(pb.GetBytesRequest(key="indep")))
         assert got == data
         assert list(stub.Exists(pb.ExistsRequest(keys=["indep"])).exists) == [True]

@@ -549,9 +549,9 @@ def test_client_put_many(dev_server: Server, monkeypatch, use_async: bool) -> No
     batches: list[int] = []
     real = plane.put_from_device_batch
 
-    async def counting(request, owner):  # type: ignore[no-untyped-def]
+    async def counting(request, owner, quota=None):  # type: ignore[no-untyped-def]
         batches.append(len(request.items))
-        return await real(request, owner)
+        return await real(request, owner, quota)
 
     monkeypatch.setattr(plane, "put_from_device_batch", counting)
     target = f"unix:{service.socket_path}"
@@ -621,9 +621,9 @@ def test_client_put_of_a_device_tensor(dev_server: Server, monkeypatch, session_
     calls: list[str] = []
     real = plane.put_from_device
 
-    async def counting(request, owner):  # type: ignore[no-untyped-def]
+    async def counting(request, owner, quota=None):  # type: ignore[no-untyped-def]
         calls.append(request.key)
-        return await real(request, owner)
+        return await real(request, owner, quota)
 
     monkeypatch.setattr(plane, "put_from_device", counting)
     kinds = session_calls(monkeypatch)

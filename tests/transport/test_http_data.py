@@ -166,10 +166,12 @@ def test_conflict_and_limits(shm_name: str) -> None:
             assert r.status_code == 429 and r.json()["error"] == "QuotaExceeded"
             for i in range(4):  # fill the pool with leased entries
                 engine.put(f"l{i}", torch.ones(15 * PAGE // 4))
-            engine.get([f"l{i}" for i in range(4)], owner="holder")
+            for owner in ("holder", "other"):  # each may lease half the pool at most
+                engine.get([f"l{i}" for i in range(4) if (i % 2) == (owner == "other")], owner)
             r = put(client, "full", torch.ones(8 * PAGE // 4))
             assert r.status_code == 507 and r.json()["error"] == "PoolExhausted"
             engine.drop_owner("holder")
+            engine.drop_owner("other")
             engine.begin_drain()
             r = put(client, "late", torch.ones(4))
             assert r.status_code == 503 and r.json()["error"] == "Draining"

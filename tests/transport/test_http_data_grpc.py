@@ -120,7 +120,8 @@ def test_leases_hold_across_transports(both: Both) -> None:
     lease_id = both.rest.post("/v1/get", json={"keys": ["l"]}).json()["results"][0]["lease_id"]
     with pytest.raises(EntryLeased):  # a REST lease stops a gRPC evict
         both.grpc.evict("l")
-    assert both.grpc.release([int(lease_id)]) == 1  # and gRPC can end it by id
+    assert both.grpc.release([int(lease_id)]) == 0  # only its owner ends it (item 8)
+    assert both.rest.post("/v1/release", json={"lease_ids": [lease_id]}).json()["released"] == 1
     with both.grpc.get(["l"]):
         r = both.rest.delete("/v1/entries/l")  # a gRPC lease stops a REST delete
         assert r.status_code == 409 and r.json()["error"] == "EntryLeased"

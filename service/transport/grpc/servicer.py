@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -27,14 +27,24 @@ from embcache.service.config import Settings
 from embcache.service.device.ipc.cache import IpcCache
 from embcache.service.engine import CacheEngine, EvictOutcome, EvictResults, raise_for_evict
 from embcache.service.host import admission
+from embcache.service.host.leases import Lease
 from embcache.service.transport.accounting import RpcMetrics
 from embcache.service.transport.grpc.busy_poll import BusyPoll
 from embcache.service.transport.grpc.errors import rpc
-from embcache.service.transport.handlers.device import DevicePlane, meta_of, pool_handle_of
+from embcache.service.transport.handlers.device import (
+    DevicePlane,
+    check_reply_size,
+    lease_ids_of,
+    meta_of,
+    pool_handle_of,
+)
+from embcache.service.transport.idle import idle_limited
 from embcache.service.transport.render import LocationRenderer
+from embcache.service.transport.session.admin import SessionAdmin, StreamDrop, dropped_error
 from embcache.service.transport.session.calls import Send, SessionCalls
 from embcache.service.transport.session.open import OpenSession
-from embcache.service.transport.session.registry import SessionRegistry
+from embcache.service.transport.session.registry import PeerCreds, SessionRegistry
+from embcache.service.transport.session.waiters import FifoLock
 
 log = logging.getLogger("embcache.grpc")
 # Initial metadata of the Session stream and of Stats: which daemon build answers. The
@@ -64,6 +74,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         self.settings = settings
         self.metrics = metrics
         self.sessions = SessionRegistry()
+        self.admin = SessionAdmin(self.sessions, engine)  # operators: list and drop sessions
         self.host_pool = pool_handle_of(LocationRenderer(engine, settings).host_pool())
         self.device = DevicePlane(engine, settings, ipc)
         self.busy = BusyPoll(settings.busy_poll_us / 1e6)  # started with the server
@@ -77,8 +88,10 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
     async def Put(
         self, request_iterator: AsyncIterator[pb.PutRequest], context: grpc.aio.ServicerContext
     ) -> pb.PutResponse:
-        owner = self.sessions.owner_for(context)
-        first = await anext(aiter(request_iterator), None)
+        owner = self._quota_owner(context)
+        # A stream that sends nothing for put_idle_timeout_s fails with IdleTimeout.
+        messages = aiter(idle_limited(request_iterator, self.settings.put_idle_timeout_s))
+        first = await anext(messages, None)
         if not isinstance(first, pb.PutRequest) or first.WhichOneof("kind") != "header":
             raise InvalidArgument("the first message of a Put must be a header")
         head = first.header
@@ -90,10 +103,11 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
             checksum=head.checksum if head.HasField("checksum") else None,
             owner=owner,
         )
-        # Any way out but commit (a bad chunk, the client cancelling or vanishing, the
-        # deadline passing: all raise here) aborts: nothing is visible, the pages are free.
+        # Any way out but commit (a bad chunk, the client cancelling, vanishing or going
+        # idle, the deadline passing: all raise here) aborts: nothing is visible, the pages
+        # are free.
         with handle:
-            async for msg in request_iterator:
+            async for msg in messages:
                 chunk = _chunk_of(msg)
                 if len(chunk) > CHUNK_BYTES:
                     raise InvalidArgument(
@@ -108,14 +122,17 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         self, request: pb.PutFromDeviceRequest, context: grpc.aio.ServicerContext
     ) -> pb.PutResponse:
         owner = self.sessions.owner_for(context)
-        return await self.device.put_from_device(request, owner)
+        return await self.device.put_from_device(request, owner, self._quota_owner(context))
 
     @rpc("PutFromDeviceBatch")
     async def PutFromDeviceBatch(
         self, request: pb.PutFromDeviceBatchRequest, context: grpc.aio.ServicerContext
     ) -> pb.PutFromDeviceBatchResponse:
         owner = self.sessions.owner_for(context)
-        return await self.device.put_from_device_batch(request, owner)
+        return await self.device.put_from_device_batch(request, owner, self._quota_owner(context))
+
+    def _quota_owner(self, context: grpc.aio.ServicerContext) -> str:
+        return self.sessions.quota_owner_for(context, bool(self.settings.auth_token))
 
     # -- gets ----------------------------------------------------------------------------
     @rpc("Get")
@@ -124,7 +141,15 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
     ) -> pb.GetResponse:
         if request.gpu_uuid:
             self.engine.device.index_for(request.gpu_uuid)  # no such pool: fail first
-        return await self._get(request, self.sessions.owner_for(context))
+        owner = self.sessions.owner_for(context)
+        reply = await self._get(request, owner)
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            # The deadline passed while the reply was built: nobody will read it, so its
+            # leases end now rather than at their TTL.
+            self.engine.release(lease_ids_of(reply), owner)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed")
+        return reply
 
     async def _get(self, request: pb.GetRequest, owner: str) -> pb.GetResponse:
         """A Get for ``owner``: the RPC's and a session call's."""
@@ -132,13 +157,21 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
             return await self.device.get(request, owner, self.sessions.alive)
         ttl = request.ttl_s if request.HasField("ttl_s") else None
         leases = self.engine.get(list(request.keys), owner, ttl_s=ttl)
-        if not self.sessions.alive(owner):
-            # The session ended while we were taking leases: they would outlive it.
-            self.engine.release(lease.lease_id for lease in leases if lease is not None)
-            raise UnknownSession("session ended during the call", session=owner)
+        try:
+            if not self.sessions.alive(owner):
+                # The session ended while we were taking leases: they would outlive it.
+                raise UnknownSession("session ended during the call", session=owner)
+            reply = self._host_reply(request.keys, leases)
+            check_reply_size(reply)  # ReplyTooLarge: refused whole
+            return reply
+        except BaseException:  # nobody receives these leases
+            self.engine.release((x.lease_id for x in leases if x is not None), owner)
+            raise
+
+    def _host_reply(self, keys: Sequence[str], leases: Sequence[Lease | None]) -> pb.GetResponse:
         pool_id = self.host_pool.pool_id
         reply = pb.GetResponse()
-        for key, lease in zip(request.keys, leases, strict=True):
+        for key, lease in zip(keys, leases, strict=True):
             if lease is None:
                 reply.results.append(pb.GetResult(key=key, found=False))
                 continue
@@ -193,17 +226,19 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
     async def Release(
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseResponse:
-        return self._release(request)
+        return self._release(request, self.sessions.owner_for(context))
 
-    def _release(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
-        return pb.ReleaseResponse(released=self.engine.release(request.lease_ids))
+    def _release(self, request: pb.ReleaseRequest, owner: str) -> pb.ReleaseResponse:
+        """End ``owner``'s leases among the ids (others' are skipped, as unknown ones)."""
+        return pb.ReleaseResponse(released=self.engine.release(request.lease_ids, owner))
 
     @rpc("Renew")
     async def Renew(
         self, request: pb.RenewRequest, context: grpc.aio.ServicerContext
     ) -> pb.RenewResponse:
         ttl = request.ttl_s if request.HasField("ttl_s") else None
-        return pb.RenewResponse(renewed=self.engine.renew(request.lease_ids, ttl))
+        owner = self.sessions.owner_for(context)  # only the caller's own leases
+        return pb.RenewResponse(renewed=self.engine.renew(request.lease_ids, ttl, owner))
 
     # -- exists / evict / stats ----------------------------------------------------------
     @rpc("Exists")
@@ -266,13 +301,16 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         request_iterator: AsyncIterator[pb.SessionRequest],
         context: grpc.aio.ServicerContext,
     ) -> None:
-        writing = asyncio.Lock()  # calls finish concurrently; one write at a time
+        writing = FifoLock()  # calls finish concurrently; one write at a time
 
         async def send(msg: pb.SessionResponse) -> None:
             async with writing:
                 await context.write(msg)
 
         session = self.open_session(send, "grpc")
+        drop = StreamDrop()  # an operator's drop (embcache drop-session) ends this stream
+        if session.record is not None:
+            session.record.end = drop
         try:
             await context.send_initial_metadata(VERSION_METADATA)
             await send(pb.SessionResponse(opened=session.opened))
@@ -283,15 +321,24 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
                     await send(pb.SessionResponse(pong=msg.ping))
                 else:
                     session.handle(msg, context.peer())
+                    await session.calls.room()  # at the bound: read on once a call ends
+        except asyncio.CancelledError:
+            if not drop.absorb():
+                raise
+            raise dropped_error(session.session_id) from None
         finally:
             # Ended for any reason: closed, cancelled, connection lost, server stopping.
             # Nothing here awaits: a second cancellation must not skip the lease drop.
             session.end()
 
-    def open_session(self, send: Send, transport: str) -> OpenSession:
+    def open_session(
+        self, send: Send, transport: str, peer: PeerCreds | None = None
+    ) -> OpenSession:
         """A new session whose results go out through ``send`` (a gRPC Session stream's or
-        a session-socket connection's, ``uds/server.py``); :meth:`OpenSession.end` ends it."""
-        session_id = self.sessions.open()
+        a session-socket connection's, ``uds/server.py``, whose ``peer`` credentials its
+        quota follows); :meth:`OpenSession.end` ends it."""
+        record = self.sessions.open(transport, peer)
+        session_id = record.session_id
         calls = SessionCalls(
             session_id,
             send,
@@ -302,7 +349,10 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
             put_batch=self.device.put_from_device_batch,
             on_call=self.busy.poke,
             transport=transport,
+            max_calls=self.settings.max_session_calls,
+            quota_owner=record.quota_owner,
         )
+        record.in_flight = lambda: calls.in_flight
         opened = pb.SessionOpened(
             session_id=session_id,
             lease_ttl_s=self.settings.lease_ttl_s,
@@ -310,7 +360,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
             calls=True,
             device_puts=True,
         )
-        return OpenSession(calls, opened, self._end_session)
+        return OpenSession(calls, opened, self._end_session, record)
 
     def _end_session(self, session_id: str) -> int:
         """A session ended: forget its id, drop its leases and the client allocations

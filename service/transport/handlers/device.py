@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from embcache.errors import DeviceUnavailable, InvalidArgument
-from embcache.proto.constants import SLOT_ALIGN
+from embcache.errors import DeviceUnavailable, InvalidArgument, ReplyTooLarge
+from embcache.proto.constants import MAX_MESSAGE_BYTES, SLOT_ALIGN
 from embcache.proto.dtypes import lookup
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.locations import HostShmPool, PoolDesc
@@ -36,11 +36,30 @@ from embcache.service.transport.render import LocationRenderer
 log = logging.getLogger("embcache.grpc")
 
 _UINT63 = 2**63
+# A Get reply inside a Session message (call id, field tags) must still fit one message.
+REPLY_LIMIT = MAX_MESSAGE_BYTES - 64
 
 
 def meta_of(lease: Lease) -> pb.TensorMeta:
     """A leased entry's dtype, shape and size, as the wire's ``TensorMeta``."""
     return pb.TensorMeta(dtype=lease.dtype, shape=lease.shape, nbytes=lease.nbytes)
+
+
+def check_reply_size(reply: pb.GetResponse) -> None:
+    """ReplyTooLarge, naming the limit, when ``reply`` would not fit one message (as a
+    unary reply or a session call's result); the caller gives its leases back."""
+    size = reply.ByteSize()
+    if size > REPLY_LIMIT:
+        found = sum(1 for r in reply.results if r.found)
+        raise ReplyTooLarge(
+            "reply exceeds the message limit: ask for fewer keys per call",
+            size=size, limit=REPLY_LIMIT, keys=len(reply.results), found=found,
+        )  # fmt: skip
+
+
+def lease_ids_of(reply: pb.GetResponse) -> list[int]:
+    """The lease ids a Get reply hands out."""
+    return [r.lease_id for r in reply.results if r.found]
 
 
 def pool_handle_of(desc: PoolDesc) -> pb.PoolHandle:
@@ -139,6 +158,7 @@ class DevicePlane:
                 loc.pages.page_ids.extend(dl.page_ids)
         if any(dl is not None for dl in found):
             reply.pools.append(self.pool_handle(pool))
+        check_reply_size(reply)  # raised inside the device-get flow: its leases go back
         return reply
 
     def pool_handle(self, pool: DevicePool) -> pb.PoolHandle:
@@ -151,13 +171,16 @@ class DevicePlane:
         return handle
 
     # -- PutFromDevice (handlers/device_puts.py) -----------------------------------------
-    async def put_from_device(self, request: pb.PutFromDeviceRequest, owner: str) -> pb.PutResponse:
-        return await grpc_device_puts.put_from_device(self.puts, request, owner)
+    async def put_from_device(
+        self, request: pb.PutFromDeviceRequest, owner: str, quota: str | None = None
+    ) -> pb.PutResponse:
+        """``owner``: whose IPC mappings; ``quota``: whose in-flight quota (``owner``'s)."""
+        return await grpc_device_puts.put_from_device(self.puts, request, owner, quota)
 
     async def put_from_device_batch(
-        self, request: pb.PutFromDeviceBatchRequest, owner: str
+        self, request: pb.PutFromDeviceBatchRequest, owner: str, quota: str | None = None
     ) -> pb.PutFromDeviceBatchResponse:
-        return await grpc_device_puts.put_from_device_batch(self.puts, request, owner)
+        return await grpc_device_puts.put_from_device_batch(self.puts, request, owner, quota)
 
     # -- GetInto -------------------------------------------------------------------------
     async def get_into(self, request: pb.GetIntoRequest, owner: str) -> pb.GetIntoResponse:

@@ -81,16 +81,17 @@ def _mapped(
 
 
 async def put_from_device(
-    plane: DevicePuts, request: pb.PutFromDeviceRequest, owner: str
+    plane: DevicePuts, request: pb.PutFromDeviceRequest, owner: str, quota: str | None = None
 ) -> pb.PutResponse:
-    """One client tensor into the host pool; answers once its bytes are there."""
+    """One client tensor into the host pool; answers once its bytes are there. ``owner``
+    holds the IPC mappings, ``quota`` (default ``owner``) the in-flight bytes."""
     key, src, crc = _checked(plane, request, "tensor", "PutFromDevice")
-    [created] = await _put(plane, owner, [(key, src, crc)])
+    [created] = await _put(plane, owner, [(key, src, crc)], quota or owner)
     return pb.PutResponse(created=created, nbytes=src.nbytes)
 
 
 async def put_from_device_batch(
-    plane: DevicePuts, request: pb.PutFromDeviceBatchRequest, owner: str
+    plane: DevicePuts, request: pb.PutFromDeviceBatchRequest, owner: str, quota: str | None = None
 ) -> pb.PutFromDeviceBatchResponse:
     """Several client tensors with one wait, all or nothing (module docstring)."""
     # A daemon without CUDA refuses the call, even empty: the client should stream bytes.
@@ -108,7 +109,7 @@ async def put_from_device_batch(
         raise InvalidArgument("a key appears more than once in the batch")
     if not checked:
         return pb.PutFromDeviceBatchResponse()
-    created = await _put(plane, owner, checked)
+    created = await _put(plane, owner, checked, quota or owner)
     return pb.PutFromDeviceBatchResponse(
         results=[
             pb.PutResponse(created=c, nbytes=src.nbytes)
@@ -118,7 +119,7 @@ async def put_from_device_batch(
 
 
 async def _put(
-    plane: DevicePuts, owner: str, checked: list[tuple[str, IpcTensor, int | None]]
+    plane: DevicePuts, owner: str, checked: list[tuple[str, IpcTensor, int | None]], quota: str
 ) -> list[bool]:
     sources = [src for _, src, _ in checked]
     crcs = [crc for _, _, crc in checked]
@@ -130,7 +131,7 @@ async def _put(
             with contextlib.ExitStack() as stack:  # every mapping open until all copied
                 items = [(key, _mapped(plane, stack, owner, src)) for key, src, _ in checked]
                 return plane.engine.device.put_many(
-                    items, owner=owner, checksums=crcs, src_ready=True
+                    items, owner=quota, checksums=crcs, src_ready=True
                 )
 
         return await in_thread(run)
@@ -141,7 +142,7 @@ async def _put(
         items = [(key, _mapped(plane, stack, owner, src)) for key, src, _ in checked]
         # src_ready: the client's event has fired (or it synchronized before the call).
         pending = plane.engine.device.start_put_many(
-            items, owner=owner, checksums=crcs, src_ready=True
+            items, owner=quota, checksums=crcs, src_ready=True
         )
     except BaseException:
         stack.close()

@@ -28,9 +28,12 @@ from embcache.service.transport.http import docs as http_docs
 from embcache.service.transport.http import health as http_health
 from embcache.service.transport.http import prefetch as http_prefetch
 from embcache.service.transport.http import routes as http_routes
+from embcache.service.transport.http import sessions as http_sessions
 from embcache.service.transport.http.middleware import OperatorMiddleware
 from embcache.service.transport.http.poolmap import History
 from embcache.service.transport.render import LocationRenderer
+from embcache.service.transport.session.admin import SessionAdmin
+from embcache.service.transport.session.registry import SessionRegistry
 from embcache.service.transport.status import HTTP_CODE_NAMES, error_body, status_for
 
 log = logging.getLogger(__name__)
@@ -118,8 +121,11 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             await task
 
 
-def create_app(engine: Any, settings: Settings, metrics: Metrics) -> FastAPI:
-    """Build the operator-plane app for one engine. Auth applies when a token is set."""
+def create_app(
+    engine: Any, settings: Settings, metrics: Metrics, sessions: SessionAdmin | None = None
+) -> FastAPI:
+    """Build the operator-plane app for one engine. Auth applies when a token is set.
+    ``sessions``: the data plane's (``servicer.admin``); None: an app without one."""
     app = FastAPI(
         title="embcache",
         summary="Operator and data API of the embcache embedding-cache daemon.",
@@ -133,6 +139,9 @@ def create_app(engine: Any, settings: Settings, metrics: Metrics) -> FastAPI:
     app.state.metrics = metrics
     app.state.renderer = LocationRenderer(engine, settings)
     app.state.housekeeping = Housekeeping(engine)
+    app.state.sessions = (
+        sessions if sessions is not None else SessionAdmin(SessionRegistry(), engine)
+    )
 
     def read_counters() -> tuple[int, int, dict[str, float]]:
         stats = engine.stats()
@@ -151,6 +160,7 @@ def create_app(engine: Any, settings: Settings, metrics: Metrics) -> FastAPI:
     app.include_router(http_data.router)
     app.include_router(http_prefetch.router)
     app.include_router(http_routes.router)
+    app.include_router(http_sessions.router)
     http_docs.mount_docs(app)
     http_docs.bound_schema(app, settings)
 

@@ -5,16 +5,19 @@ Parity with gRPC, not a second implementation: puts go through ``engine.begin_pu
 with ``engine.get`` + ``engine.iter_bytes``, and ``POST /v1/get`` describes its leases with
 ``render.py``'s LocationRenderer, as gRPC does (a device get through the same flow,
 ``device_get.py``). Leases belong to ``rest:<client ip>`` and end by release or TTL (HTTP
-has no session whose end could release them).
+has no session whose end could release them); release and renew accept that owner's lease
+ids only. A get whose reply fails or is cancelled before it is handed to the server gives
+its leases back. The in-flight quota of a put follows the token (every client of the one
+shared token shares it), or the client address without one, as on gRPC over TCP.
 
 Put bodies are streamed into the reserved pages chunk by chunk as they arrive; the body is
 never held in memory whole. Any way out but a commit (bad bytes, a short body, the client
-disconnecting) aborts the handle: nothing becomes visible and the pages are freed.
+disconnecting, no bytes for ``put_idle_timeout_s``) aborts the handle: nothing becomes
+visible and the pages are freed.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -36,10 +39,13 @@ from embcache.proto.constants import (
     NBYTES_HEADER,
     SHAPE_HEADER,
 )
+from embcache.proto.locations import BatchDescription
 from embcache.service.engine import CacheEngine
 from embcache.service.host import admission
 from embcache.service.host.leases import Lease
 from embcache.service.transport import device_get
+from embcache.service.transport.device_get import in_thread
+from embcache.service.transport.http.bodies import JsonBodyRoute
 from embcache.service.transport.http.data_models import (
     GetRequest,
     GetResponse,
@@ -51,9 +57,12 @@ from embcache.service.transport.http.data_models import (
     render_batch,
 )
 from embcache.service.transport.http.models import ErrorBody
+from embcache.service.transport.http.put_params import one_of, parse_checksum, parse_shape
 from embcache.service.transport.http.ranges import RangeNotSatisfiable, parse_range
 from embcache.service.transport.http.routes import BEARER
+from embcache.service.transport.idle import idle_limited
 from embcache.service.transport.render import LocationRenderer
+from embcache.service.transport.session.registry import tcp_client
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +70,21 @@ log = logging.getLogger(__name__)
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 422, 429, 503, 507)
 }
-router = APIRouter(prefix="/v1", responses=ERRORS, dependencies=[BEARER])
+router = APIRouter(prefix="/v1", responses=ERRORS, dependencies=[BEARER], route_class=JsonBodyRoute)
 
 
 def rest_owner(request: Request) -> str:
-    """Owner of leases and in-flight puts taken over REST: one per client address."""
-    return f"rest:{request.client.host if request.client else 'unknown'}"
+    """Owner of the leases taken over REST: one per client address."""
+    return f"rest:{_address(request)}"
+
+
+def quota_owner(request: Request) -> str:
+    """Whose in-flight quota a REST put counts against: the token's, else the address's."""
+    return tcp_client(_address(request), bool(_engine(request).settings.auth_token))
+
+
+def _address(request: Request) -> str:
+    return request.client.host if request.client else "unknown"
 
 
 def _engine(request: Request) -> CacheEngine:
@@ -75,44 +93,6 @@ def _engine(request: Request) -> CacheEngine:
 
 
 # -- put -----------------------------------------------------------------------------------
-def _one_of(header: str | None, query: str | None, name: str) -> str | None:
-    if header is not None and query is not None and header != query:
-        raise InvalidArgument(
-            f"{name} given as header and query parameter with different values",
-            header=header,
-            query=query,
-        )
-    return header if header is not None else query
-
-
-def parse_shape(text: str) -> tuple[int, ...]:
-    """``"3,4"`` -> ``(3, 4)``; an empty string is a scalar. Bounded before int()."""
-    text = text.strip().removeprefix("[").removesuffix("]").strip()
-    if not text:
-        return ()
-    parts = text.split(",")
-    if len(parts) > admission.MAX_NDIM:
-        raise InvalidArgument("too many dimensions", ndim=len(parts), max_ndim=admission.MAX_NDIM)
-    dims = []
-    for part in parts:
-        part = part.strip()
-        if not part.isascii() or not part.isdigit() or len(part) > 19:
-            raise InvalidArgument("shape must be comma-separated integers >= 0", shape=text)
-        dims.append(int(part))
-    return tuple(dims)
-
-
-def parse_checksum(text: str) -> int:
-    """A CRC32 as decimal or ``0x`` hex."""
-    t = text.strip().lower()
-    digits, base = (t[2:], 16) if t.startswith("0x") else (t, 10)
-    ok = 0 < len(digits) <= 10 and all(c in "0123456789abcdef"[:base] for c in digits)
-    value = int(digits, base) if ok else -1
-    if not 0 <= value < 2**32:
-        raise InvalidArgument("checksum must be a CRC32 (decimal or 0x hex)", checksum=text)
-    return value
-
-
 def _content_length(request: Request) -> int | None:
     raw = request.headers.get("content-length")
     if raw is None:
@@ -210,9 +190,9 @@ async def put_entry(
     ] = None,
 ) -> JSONResponse:
     engine = _engine(request)
-    dtype_s = _one_of(x_dtype, dtype, "dtype")
-    shape_s = _one_of(x_shape, shape, "shape")
-    crc_s = _one_of(x_checksum, checksum, "checksum")
+    dtype_s = one_of(x_dtype, dtype, "dtype")
+    shape_s = one_of(x_shape, shape, "shape")
+    crc_s = one_of(x_checksum, checksum, "checksum")
     if dtype_s is None or shape_s is None:
         raise InvalidArgument(
             f"a put needs dtype and shape ({DTYPE_HEADER} / {SHAPE_HEADER} or ?dtype=&shape=)"
@@ -230,11 +210,12 @@ async def put_entry(
             nbytes=meta.nbytes,
         )
     handle = engine.begin_put(
-        key, meta.dtype.name, dims, nbytes=meta.nbytes, checksum=crc, owner=rest_owner(request)
+        key, meta.dtype.name, dims, nbytes=meta.nbytes, checksum=crc, owner=quota_owner(request)
     )
+    idle_s = engine.settings.put_idle_timeout_s
     with handle:  # any exit but commit aborts: nothing visible, pages freed
         try:
-            async for chunk in request.stream():
+            async for chunk in idle_limited(request.stream(), idle_s):
                 if chunk:
                     handle.write(chunk)
         except ClientDisconnect:
@@ -387,12 +368,23 @@ router.add_api_route(
     response_model_exclude_none=True,
     summary="Lease entries and describe where they are",
 )
-async def get_batch(request: Request, body: GetRequest) -> GetResponse:
+async def get_batch(request: Request, body: GetRequest) -> Response:
     """Host locations (shared-memory byte runs) or, with ``gpu_uuid``, device locations plus
     the pool descriptions (IPC handles; only ever sent to authenticated callers)."""
     engine = _engine(request)
     renderer: LocationRenderer = request.app.state.renderer
     owner = rest_owner(request)
+    ttl = body.ttl_s if body.ttl_s is not None else engine.settings.lease_ttl_s
+
+    def reply(batch: BatchDescription) -> tuple[JSONResponse, list[int]]:
+        """The whole response, rendered and encoded; its leases go back if that fails."""
+        try:
+            out = render_batch(batch, ttl).model_dump(mode="json", exclude_none=True)
+            return JSONResponse(out), batch.lease_ids
+        except BaseException:
+            engine.release(batch.lease_ids, owner)
+            raise
+
     if body.gpu_uuid is not None:  # the one device-get flow, as over gRPC
         keys = list(body.keys)
         index = engine.device.index_for(body.gpu_uuid)
@@ -406,24 +398,27 @@ async def get_batch(request: Request, body: GetRequest) -> GetResponse:
             render=lambda found: renderer.device_batch(keys, found, pool),
             housekeeping=request.app.state.housekeeping,
         )
-    else:  # a host get waits for nothing but the lock (and a shared-tier fill)
-        batch = await asyncio.to_thread(renderer.get_host, body.keys, owner, ttl_s=body.ttl_s)
-    try:
-        ttl = body.ttl_s if body.ttl_s is not None else engine.settings.lease_ttl_s
-        return render_batch(batch, ttl)
-    except BaseException:
-        engine.release(batch.lease_ids)
-        raise
+        return reply(batch)[0]
+    # A host get waits for nothing but the lock (and a shared-tier fill); it is rendered in
+    # the worker thread too. Cancelled meanwhile: the leases it took go back when it ends.
+    response, _ = await in_thread(
+        lambda: reply(renderer.get_host(body.keys, owner, ttl_s=body.ttl_s)),
+        undo=lambda done: engine.release(done[1], owner),
+    )
+    return response
 
 
 @router.post("/release", response_model=ReleaseResponse, summary="End leases")
 def release(request: Request, body: ReleaseRequest) -> ReleaseResponse:
-    return ReleaseResponse(released=_engine(request).release(body.ids()))
+    """End leases this client address holds (others' ids are skipped, as unknown ones)."""
+    return ReleaseResponse(released=_engine(request).release(body.ids(), rest_owner(request)))
 
 
 @router.post("/renew", response_model=RenewResponse, summary="Extend leases")
 def renew(request: Request, body: RenewRequest) -> RenewResponse:
-    return RenewResponse(renewed=_engine(request).renew(body.ids(), body.ttl_s))
+    """Extend leases this client address holds (others' ids are skipped)."""
+    engine = _engine(request)
+    return RenewResponse(renewed=engine.renew(body.ids(), body.ttl_s, rest_owner(request)))
 
 
 __all__ = ["CHUNK_BYTES", "LeasedStream", "parse_checksum", "parse_shape", "rest_owner", "router"]

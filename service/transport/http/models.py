@@ -78,6 +78,10 @@ class StatsResponse(_OpenModel):
     put_landing_bytes: int = Field(
         0, description="Host pool bytes set aside for puts from a device (counted as free)."
     )
+    metadata_bytes: int = Field(
+        0, description="Estimated memory of the READY entries' metadata (key, shape, tables)."
+    )
+    max_entries: int = Field(0, description="Most entries kept; past it LRU ones are evicted.")
 
 
 class EntrySummary(_Model):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from embcache.service.transport.http.bodies import JsonBodyRoute
 from embcache.service.transport.http.data_models import MAX_BATCH
 from embcache.service.transport.http.routes import BEARER, ERRORS
 
@@ -25,7 +26,7 @@ class PrefetchResponse(BaseModel):
     resident: int = Field(description="Made resident on the GPU.")
 
 
-router = APIRouter(prefix="/v1", responses=ERRORS, dependencies=[BEARER])
+router = APIRouter(prefix="/v1", responses=ERRORS, dependencies=[BEARER], route_class=JsonBodyRoute)
 
 
 @router.post("/prefetch", response_model=PrefetchResponse, summary="Warm the local tiers")

@@ -16,6 +16,7 @@ from embcache import build_info
 from embcache.errors import NotFound
 from embcache.service.engine import EvictOutcome
 from embcache.service.engine.stats import EntryInfo
+from embcache.service.transport.http.bodies import JsonBodyRoute
 from embcache.service.transport.http.health import readiness
 from embcache.service.transport.http.models import (
     DeleteResponse,
@@ -40,12 +41,12 @@ from embcache.service.transport.http.models import (
 from embcache.service.transport.http.poolmap import DEVICE_STATES, HOST_STATES, History, downsample
 
 ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody} for code in (400, 401, 404, 409, 422, 503)
+    code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 422, 503)
 }
 # The token itself is checked by the middleware (before routing); this dependency only
 # declares the scheme in OpenAPI so /docs offers an "Authorize" button.
 BEARER = Security(HTTPBearer(auto_error=False, description="Needed when the daemon has a token."))
-router = APIRouter(prefix="/v1", responses=ERRORS, dependencies=[BEARER])
+router = APIRouter(prefix="/v1", responses=ERRORS, dependencies=[BEARER], route_class=JsonBodyRoute)
 
 
 def _engine(request: Request) -> Any:
@@ -65,10 +66,6 @@ def _summary(info: EntryInfo) -> dict[str, Any]:
         "idle_s": round(info.idle_s, 3),
         "residency": list(info.residency),
     }
-
-
-def _on_device(info: EntryInfo) -> bool:
-    return any(r != "host" for r in info.residency)
 
 
 @router.get("/stats", response_model=StatsResponse, summary="Engine statistics")
@@ -92,27 +89,9 @@ def list_entries(
         ),
     ] = "none",
 ) -> EntryPage:
-    engine = _engine(request)
-    engine_state = state if state in ("ready", "filling") else None
-    if state != "leased" and tier is None and sort == "none":
-        total, infos = engine.list_entries(offset=offset, limit=limit, state=engine_state)
-    else:
-        # Filters and orders the engine does not offer: walk every entry once. This is the
-        # operator plane; entries number in the thousands to low millions.
-        total, _ = engine.list_entries(offset=0, limit=0, state=engine_state)
-        _, infos = engine.list_entries(offset=0, limit=total, state=engine_state)
-        if state == "leased":
-            infos = [i for i in infos if i.leases > 0]
-        if tier == "device":
-            infos = [i for i in infos if _on_device(i)]
-        elif tier == "host":
-            infos = [i for i in infos if "host" in i.residency]
-        if sort == "size":
-            infos.sort(key=lambda i: (-i.nbytes, i.key))
-        elif sort in ("recent", "idle"):
-            infos.sort(key=lambda i: (i.idle_s, i.key), reverse=sort == "idle")
-        total = len(infos)
-        infos = infos[offset : offset + limit]
+    # The engine filters and sorts holding its lock a slice at a time (engine/listing.py),
+    # so a listing of many entries never stalls the data plane.
+    total, infos = _engine(request).list_entries(offset, limit, state, tier=tier, sort=sort)
     return EntryPage(
         total=total,
         offset=offset,

@@ -7,12 +7,18 @@ gets are latency-bound. The request, the reply and the error table are those of 
 RPCs; the leases belong to the session that carries the call.
 
 Calls run as tasks, so a slow one (a shared-tier fill) does not hold up the next; results
-go back as they finish, tagged with the client's call id. When the stream ends, the session
-is closed first, then its running calls are cancelled and its leases dropped, without
-awaiting anything (a second cancellation of the stream's handler must not skip the drop). A
-call that took leases and is still running gives them back itself: it finds the session
-closed (the Get handlers check) or is cancelled at its next await (they release on the way
-out), so no lease outlives the session.
+go back as they finish, tagged with the client's call id. At most ``max_calls`` run at once:
+at the bound the transport stops reading the session's requests (:meth:`SessionCalls.room`,
+``on_room``) until one finishes, so a client that pipelines calls without reading their
+results holds a bounded number of tasks and leases, and tearing it down costs O(bound).
+When the stream ends, the session is closed first, then its running calls are cancelled
+and its leases dropped, without awaiting anything (a second cancellation of the stream's
+handler must not skip the drop); everything a call waits on leaves in O(1) when cancelled
+(``waiters.py``). A call that took leases and is still running gives them back itself: it
+finds the session closed (the Get handlers check) or is cancelled at its next await (they
+release on the way out), so no lease outlives the session. A result larger than a message
+(the Get handlers refuse those first) is answered as ``ReplyTooLarge`` and its leases given
+back, so it never ends the session.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from embcache.errors import EmbCacheError, InvalidArgument
+from embcache.errors import EmbCacheError, InvalidArgument, ReplyTooLarge
+from embcache.proto.constants import MAX_MESSAGE_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.transport.accounting import RpcMetrics
 from embcache.service.transport.status import status_for
@@ -30,10 +37,11 @@ from embcache.service.transport.status import status_for
 log = logging.getLogger("embcache.grpc")
 
 GetHandler = Callable[[pb.GetRequest, str], Awaitable[pb.GetResponse]]
-ReleaseHandler = Callable[[pb.ReleaseRequest], pb.ReleaseResponse]
-PutHandler = Callable[[pb.PutFromDeviceRequest, str], Awaitable[pb.PutResponse]]
+ReleaseHandler = Callable[[pb.ReleaseRequest, str], pb.ReleaseResponse]  # (request, owner)
+# (request, owner of the IPC mappings, owner of the in-flight quota)
+PutHandler = Callable[[pb.PutFromDeviceRequest, str, str], Awaitable[pb.PutResponse]]
 PutBatchHandler = Callable[
-    [pb.PutFromDeviceBatchRequest, str], Awaitable[pb.PutFromDeviceBatchResponse]
+    [pb.PutFromDeviceBatchRequest, str, str], Awaitable[pb.PutFromDeviceBatchResponse]
 ]
 NAMES = {  # a call's name in the metrics, as its RPC's
     "get": "Get",
@@ -45,7 +53,9 @@ Send = Callable[[pb.SessionResponse], Awaitable[None]]
 
 
 class SessionCalls:
-    """The calls in flight on one Session stream."""
+    """The calls in flight on one Session stream. ``owner``: the session, whose leases and
+    IPC mappings they are; ``quota_owner``: whose in-flight quota its device puts count
+    against (the session's client; default ``owner``); ``max_calls``: the bound (0: none)."""
 
     def __init__(
         self,
@@ -59,8 +69,14 @@ class SessionCalls:
         put_batch: PutBatchHandler | None = None,
         on_call: Callable[[], None] | None = None,
         transport: str = "grpc",
+        max_calls: int = 0,
+        quota_owner: str | None = None,
     ) -> None:
         self.owner = owner
+        self.quota_owner = quota_owner or owner
+        self.max_calls = max_calls
+        self.on_room: Callable[[], None] | None = None  # told when a call ends below the bound
+        self._room: asyncio.Future[None] | None = None  # the reader waiting for room
         self._transport = transport  # the metrics' label: "grpc"; "lane": the session socket
         self._send = send
         self._get = get
@@ -77,10 +93,37 @@ class SessionCalls:
             self._on_call()
         task = asyncio.get_running_loop().create_task(self._run(call))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._finished)
+
+    @property
+    def in_flight(self) -> int:
+        """Calls started and not finished (their results not sent yet)."""
+        return len(self._tasks)
+
+    @property
+    def full(self) -> bool:
+        """At the bound: the transport reads no more of the session's requests."""
+        return 0 < self.max_calls <= len(self._tasks)
+
+    async def room(self) -> None:
+        """Until fewer than ``max_calls`` are in flight (a gRPC stream's reader awaits this
+        before it reads the next request; HTTP/2 flow control then holds the client back)."""
+        while self.full:
+            self._room = asyncio.get_running_loop().create_future()
+            await self._room
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if self.full:
+            return
+        waiter, self._room = self._room, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        if self.on_room is not None:
+            self.on_room()
 
     def cancel(self) -> None:
-        """Cancel the calls still running (each gives back the leases it took)."""
+        """Cancel the calls still running (each gives back the leases it took); O(n)."""
         for task in list(self._tasks):
             task.cancel()
 
@@ -95,23 +138,21 @@ class SessionCalls:
             if kind == "get":
                 result.get.CopyFrom(await self._get(call.get, self.owner))
             elif kind == "release":
-                result.release.CopyFrom(self._release(call.release))
+                result.release.CopyFrom(self._release(call.release, self.owner))
             elif kind == "put_from_device" and self._put is not None:
-                reply = await self._put(call.put_from_device, self.owner)
+                reply = await self._put(call.put_from_device, self.owner, self.quota_owner)
                 result.put_from_device.CopyFrom(reply)
             elif kind == "put_from_device_batch" and self._put_batch is not None:
-                batch = await self._put_batch(call.put_from_device_batch, self.owner)
+                request = call.put_from_device_batch
+                batch = await self._put_batch(request, self.owner, self.quota_owner)
                 result.put_from_device_batch.CopyFrom(batch)
             else:
                 raise InvalidArgument(
                     "a session call carries a get, release or device put request", kind=kind
                 )
         except EmbCacheError as err:
-            code = status_for(err).grpc_code
+            code = _fail(result, err)
             log.info("Session.%s -> %s: %s", kind, code, err.describe())
-            result.error.CopyFrom(
-                pb.CallError(code=code, message=err.describe(), error_type=type(err).__name__)
-            )
         except asyncio.CancelledError:
             code = "CANCELLED"
             raise
@@ -123,13 +164,30 @@ class SessionCalls:
             if self._metrics is not None:
                 name = f"Session.{NAMES.get(kind or '', 'Unknown')}"
                 self._metrics.observe_rpc(self._transport, name, code, time.perf_counter() - start)
+        if response.ByteSize() > MAX_MESSAGE_BYTES:  # would end the session: refuse it alone
+            self._give_back(result)
+            size = response.ByteSize()
+            _fail(result, ReplyTooLarge("reply exceeds the message limit", size=size,
+                                        limit=MAX_MESSAGE_BYTES))  # fmt: skip
         try:
             await self._send(response)
         except BaseException:
-            # Nobody will read this result: give back the leases it hands out.
-            if result.WhichOneof("outcome") == "get":
-                self._release(pb.ReleaseRequest(lease_ids=_lease_ids(result.get)))
+            self._give_back(result)  # nobody will read this result
             raise
+
+    def _give_back(self, result: pb.SessionResult) -> None:
+        """Release the leases a result would have handed out."""
+        if result.WhichOneof("outcome") == "get":
+            self._release(pb.ReleaseRequest(lease_ids=_lease_ids(result.get)), self.owner)
+
+
+def _fail(result: pb.SessionResult, err: EmbCacheError) -> str:
+    """Make ``result`` the failure ``err`` (code from the one error table); returns the code."""
+    code = status_for(err).grpc_code
+    result.error.CopyFrom(
+        pb.CallError(code=code, message=err.describe(), error_type=type(err).__name__)
+    )
+    return code
 
 
 def _lease_ids(reply: pb.GetResponse) -> list[int]:

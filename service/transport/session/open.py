@@ -15,6 +15,7 @@ from typing import Protocol
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.transport.accounting import RpcMetrics
 from embcache.service.transport.session.calls import Send, SessionCalls
+from embcache.service.transport.session.registry import PeerCreds, SessionRecord
 
 log = logging.getLogger("embcache.session")
 
@@ -23,12 +24,17 @@ class OpenSession:
     """One open session (module docstring)."""
 
     def __init__(
-        self, calls: SessionCalls, opened: pb.SessionOpened, end: Callable[[str], int]
+        self,
+        calls: SessionCalls,
+        opened: pb.SessionOpened,
+        end: Callable[[str], int],
+        record: SessionRecord | None = None,
     ) -> None:
         self.calls = calls
         self.opened = opened
         self.session_id = opened.session_id
         self.hello = ""
+        self.record = record  # what operators see of it (the registry's)
         self._end = end  # closes the id and drops what it owned; returns leases released
 
     def handle(self, msg: pb.SessionRequest, peer: str) -> None:
@@ -39,6 +45,9 @@ class OpenSession:
             self.calls.start(msg.call)
         elif kind == "hello":
             self.hello = f"{msg.hello.client_name} pid {msg.hello.pid}"
+            if self.record is not None:
+                self.record.client_name = msg.hello.client_name[:256]
+                self.record.hello_pid = msg.hello.pid
             log.debug("session %s is %s (%s)", self.session_id, self.hello, peer)
 
     def end(self) -> None:
@@ -57,4 +66,6 @@ class SessionHost(Protocol):
 
     metrics: RpcMetrics | None
 
-    def open_session(self, send: Send, transport: str) -> OpenSession: ...
+    def open_session(
+        self, send: Send, transport: str, peer: PeerCreds | None = None
+    ) -> OpenSession: ...

@@ -13,12 +13,18 @@ are released at once, with no keepalive needed.
 It runs on the gRPC server's event loop, listens where the gRPC Unix socket is (``PATH`` ->
 ``PATH.lane``, same permissions) and checks the daemon's auth token in the hello. A message
 that cannot be decoded or is larger than a gRPC message closes the connection (which ends the
-session and drops whatever it held).
+session and drops whatever it held). The kernel tells who connected (``SO_PEERCRED``): the
+session's in-flight quota follows that process, and operators see its pid and uid.
+
+Reading stops while the client does not read its results (the transport's writes back up)
+and while the session has ``max_session_calls`` calls in flight; the messages already
+received wait in the buffer and are handled once a call ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 from pathlib import Path
@@ -31,6 +37,9 @@ from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.framing import FRAME_HEADER as HEADER
 from embcache.proto.framing import frame
 from embcache.service.transport.session.open import OpenSession, SessionHost
+from embcache.service.transport.session.registry import PeerCreds
+from embcache.service.transport.session.waiters import Gate
+from embcache.service.transport.sockets import peer_credentials
 from embcache.service.transport.status import status_for
 
 log = logging.getLogger("embcache.uds")
@@ -90,20 +99,31 @@ class _Connection(asyncio.Protocol):
         self.server = server
         self.transport: asyncio.Transport | None = None
         self.session: OpenSession | None = None
+        self.peer: PeerCreds | None = None
         self._buf = bytearray()
-        self._writable: asyncio.Future[None] | None = None  # set while writing is paused
+        self._writable = Gate()  # shut while the client does not read (writes back up)
+        self._at_bound = False  # reading stopped: the session has max_session_calls running
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        creds = peer_credentials(transport.get_extra_info("socket"))
+        self.peer = PeerCreds(*creds) if creds is not None else None
         self.server.track(self)
 
     def data_received(self, data: bytes) -> None:
+        self._buf += data
+        self._handle_buffered()
+
+    def _handle_buffered(self) -> None:
         buf = self._buf
-        buf += data
         at = 0
         while len(buf) - at >= HEADER.size:
+            if self.session is not None and self.session.calls.full:
+                self._at_bound = True  # read on once a call ends (_on_room)
+                self._update_reading()
+                break
             (size,) = HEADER.unpack_from(buf, at)
             if size > MAX_MESSAGE_BYTES:
                 self._drop(f"message of {size} bytes (limit {MAX_MESSAGE_BYTES})")
@@ -126,20 +146,32 @@ class _Connection(asyncio.Protocol):
     def pause_writing(self) -> None:
         # A client that sends calls but does not read their results: stop reading its
         # calls too (backpressure, as HTTP/2 flow control gives a gRPC stream).
-        self._writable = asyncio.get_running_loop().create_future()
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.pause_reading()
+        self._writable.shut()
+        self._update_reading()
 
     def resume_writing(self) -> None:
-        waiter, self._writable = self._writable, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-        if waiter is not None and self.transport is not None and not self.transport.is_closing():
+        self._writable.open()
+        self._update_reading()
+
+    def _on_room(self) -> None:
+        """A call ended below the bound: handle what is buffered, read on."""
+        if self._at_bound and self.transport is not None and not self.transport.is_closing():
+            self._at_bound = False
+            self._update_reading()
+            self._handle_buffered()
+
+    def _update_reading(self) -> None:
+        """Read while the client reads its results and the session is below its bound."""
+        if self.transport is None or self.transport.is_closing():
+            return
+        if self._at_bound or not self._writable.is_open:
+            self.transport.pause_reading()
+        else:
             self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.forget(self)
-        self.resume_writing()
+        self._writable.open()  # waiting writers find the connection closed
         if self.session is not None:
             self.session.end()  # cancels its calls, releases its leases
 
@@ -152,7 +184,13 @@ class _Connection(asyncio.Protocol):
             elif not self.server.authorized(msg.hello):
                 self._refuse(Unauthenticated("missing or invalid auth token"))
             else:
-                self.session = self.server.host.open_session(self._send, "lane")
+                self.session = self.server.host.open_session(self._send, "lane", self.peer)
+                self.session.calls.on_room = self._on_room
+                if self.session.record is not None:  # an operator's drop (from any thread)
+                    loop = asyncio.get_running_loop()
+                    self.session.record.end = functools.partial(
+                        loop.call_soon_threadsafe, self.abort
+                    )
                 self.session.handle(msg, self._peer())
                 self._write(pb.SessionResponse(opened=self.session.opened))
         elif kind == "ping":
@@ -164,8 +202,7 @@ class _Connection(asyncio.Protocol):
 
     async def _send(self, msg: pb.SessionResponse) -> None:
         """A call's result (SessionCalls); waits while the client is not reading."""
-        while self._writable is not None:
-            await self._writable
+        await self._writable.wait()
         if self.transport is None or self.transport.is_closing():
             raise ConnectionResetError("the session socket connection closed")
         self._write(msg)
@@ -199,6 +236,11 @@ class _Connection(asyncio.Protocol):
         """Close after what is buffered is sent; that ends the session."""
         if self.transport is not None:
             self.transport.close()  # after what is buffered; connection_lost ends the session
+
+    def abort(self) -> None:
+        """Close now, dropping what is buffered (an operator dropped the session)."""
+        if self.transport is not None:
+            self.transport.abort()
 
     def _peer(self) -> str:
         return f"lane:{self.server.path}"

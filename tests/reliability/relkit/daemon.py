@@ -10,7 +10,7 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -40,6 +40,7 @@ class DaemonSpec:
     extra: tuple[str, ...] = ()
     token: str | None = None
     device: str = "cpu"  # "auto"/"cuda" for GPU runs
+    env: dict[str, str] = field(default_factory=dict)  # EMBCACHE_* settings, say
 
     def args(self) -> list[str]:
         args = serve_command(
@@ -127,7 +128,7 @@ def start(spec: DaemonSpec, timeout: float = 90.0) -> Daemon:
     t0 = time.monotonic()
     with log_path.open("w") as log:
         proc = subprocess.Popen(
-            spec.args(), stdout=subprocess.PIPE, stderr=log, text=True, env=clean_env()
+            spec.args(), stdout=subprocess.PIPE, stderr=log, text=True, env=clean_env() | spec.env
         )
     try:
         ready = read_json_line(proc.stdout, proc, "ready", timeout)
@@ -137,6 +138,16 @@ def start(spec: DaemonSpec, timeout: float = 90.0) -> Daemon:
             f"daemon not ready (exit {proc.returncode}): {log_path.read_text()[-2000:]}"
         ) from None
     return Daemon(spec, proc, ready, log_path, time.monotonic() - t0)
+
+
+@contextlib.contextmanager
+def running(spec: DaemonSpec) -> Iterator[Daemon]:
+    """A daemon started for the block, stopped (drained) after it."""
+    d = start(spec)
+    try:
+        yield d
+    finally:
+        stop(d)
 
 
 def read_json_line(

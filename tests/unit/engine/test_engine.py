@@ -48,6 +48,7 @@ def engine(shm_name: str, clock: FakeClock):
         max_entry_bytes=48 * PAGE,
         lease_ttl_s=10,
         max_key_bytes=64,
+        max_leased_bytes_per_owner=64 * PAGE,  # these tests lease the whole pool on purpose
     )
     with CacheEngine(s, clock=clock) as e:
         yield e

@@ -1,0 +1,60 @@
+"""``GET /v1/sessions`` and ``DELETE /v1/sessions/{id}``: the sessions open on the data
+plane, and dropping one (``session/admin.py``). Token-protected like every ``/v1`` route."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
+
+from embcache.service.transport.http.routes import BEARER, ERRORS
+from embcache.service.transport.session.admin import SessionAdmin, SessionView
+
+
+class SessionModel(BaseModel):
+    session_id: str
+    transport: str = Field(description="grpc (a Session stream) or lane (the session socket).")
+    client_name: str = Field(description="What the client's hello said.")
+    pid: int | None = Field(
+        description="The client's pid: the kernel's on the session socket, else its hello's."
+    )
+    uid: int | None = Field(description="The client's uid (the session socket only).")
+    leases: int
+    leased_bytes: int = Field(description="Bytes of the distinct entries its leases hold.")
+    calls_in_flight: int
+    age_s: float
+
+
+class SessionList(BaseModel):
+    sessions: list[SessionModel]
+
+
+class DroppedSession(BaseModel):
+    session: SessionModel
+    leases_ended: int = Field(description="Leases the drop ended.")
+
+
+router = APIRouter(prefix="/v1", responses=ERRORS, dependencies=[BEARER])
+
+
+def _admin(request: Request) -> SessionAdmin:
+    admin: SessionAdmin = request.app.state.sessions
+    return admin
+
+
+def _model(view: SessionView) -> SessionModel:
+    return SessionModel(**view.to_dict())
+
+
+@router.get("/sessions", response_model=SessionList, summary="List the open sessions")
+def list_sessions(request: Request) -> SessionList:
+    return SessionList(sessions=[_model(v) for v in _admin(request).views()])
+
+
+@router.delete(
+    "/sessions/{session_id}",
+    response_model=DroppedSession,
+    summary="End a session: its leases end and its stream or connection closes",
+)
+def drop_session(request: Request, session_id: str) -> DroppedSession:
+    view, ended = _admin(request).drop(session_id)  # NotFound -> 404
+    return DroppedSession(session=_model(view), leases_ended=ended)
