@@ -138,6 +138,12 @@ class Settings(BaseSettings):
     max_inflight_bytes_per_client: ByteSize = Field(
         0, description="Bytes one client may have reserved in unfinished puts (0 = pool size)."
     )
+    max_quarantine_bytes_per_owner: ByteSize = Field(
+        0,
+        description="Pages one client process may keep held by views of leases that ended by "
+        "force (a TTL, a dropped session) until it exits or drops the views; past it, its gets "
+        "are refused with QuotaExceeded (0 = a quarter of the host pool).",
+    )
     # Listeners
     grpc_host: str = Field("127.0.0.1", description="gRPC TCP bind address.")
     grpc_port: int = Field(7470, ge=0, le=65535, description="gRPC TCP port (0 = pick a free one).")
@@ -353,6 +359,11 @@ class Settings(BaseSettings):
     def inflight_limit(self) -> int:
         """Bytes one owner may hold in unfinished puts (0 in the settings: the pool size)."""
         return self.max_inflight_bytes_per_client or self.host_pool_bytes
+
+    @property
+    def quarantine_limit(self) -> int:
+        """Bytes one process may keep quarantined (0 in the settings: a quarter of the pool)."""
+        return self.max_quarantine_bytes_per_owner or self.host_pool_bytes // 4
 
     def device_config(self) -> DeviceConfig:
         """The settings the device tier needs, and no others."""

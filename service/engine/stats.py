@@ -37,6 +37,8 @@ class EngineStats:
     device_resident: list[int] = field(default_factory=list)  # entries resident per device
     draining: bool = False
     put_landing_bytes: int = 0  # the prealloc's pages (free, on loan); the name is on the wire
+    leases_quarantined: int = 0  # holds kept after a forced end (host/quarantine.py)
+    quarantined_bytes: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -101,6 +103,8 @@ def engine_stats(host: HostCounts, tier: DeviceTier, *, draining: bool) -> Engin
         device_resident=tier.resident_entries(),
         draining=draining,
         put_landing_bytes=host.prealloc_bytes,
+        leases_quarantined=host.quarantined,
+        quarantined_bytes=host.quarantined_bytes,
     )
 
 

@@ -1,4 +1,5 @@
-"""Unix socket files of the daemon's listeners: replacing a stale one, removing one."""
+"""Unix sockets of the daemon's listeners: replacing a stale socket file, removing one, and
+who is at the other end of a connection."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import errno
 import logging
 import socket
 import stat
+import struct
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("embcache.transport")
 
@@ -40,3 +44,31 @@ def unlink_socket(path: Path) -> None:
             path.unlink()
     except FileNotFoundError:
         pass
+
+
+@dataclass(frozen=True, slots=True)
+class PeerCredentials:
+    """The process at the other end of a Unix socket connection, as the kernel saw it when
+    it connected (``SO_PEERCRED``; pids are of this daemon's pid namespace)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+_UCRED = struct.Struct("3i")
+
+
+def peer_credentials(sock: Any) -> PeerCredentials | None:
+    """The peer of a connected Unix socket (``socket.socket``, or asyncio's transport
+    socket); None where the platform or the socket cannot say (not AF_UNIX, no pid: a
+    peer in a pid namespace this daemon cannot see)."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if sock is None or option is None or getattr(sock, "family", None) != socket.AF_UNIX:
+        return None
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, option, _UCRED.size)
+    except OSError:
+        return None
+    pid, uid, gid = _UCRED.unpack(raw)
+    return PeerCredentials(pid, uid, gid) if pid > 0 else None

@@ -277,10 +277,14 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
             # Nothing here awaits: a second cancellation must not skip the lease drop.
             session.end()
 
-    def open_session(self, send: Send, transport: str) -> OpenSession:
+    def open_session(self, send: Send, transport: str, peer_pid: int | None = None) -> OpenSession:
         """A new session whose results go out through ``send`` (a gRPC Session stream's or
-        a session-socket connection's, ``uds/server.py``); :meth:`OpenSession.end` ends it."""
+        a session-socket connection's, ``uds/server.py``); :meth:`OpenSession.end` ends it.
+        ``peer_pid``: the client's process, from the kernel (the session socket's peer
+        credentials): leases that end by force while it runs are quarantined."""
         session_id = self.sessions.open()
+        if peer_pid is not None:
+            self.engine.quarantine.bind(session_id, peer_pid)
         calls = SessionCalls(
             session_id,
             send,

@@ -74,6 +74,12 @@ class StatsResponse(_OpenModel):
     put_landing_bytes: int = Field(
         0, description="Host pool bytes set aside for puts from a device (counted as free)."
     )
+    leases_quarantined: int = Field(
+        0,
+        description="Leases that ended by force while their owner's process may still read "
+        "the pages through views: their pages stay out of reuse until it exits or drops them.",
+    )
+    quarantined_bytes: int = Field(0, description="Pages those quarantined leases hold, in bytes.")
 
 
 class EntrySummary(_Model):

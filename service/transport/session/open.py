@@ -57,4 +57,6 @@ class SessionHost(Protocol):
 
     metrics: RpcMetrics | None
 
-    def open_session(self, send: Send, transport: str) -> OpenSession: ...
+    def open_session(
+        self, send: Send, transport: str, peer_pid: int | None = None
+    ) -> OpenSession: ...

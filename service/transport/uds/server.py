@@ -31,6 +31,7 @@ from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.framing import FRAME_HEADER as HEADER
 from embcache.proto.framing import frame
 from embcache.service.transport.session.open import OpenSession, SessionHost
+from embcache.service.transport.sockets import PeerCredentials, peer_credentials
 from embcache.service.transport.status import status_for
 
 log = logging.getLogger("embcache.uds")
@@ -90,6 +91,7 @@ class _Connection(asyncio.Protocol):
         self.server = server
         self.transport: asyncio.Transport | None = None
         self.session: OpenSession | None = None
+        self.peer: PeerCredentials | None = None  # the client process, from the kernel
         self._buf = bytearray()
         self._writable: asyncio.Future[None] | None = None  # set while writing is paused
 
@@ -97,6 +99,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        self.peer = peer_credentials(transport.get_extra_info("socket"))
         self.server.track(self)
 
     def data_received(self, data: bytes) -> None:
@@ -152,7 +155,8 @@ class _Connection(asyncio.Protocol):
             elif not self.server.authorized(msg.hello):
                 self._refuse(Unauthenticated("missing or invalid auth token"))
             else:
-                self.session = self.server.host.open_session(self._send, "lane")
+                pid = self.peer.pid if self.peer is not None else None
+                self.session = self.server.host.open_session(self._send, "lane", pid)
                 self.session.handle(msg, self._peer())
                 self._write(pb.SessionResponse(opened=self.session.opened))
         elif kind == "ping":
