@@ -41,11 +41,9 @@ def error_name(exc: BaseException) -> str:
 
 def zero_copy(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a view of a mapped host pool (not a gathered copy)."""
-    from embcache.clients.device.shm import process_pool_maps
+    from embcache.clients.device.shm import mapped_segment
 
-    ptr = tensor.data_ptr()
-    maps = process_pool_maps()._by_identity.values()  # read-only peek, for figures
-    return any(m.tensor.data_ptr() <= ptr < m.tensor.data_ptr() + m.size for m in maps)
+    return mapped_segment(tensor) is not None
 
 
 class Published:
