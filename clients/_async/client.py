@@ -23,6 +23,7 @@ from embcache.clients._async.stateless_calls import AsyncStatelessCalls
 from embcache.clients._backends.async_io import leased_call
 from embcache.clients.core.errors import RpcFailed
 from embcache.clients.core.payload import payload_of
+from embcache.clients.core.replies import check_ended
 from embcache.clients.core.requests import as_keys, device_get_request, get_request
 from embcache.clients.device import device_replies, exports, into, pools
 from embcache.clients.device import puts as dp
@@ -300,16 +301,37 @@ class AsyncEmbCacheClient(AsyncStatelessCalls):
         names, _ = as_keys(keys)
         if not isinstance(out, torch.Tensor):
             outs = out
-            return await self._copied(await self.get(names), lambda ts: into.copy_into(ts, outs))
+            return await self._host_copy(names, lambda ts: into.copy_into(ts, outs))
         into.check_buffer(out, names, offsets)
         if out.device.type == "cuda" and out.numel():
             results = await self._get_into_device(names, out, offsets)
             if results is not None:
                 return results
         buffer = out
-        return await self._copied(
-            await self.get(names), lambda ts: into.copy_into_buffer(names, ts, buffer, offsets)
+        return await self._host_copy(
+            names, lambda ts: into.copy_into_buffer(names, ts, buffer, offsets)
         )
+
+    async def _host_copy(self, names: list[str], copy: Callable[[list[Any]], R]) -> R:
+        """``copy(tensors)`` of a host get whose entries are read straight from the shared
+        mapping (no views to make: they are copied at once), then the leases end."""
+        if self._pool_local is False:
+            return await self._copied(await self.get(names), copy)
+        reply = await self._get_call(get_request(names, None))
+        ids = [r.lease_id for r in reply.results if r.found]
+        try:
+            decoded = decode_get(reply, self._maps, views=False)
+            if decoded.remote:  # not mappable here: the leased get streams the bytes
+                self._pool_local = False
+                await self.release(ids)
+                return await self._copied(await self.get(names), copy)
+            self._pool_local = True if ids else self._pool_local
+            result = copy(decoded.tensors)
+        except BaseException:
+            await self.release(ids)
+            raise
+        check_ended(await self.release(ids), ids)  # copied while the leases lived, or not
+        return result
 
     async def _get_into_device(
         self, names: list[str], out: torch.Tensor, offsets: Sequence[int] | None

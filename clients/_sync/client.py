@@ -25,6 +25,7 @@ from embcache.clients._sync.results import LeasedTensors
 from embcache.clients._sync.stateless_calls import StatelessCalls
 from embcache.clients.core.errors import RpcFailed
 from embcache.clients.core.payload import payload_of
+from embcache.clients.core.replies import check_ended
 from embcache.clients.core.requests import as_keys, device_get_request, get_request
 from embcache.clients.device import device_replies, exports, into, pools
 from embcache.clients.device import puts as dp
@@ -298,16 +299,35 @@ class EmbCacheClient(StatelessCalls):
         names, _ = as_keys(keys)
         if not isinstance(out, torch.Tensor):
             outs = out
-            return self._copied(self.get(names), lambda ts: into.copy_into(ts, outs))
+            return self._host_copy(names, lambda ts: into.copy_into(ts, outs))
         into.check_buffer(out, names, offsets)
         if out.device.type == "cuda" and out.numel():
             results = self._get_into_device(names, out, offsets)
             if results is not None:
                 return results
         buffer = out
-        return self._copied(
-            self.get(names), lambda ts: into.copy_into_buffer(names, ts, buffer, offsets)
-        )
+        return self._host_copy(names, lambda ts: into.copy_into_buffer(names, ts, buffer, offsets))
+
+    def _host_copy(self, names: list[str], copy: Callable[[list[Any]], R]) -> R:
+        """``copy(tensors)`` of a host get whose entries are read straight from the shared
+        mapping (no views to make: they are copied at once), then the leases end."""
+        if self._pool_local is False:
+            return self._copied(self.get(names), copy)
+        reply = self._get_call(get_request(names, None))
+        ids = [r.lease_id for r in reply.results if r.found]
+        try:
+            decoded = decode_get(reply, self._maps, views=False)
+            if decoded.remote:  # not mappable here: the leased get streams the bytes
+                self._pool_local = False
+                self.release(ids)
+                return self._copied(self.get(names), copy)
+            self._pool_local = True if ids else self._pool_local
+            result = copy(decoded.tensors)
+        except BaseException:
+            self.release(ids)
+            raise
+        check_ended(self.release(ids), ids)  # copied while the leases lived, or not
+        return result
 
     def _get_into_device(
         self, names: list[str], out: torch.Tensor, offsets: Sequence[int] | None

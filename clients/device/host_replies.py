@@ -30,7 +30,10 @@ class Decoded:
     ready: Any = None  # device gets: an event recorded after the copies into owned memory
 
 
-def decode_get(reply: pb.GetResponse, maps: PoolMaps) -> Decoded:
+def decode_get(reply: pb.GetResponse, maps: PoolMaps, *, views: bool = True) -> Decoded:
+    """Tensors for a host Get. ``views=False``: entries in one run are slices of the shared
+    read-only mapping instead of private views (for the client's own copies, read once
+    while the lease is held and never handed out: no mapping to make, no page to fault)."""
     pools = {p.pool_id: p for p in reply.pools}
     out = Decoded([], [])
     for index, result in enumerate(reply.results):
@@ -46,20 +49,23 @@ def decode_get(reply: pb.GetResponse, maps: PoolMaps) -> Decoded:
             out.anchors.append(None)
             out.remote.append(index)
             continue
-        tensor, anchor = _tensor(result, mapping)
+        tensor, anchor = _tensor(result, mapping, views)
         out.tensors.append(tensor)
         out.anchors.append(anchor)
     return out
 
 
-def _tensor(result: pb.GetResult, mapping: PoolMapping) -> tuple[torch.Tensor, Any]:
-    """The entry of ``result``, and the anchor of its view (None for a copy)."""
+def _tensor(result: pb.GetResult, mapping: PoolMapping, views: bool) -> tuple[torch.Tensor, Any]:
+    """The entry of ``result``, and the anchor of its view (None for a copy or a slice)."""
     meta, pool = result.meta, mapping.tensor
     runs = [(r.offset, r.length) for r in result.host.runs]
     if sum(n for _, n in runs) != meta.nbytes or any(o + n > pool.numel() for o, n in runs):
         raise ValueError(f"reply for {result.key!r} has byte runs outside the pool")
     anchor = None
-    if len(runs) == 1 and (view := mapping.private_view(*runs[0])) is not None:
+    if len(runs) == 1 and not views:  # read-only memory: the caller copies it at once
+        offset, length = runs[0]
+        flat = pool[offset : offset + length]
+    elif len(runs) == 1 and (view := mapping.private_view(*runs[0])) is not None:
         flat, anchor = view
     elif len(runs) == 1:  # no mapping could be made: a copy of the run
         offset, length = runs[0]
