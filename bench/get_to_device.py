@@ -4,8 +4,10 @@ A batch of 16 x 4 MiB entries stored in 256 KiB host pages, fragmented (every pa
 entry is its own run). Prints GB/s of cold get_to_device per backend, the resident-hit
 latency, put_from_device GB/s (one call per tensor, and a batch with
 put_from_device_many), and how much a concurrent 8192^3 bf16 GEMM slows down while
-cold batches stream in: in a process of its own (as a decoder's) and in this one. JSON
-goes to bench/results/get_to_device.json (or --out-dir).
+cold batches stream in: in a process of its own (as a decoder's) and in this one. Also what
+a client's owned copy costs (the default of ``get(..., device=)``): the device-to-device
+gather of 16 x 4 MiB resident entries out of the pool into new memory, next to zero-copy
+views of them. JSON goes to bench/results/get_to_device.json (or --out-dir).
 
     python bench/get_to_device.py [--reps 20]
 """
@@ -303,6 +305,45 @@ def planned_copy_switch(e: CacheEngine) -> Callable[[bool], None]:
     return switch
 
 
+def owned_copy_vs_view(e: CacheEngine, reps: int) -> dict[str, float]:
+    """The client's step after a device get of 16 x 4 MiB resident entries: the owned copy
+    (one gather of their pages into new memory, an event after it, waited for) against
+    zero-copy views (an anchored view per entry, no GPU work), on the pool's tensor."""
+    from embcache.clients.device.anchors import anchored_view
+    from embcache.clients.device.gathers import plan_gather
+
+    keys = [f"owned-{i}" for i in range(BATCH)]
+    for i, key in enumerate(keys):
+        e.put(key, torch.full((ENTRY,), i, dtype=torch.uint8))
+    pool = e.device_tier.pool(0)
+    pool.evict_unleased()  # room for each entry in one run
+    placed, _ = e.device.get(keys, "owned-bench")
+    flat, page = pool.tensor, pool.page_bytes
+    pages = [p for d in placed if d is not None for p in d.page_ids]
+    offsets = [d.offset for d in placed if d is not None and d.offset is not None]
+    owned, views = [], []
+    for _ in range(reps + 2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        gather = plan_gather(flat, page, pages, [ENTRY // page] * BATCH, [ENTRY] * BATCH)
+        gather.run()
+        ready = torch.cuda.Event()
+        ready.record()
+        ready.synchronize()
+        owned.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        kept = [anchored_view(flat, off, ENTRY) for off in offsets]
+        views.append(time.perf_counter() - t0)
+        del kept
+    e.release(d.lease.lease_id for d in placed if d is not None)
+    return {
+        "owned_copy_GBps": BATCH * ENTRY / statistics.median(owned[2:]) / 1e9,
+        "owned_copy_us": statistics.median(owned[2:]) * 1e6,
+        "zero_copy_views_us": statistics.median(views[2:]) * 1e6,
+        "entries_in_one_run": len(offsets),
+    }
+
+
 def resident_hit_us(e: CacheEngine, key: str, n: int = 2000) -> dict[str, float]:
     """Latency of get_to_device + release of one resident entry, in-process."""
     [warm], _ = e.device.get([key], "warm")
@@ -332,6 +373,7 @@ def main() -> None:
     ]
     gets: dict[str, float] = {}
     hit: dict[str, float] = {}
+    owned: dict[str, float] = {}
     pfd: dict[str, dict[str, float]] = {}
     slowdown = {"other_process": float("nan"), "same_process": float("nan")}
     # "auto" runs again on a fifth engine: rates differ between engine instances (each has
@@ -396,6 +438,7 @@ def main() -> None:
                 e.evict_bytes(e.host_pool.nbytes)
                 keys = fill_fragmented(e)
                 hit = resident_hit_us(e, keys[0])
+                owned = owned_copy_vs_view(e, args.reps)
                 pfd = put_from_device_rates(e, args.reps)
                 e.evict_bytes(e.host_pool.nbytes)  # the puts above evicted some of the batch
                 slowdown = gemm_slowdown(e, fill_fragmented(e))
@@ -437,6 +480,12 @@ def main() -> None:
         f"p99 {hit['p99']:.1f} us"
     )
     print(
+        f"client's owned copy of 16 x 4 MiB resident entries (gather + event wait): "
+        f"{owned['owned_copy_us']:.0f} us = {owned['owned_copy_GBps']:.0f} GB/s; zero-copy "
+        f"views of the {owned['entries_in_one_run']} in one run: "
+        f"{owned['zero_copy_views_us']:.0f} us"
+    )
+    print(
         "concurrent 8192^3 bf16 GEMM while cold batches load (auto), over its time alone: "
         f"{slowdown['other_process']:.3f}x from another process (a decoder), "
         f"{slowdown['same_process']:.3f}x from this process (its launches share the GIL); "
@@ -449,6 +498,7 @@ def main() -> None:
         "baseline_GBps": base,
         "get_to_device_GBps": gets,
         "resident_hit_us": hit,
+        "owned_copy_vs_view": owned,
         "put_from_device": pfd,
         "gemm_slowdown_during_cold_gets": slowdown,
     }

@@ -11,7 +11,9 @@ on a gRPC Session stream. With CUDA, two more daemons with a 1 GiB device pool (
 on the lane, then on the gRPC Session stream): get-to-device
 latency for 1 x 4 MiB (cold and resident hit), GB/s for 16 x 4 MiB cold with fragmented device
 pages, put-from-device GB/s, next to one contiguous copy-engine transfer of the same bytes
-measured in the same run. Prints a table and writes bench/results/grpc_e2e.json.
+measured in the same run. Device gets copy out of the pool into memory the caller owns (the
+default); the zero_copy rows are views of the pool instead, in the same run. Prints a table
+and writes bench/results/grpc_e2e.json.
 """
 
 from __future__ import annotations
@@ -352,29 +354,45 @@ def device_gets(
     entry = 4 * MiB
     out: dict[str, Any] = {}
     with EmbCacheClient(target, session_lane=lane) as client:
-        keys = [f"cold-{i}" for i in range(2 * iters)]
+        keys = [f"cold-{i}" for i in range(3 * iters)]
         for i, key in enumerate(keys):
             client.put(key, torch.full((entry,), i % 251, dtype=torch.uint8))
         client.get(keys[:1], device="cuda").release()  # opens the pool once
         session = client._open_session()
         # "rpc": the unary Get RPC that waits for the copy before replying (the path before
-        # session calls and ready events), in the same run as the default path.
-        for name, batch, fast in (
-            ("cold", keys[1:iters], True),
-            ("hit", [keys[0]] * (iters - 1), True),
-            ("cold_rpc", keys[iters + 1 :], False),
-            ("hit_rpc", [keys[0]] * (iters - 1), False),
+        # session calls and ready events), in the same run as the default path. "zc": the
+        # same gets with zero_copy=True (views of the pool, no copy into owned memory).
+        for name, batch, fast, zc in (
+            ("cold", keys[1:iters], True, False),
+            ("hit", [keys[0]] * (iters - 1), True, False),
+            ("cold_zc", keys[2 * iters + 1 :], True, True),
+            ("hit_zc", [keys[0]] * (iters - 1), True, True),
+            ("cold_rpc", keys[iters + 1 : 2 * iters], False, False),
+            ("hit_rpc", [keys[0]] * (iters - 1), False, False),
         ):
             session.serves_calls = client._caps.ready_events = fast
             lat = []
             for key in batch:
                 t0 = time.perf_counter()
-                leased = client.get([key], device="cuda")
+                leased = client.get([key], device="cuda", zero_copy=zc)
                 torch.cuda.synchronize()
                 lat.append((time.perf_counter() - t0) * 1e6)
-                leased.release()
+                leased.release(now=True)  # nothing reads them after: end the leases here
             out[f"get_device_{name}_p50_us"], out[f"get_device_{name}_p99_us"] = percentiles(lat)
         session.serves_calls = client._caps.ready_events = True
+        # 16 x 4 MiB resident entries in one run each: the owned copy (a device-to-device
+        # gather) against zero-copy views, alternating, same batch.
+        hot = keys[1:17]
+        owned_or_view: dict[bool, list[float]] = {False: [], True: []}
+        for r in range(2 * rounds + 2):
+            zc = r % 2 == 1
+            t0 = time.perf_counter()
+            leased = client.get(hot, device="cuda", zero_copy=zc)
+            torch.cuda.synchronize()
+            owned_or_view[zc].append(16 * entry / (time.perf_counter() - t0) / 1e9)
+            leased.release(now=True)
+        out["get_device_16x4MiB_hit_owned_gbs"] = statistics.median(owned_or_view[False][1:])
+        out["get_device_16x4MiB_hit_zero_copy_gbs"] = statistics.median(owned_or_view[True][1:])
         client.evict(keys)
         largest = fragment_device_pool(client)
         rates: dict[bool, list[float]] = {True: [], False: []}
@@ -567,6 +585,7 @@ def main() -> None:
         print(f"{'path':<9}{head}")
         for label, sfx, res in (
             ("lane", "", gpu),
+            ("lane zc", "_zc", gpu),
             ("rpc", "_rpc", gpu),
             ("stream", "", stream),
         ):
@@ -575,8 +594,15 @@ def main() -> None:
                 f"{res[f'get_device_cold{sfx}_p99_us']:>6.0f}"
                 f"{res[f'get_device_hit{sfx}_p50_us']:>10.0f} /"
                 f"{res[f'get_device_hit{sfx}_p99_us']:>5.0f}"
-                f"{res[f'get_device_16x4MiB_frag{sfx}_gbs']:>19.1f}"
+                f"{res.get(f'get_device_16x4MiB_frag{sfx}_gbs', float('nan')):>19.1f}"
             )
+        print(
+            "16 x 4 MiB resident, one run each (lane): owned copy "
+            f"{gpu['get_device_16x4MiB_hit_owned_gbs']:.1f} GB/s, zero_copy views "
+            f"{gpu['get_device_16x4MiB_hit_zero_copy_gbs']:.1f} GB/s (stream: "
+            f"{stream['get_device_16x4MiB_hit_owned_gbs']:.1f} / "
+            f"{stream['get_device_16x4MiB_hit_zero_copy_gbs']:.1f})"
+        )
         print(
             f"contiguous copy engine 64 MiB {gpu['copy_engine_64MiB_gbs']:.1f} GB/s: 16 x 4 MiB "
             f"ratio {gpu['ratio_frag_to_copy_engine']:.2f} (rpc "

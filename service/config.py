@@ -147,6 +147,12 @@ class Settings(BaseSettings):
         1024**2, ge=1024, description="Largest JSON body of a REST control route (413 past "
         "it); PUT data bodies stream into pages and are bounded by the entry size.",
     )  # fmt: skip
+    max_quarantine_bytes_per_owner: ByteSize = Field(
+        0,
+        description="Pages one client process may keep held by views of leases that ended by "
+        "force (a TTL, a dropped session) until it exits or drops the views; past it, its gets "
+        "are refused with QuotaExceeded (0 = a quarter of the host pool).",
+    )
     # Listeners
     grpc_host: str = Field("127.0.0.1", description="gRPC TCP bind address.")
     grpc_port: int = Field(7470, ge=0, le=65535, description="gRPC TCP port (0 = pick a free one).")
@@ -393,6 +399,11 @@ class Settings(BaseSettings):
         less than the largest entry the pool takes, so any entry can be read)."""
         largest = min(self.max_entry_bytes, self.host_pool_bytes)
         return self.max_leased_bytes_per_owner or max(self.host_pool_bytes // 2, largest)
+
+    @property
+    def quarantine_limit(self) -> int:
+        """Bytes one process may keep quarantined (0 in the settings: a quarter of the pool)."""
+        return self.max_quarantine_bytes_per_owner or self.host_pool_bytes // 4
 
     def device_config(self) -> DeviceConfig:
         """The settings the device tier needs, and no others."""

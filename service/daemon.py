@@ -161,7 +161,8 @@ class Daemon:
         return 0
 
     async def _reap(self, engine: CacheEngine) -> None:
-        """Expire leases and launch due page-table updates, at least once a second."""
+        """Expire leases, free what exited processes kept quarantined and launch due
+        page-table updates, at least once a second."""
         period = min(1.0, self.settings.lease_ttl_s / 4)
         while True:
             await asyncio.sleep(period)
@@ -169,9 +170,11 @@ class Daemon:
             if expired:
                 log.info("expired %d leases", expired)
             try:
+                if freed := engine.quarantine.reap():
+                    log.info("freed %d quarantined leases of exited processes", freed)
                 engine.device.flush_due()  # page tables catch up once gets stop
             except Exception:  # never the end of the reaper: leases must still expire
-                log.exception("launching the page-table updates failed")
+                log.exception("freeing quarantined pages or launching table updates failed")
 
     def _announce(self, grpc_service: Any, http_port: int, engine: CacheEngine) -> None:
         ports = list(getattr(grpc_service, "ports", []) or [])

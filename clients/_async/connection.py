@@ -10,27 +10,38 @@ restart returns to it.
 Every call gets the client's deadline and is retried on UNAVAILABLE with jittered
 exponential backoff; a call that names a session the daemon forgot is tried again on a new
 one.
+
+Leases of zero-copy views end once their block has ended and their views are gone
+(``core/views.py``); the connection's pump (a task, or a thread in the blocking client,
+started with the first view) renews them until then and releases them afterwards, and the
+next call on the session releases what it finds gone first.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any, Self, TypeVar
 
 import grpc
 
-from embcache.clients._backends.async_io import CallFn, Lock, connect, sleep
+from embcache.clients._backends.async_io import CallFn, Lock, Pump, connect, run_blocking, sleep
 from embcache.clients._backends.async_session import AsyncSession
 from embcache.clients._backends.async_uds import AsyncUdsSession
 from embcache.clients.core.capabilities import Capabilities, HostFallbacks
 from embcache.clients.core.channel import auth_metadata
 from embcache.clients.core.errors import RpcFailed, from_call_error, translate
+from embcache.clients.core.requests import renew_request
 from embcache.clients.core.retry import backoff_s, is_unknown_session, retry_step, should_retry
 from embcache.clients.core.session_calls import SessionLost, serves
 from embcache.clients.core.targets import normalize_target, uds_path
+from embcache.clients.core.views import BATCH, ViewLeases
+from embcache.clients.device.device_replies import sync_devices
+from embcache.clients.device.host_replies import Decoded
 from embcache.clients.device.pools import process_device_pools
 from embcache.clients.device.shm import process_pool_maps
+from embcache.errors import EmbCacheError
 from embcache.proto.constants import SESSION_KEY
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
@@ -96,6 +107,8 @@ class AsyncConnection:
         self._device_pools = process_device_pools()
         self._no_device = HostFallbacks()  # GPUs served through the host for now
         self._caps = Capabilities()  # what the daemon turned out not to support
+        self._views = ViewLeases()  # leases held until their block ends and views are gone
+        self._pump = Pump(self._tend_views, "embcache-views")
 
     # -- the session -----------------------------------------------------------------------
     async def _session_id(self) -> str:
@@ -142,6 +155,8 @@ class AsyncConnection:
     # -- calls -----------------------------------------------------------------------------
     async def _call(self, fn: CallFn[T], *, session: bool = False) -> T:
         """Run ``fn(metadata, timeout)`` with retries on UNAVAILABLE (and a stale session)."""
+        if self._views.pending():
+            await self._release_gone()  # so that an evict, say, finds them released
         reopened = False
         attempt = 0
         while True:
@@ -169,6 +184,8 @@ class AsyncConnection:
         attempt = 0
         while True:
             session = await self._open_session()
+            if self._views.pending():
+                await self._post_gone(session)
             if not serves(session, kind):
                 return await self._call(rpc, session=True)
             try:
@@ -228,11 +245,126 @@ class AsyncConnection:
         return int(reply.released)
 
     async def close(self) -> None:
-        """End the session (the daemon releases its leases) and close the channel; calls
-        that need a session then raise ``RpcFailed`` (code ``CANCELLED``)."""
+        """Refuse new calls (those that need a session raise ``RpcFailed``, code
+        ``CANCELLED``), then end the session (the daemon releases its leases) and close the
+        channel: at once, or, while tensors of views are still held, once the last of them
+        is gone (the pump does it then), so that they keep their bytes."""
+        if self._closed:
+            return
+        await self._pump.stop()  # no round runs from here on
         self._closed = True
+        await self._release_gone()
+        if len(self._views):
+            log.debug("the session ends once %d views are gone", len(self._views))
+            self._pump = Pump(self._tend_views, "embcache-views-closing")
+            self._pump.poke()
+            return
+        await self._shut()
+
+    async def _shut(self) -> None:
         await self._drop_session()
         await self._channel.close()
+
+    # -- leases of views (core/views.py) ---------------------------------------------------
+    def _hold_views(
+        self, decoded: Decoded, ttl_s: float | None, taken_at: float, device: Any = None
+    ) -> tuple[ViewLeases, list[Any]]:
+        """Track the leases of ``decoded``'s views (taken by a get sent at ``taken_at``): they
+        end once their block has ended and their views are gone. Returns the table and the
+        anchors, for the leased tensors to hold until their block ends."""
+        session = self._session
+        lifetime = ttl_s or (session.lease_ttl_s if session is not None else 0.0) or 1.0
+        anchors = []
+        for lease_id, anchor in zip(decoded.lease_ids, decoded.anchors, strict=True):
+            if anchor is not None:
+                self._views.track(
+                    lease_id,
+                    anchor,
+                    ttl_s=ttl_s,
+                    lifetime_s=lifetime,
+                    taken_at=taken_at,
+                    owner=session,
+                    device=device,
+                )
+                anchors.append(anchor)
+        if anchors:
+            self._pump.poke()
+        return self._views, anchors
+
+    async def _tend_views(self) -> float | None:
+        """One round of the pump: release the leases whose views are gone, renew the others
+        before their TTL; returns the seconds until the next round (None: nothing held)."""
+        await self._release_gone()
+        if self._closed and not len(self._views):  # close() waited for the last view
+            await self._shut()
+            return -1.0  # the pump ends
+        for ttl_s, ids in self._views.due():
+            await self._renew_views(ids, ttl_s)
+        return self._views.next_round()
+
+    async def _release_gone(self) -> None:
+        """Release the leases whose block ended and whose views are gone (after the device
+        work of device views: what was queued on them before they went)."""
+        ready = self._views.take_releasable()
+        if not ready:
+            return
+        devices = {device for _, device in ready if device is not None}
+        if devices:
+            await run_blocking(sync_devices, devices)
+        await self._release_quietly([lease_id for lease_id, _ in ready])
+
+    async def _post_gone(self, session: Any) -> None:
+        """Before a call on ``session``: release what is gone without waiting for the
+        answer (device views are left to the pump, which waits for their work first)."""
+        ready = self._views.take_releasable(devices=False)
+        if not ready:
+            return
+        ids = [lease_id for lease_id, _ in ready]
+        if serves(session, "release"):
+            try:
+                await session.post(release=pb.ReleaseRequest(lease_ids=ids))
+                return
+            except SessionLost:
+                pass  # its leases ended with it; a release still ends a quarantine
+        await self._release_quietly(ids)
+
+    async def _release_quietly(self, lease_ids: list[int]) -> None:
+        for i in range(0, len(lease_ids), BATCH):
+            try:
+                await self.release(lease_ids[i : i + BATCH])
+            except EmbCacheError as exc:  # nobody waits for it; the session or TTL ends them
+                log.info("releasing leases whose views are gone failed: %s", exc)
+
+    async def _renew_views(self, lease_ids: list[int], ttl_s: float | None) -> None:
+        """Renew these, in halves when some had ended (the daemon only counts them) so
+        that each lost one is marked once."""
+        since = time.monotonic()
+        request = renew_request(lease_ids, ttl_s)
+        session = self._session  # the leases' owner (not a new session: it would own none)
+        metadata = self._auth
+        if session is not None and session.session_id is not None:
+            metadata = (*metadata, (SESSION_KEY, session.session_id))
+        try:
+            reply = await self._call(
+                lambda md, to: self._stub.Renew(request, timeout=to, metadata=metadata)
+            )
+        except EmbCacheError as exc:
+            log.info("renewing %d leases of live views failed: %s", len(lease_ids), exc)
+            self._views.retry_later(lease_ids, 1.0)
+            return
+        if reply.renewed >= len(set(lease_ids)):
+            self._views.renewed(lease_ids, since)
+        elif len(lease_ids) == 1:
+            self._views.lost(lease_ids)
+            log.warning(
+                "lease %d ended while views of it were alive (a TTL or session end); the "
+                "block's end raises LeaseExpired",
+                lease_ids[0],
+            )
+        else:
+            half = len(lease_ids) // 2
+            await self._renew_views(lease_ids[:half], ttl_s)
+            await self._renew_views(lease_ids[half:], ttl_s)
 
     async def __aenter__(self) -> Self:
         return self

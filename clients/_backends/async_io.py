@@ -8,7 +8,9 @@ asyncio client is made on the loop that uses it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import logging
 from collections.abc import Awaitable, Callable, Generator
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar
 
@@ -22,6 +24,8 @@ P = ParamSpec("P")
 
 Lock = asyncio.Lock
 sleep = asyncio.sleep
+run_blocking = asyncio.to_thread  # blocking work (a device sync) off the event loop
+log = logging.getLogger("embcache.client")
 
 # ``fn(metadata, timeout)``: one attempt of a call, as the client's retry loop runs it.
 CallFn = Callable[[Any, float], Awaitable[T]]
@@ -31,6 +35,55 @@ ReleaseFn = Callable[[list[int]], Awaitable[object]]
 
 # ``(channel, stub, put)`` on a ``grpc.aio`` channel (``core.channel.connect``)
 connect = functools.partial(channel.connect, aio=True)
+
+
+class Pump:
+    """A task on the client's loop that runs ``work()`` again after the seconds it returns
+    (None: not before the next :meth:`poke`; below 0: never again). Started by the first
+    poke; an error in one round is logged and the next round comes a second later."""
+
+    def __init__(self, work: Callable[[], Awaitable[float | None]], name: str) -> None:
+        self._work = work
+        self._name = name
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._stopped = False
+
+    def poke(self) -> None:
+        """Run a round soon (on the running loop; starts the task the first time)."""
+        if self._stopped:
+            return
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=self._name)
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while not self._stopped:
+            self._wake.clear()
+            try:
+                delay = await self._work()
+            except Exception:
+                log.warning("%s: a round failed; again in a second", self._name, exc_info=True)
+                delay = 1.0
+            if delay is not None and delay < 0:
+                self._stopped = True
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), delay)
+
+    async def stop(self) -> None:
+        """Stop for good, after the round in progress (cancelled if it takes over 5 s)."""
+        self._stopped = True
+        self._wake.set()
+        task = self._task
+        if task is None or task is asyncio.current_task() or task.done():
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(task), 5.0)
+        except TimeoutError:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 class Leases(Protocol):

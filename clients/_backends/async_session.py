@@ -36,6 +36,7 @@ class AsyncCalls(abc.ABC):
         self.session_id: str | None = None
         self.serves_calls = False
         self.serves_device_puts = False
+        self.lease_ttl_s = 0.0  # the daemon's default lease lifetime (0: not said)
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[pb.SessionResult]] = {}
         self._reader: asyncio.Task[None] | None = None
@@ -56,6 +57,7 @@ class AsyncCalls(abc.ABC):
         self.session_id = opened.session_id
         self.serves_calls = opened.calls
         self.serves_device_puts = opened.device_puts
+        self.lease_ttl_s = opened.lease_ttl_s
         self._reader = asyncio.get_running_loop().create_task(self._drain())
 
     @property
@@ -107,6 +109,16 @@ class AsyncCalls(abc.ABC):
             raise
         finally:
             self._waiting.pop(call_id, None)
+
+    async def post(self, **request: Any) -> None:
+        """Send a call without waiting for its result (a release: nothing to wait for);
+        the result is read and dropped. SessionLost if the session has ended."""
+        if not self.alive:
+            raise SessionLost(f"{self.what} has ended")
+        try:
+            await self._send(pb.SessionRequest(call=pb.SessionCall(call_id=0, **request)))
+        except self.transport_errors as err:
+            raise SessionLost(f"{self.what} failed: {err}") from err
 
     async def close(self) -> None:
         self._end_transport()

@@ -7,6 +7,7 @@ same names from ``async_io``.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +20,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 Lock = threading.Lock
 sleep = time.sleep
+log = logging.getLogger("embcache.client")
+
+
+def run_blocking(fn: Callable[..., T], *args: Any) -> T:
+    """Blocking work (a device sync): the blocking client just does it."""
+    return fn(*args)
+
 
 # ``fn(metadata, timeout)``: one attempt of a call, as the client's retry loop runs it.
 CallFn = Callable[[Any, float], T]
@@ -33,3 +41,50 @@ connect = functools.partial(channel.connect, aio=False)
 def leased_call(fn: F) -> F:
     """``get`` as it is: the leased tensors it returns are the context manager."""
     return fn
+
+
+class Pump:
+    """A daemon thread that runs ``work()`` again after the seconds it returns (None: not
+    before the next :meth:`poke`; below 0: never again). Started by the first poke; an
+    error in one round is logged and the next round comes a second later."""
+
+    def __init__(self, work: Callable[[], float | None], name: str) -> None:
+        self._work = work
+        self._name = name
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def poke(self) -> None:
+        """Run a round soon (from any thread; starts the thread the first time)."""
+        with self._lock:
+            if self._stopped:
+                return
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._wake.clear()
+            try:
+                delay = self._work()
+            except Exception:
+                log.warning("%s: a round failed; again in a second", self._name, exc_info=True)
+                delay = 1.0
+            if delay is not None and delay < 0:
+                self._stopped = True
+                return
+            if not self._stopped:
+                self._wake.wait(delay)
+
+    def stop(self) -> None:
+        """Stop for good, after the round in progress (waits up to 5 s for it)."""
+        with self._lock:
+            self._stopped = True
+            thread = self._thread
+        self._wake.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)

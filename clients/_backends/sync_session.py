@@ -43,6 +43,7 @@ class Session:
         self.session_id: str | None = None
         self.serves_calls = False  # the daemon runs SessionCall (it said so when opening)
         self.serves_device_puts = False  # ... including the device puts
+        self.lease_ttl_s = 0.0  # the daemon's default lease lifetime (0: not said)
         self.error: BaseException | None = None
         self.alive = True
         self._ids = itertools.count(1)
@@ -80,6 +81,7 @@ class Session:
                     self.session_id = msg.opened.session_id
                     self.serves_calls = msg.opened.calls
                     self.serves_device_puts = msg.opened.device_puts
+                    self.lease_ttl_s = msg.opened.lease_ttl_s
                     self._opened.set()
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.CANCELLED:
@@ -122,6 +124,13 @@ class Session:
         if waiter.result is None:
             raise SessionLost()
         return waiter.result
+
+    def post(self, **request: Any) -> None:
+        """Send a call without waiting for its result (a release); the reader drops it.
+        SessionLost if the stream has ended."""
+        if not self.alive:
+            raise SessionLost("the Session stream has ended")
+        self._queue.put(pb.SessionRequest(call=pb.SessionCall(call_id=0, **request)))
 
     def close(self) -> None:
         self.alive = False

@@ -66,6 +66,7 @@ class UdsSession:
         self.session_id: str | None = None
         self.serves_calls = False
         self.serves_device_puts = False
+        self.lease_ttl_s = 0.0  # the daemon's default lease lifetime (0: not said)
         try:
             hello = pb.SessionHello(client_name=name, pid=os.getpid(), auth_token=token or "")
             self._send(pb.SessionRequest(hello=hello))
@@ -86,6 +87,7 @@ class UdsSession:
         self.session_id = first.opened.session_id
         self.serves_calls = first.opened.calls
         self.serves_device_puts = first.opened.device_puts
+        self.lease_ttl_s = first.opened.lease_ttl_s
 
     @classmethod
     def open(cls, path: str, token: str | None, name: str, timeout: float) -> UdsSession:
@@ -116,6 +118,17 @@ class UdsSession:
             if not self.alive:
                 raise SessionLost("the session socket closed during the call")
         raise RpcFailed("deadline exceeded waiting for a session call", "DEADLINE_EXCEEDED")
+
+    def post(self, **request: Any) -> None:
+        """Send a call without waiting for its result (a release): whoever reads next drops
+        the result, so post only before a call of one's own. SessionLost if closed."""
+        if not self.alive:
+            raise SessionLost("the session socket has closed")
+        try:
+            self._send(pb.SessionRequest(call=pb.SessionCall(call_id=0, **request)))
+        except OSError as err:
+            self._lost(err)
+            raise SessionLost("the session socket closed") from err
 
     def _wait(self, waiter: _Waiter, deadline: float) -> None:
         """Until ``waiter`` has its result, the socket closes or the deadline passes: wait

@@ -4,16 +4,19 @@
 where the daemon's memory is mapped in this process.
 
 A CUDA tensor is put by the daemon copying it from this GPU when it can open the memory;
-anything else is streamed in CRC-checked chunks. A get on the daemon's node returns views
-of its host pool, or of a GPU's device pool with ``device=``; elsewhere the bytes are
+anything else is streamed in CRC-checked chunks. A get on the daemon's node returns
+copy-on-write views of its host pool, or with ``device=`` tensors on the GPU copied out of
+its device pool (views of the pool with ``zero_copy=True``); elsewhere the bytes are
 streamed. Where a path turns out not to work (another machine, no device pool, memory that
 cannot be exported) the client remembers and takes the next one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, overload
+import contextlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar, overload
 
 import torch
 
@@ -22,12 +25,15 @@ from embcache.clients._sync.results import LeasedTensors
 from embcache.clients._sync.stateless_calls import StatelessCalls
 from embcache.clients.core.errors import RpcFailed
 from embcache.clients.core.payload import payload_of
+from embcache.clients.core.replies import check_ended
 from embcache.clients.core.requests import as_keys, device_get_request, get_request
 from embcache.clients.device import device_replies, exports, into, pools
 from embcache.clients.device import puts as dp
 from embcache.clients.device.host_replies import decode_get
-from embcache.errors import DeviceUnavailable
+from embcache.errors import DeviceUnavailable, LeaseExpired
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
+
+R = TypeVar("R")
 
 
 class EmbCacheClient(StatelessCalls):
@@ -143,21 +149,31 @@ class EmbCacheClient(StatelessCalls):
         device: str | torch.device | None = None,
         *,
         ttl_s: float | None = None,
+        zero_copy: bool = False,
     ) -> LeasedTensors:
-        """Tensors for ``keys`` (None for a miss), leased until released.
+        """Tensors for ``keys`` (None for a miss), valid for as long as you hold them.
 
-        On the daemon's node the tensors are read-only views of its shared memory (entries
-        in several page runs are gathered copies); elsewhere the bytes are streamed. With a
-        CUDA ``device`` and a daemon with a device pool on that GPU, the tensors live on the
-        GPU: views of the daemon's device pool (contiguous entries; valid while leased) or
-        gathered copies the caller owns, ready for work queued on the device's current
-        stream. Without such a pool they are copied there and the leases released at once.
+        On the daemon's node the tensors are zero-copy views of its host pool, each in a
+        private copy-on-write mapping: writing into one (``x.mul_(2)``) changes only this
+        tensor, never the cache (entries in several page runs are gathered copies);
+        elsewhere the bytes are streamed. With a CUDA ``device`` and a daemon with a device
+        pool on that GPU, the tensors live on the GPU, copied out of the pool into memory
+        you own (one gather on the device's current stream, which later work waits for);
+        ``zero_copy=True`` gives views of the pool itself for entries in one run: no copy,
+        but read-only by contract (a write would change the cache for every reader).
+        Without such a pool they are copied there and the leases released at once.
+
+        A view's lease ends once its block has ended (``with``, or ``release()``) *and* the
+        last tensor over its bytes is gone; until then the client renews it before its TTL,
+        so a tensor kept after its block keeps its bytes. Copies end their leases at the
+        end of the block (device copies once the copy is complete).
 
         Args:
             keys: one key, or several.
             device: ``"cuda"``, ``"cuda:N"`` or a torch.device to get the tensors on a GPU;
                 None or ``"cpu"`` for the host.
-            ttl_s: the leases' lifetime (None: the daemon's default).
+            ttl_s: the leases' lifetime between renewals (None: the daemon's default).
+            zero_copy: with a CUDA ``device``, views of the device pool instead of copies.
 
         Returns:
             The leased tensors, in the order of ``keys``; the asyncio client returns them
@@ -170,12 +186,13 @@ class EmbCacheClient(StatelessCalls):
         """
         names, _ = as_keys(keys)
         if device is not None and torch.device(device).type == "cuda":
-            leased = self._get_device(names, device, ttl_s)
+            leased = self._get_device(names, device, ttl_s, zero_copy)
             if leased is not None:
                 return leased
         if self._pool_local is False:
             tensors = [self._fetch_tensor(k) for k in names]
             return self._placed(LeasedTensors(tensors, [], self.release), device)
+        taken_at = time.monotonic()
         reply = self._get_call(get_request(names, ttl_s))
         try:
             decoded = decode_get(reply, self._maps)
@@ -189,45 +206,63 @@ class EmbCacheClient(StatelessCalls):
             for i in decoded.remote:
                 decoded.tensors[i] = self._fetch_tensor(names[i])
             decoded.lease_ids = []
-        leased = LeasedTensors(decoded.tensors, decoded.lease_ids, self.release)
+            decoded.anchors = []
+        views, anchors = self._hold_views(decoded, ttl_s, taken_at)
+        leased = LeasedTensors(decoded.tensors, decoded.lease_ids, self.release, views, anchors)
+        del decoded, anchors  # the leased tensors hold the views now: nothing else may
         return self._placed(leased, device)
 
     def _get_device(
-        self, names: list[str], device: str | torch.device, ttl_s: float | None
+        self, names: list[str], device: str | torch.device, ttl_s: float | None, zero_copy: bool
     ) -> LeasedTensors | None:
         dev, uuid = pools.resolve_device(device)
         if uuid in self._no_device:
             return None
         request = device_get_request(names, uuid, ttl_s, ready_event=self._caps.ready_events)
+        taken_at = time.monotonic()
         try:
             reply = self._get_call(request)
         except DeviceUnavailable as exc:
             self._no_device.add(uuid, exc)
             return None
         try:
-            decoded = device_replies.decode_device_get(reply, self._device_pools)
+            decoded = device_replies.decode_device_get(
+                reply, self._device_pools, owned=not zero_copy
+            )
         except BaseException as exc:
             self.release([r.lease_id for r in reply.results if r.found])
             if isinstance(exc, device_replies.EventOpenError):  # ask again, without an event
                 self._caps.events_failed(exc)
-                return self._get_device(names, device, ttl_s)
+                return self._get_device(names, device, ttl_s, zero_copy)
             if isinstance(exc, device_replies.PoolOpenError):
                 self._no_device.add(uuid, exc)
                 return None
             raise
+        copied = decoded.ready  # owned copies: an event after them (None: views, or no GPU)
 
         def release(lease_ids: list[int]) -> int:
-            device_replies.sync_device(dev)
+            device_replies.wait_copied(copied, dev)  # nothing reads the pool's pages after
             return self.release(lease_ids)
 
-        return LeasedTensors(decoded.tensors, decoded.lease_ids, release)
+        views, anchors = self._hold_views(decoded, ttl_s, taken_at, dev)
+        return LeasedTensors(decoded.tensors, decoded.lease_ids, release, views, anchors)
 
     def _placed(self, leased: LeasedTensors, device: str | torch.device | None) -> LeasedTensors:
         if device is None or torch.device(device).type == "cpu":
             return leased
-        with leased as tensors:
-            moved = [None if t is None else t.to(device) for t in tensors]
+        moved = self._copied(leased, lambda ts: [_moved(t, device) for t in ts])
         return LeasedTensors(moved, [], self.release)
+
+    def _copied(self, leased: LeasedTensors, copy: Callable[[list[Any]], R]) -> R:
+        """``copy(tensors)``, then the leases end at once: the views are read no more."""
+        try:
+            result = copy(leased.tensors)
+        except BaseException:
+            with contextlib.suppress(LeaseExpired):  # do not hide the error that is leaving
+                leased.release(now=True)
+            raise
+        leased.release(now=True)
+        return result
 
     def _fetch_tensor(self, key: str) -> torch.Tensor | None:
         entry = self.get_bytes(key)
@@ -264,15 +299,36 @@ class EmbCacheClient(StatelessCalls):
         """
         names, _ = as_keys(keys)
         if not isinstance(out, torch.Tensor):
-            with self.get(names) as tensors:
-                return into.copy_into(tensors, out)
+            outs = out
+            return self._host_copy(names, lambda ts: into.copy_into(ts, outs))
         into.check_buffer(out, names, offsets)
         if out.device.type == "cuda" and out.numel():
             results = self._get_into_device(names, out, offsets)
             if results is not None:
                 return results
-        with self.get(names) as tensors:
-            return into.copy_into_buffer(names, tensors, out, offsets)
+        buffer = out
+        return self._host_copy(names, lambda ts: into.copy_into_buffer(names, ts, buffer, offsets))
+
+    def _host_copy(self, names: list[str], copy: Callable[[list[Any]], R]) -> R:
+        """``copy(tensors)`` of a host get whose entries are read straight from the shared
+        mapping (no views to make: they are copied at once), then the leases end."""
+        if self._pool_local is False:
+            return self._copied(self.get(names), copy)
+        reply = self._get_call(get_request(names, None))
+        ids = [r.lease_id for r in reply.results if r.found]
+        try:
+            decoded = decode_get(reply, self._maps, views=False)
+            if decoded.remote:  # not mappable here: the leased get streams the bytes
+                self._pool_local = False
+                self.release(ids)
+                return self._copied(self.get(names), copy)
+            self._pool_local = True if ids else self._pool_local
+            result = copy(decoded.tensors)
+        except BaseException:
+            self.release(ids)
+            raise
+        check_ended(self.release(ids), ids)  # copied while the leases lived, or not
+        return result
 
     def _get_into_device(
         self, names: list[str], out: torch.Tensor, offsets: Sequence[int] | None
@@ -295,3 +351,8 @@ class EmbCacheClient(StatelessCalls):
             return None
         exported.returned()  # the daemon has copied: its event may be reused
         return into.into_results(reply)
+
+
+def _moved(tensor: torch.Tensor | None, device: str | torch.device) -> torch.Tensor | None:
+    """``tensor`` copied to ``device`` (a miss stays None)."""
+    return None if tensor is None else tensor.to(device)

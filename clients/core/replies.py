@@ -110,13 +110,14 @@ def stats_dict(reply: pb.StatsResponse) -> dict[str, Any]:
     return out
 
 
-def check_ended(ended: object, lease_ids: list[int]) -> None:
-    """Raise if the daemon ended fewer leases than were held: some had expired already."""
+def check_ended(ended: object, lease_ids: list[int], lost: int = 0) -> None:
+    """Raise if the daemon ended fewer leases than were held (some had expired already), or
+    if ``lost`` leases still held by views are known to have ended."""
     held = len(set(lease_ids))
-    if isinstance(ended, int) and ended < held:
+    if (isinstance(ended, int) and ended < held) or lost:
         raise LeaseExpired(
             "a lease ended before it was released (e.g. the reader was stopped past its "
             "TTL): data read through the zero-copy views may be reused memory; read again",
-            held=held,
+            held=held + lost,
             released=ended,
         )

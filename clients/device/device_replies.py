@@ -1,10 +1,14 @@
 """Get replies with device locations turned into tensors on the GPU.
 
-Lifetimes (see docs/grpc.md): a contiguous entry is a zero-copy view of the daemon's device
-pool, valid while its lease lives; a fragmented entry is gathered (one launch on the
-current stream) into a tensor the caller owns. Releasing the leases first waits for the
-work queued on the device's current stream, so no kernel still reads pages that the daemon
-may reuse once they are released. Work on other streams is the caller's to finish.
+Lifetimes (see docs/grpc.md): by default every entry is copied out of the daemon's device
+pool into a tensor the caller owns (one gather of whole pages on the current stream for the
+whole reply), so a write never reaches the pool, and an event recorded after the copies says
+when the leases may end. With ``owned=False`` (``get(..., zero_copy=True)``) a contiguous
+entry is a view of the pool instead, on an anchor of its own (``anchors.py``) whose lifetime
+ends its lease; fragmented entries are gathered either way. Before a view's lease ends the
+client waits for the work queued on the device (the current stream at the end of a block,
+the whole device for views that went later), so no kernel still reads pages that the daemon
+may reuse. Work on other streams at the end of a block is the caller's to finish.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from embcache.clients.device.anchors import anchored_view
 from embcache.clients.device.gathers import PageGather, plan_gather
 from embcache.clients.device.host_replies import Decoded
 from embcache.clients.device.pools import DevicePoolCache, DevicePoolHandle
@@ -55,22 +60,28 @@ def pool_handle(pool: pb.PoolHandle) -> DevicePoolHandle:
     return DevicePoolHandle(pool.pool_id, d.gpu_uuid, d.size, d.page_bytes)  # no IPC (test pool)
 
 
-def decode_device_get(reply: pb.GetResponse, cache: DevicePoolCache) -> Decoded:
+def decode_device_get(
+    reply: pb.GetResponse, cache: DevicePoolCache, *, owned: bool = True
+) -> Decoded:
     """Tensors for a Get with a GPU uuid; each pool is opened once through ``cache``.
-    Contiguous entries are views; the fragmented ones of a pool are gathered together
-    (one upload and one launch: :func:`plan_gather`). The page ids of a batch are
-    checked and cut into runs with numpy, and each tensor is made with one ``as_strided``,
-    so the Python work per entry stays small."""
+    ``owned``: every entry is copied into memory the caller owns; the fragmented entries of
+    a pool (and, owned, the contiguous ones on page boundaries) are gathered together (one
+    upload and one launch: :func:`plan_gather`), and ``ready`` is an event after the copies
+    on a GPU. Otherwise contiguous entries are anchored views (``anchors``). The page ids
+    of a batch are checked and cut into runs with numpy, and each tensor is made with one
+    ``as_strided``, so the Python work per entry stays small."""
     pools = {p.pool_id: p for p in reply.pools}
     out = Decoded([], [])
     gathers: dict[str, _Gather] = {}
     opened: dict[str, tuple[torch.Tensor, int]] = {}
     typed: _Typed = {}
+    clones: list[tuple[int, torch.Tensor, int, pb.TensorMeta]] = []  # copied after the wait
     for result in reply.results:
         if not result.found:
             out.tensors.append(None)
             continue
         out.lease_ids.append(result.lease_id)
+        out.anchors.append(None)
         loc = result.device
         if result.WhichOneof("location") != "device" or loc.pool_id not in pools:
             raise ValueError(f"reply for {result.key!r} names no device pool this client knows")
@@ -84,16 +95,30 @@ def decode_device_get(reply: pb.GetResponse, cache: DevicePoolCache) -> Decoded:
             opened[loc.pool_id] = (pool, handle.page_bytes)
         pool, page_bytes = opened[loc.pool_id]
         meta = result.meta
-        if loc.WhichOneof("placement") == "offset":
-            if loc.offset + meta.nbytes > pool.numel():
+        in_pages = loc.WhichOneof("placement") != "offset"
+        if not in_pages:
+            if loc.offset + meta.nbytes > pool.numel() or loc.offset < 0:
                 raise ValueError(f"reply for {result.key!r} has a location outside the pool")
-            out.tensors.append(_view(pool, loc.offset, meta, typed))
-            continue
+            if not meta.nbytes:  # nothing to read: an empty view
+                out.tensors.append(_view(pool, loc.offset, meta, typed))
+                continue
+            if not owned:  # zero-copy: a view with an anchor of its own
+                flat, out.anchors[-1] = anchored_view(pool, loc.offset, meta.nbytes)
+                out.tensors.append(_view(flat, 0, meta, typed))
+                continue
+            if page_bytes <= 0 or loc.offset % page_bytes:  # not on a page: copied alone
+                clones.append((len(out.tensors), pool, loc.offset, meta))
+                out.tensors.append(None)  # filled below
+                continue
         g = gathers.get(loc.pool_id)
         if g is None:
             g = gathers[loc.pool_id] = _Gather()
         before = len(g.pages)
-        g.pages.extend(loc.pages.page_ids)
+        if in_pages:
+            g.pages.extend(loc.pages.page_ids)
+        else:  # a contiguous entry, owned: its pages join the gather
+            first = loc.offset // page_bytes
+            g.pages.extend(range(first, first - (-meta.nbytes // page_bytes)))
         if (len(g.pages) - before) * page_bytes < meta.nbytes:
             raise ValueError(f"reply for {result.key!r} has a location outside the pool")
         g.counts.append(len(g.pages) - before)
@@ -129,6 +154,12 @@ def decode_device_get(reply: pb.GetResponse, cache: DevicePoolCache) -> Decoded:
         flat = gather.run()
         for (i, result), at in zip(g.items, gather.offsets, strict=True):
             out.tensors[i] = _view(flat, at, result.meta, typed)
+    for i, pool, offset, meta in clones:
+        out.tensors[i] = _view(pool, offset, meta, typed).clone()
+    copied = bool(planned or clones)
+    if copied and owned and (device := next(iter(opened.values()))[0].device).type == "cuda":
+        out.ready = torch.cuda.Event()
+        out.ready.record(torch.cuda.current_stream(device))  # after the copies out of the pool
     return out
 
 
@@ -181,3 +212,20 @@ def _view(
 def sync_device(device: torch.device) -> None:
     """Wait for the work queued on the device's current stream (before leases end)."""
     torch.cuda.current_stream(device).synchronize()
+
+
+def wait_copied(ready: torch.cuda.Event | None, device: torch.device) -> None:
+    """Before a device get's leases end at the end of its block: wait for the copies into
+    owned memory (``ready``), or, for views, for the device's current stream."""
+    if ready is not None:
+        ready.synchronize()
+    else:
+        sync_device(device)
+
+
+def sync_devices(devices: set[torch.device]) -> None:
+    """Wait for all of this process's work on these devices (before the leases of device
+    views that went after their block end: whatever stream read them is done)."""
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)

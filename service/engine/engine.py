@@ -38,6 +38,7 @@ from embcache.service.engine.hooks import (
     cuda_wanted,
 )
 from embcache.service.engine.puts import CopyIn, Runs
+from embcache.service.engine.quarantine import QuarantineSide
 from embcache.service.engine.stats import EngineStats, EntryInfo, engine_stats
 from embcache.service.host import admission
 from embcache.service.host.entries import Entry
@@ -90,6 +91,7 @@ class CacheEngine:
         self.host_pool: HostPool = pool
         self.host_store: HostStore = self._store
         self.device_tier: DeviceTier = self._tier
+        self.quarantine = QuarantineSide(self._store, self._lock, settings.quarantine_limit)
         self.device = DeviceSide(
             self._store,
             self._tier,
@@ -194,8 +196,7 @@ class CacheEngine:
         self._store.prealloc.give_back(pages)
 
     def top_up_prealloc(self) -> None:
-        """Top the prealloc up (evicting LRU entries as a put would) while a put's copy
-        runs, so the next put from a device finds its pages ready."""
+        """Refill the prealloc (evicting as a put would) while a put's copy runs."""
         with self._lock:
             if not self._closed:
                 self._store.top_up_prealloc()
@@ -256,9 +257,8 @@ class CacheEngine:
             return self._store.alive(lease, self._clock())
 
     def drop_owner(self, owner: str) -> int:
-        """A client went away: end every lease it holds; returns how many."""
-        with self._lock:
-            return self._store.release(self._store.leases.owned_by(owner))
+        """End every lease of ``owner`` by force (``quarantine.end_owner``); how many ended."""
+        return self.quarantine.end_owner(owner)
 
     def lease_usage(self, owner: str) -> tuple[int, int]:
         """``(leases, bytes of the distinct entries leased)`` that ``owner`` holds."""
@@ -273,12 +273,12 @@ class CacheEngine:
     def _pin(self, keys: Sequence[str], owner: str) -> list[Entry | None]:
         """Caller holds the lock: pin each key found (:meth:`HostStore.pin`)."""
         self._check_open()
+        self.quarantine.check(owner)
         return self._store.pin(keys, owner, self._clock())
 
     # -- reading bytes (reads.py) --------------------------------------------------------
     def tensor(self, lease: Lease) -> torch.Tensor:
-        """The entry as a tensor: a zero-copy view of the pool when it is one run, else a
-        copy gathered while the lease lives. Raises LeaseExpired once the lease ended."""
+        """The entry: a view of the pool (one run) or a copy; LeaseExpired once it ended."""
         self._require(lease)
         out = reads.as_tensor(self._store.pool, lease)
         self._require(lease)  # copied while the lease lived, so no page was reused

@@ -39,6 +39,8 @@ class EngineStats:
     put_landing_bytes: int = 0  # the prealloc's pages (free, on loan); the name is on the wire
     metadata_bytes: int = 0  # an estimate of the READY entries' metadata (host/entries.py)
     max_entries: int = 0  # READY and FILLING entries together are kept at most this many
+    leases_quarantined: int = 0  # holds kept after a forced end (host/quarantine.py)
+    quarantined_bytes: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -105,6 +107,8 @@ def engine_stats(host: HostCounts, tier: DeviceTier, *, draining: bool) -> Engin
         put_landing_bytes=host.prealloc_bytes,
         metadata_bytes=host.metadata_bytes,
         max_entries=host.max_entries,
+        leases_quarantined=host.quarantined,
+        quarantined_bytes=host.quarantined_bytes,
     )
 
 

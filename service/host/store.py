@@ -26,6 +26,7 @@ from embcache.service.host.entries import Entry, EntryState, EntryTable
 from embcache.service.host.host_pool import HostPool
 from embcache.service.host.leases import Lease, LeaseCaps, LeaseTable
 from embcache.service.host.prealloc import PutPrealloc
+from embcache.service.host.quarantine import Held, ProcessRef, Quarantine
 from embcache.service.host.stats import PoolStats, run_bucket
 
 PAGE_FREE, PAGE_FILLING, PAGE_READY, PAGE_LEASED = 0, 1, 2, 3
@@ -75,6 +76,8 @@ class HostCounts:
     runs_per_entry: dict[str, int]
     counters: dict[str, int]
     prealloc_bytes: int
+    quarantined: int = 0  # holds kept after a forced end (quarantine.py)
+    quarantined_bytes: int = 0
 
 
 class HostStore:
@@ -102,6 +105,8 @@ class HostStore:
         self.prealloc = PutPrealloc(min(prealloc_pages, pool.num_pages // 16))
         self.entries = EntryTable()  # READY entries and the LRU of the unleased ones
         self.leases = LeaseTable()
+        self.quarantine = Quarantine()  # holds of leases that ended by force (quarantine.py)
+        self.processes: dict[str, ProcessRef] = {}  # owner -> its process, where known
         self._filling: dict[int, tuple[Entry, str]] = {}  # put id -> (entry, owner)
         self._put_ids = itertools.count(1)
         self.inflight: Counter[str] = Counter()  # owner -> bytes in its open puts
@@ -233,13 +238,55 @@ class HostStore:
 
     def end_lease(self, lease_id: int, owner: str | None = None) -> bool:
         """End one lease and drop its reference; False for an unknown or ended id, or one
-        ``owner`` (when given) does not hold."""
+        ``owner`` (when given) does not hold. An id that ended by force and was quarantined
+        ends its hold now (the views are gone) when ``owner`` is of the same process."""
         lease = self.leases.get(lease_id)
-        if lease is None or (owner is not None and lease.owner != owner):
+        if lease is None:
+            self._end_held(lease_id, owner)
+            return False
+        if owner is not None and lease.owner != owner:
             return False
         self.leases.pop(lease_id)
         self.entries.release(lease.entry)
         return True
+
+    def _end_held(self, lease_id: int, owner: str | None) -> None:
+        """The client's views of a quarantined lease are gone: end its hold, if ``owner``
+        (when given) is the process it was kept for (no other client may end it)."""
+        held = self.quarantine.get(lease_id)
+        if held is None or (owner is not None and self.processes.get(owner) != held.process):
+            return
+        self.quarantine.pop(lease_id)
+        self.entries.release(held.entry)
+
+    def end_by_force(self, lease: Lease) -> None:
+        """End a lease its owner did not release (a TTL, the end of its session, an
+        operator): while the owner's process may still read the pages, its hold moves to
+        the quarantine (quarantine.py), else it ends."""
+        process = self.processes.get(lease.owner)
+        if process is None:
+            self.entries.release(lease.entry)
+            return
+        nbytes = lease.entry.num_pages * self.page_bytes
+        self.quarantine.add(Held(lease.lease_id, lease.entry, process, nbytes))
+        self.counters["leases_quarantined"] += 1
+
+    def end_owner(self, owner: str) -> int:
+        """End every lease of ``owner`` by force and forget its process; returns how many."""
+        ids = self.leases.owned_by(owner)
+        for lease_id in ids:
+            lease = self.leases.pop(lease_id)
+            assert lease is not None, "owner's lease missing from the table"
+            self.end_by_force(lease)
+        self.processes.pop(owner, None)
+        return len(ids)
+
+    def free_quarantine(self, process: ProcessRef) -> int:
+        """``process`` has exited: end every hold kept for it; returns how many."""
+        held = self.quarantine.pop_process(process)
+        for h in held:
+            self.entries.release(h.entry)
+        return len(held)
 
     def release(self, lease_ids: Iterable[int], owner: str | None = None) -> int:
         """End these leases (unknown ids, and with ``owner`` others' ids, skipped); returns
@@ -265,7 +312,7 @@ class HostStore:
         """End the leases whose TTL has passed; returns how many."""
         expired = self.leases.pop_expired(now)
         for lease in expired:
-            self.entries.release(lease.entry)
+            self.end_by_force(lease)
         self.counters["leases_expired"] += len(expired)
         return len(expired)
 
@@ -317,6 +364,9 @@ class HostStore:
         """The engine is closing: end every lease and forget every reservation."""
         for lease_id in self.leases.all_ids():
             self.end_lease(lease_id)
+        for held in self.quarantine.clear():
+            self.entries.release(held.entry)
+        self.processes.clear()
         self._filling.clear()
         self.inflight.clear()
 
@@ -361,6 +411,8 @@ class HostStore:
             runs_per_entry={k: v for k, v in self._runs_hist.items() if v},
             counters=dict(self.counters),
             prealloc_bytes=prealloc * page,
+            quarantined=len(self.quarantine),
+            quarantined_bytes=self.quarantine.nbytes,
         )
 
     def page_states(self) -> np.ndarray:

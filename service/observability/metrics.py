@@ -122,6 +122,7 @@ class EngineCollector(Collector):
                 "Host pool bytes set aside for puts from a device (counted as free).",
             ),
             gauge("leases_active", "Leases currently held."),
+            gauge("quarantined_bytes", "Pages held for views of leases that ended by force."),
             gauge("lease_owners", "Distinct owners holding leases."),
             gauge("draining", "1 while the daemon drains for shutdown."),
             counter("hits", "Keys found by get."),
@@ -159,6 +160,7 @@ class EngineCollector(Collector):
         add("reserved_filling_bytes", [], s.reserved_filling_bytes)
         add("put_landing_bytes", [], s.put_landing_bytes)
         add("leases_active", [], s.leases_active)
+        add("quarantined_bytes", [], s.quarantined_bytes)
         add("lease_owners", [], s.lease_owners)
         add("draining", [], 1.0 if s.draining else 0.0)
         add("hits", [], s.hits)

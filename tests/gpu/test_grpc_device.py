@@ -113,8 +113,9 @@ want = {k: t.cuda() for k, t in tensors().items()}
 keys = list(want)
 out = {}
 with EmbCacheClient(sys.argv[1]) as client, EmbCacheClient(sys.argv[1]) as other:
-    for c in (client, other, client):  # the second pass is all resident hits
-        with c.get(keys + ["missing"], device="cuda") as got:
+    # The second pass is all resident hits. Copies by default; zero_copy: views of the pool.
+    for c, zero_copy in ((client, False), (other, True), (client, True)):
+        with c.get(keys + ["missing"], device="cuda", zero_copy=zero_copy) as got:
             assert got[-1] is None
             (pool,) = process_device_pools()._tensors.values()
             lo, hi = pool.data_ptr(), pool.data_ptr() + pool.numel()
@@ -123,7 +124,10 @@ with EmbCacheClient(sys.argv[1]) as client, EmbCacheClient(sys.argv[1]) as other
                 assert g is not None and g.is_cuda and g.dtype == t.dtype, key
                 assert g.shape == t.shape and torch.equal(g, t), key
                 view = lo <= g.data_ptr() < hi
-                assert view == ("contig" in key), (key, view)  # frag entries are gathered
+                want_view = zero_copy and "contig" in key  # frag entries are gathered
+                assert view == want_view, (key, zero_copy, view)
+    del got, g
+    other.stats()  # each client's next call releases the leases of its views that are gone
     out["opens"] = process_device_pools().opens
     out["events"] = len(process_device_pools()._events)
     assert not client._no_device and not other._no_device, "fell back to the host path"

@@ -610,7 +610,7 @@ with EmbCacheClient(target) as client:
         if line.strip() != "get":
             break
         out = {"sha": {}, "device": {}, "view": {}}
-        with client.get(keys + ["missing"], device=dev) as got:
+        with client.get(keys + ["missing"], device=dev, zero_copy=True) as got:
             assert got[-1] is None
             pools = list(process_device_pools()._tensors.values())
             for key, t in zip(keys, got):
@@ -620,6 +620,8 @@ with EmbCacheClient(target) as client:
                     p.data_ptr() <= t.data_ptr() < p.data_ptr() + p.numel() for p in pools
                 )
                 out["sha"][key] = sha(t)
+        del got, t
+        client.stats()  # its next call releases the leases of the views that are gone
         out["pools"] = [str(p.device) for p in pools]
         out["opens"] = process_device_pools().opens
         out["no_device"] = sorted(client._no_device)
@@ -753,7 +755,8 @@ def fragment_device_pools(target: str) -> None:
 
 def check_round(out: dict[str, Any], index: int, expected: dict[str, str]) -> None:
     """A decoder's answer: every byte right, every tensor on its own GPU, one pool opened
-    (its GPU's), contiguous entries zero-copy views of it, fragmented ones gathered."""
+    (its GPU's), contiguous entries zero-copy views of it (``zero_copy=True``), fragmented
+    ones gathered."""
     assert out["sha"] == expected, {k: v == expected[k] for k, v in out["sha"].items()}
     assert set(out["device"].values()) == {f"cuda:{index}"}, out["device"]
     assert out["pools"] == [f"cuda:{index}"] and out["opens"] == 1, out

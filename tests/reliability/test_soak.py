@@ -16,4 +16,6 @@ def test_soak_ci(tmp_path: Path) -> None:
     assert result["violations"] == [], result["violations"]
     assert result["checksum_mismatches"] == 0
     assert result["views_verified"] > 0 and result["zero_copy_views"] > 0, result
+    # Views kept past their block (and a lease TTL) were checked again while the pool churned.
+    assert result["views_kept_after_block"] > 0 and result["kept_views_verified"] > 0, result
     assert result["pool_turnover"] >= 5, result  # the pool was refilled several times

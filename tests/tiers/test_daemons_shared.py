@@ -38,6 +38,7 @@ def test_put_on_a_served_by_b_and_c_and_after_local_eviction(daemons: list[str])
             assert client.exists([key]) == [True]
             with client.get([key]) as [got]:
                 assert got is not None and torch.equal(got, t)
+            del got  # the view is gone: its lease ends (before the client's next call)
         a.evict([key])
         with a.get([key]) as [again]:  # evicted locally, filled back from the shared tier
             assert again is not None and torch.equal(again, t)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import tempfile
 import time
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from embcache.clients import AsyncEmbCacheClient, EmbCacheClient, RpcFailed
-from embcache.clients.device.shm import PoolMaps
+from embcache.clients.device.shm import PoolMaps, mapped_segment
 from embcache.errors import (
     Draining,
     EntryLeased,
@@ -20,6 +21,7 @@ from embcache.errors import (
     NotFound,
     Unauthenticated,
 )
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.config import Settings
 from embcache.service.transport.serving import serving
 
@@ -39,13 +41,19 @@ def client(server) -> Iterator[EmbCacheClient]:
 
 
 def in_pool(client: EmbCacheClient, t: torch.Tensor) -> bool:
-    """Whether ``t`` points into a host pool this client mapped."""
-    for mapping in client._maps._by_pool_id.values():
-        if mapping is not None:
-            base = mapping.tensor.data_ptr()
-            if base <= t.data_ptr() < base + mapping.size:
-                return True
-    return False
+    """Whether ``t`` is a view of a host pool this client mapped (its own private mapping
+    of the segment's pages)."""
+    names = {m.name for m in client._maps._by_pool_id.values() if m is not None}
+    return mapped_segment(t) in names
+
+
+def leases_drop_to(engine, n: int, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+    """Whether the engine's leases fall to ``n`` within ``timeout`` (the client releases the
+    lease of a view once its last tensor is gone, from its pump)."""
+    deadline = time.monotonic() + timeout
+    while engine.stats().leases_active > n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return engine.stats().leases_active == n
 
 
 @pytest.mark.parametrize(
@@ -63,7 +71,9 @@ def test_put_then_zero_copy_get(client, server, dtype) -> None:
         assert torch.equal(got.view(torch.uint8), src.view(torch.uint8))
         assert in_pool(client, got)  # a view of the daemon's shared memory, no copy
         assert engine.stats().leases_active == 1
-    assert engine.stats().leases_active == 0
+    assert engine.stats().leases_active == 1  # the view is alive: so is its lease
+    del got, miss
+    assert leases_drop_to(engine, 0)
 
 
 def test_numpy_and_scalar_and_empty(client) -> None:
@@ -94,8 +104,8 @@ def test_leases_end_with_the_client(server) -> None:
     engine, thread = server
     c = EmbCacheClient(f"127.0.0.1:{thread.service.ports[0]}")
     c.put("k", torch.ones(4))
-    leased = c.get(["k", "k"])
-    assert len(leased.lease_ids) == 2 and engine.stats().leases_active == 2
+    reply = c._get_call(pb.GetRequest(keys=["k", "k"]))  # leases with no view to wait for
+    assert len(reply.results) == 2 and engine.stats().leases_active == 2
     assert c.stats()["grpc_sessions"] == 1
     c.close()  # no release: the session's end releases them
     deadline = time.monotonic() + 5
@@ -212,10 +222,15 @@ def test_async_client(server) -> None:
             async with c.get(["a", "zz"]) as (got, miss):
                 assert torch.equal(got, src) and miss is None
                 assert engine.stats().leases_active == 1
+            del got, miss  # the views are gone: the lease ends
+            deadline = time.monotonic() + 5
+            while engine.stats().leases_active and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
             assert engine.stats().leases_active == 0
             leased = await c.get("a")
             assert len(leased.lease_ids) == 1
             await leased.release()
+            del leased  # it holds the view: until it goes, the lease stays
             entry = await c.get_bytes("a")
             assert entry is not None and torch.equal(entry.tensor(), src)
             out = [torch.empty(10, 10, dtype=torch.float16)]
@@ -240,6 +255,7 @@ def test_a_closed_client_refuses_calls(server, lane: bool) -> None:
     client.put("k", torch.ones(2))
     with client.get("k") as (t,):
         assert t is not None
+    del t  # else the session stays until the view is gone
     client.close()
     with pytest.raises(RpcFailed) as err:
         client.get("k")
@@ -256,6 +272,7 @@ def test_a_closed_async_client_refuses_calls(server, lane: bool) -> None:
         await client.put("k", torch.ones(2))
         async with client.get("k") as (t,):
             assert t is not None
+        del t  # else the session stays until the view is gone
         await client.close()
         with pytest.raises(RpcFailed) as err:
             await client.get("k")

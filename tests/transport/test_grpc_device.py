@@ -259,15 +259,30 @@ def test_client_get_to_device(dev_server: Server, monkeypatch) -> None:
     monkeypatch.setattr(client_device, "resolve_device", lambda d: (torch.device("cpu"), "CPU-0"))
     monkeypatch.setattr(dr, "sync_device", synced.append)
     pools = FakePools(engine.device_tier.pool(0))
+    base = engine.device_tier.pool(0).tensor.data_ptr()
+
+    def in_pool(t: torch.Tensor) -> bool:
+        return base <= t.data_ptr() < base + 16 * PAGE
+
     with EmbCacheClient(f"unix:{service.socket_path}", timeout=10) as client:
         client._device_pools = pools  # type: ignore[assignment]
         with client.get(["big", "f1", "nope"], device="cuda") as (a, b, c):
             assert c is None and torch.equal(a.view(-1), data["big"])
             assert torch.equal(b.view(-1), data["f1"])
-            base = engine.device_tier.pool(0).tensor.data_ptr()
-            assert base <= b.data_ptr() < base + 16 * PAGE  # contiguous: a view of the pool
+            assert not in_pool(a) and not in_pool(b)  # copies the caller owns, by default
+            b.mul_(2)  # ... so a write never reaches the pool
             assert engine.stats().leases_active == 2
-        assert engine.stats().leases_active == 0 and len(synced) == 1
+        assert engine.stats().leases_active == 0 and len(synced) == 1  # copies: at once
+        with client.get(["f1"], device="cuda") as (again,):
+            assert torch.equal(again.view(-1), data["f1"])  # the entry did not change
+        # zero_copy: contiguous entries are views of the pool, whose leases end once the
+        # views are gone; fragmented ones are gathered copies either way.
+        with client.get(["big", "f1"], device="cuda", zero_copy=True) as (a, b):
+            assert not in_pool(a) and in_pool(b) and torch.equal(b.view(-1), data["f1"])
+        assert engine.stats().leases_active == 1  # b is alive: so is its lease
+        assert torch.equal(b.view(-1), data["f1"])
+        del a, b, again
+        assert wait_for(lambda: engine.stats().leases_active == 0)
         assert pools.opens == 1
 
 
@@ -632,6 +647,7 @@ def test_client_put_of_a_device_tensor(dev_server: Server, monkeypatch, session_
         assert client.put("one", src) is True and client.put("one", src) is False
         with client.get(["one"]) as [got]:
             assert got is not None and torch.equal(got, src)
+        del got  # the view is gone: closing the client releases its lease
     assert calls == ["one", "one"]  # both reached the daemon's device put
     assert kinds == ["put_from_device"] * 2 * session_puts + ["get", "release"]
     assert engine.stats().entries_filling == 0

@@ -49,10 +49,12 @@ def test_client_gets_and_releases_on_its_session(server, lane: bool, wait_until)
             assert client._session is not None and client._session.serves_calls
             assert isinstance(client._session, UdsSession) == lane
             assert engine.stats().leases_active == 1
-        assert engine.stats().leases_active == 0
-        held = client.get("k")  # the session owns the lease: closing the client ends it
-    assert wait_until(lambda: engine.stats().leases_active == 0)
-    held.tensors.clear()
+        del got, miss  # the views are gone: the lease ends (the pump releases it)
+        assert wait_until(lambda: engine.stats().leases_active == 0)
+        held = client.get("k")  # never released: closing the client waits for its views
+    assert engine.stats().leases_active == 1 and client._session is not None
+    del held  # the views are gone: the client releases the lease and ends the session
+    assert wait_until(lambda: engine.stats().leases_active == 0 and client._session is None)
     assert ("Session.Get", "OK") in calls and ("Session.Release", "OK") in calls
     assert ("Get", "OK") not in calls and ("Release", "OK") not in calls
 
@@ -70,6 +72,7 @@ def test_errors_come_back_typed_and_the_stream_stays_open(server, lane: bool) ->
             assert client._session is session and session is not None and session.alive
         with client.get("k") as (t,):
             assert torch.equal(t, torch.ones(3))
+        del t
     assert engine.stats().leases_active == 0
 
 
@@ -114,6 +117,7 @@ def test_daemon_without_session_calls_gets_rpcs(server, lane: bool) -> None:
         client._open_session().serves_calls = False
         with client.get("k") as (t,):
             assert torch.equal(t, torch.ones(2))
+        del t  # its view is gone: closing the client releases its lease
     assert ("Get", "OK") in calls and ("Release", "OK") in calls
 
 
@@ -134,6 +138,7 @@ def test_async_client_uses_its_session(server, lane: bool) -> None:
                 await client.get("a", ttl_s=1e12)
             async with await client.get("a") as (again,):
                 assert torch.equal(again, src)
+            del results, leased, got, miss, again  # the views are gone before the close
 
     asyncio.run(main())
     assert engine.stats().leases_active == 0

@@ -339,6 +339,8 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         quota follows); :meth:`OpenSession.end` ends it."""
         record = self.sessions.open(transport, peer)
         session_id = record.session_id
+        if peer is not None:
+            self.engine.quarantine.bind(session_id, peer.pid)
         calls = SessionCalls(
             session_id,
             send,

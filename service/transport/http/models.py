@@ -82,6 +82,12 @@ class StatsResponse(_OpenModel):
         0, description="Estimated memory of the READY entries' metadata (key, shape, tables)."
     )
     max_entries: int = Field(0, description="Most entries kept; past it LRU ones are evicted.")
+    leases_quarantined: int = Field(
+        0,
+        description="Leases that ended by force while their owner's process may still read "
+        "the pages through views: their pages stay out of reuse until it exits or drops them.",
+    )
+    quarantined_bytes: int = Field(0, description="Pages those quarantined leases hold, in bytes.")
 
 
 class EntrySummary(_Model):

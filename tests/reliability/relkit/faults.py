@@ -4,7 +4,10 @@
   ends, so its leases come back and the entries stay intact.
 - sigstop_consumer: a consumer holding a zero-copy view is stopped past its lease TTL, the
   entry is evicted and the whole pool overwritten, then SIGCONT: the lease comes back within
-  15 s, and the reader must not be handed reused memory silently.
+  15 s, and the reader must not be handed reused memory silently. On the session socket the
+  daemon knows the reader's pid: the expired lease's pages are quarantined (the evict is
+  refused, the view keeps its bytes) until the reader exits; over TCP it does not, the pages
+  are reused, and the reader is told (``LeaseExpired``).
 - cancel_put / sigkill_producer: a put cancelled after 3 chunks, or whose process is
   SIGKILLed mid-stream, is never visible and its pages come back.
 - deadline_get_bytes / deadline_get: a GetBytes stream outlives its deadline (mid-stream),
@@ -217,14 +220,19 @@ class FaultRun:
     def sigstop_consumer(self) -> None:
         assert self.d is not None and self.client is not None
         keys = [f"stop/{rep}" for rep in range(self.reps)]
-        cfgs = [{"mode": "holder", "target": self.d.unix, "keys": [k], "ttl_s": 1.0} for k in keys]
+        cfgs = [
+            {"mode": "holder", "target": self.d.tcp if i % 2 else self.d.unix, "keys": [k]}
+            for i, k in enumerate(keys)
+        ]
+        cfgs = [{**c, "ttl_s": 1.0} for c in cfgs]
         for batch in _batches(cfgs, 5):
             with self.holders(batch, "stop-consumer") as ws:
                 for w in ws:
                     self.record("sigstop_consumer", self._stop_one(w))
 
     def _stop_one(self, w: Worker) -> Outcome:
-        assert self.client is not None
+        assert self.client is not None and self.d is not None
+        quarantined = w.cfg["target"] == self.d.unix  # the daemon knows the reader's pid
         (key,) = w.cfg["keys"]
         self.put(key, MiB, seed=3)  # (again: the previous repetition overwrote the pool)
         out = Outcome(None)
@@ -237,7 +245,7 @@ class FaultRun:
                 out.problems.append("holder saw a mismatch before stopping")
             out.reclaim_s = self.reclaim(t0=t0)  # the lease expires while the reader sleeps
             outcome = self.client.evict([key, "stop/none"])[0]
-            if outcome != "evicted":
+            if outcome != ("leased" if quarantined else "evicted"):  # quarantined: kept
                 out.problems.append(f"evict of the expired entry: {outcome}")
             for i in range(POOL_BYTES // MiB):  # overwrite every page of the pool
                 self.put(f"stopfill/{i}", MiB, seed=i)
@@ -249,13 +257,20 @@ class FaultRun:
         dm.reap(w.proc)
         (problem,) = read["problems"] or [None]
         detected = read["read_error"] or read["release_error"]
+        freed = dm.wait_for(lambda: self.stats()["quarantined_bytes"] == 0, RECLAIM_LIMIT_S)
         out.notes = {
             "reused_memory_seen": int(problem is not None),
             "stale_detected": int(bool(problem and detected)),
             "stale_silent": int(bool(problem and not detected)),
+            "quarantined_intact": int(quarantined and problem is None and detected is not None),
+            "quarantine_freed_after_exit_s": freed,
         }
         if problem and not detected:
             out.problems.append(f"silent stale read after SIGCONT ({problem})")
+        if quarantined and problem:
+            out.problems.append(f"quarantined view read reused memory ({problem})")
+        if freed is None:
+            out.problems.append("quarantined pages not freed after the reader exited")
         return out
 
     # -- puts --------------------------------------------------------------------------------

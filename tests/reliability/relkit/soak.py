@@ -34,6 +34,7 @@ class SoakConfig:
     sizes_mib: tuple[float, ...] = (0.5, 1, 4, 16)
     lease_ttl_s: float = 3.0
     hold_prob: float = 0.1
+    keep_prob: float = 0.05  # keep a batch's views after their block (issue 28, item 2)
     seed: int = 1234
     device: str | None = None  # "cuda": producers put CUDA tensors, consumers get to the GPU
     daemon_device: str = "cpu"
@@ -141,6 +142,9 @@ def _run(cfg: SoakConfig, tmp: Path, on_ready: Hook | None, on_end: Hook | None)
                 "device": cfg.device,
                 "seed": cfg.seed + 1000 + i,
                 "hold_prob": cfg.hold_prob,
+                "keep_prob": cfg.keep_prob,
+                "keep_s": 1.5 * cfg.lease_ttl_s,  # past a TTL: only renewals keep them
+                "keep_bytes": cfg.pool_bytes // 8,
             }
             workers.append(spawn(w_cfg, tmp, f"consumer-{i}"))
         for w in workers:
@@ -201,6 +205,8 @@ def _figures(
         "views_verified": total["verified"],
         "zero_copy_views": total["zero_copy"],
         "lease_holds": total["holds"],
+        "views_kept_after_block": total["kept"],
+        "kept_views_verified": total["kept_verified"],
         "bytes_put": put_bytes,
         "bytes_verified": total["verified_bytes"],
         "ops_per_s": round((total["puts"] + total["gets"] + total["get_bytes"]) / wall, 1),

@@ -41,11 +41,9 @@ def error_name(exc: BaseException) -> str:
 
 def zero_copy(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a view of a mapped host pool (not a gathered copy)."""
-    from embcache.clients.device.shm import process_pool_maps
+    from embcache.clients.device.shm import mapped_segment
 
-    ptr = tensor.data_ptr()
-    maps = process_pool_maps()._by_identity.values()  # read-only peek, for figures
-    return any(m.tensor.data_ptr() <= ptr < m.tensor.data_ptr() + m.size for m in maps)
+    return mapped_segment(tensor) is not None
 
 
 class Published:
@@ -118,7 +116,9 @@ def run_consumer(cfg: dict[str, Any], client: EmbCacheClient, c: Counter[str]) -
     pub = Published(cfg["published"], cfg["n_producers"])
     prefix, window = cfg["prefix"], cfg.get("window", 6)
     deadline = time.monotonic() + cfg["seconds"]
+    kept: list[Any] = []  # [(until, keys, tensors)]: views kept after their block
     while time.monotonic() < deadline:
+        _check_kept(kept, c, time.monotonic())
         keys = [k for k in (pub.pick(rng, prefix, window) for _ in range(rng.randint(1, 4))) if k]
         if not keys:
             time.sleep(0.01)
@@ -128,10 +128,21 @@ def run_consumer(cfg: dict[str, Any], client: EmbCacheClient, c: Counter[str]) -
             if rng.random() < 0.1:
                 _get_bytes(client, keys[0], c)
             else:
-                _get(cfg, client, keys, rng, c)
+                _get(cfg, client, keys, rng, c, kept)
         except EmbCacheError as exc:
             if not _allowed(exc, cfg, c):
                 return
+    _check_kept(kept, c, float("inf"))
+
+
+def _check_kept(kept: list[Any], c: Counter[str], now: float) -> None:
+    """Check again, then drop, the kept views whose time is up (their leases end then)."""
+    for item in [k for k in kept if k[0] <= now]:
+        kept.remove(item)
+        for key, tensor in zip(item[1], item[2], strict=True):
+            if tensor is not None:
+                _verify(key, tensor, c)
+                c["kept_verified"] += 1
 
 
 def _get(
@@ -140,8 +151,11 @@ def _get(
     keys: list[str],
     rng: random.Random,
     c: Counter[str],
+    kept: list[Any],
 ) -> None:
-    with client.get(keys, device=cfg.get("device")) as got:
+    device = cfg.get("device")
+    pool_views = device is not None and rng.random() < 0.5  # views of the device pool
+    with client.get(keys, device=device, zero_copy=pool_views) as got:
         c["gets"] += 1
         hold = rng.random() < cfg.get("hold_prob", 0.1)
         for key, tensor in zip(keys, got, strict=True):
@@ -157,6 +171,10 @@ def _get(
             for key, tensor in zip(keys, got, strict=True):
                 if tensor is not None:
                     _verify(key, tensor, c)
+    size = sum(t.numel() * t.element_size() for t in got if t is not None)
+    if not kept and size <= cfg.get("keep_bytes", 0) and rng.random() < cfg.get("keep_prob", 0):
+        c["kept"] += 1  # the block has ended: only these tensors keep their leases now
+        kept.append((time.monotonic() + rng.uniform(0.5, cfg["keep_s"]), keys, list(got)))
 
 
 def _get_bytes(client: EmbCacheClient, key: str, c: Counter[str]) -> None:

@@ -187,6 +187,7 @@ def test_the_reaper_outlives_a_failing_flush() -> None:
     engine = SimpleNamespace(
         expire_leases=lambda: expired.append(1) or 0,
         device=SimpleNamespace(flush_due=flush_due),
+        quarantine=SimpleNamespace(reap=lambda: 0),
     )
 
     async def run() -> None:
