@@ -62,7 +62,8 @@ for part in "${parts[@]}"; do
   echo "=== $part"
   case "$part" in
     kernels) run_tests kernels tests/kernels ;;
-    device) run_tests device tests/gpu/test_device_engine.py tests/gpu/test_uva_ids.py ;;
+    device) run_tests device tests/gpu/test_device_engine.py tests/gpu/test_uva_ids.py \
+      tests/gpu/test_views_gpu.py ;;
     grpc) [ -e tests/gpu/test_grpc_device.py ] && run_tests grpc tests/gpu/test_grpc_device.py ;;
     grpc-mps) with_mps run_tests grpc_mps tests/gpu/test_grpc_device.py ;;
     rest) run_tests rest tests/transport/test_http_gpu.py $(compgen -G "tests/gpu/test_rest*.py") ;;
