@@ -61,7 +61,7 @@ class UdsSession:
         self._reading = False  # a caller is reading the socket
         self._waiting: dict[int, _Waiter] = {}
         self._ids = itertools.count(1)
-        self.alive = True
+        self._alive = True
         self.error: BaseException | None = None
         self.session_id: str | None = None
         self.serves_calls = False
@@ -102,7 +102,7 @@ class UdsSession:
         call_id = next(self._ids)
         waiter = _Waiter()
         with self._cond:
-            if not self.alive:
+            if not self._alive:
                 raise SessionLost("the session socket has closed")
             self._waiting[call_id] = waiter
         try:
@@ -115,14 +115,14 @@ class UdsSession:
                 assert waiter.result is not None
                 return waiter.result
             self._waiting.pop(call_id, None)
-            if not self.alive:
+            if not self._alive:
                 raise SessionLost("the session socket closed during the call")
         raise RpcFailed("deadline exceeded waiting for a session call", "DEADLINE_EXCEEDED")
 
     def post(self, **request: Any) -> None:
         """Send a call without waiting for its result (a release): whoever reads next drops
         the result, so post only before a call of one's own. SessionLost if closed."""
-        if not self.alive:
+        if not self._alive:
             raise SessionLost("the session socket has closed")
         try:
             self._send(pb.SessionRequest(call=pb.SessionCall(call_id=0, **request)))
@@ -136,12 +136,12 @@ class UdsSession:
         cond = self._cond
         while True:
             with cond:
-                while self._reading and not waiter.done and self.alive:
+                while self._reading and not waiter.done and self._alive:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         return
                     cond.wait(left)
-                if waiter.done or not self.alive or time.monotonic() >= deadline:
+                if waiter.done or not self._alive or time.monotonic() >= deadline:
                     return
                 self._reading = True
             try:
@@ -209,9 +209,26 @@ class UdsSession:
                 return None
             buf += data
 
+    @property
+    def alive(self) -> bool:
+        """Whether the session is open. Nothing reads the socket between calls, so this
+        looks (without taking a byte) whether the daemon has closed it meanwhile: an
+        operator's drop-session, a daemon that stopped."""
+        if self._alive:
+            try:
+                peeked = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                peeked = b"-"
+            except OSError as err:
+                self._lost(err)
+                return False
+            if not peeked:
+                self._lost(None)
+        return self._alive
+
     def _lost(self, err: BaseException | None) -> None:
         with self._cond:
-            self.alive = False
+            self._alive = False
             if err is not None and self.error is None:
                 self.error = err
             self._cond.notify_all()

@@ -85,6 +85,8 @@ def test_a_client_that_leases_everything_for_an_hour_no_longer_blocks_puts(
         finally:
             for got in held:
                 got.release()
+            del held, got  # the views go: their leases end (the client's pump releases them)
+    assert dm.wait_for(lambda: leases(daemon) == 0, 10) is not None
     assert leased_mib <= 32, leased_mib
     assert outcome == "stored", "the hog's leases blocked another client's put"
     FIG["a client leasing the whole pool for 3600 s"] = f"held {leased_mib} of 64 MiB"
