@@ -747,7 +747,12 @@ def fragment_device_pools(target: str) -> None:
                     )
                 )
                 assert all(r.found for r in reply.results)
-                client.release([r.lease_id for r in reply.results])
+                ids = [r.lease_id for r in reply.results]
+                client._call(  # by the same owner as the Get: a sessionless call
+                    lambda md, to, ids=ids: client._stub.Release(
+                        pb.ReleaseRequest(lease_ids=ids), timeout=to, metadata=md
+                    )
+                )
         assert client.evict(keys[1::2]) == ["evicted"] * len(keys[1::2])
         for device in client.stats()["device"]:
             assert device["largest_free_run_pages"] == 8, device

@@ -169,24 +169,26 @@ with EmbCacheClient(sys.argv[1]) as c:
 
 
 def test_a_cut_session_keeps_its_device_views_bytes(target: str) -> None:
-    proc = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(HOLDER), target],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None and proc.stdin is not None
-        assert json.loads(proc.stdout.readline())["event"] == "cut"
-        churned = run(CHURN, target)
-        assert churned["quarantined"] == 1, churned  # its device copy is held for it
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        read = json.loads(proc.stdout.readline())
-        assert read == {"event": "read", "values": [5.0, 5.0]}, read
-        proc.wait(60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as proc:  # fmt: skip (the with block closes its pipes)
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            assert json.loads(proc.stdout.readline())["event"] == "cut"
+            churned = run(CHURN, target)
+            assert churned["quarantined"] == 1, churned  # its device copy is held for it
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            read = json.loads(proc.stdout.readline())
+            assert read == {"event": "read", "values": [5.0, 5.0]}, read
+            proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
     with EmbCacheClient(target) as client:  # it exited: the reaper frees its pages
         deadline = time.monotonic() + 10
         while client.stats()["leases_quarantined"] and time.monotonic() < deadline:
