@@ -125,7 +125,7 @@ class AsyncConnection:
                     await self._session.close()  # ended: let go of its socket or reader
                     self._session = None
                 # A retry (UNAVAILABLE: a restarting daemon) looks for the session socket again.
-                self._session = await self._call(self._uds_or_stream)
+                self._session = await self._call(self._uds_or_stream, tend=False)
             return self._session
 
     async def _uds_or_stream(self, metadata: Any, timeout: float) -> AsyncSession | AsyncUdsSession:
@@ -153,9 +153,11 @@ class AsyncConnection:
                 self._session = None
 
     # -- calls -----------------------------------------------------------------------------
-    async def _call(self, fn: CallFn[T], *, session: bool = False) -> T:
-        """Run ``fn(metadata, timeout)`` with retries on UNAVAILABLE (and a stale session)."""
-        if self._views.pending():
+    async def _call(self, fn: CallFn[T], *, session: bool = False, tend: bool = True) -> T:
+        """Run ``fn(metadata, timeout)`` with retries on UNAVAILABLE (and a stale session).
+        ``tend``: first release the leases whose views are gone (not from the session's
+        opening or a release itself, which that would re-enter)."""
+        if tend and self._views.pending():
             await self._release_gone()  # so that an evict, say, finds them released
         reopened = False
         attempt = 0
@@ -240,7 +242,9 @@ class AsyncConnection:
         # In the session: the daemon releases only the caller's own leases (a session that
         # ended took its leases with it, so a new one releases none).
         reply = await self._call(
-            lambda md, to: self._stub.Release(request, timeout=to, metadata=md), session=True
+            lambda md, to: self._stub.Release(request, timeout=to, metadata=md),
+            session=True,
+            tend=False,
         )
         return int(reply.released)
 
