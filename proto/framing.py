@@ -4,7 +4,9 @@
   into the serialized message). A client writes the two or three header bytes of the
   ``PutRequest.chunk`` field in front of the payload instead, and the daemon hands a
   message that is exactly that one field to the put as a view of the received bytes. The
-  bytes on the wire are those protobuf would write.
+  bytes on the wire are those protobuf would write. ``GetBytesResponse.chunk`` is field 2
+  too, so the daemon writes GetBytes chunks the same way (one copy, out of the pool) and
+  the client reads them the same way (one copy, into its buffer).
 - **The session socket.** Each message is its length (4 bytes, little-endian), then the
   serialized ``SessionRequest`` / ``SessionResponse``.
 """
@@ -14,7 +16,8 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-CHUNK_TAG = (2 << 3) | 2  # PutRequest.chunk: field 2, wire type 2 (length-delimited)
+# PutRequest.chunk and GetBytesResponse.chunk: field 2, wire type 2 (length-delimited)
+CHUNK_TAG = (2 << 3) | 2
 FRAME_HEADER = struct.Struct("<I")  # session socket: the length of the message that follows
 
 
@@ -29,14 +32,16 @@ def varint(value: int) -> bytes:
 
 
 def encode_chunk(data: Any) -> bytes:
-    """A ``PutRequest`` holding only ``chunk = data``, serialized (one copy of ``data``)."""
+    """A ``PutRequest`` (or ``GetBytesResponse``) holding only ``chunk = data``, serialized
+    (one copy of ``data``)."""
     view = memoryview(data).cast("B")
     return b"".join((bytes((CHUNK_TAG,)), varint(view.nbytes), view))
 
 
 def chunk_payload(data: bytes) -> memoryview | None:
-    """The payload of a serialized ``PutRequest`` that is exactly one ``chunk`` field, as a
-    view of ``data``; None for any other message (parse it as protobuf)."""
+    """The payload of a serialized ``PutRequest`` (or ``GetBytesResponse``) that is exactly
+    one ``chunk`` field, as a view of ``data``; None for any other message (parse it as
+    protobuf)."""
     if data[:1] != bytes((CHUNK_TAG,)):
         return None
     length, pos, shift = 0, 1, 0

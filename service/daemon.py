@@ -27,6 +27,7 @@ from embcache.service import logs
 from embcache.service.config import Settings
 from embcache.service.device.ipc.fd_server import FdServer
 from embcache.service.engine import CacheEngine
+from embcache.service.malloc import tune_malloc
 from embcache.service.observability import mps
 from embcache.service.startup import check_unix_socket, preflight
 
@@ -209,6 +210,7 @@ def serve(settings: Settings) -> int:
     """Run the daemon until SIGTERM/SIGINT; StartupError (or PoolInUseError, OSError) when
     it cannot start, with a message naming what to change."""
     logs.configure(settings.log_level, settings.log_format)
+    tune_malloc()  # before the buffers of the data plane are allocated (malloc.py)
     pin_cpus(settings)
     http_sock = preflight(settings)
     try:

@@ -84,7 +84,7 @@ class AsyncConnection:
                 a gRPC Session stream).
         """
         target = normalize_target(target)
-        self._channel, self._stub, self._put = connect(
+        self._channel, self._stub, self._put, self._get_bytes = connect(
             target,
             tls=tls,
             root_certificates=root_certificates,

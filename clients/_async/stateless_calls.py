@@ -148,7 +148,7 @@ class AsyncStatelessCalls(AsyncConnection):
 
         async def fetch(md: Any, to: float) -> EntryBytes:
             collector = BytesCollector(key)
-            async for msg in self._stub.GetBytes(request, timeout=to, metadata=md):
+            async for msg in self._get_bytes(request, timeout=to, metadata=md):
                 collector.add(msg, length, offset)
             return collector.result()
 

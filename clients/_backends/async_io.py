@@ -33,7 +33,7 @@ CallFn = Callable[[Any, float], Awaitable[T]]
 ReleaseFn = Callable[[list[int]], Awaitable[object]]
 
 
-# ``(channel, stub, put)`` on a ``grpc.aio`` channel (``core.channel.connect``)
+# ``(channel, stub, put, get_bytes)`` on a ``grpc.aio`` channel (``core.channel.connect``)
 connect = functools.partial(channel.connect, aio=True)
 
 

@@ -34,7 +34,7 @@ CallFn = Callable[[Any, float], T]
 ReleaseFn = Callable[[list[int]], object]
 
 
-# ``(channel, stub, put)`` on a blocking ``grpc`` channel (``core.channel.connect``)
+# ``(channel, stub, put, get_bytes)`` on a blocking ``grpc`` channel (``core.channel.connect``)
 connect = functools.partial(channel.connect, aio=False)
 
 

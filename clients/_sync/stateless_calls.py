@@ -148,7 +148,7 @@ class StatelessCalls(Connection):
 
         def fetch(md: Any, to: float) -> EntryBytes:
             collector = BytesCollector(key)
-            for msg in self._stub.GetBytes(request, timeout=to, metadata=md):
+            for msg in self._get_bytes(request, timeout=to, metadata=md):
                 collector.add(msg, length, offset)
             return collector.result()
 

@@ -42,12 +42,13 @@ def connect(
     aio: bool,
     private_key: bytes | None = None,
     certificate_chain: bytes | None = None,
-) -> tuple[Any, Any, Any]:
-    """``(channel, stub, put)`` of a client: a channel (``grpc.aio`` with ``aio``) with
-    embcache's options, TLS when asked for (with a client certificate for a daemon that
-    verifies one: ``private_key`` and ``certificate_chain``); the service stub; and the
-    ``Put`` client stream, whose requests use :func:`encode_put` (chunks serialised
-    without a copy)."""
+) -> tuple[Any, Any, Any, Any]:
+    """``(channel, stub, put, get_bytes)`` of a client: a channel (``grpc.aio`` with
+    ``aio``) with embcache's options, TLS when asked for (with a client certificate for a
+    daemon that verifies one: ``private_key`` and ``certificate_chain``); the service stub;
+    the ``Put`` client stream, whose requests use :func:`encode_put` (chunks serialised
+    without a copy); and the ``GetBytes`` server stream, whose replies stay serialized
+    (``replies.BytesCollector`` copies a chunk's payload once, into its buffer)."""
     opts = [*CHANNEL_OPTIONS, *options]
     flavour: Any = grpc.aio if aio else grpc
     if (private_key is None) != (certificate_chain is None):
@@ -62,7 +63,12 @@ def connect(
         request_serializer=encode_put,
         response_deserializer=pb.PutResponse.FromString,
     )
-    return channel, pb_grpc.EmbeddingCacheStub(channel), put
+    get_bytes = channel.unary_stream(
+        SERVICE_PATH + "GetBytes",
+        request_serializer=pb.GetBytesRequest.SerializeToString,
+        response_deserializer=bytes,
+    )
+    return channel, pb_grpc.EmbeddingCacheStub(channel), put, get_bytes
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

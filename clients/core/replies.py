@@ -9,10 +9,12 @@ from typing import Any
 
 import torch
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 
 from embcache.errors import EntryLeased, LeaseExpired, NotFound
 from embcache.proto.dtypes import torch_dtype
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.proto.framing import chunk_payload
 
 EVICT_NAMES = {pb.EVICTED: "evicted", pb.NOT_FOUND: "not_found", pb.LEASED: "leased"}
 
@@ -37,7 +39,9 @@ class EntryBytes:
 
 
 class BytesCollector:
-    """Assembles a GetBytes stream into one preallocated buffer."""
+    """Assembles a GetBytes stream into one preallocated buffer. Messages come serialized
+    (``core.channel.connect``): a chunk's payload is copied once, from the received bytes
+    into the buffer, without a protobuf message in between."""
 
     def __init__(self, key: str) -> None:
         self.key = key
@@ -45,18 +49,27 @@ class BytesCollector:
         self.buf = bytearray()
         self.pos = 0
 
-    def add(self, message: pb.GetBytesResponse, length: int | None, offset: int) -> None:
-        kind = message.WhichOneof("kind")
-        if kind == "meta":
-            self.meta = message.meta
-            want = message.meta.nbytes - offset if length is None else length
-            self.buf = bytearray(max(want, 0))
-        elif kind == "chunk":
+    def add(self, data: bytes, length: int | None, offset: int) -> None:
+        """One serialized ``GetBytesResponse``."""
+        chunk: Any = chunk_payload(data)
+        if chunk is None:  # the meta message (or a chunk another encoder wrote)
+            try:
+                message = pb.GetBytesResponse.FromString(data)
+            except DecodeError as exc:
+                raise ValueError(f"GetBytes stream message undecodable: {exc}") from None
+            kind = message.WhichOneof("kind")
+            if kind == "meta":
+                self.meta = message.meta
+                want = message.meta.nbytes - offset if length is None else length
+                self.buf = bytearray(max(want, 0))
+                return
+            if kind != "chunk":
+                return  # a field this client does not know
             chunk = message.chunk
-            if self.meta is None or self.pos + len(chunk) > len(self.buf):
-                raise ValueError("GetBytes stream out of order or longer than announced")
-            self.buf[self.pos : self.pos + len(chunk)] = chunk
-            self.pos += len(chunk)
+        if self.meta is None or self.pos + len(chunk) > len(self.buf):
+            raise ValueError("GetBytes stream out of order or longer than announced")
+        self.buf[self.pos : self.pos + len(chunk)] = chunk
+        self.pos += len(chunk)
 
     def result(self) -> EntryBytes:
         if self.meta is None or self.pos != len(self.buf):

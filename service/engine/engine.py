@@ -285,11 +285,14 @@ class CacheEngine:
         return out
 
     def iter_bytes(
-        self, lease: Lease, offset: int = 0, length: int | None = None, chunk_bytes: int = 1 << 20
-    ) -> Iterator[bytes]:
-        """The entry's bytes ``[offset, offset+length)`` in chunks, each copied while the
-        lease lives. Iterating raises InvalidArgument (range outside the entry), LeaseExpired."""
-        return reads.iter_bytes(self._store.pool, lease, offset, length, chunk_bytes, self._require)
+        self, lease: Lease, offset: int = 0, length: int | None = None,
+        chunk_bytes: int = 1 << 20, copy: Callable[[memoryview], bytes] = bytes,
+    ) -> Iterator[bytes]:  # fmt: skip
+        """The entry's bytes ``[offset, offset+length)`` in chunks, each ``copy`` of a view of
+        the pool made while the lease lives (``proto.framing.encode_chunk``: the chunk as a
+        serialized message). Raises InvalidArgument (range outside the entry), LeaseExpired."""
+        pool, require = self._store.pool, self._require
+        return reads.iter_bytes(pool, lease, offset, length, chunk_bytes, require, copy)
 
     def _require(self, lease: Lease) -> None:
         if not self.lease_alive(lease):

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 
 from embcache.errors import InvalidArgument
 from embcache.service.host.host_pool import HostPool
 from embcache.service.host.leases import Lease
+
+T = TypeVar("T")
 
 
 def as_tensor(pool: HostPool, lease: Lease) -> torch.Tensor:
@@ -34,10 +37,12 @@ def iter_bytes(
     length: int | None,
     chunk_bytes: int,
     require: Callable[[Lease], None],
-) -> Iterator[bytes]:
+    copy: Callable[[memoryview], T],
+) -> Iterator[T]:
     """The entry's bytes ``[offset, offset+length)`` in chunks of ``chunk_bytes``; each is
-    copied between two ``require(lease)`` checks, so a chunk that reached the caller was
-    read while the lease lived (no page of it was reused)."""
+    ``copy`` (``bytes``, say) of a view of the pool, made between two ``require(lease)``
+    checks, so a chunk that reached the caller was read while the lease lived (no page of
+    it was reused). ``copy`` must not keep the view."""
     if length is None:
         length = lease.nbytes - offset
     if offset < 0 or length < 0 or offset + length > lease.nbytes or chunk_bytes <= 0:
@@ -53,7 +58,7 @@ def iter_bytes(
         while pos < hi:
             take = min(chunk_bytes, hi - pos)
             require(lease)
-            data = array[off + pos - base : off + pos - base + take].tobytes()
+            data = copy(array[off + pos - base : off + pos - base + take].data)
             require(lease)  # still leased after the copy: the bytes are the entry's
             yield data
             pos += take

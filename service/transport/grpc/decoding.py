@@ -7,6 +7,8 @@ any other malformed request.
 
 Put chunks skip protobuf: a message that is exactly one ``chunk`` field is handed to the
 servicer as a memoryview of the received bytes, so each chunk is copied once, into the pool.
+GetBytes chunks skip it on the way out: the servicer writes them already serialized
+(``proto.framing.encode_chunk``), and such ``bytes`` are sent as they are.
 """
 
 from __future__ import annotations
@@ -84,6 +86,11 @@ def _unary_request(method: Callable[..., Any]) -> Callable[..., Any]:
     return handler
 
 
+def _serialized_or(message: Any) -> bytes:
+    """A message serialized, or ``bytes`` that already are one (GetBytes chunks)."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
 def add_servicer(servicer: Any, server: grpc.aio.Server) -> None:
     """Register ``servicer`` (an EmbeddingCacheServicer) on ``server``."""
     handlers: dict[str, grpc.RpcMethodHandler] = {}
@@ -95,10 +102,13 @@ def add_servicer(servicer: Any, server: grpc.aio.Server) -> None:
         if not method.client_streaming:
             behaviour = _unary_request(behaviour)
         make = _MAKERS[(True, method.server_streaming)]
+        serialize = response_cls.SerializeToString
+        if method.name == "GetBytes":
+            serialize = _serialized_or
         handlers[method.name] = make(
             behaviour,
             request_deserializer=parse,
-            response_serializer=response_cls.SerializeToString,
+            response_serializer=serialize,
         )
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),)

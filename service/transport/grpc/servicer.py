@@ -23,6 +23,7 @@ from embcache.errors import InvalidArgument, NotFound, UnknownSession
 from embcache.proto.constants import CHUNK_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.proto.framing import encode_chunk
 from embcache.service.config import Settings
 from embcache.service.device.ipc.cache import IpcCache
 from embcache.service.engine import CacheEngine, EvictOutcome, EvictResults, raise_for_evict
@@ -211,13 +212,17 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
             raise NotFound("no such entry", key=request.key)
         try:
             length = request.length if request.HasField("length") else None
-            chunks = self.engine.iter_bytes(lease, request.offset, length, chunk_bytes)
+            # Each chunk is written as its serialized message, copied once out of the pool
+            # (decoding.py sends such bytes as they are): no protobuf message per chunk.
+            chunks = self.engine.iter_bytes(
+                lease, request.offset, length, chunk_bytes, copy=encode_chunk
+            )
             first = next(chunks, None)  # validates the range before anything is sent
             await context.write(pb.GetBytesResponse(meta=meta_of(lease)))
             if first is not None:
-                await context.write(pb.GetBytesResponse(chunk=first))
+                await context.write(first)
             for chunk in chunks:
-                await context.write(pb.GetBytesResponse(chunk=chunk))
+                await context.write(chunk)
         finally:
             self.engine.release([lease.lease_id])
 
