@@ -58,7 +58,7 @@ class AsyncConnection:
         *,
         token: str | None = None,
         timeout: float = 30.0,
-        retries: int = 4,
+        retries: int = 5,
         root_certificates: bytes | None = None,
         tls: bool = False,
         private_key: bytes | None = None,
@@ -229,6 +229,9 @@ class AsyncConnection:
         if not lease_ids:
             return 0
         request = pb.ReleaseRequest(lease_ids=lease_ids)
+        # The session as it is: opening one here would wait on a daemon that is away (a
+        # release from the views' pump); the next call opens it, and releases what went
+        # meanwhile over it (``_post_gone``), ending what the daemon quarantined.
         session = self._session
         if session is not None and session.alive and session.serves_calls:
             try:
@@ -239,11 +242,13 @@ class AsyncConnection:
                 if result.WhichOneof("outcome") == "release":
                     return int(result.release.released)
                 raise from_call_error(result.error)
-        # In the session: the daemon releases only the caller's own leases (a session that
-        # ended took its leases with it, so a new one releases none).
+        # In the session while it lives (also after close(), until the views are gone): the
+        # daemon releases only the caller's own leases.
+        sid = session.session_id if session is not None and session.alive else None
+        metadata = ((SESSION_KEY, sid),) if sid else ()
+
         reply = await self._call(
-            lambda md, to: self._stub.Release(request, timeout=to, metadata=md),
-            session=True,
+            lambda md, to: self._stub.Release(request, timeout=to, metadata=(*md, *metadata)),
             tend=False,
         )
         return int(reply.released)

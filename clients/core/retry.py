@@ -27,9 +27,14 @@ def should_retry(err: grpc.RpcError) -> bool:
     return callable(getattr(err, "code", None)) and err.code() in RETRY_CODES
 
 
-def backoff_s(attempt: int, base: float = 0.05, cap: float = 1.0) -> float:
-    """Exponential backoff with full jitter: attempt 0 waits up to ``base`` seconds."""
-    return random.uniform(0.0, min(cap, base * (2**attempt)))
+def backoff_s(attempt: int, base: float = 0.1, cap: float = 1.0) -> float:
+    """Exponential backoff with equal jitter: attempt ``n`` waits between half of and all of
+    ``min(cap, base * 2**n)``. The default five retries then wait at least 1.25 s in all,
+    longer than the channel's own reconnect backoff (at most 1 s, and 20% jitter), so a
+    call made just as a daemon restarts reaches the new one instead of failing fast on the
+    channel's last connection error."""
+    delay = min(cap, base * (2**attempt))
+    return random.uniform(delay / 2, delay)
 
 
 def retry_step(result: pb.SessionResult, attempt: int, retries: int) -> str:

@@ -77,6 +77,9 @@ class Quarantine:
     def __init__(self) -> None:
         self._held: dict[int, Held] = {}
         self._by_process: dict[ProcessRef, set[int]] = {}
+        # Per process: holds per entry (by id) and the bytes of the distinct entries, so
+        # that many holds of one entry count its pages once, as the lease caps do.
+        self._entries: dict[ProcessRef, Counter[int]] = {}
         self._bytes: Counter[ProcessRef] = Counter()
 
     def __len__(self) -> int:
@@ -84,17 +87,20 @@ class Quarantine:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of pages held for every process."""
+        """Bytes of pages held, per process the distinct entries' pages, summed."""
         return sum(self._bytes.values())
 
     def bytes_of(self, process: ProcessRef) -> int:
-        """Bytes of pages held for ``process``."""
+        """Bytes of the pages of the distinct entries held for ``process``."""
         return self._bytes.get(process, 0)
 
     def add(self, held: Held) -> None:
         self._held[held.lease_id] = held
         self._by_process.setdefault(held.process, set()).add(held.lease_id)
-        self._bytes[held.process] += held.nbytes
+        entries = self._entries.setdefault(held.process, Counter())
+        entries[id(held.entry)] += 1
+        if entries[id(held.entry)] == 1:
+            self._bytes[held.process] += held.nbytes
 
     def get(self, lease_id: int) -> Held | None:
         """The hold kept for ``lease_id``, if any."""
@@ -106,9 +112,14 @@ class Quarantine:
         if held is not None:
             ids = self._by_process[held.process]
             ids.discard(lease_id)
-            self._bytes[held.process] -= held.nbytes
+            entries = self._entries[held.process]
+            entries[id(held.entry)] -= 1
+            if not entries[id(held.entry)]:
+                del entries[id(held.entry)]
+                self._bytes[held.process] -= held.nbytes
             if not ids:
                 del self._by_process[held.process]
+                del self._entries[held.process]
                 del self._bytes[held.process]
         return held
 
@@ -125,5 +136,6 @@ class Quarantine:
         held = list(self._held.values())
         self._held.clear()
         self._by_process.clear()
+        self._entries.clear()
         self._bytes.clear()
         return held

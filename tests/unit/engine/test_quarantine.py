@@ -166,6 +166,46 @@ def test_past_its_bound_a_process_gets_no_more_leases(
     assert other is not None
 
 
+def test_many_holds_of_one_entry_count_its_pages_once(
+    engine: CacheEngine, clock: FakeClock
+) -> None:
+    # A client that pipelined many gets of one entry and then dropped its connection pins
+    # one entry's pages, not one copy per lease: it stays under its bound.
+    engine.put("k", page(1))
+    engine.put("other", page(2))
+    assert engine.quarantine.bind("session:me", os.getpid())
+    leases = [engine.get(["k"], "session:me")[0] for _ in range(10)]
+    assert engine.drop_owner("session:me") == 10
+    s = engine.stats()
+    assert s.leases_quarantined == 10 and s.quarantined_bytes == PAGE
+    assert engine.quarantine.bind("session:me2", os.getpid())
+    (got,) = engine.get(["other"], "session:me2")  # 1 page held of a 4-page bound
+    assert got is not None
+    engine.release([got.lease_id], "session:me2")
+    assert engine.release([lease.lease_id for lease in leases[:9] if lease], "session:me2") == 0
+    assert engine.stats().quarantined_bytes == PAGE  # one hold of it is left
+    engine.release([leases[9].lease_id], "session:me2")  # type: ignore[union-attr]
+    s = engine.stats()
+    assert s.leases_quarantined == 0 and s.quarantined_bytes == 0
+
+
+def test_only_the_process_it_was_kept_for_ends_a_hold(
+    engine: CacheEngine, child: subprocess.Popen[bytes]
+) -> None:
+    engine.put("k", page(1))
+    assert engine.quarantine.bind("session:c", child.pid)
+    (lease,) = engine.get(["k"], "session:c")
+    assert lease is not None
+    engine.drop_owner("session:c")  # the child may still read its view
+    assert engine.quarantine.bind("session:me", os.getpid())
+    engine.release([lease.lease_id], "session:me")  # another process: refused, silently
+    engine.release([lease.lease_id], "anon:unix:")  # a sessionless caller: likewise
+    assert engine.stats().leases_quarantined == 1
+    assert engine.quarantine.bind("session:c2", child.pid)  # the child, on a new session
+    engine.release([lease.lease_id], "session:c2")
+    assert engine.stats().leases_quarantined == 0
+
+
 def test_close_ends_every_hold(shm_name: str, clock: FakeClock) -> None:
     s = Settings(host_pool_bytes=4 * PAGE, page_bytes=PAGE, shm_name=shm_name, lease_ttl_s=1)
     e = CacheEngine(s, clock=clock)
