@@ -8,6 +8,10 @@ mkdir -p "$OUT"
 site=/tmp/embcache-engines
 mkdir -p "$site"
 tar -xzf .whl/engines/vllm-pure.tar.gz -C "$site" || exit 1
+# The pure-Python vLLM carried here has no compiled extensions (none is built for this
+# machine's torch); its CUDA platform imports this one first. An empty module stands in: the
+# connector uses none of vLLM's kernels, only its classes.
+[ -e "$site/vllm/_C_stable_libtorch.py" ] || : >"$site/vllm/_C_stable_libtorch.py"
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
     .whl/engines/wheels/*.whl || exit 1
 if compgen -G ".whl/*.whl" >/dev/null; then  # embcache's own dependencies, as gpu_suite.sh
