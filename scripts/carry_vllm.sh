@@ -27,7 +27,9 @@ deps=(transformers==5.19.0 tokenizers==0.23.3 huggingface_hub==2.4.0 pyzmq==27.3
     regex==2026.11.19 cbor2==6.3.0 openai==3.57.0 openai-harmony==0.0.8 pybase64==1.5.1
     cachetools==8.0.2 msgspec==0.23.0 cloudpickle==3.1.3 py-cpuinfo==9.0.0 einops==0.8.2
     partial-json-parser==0.2.1.1.post7 "llguidance>=1.7.0,<1.8.0" xgrammar==0.2.8
-    pillow==13.0.0 jiter distro sniffio anyio tqdm filelock fsspec pyyaml packaging)
+    pillow==13.0.0 jiter distro sniffio anyio tqdm filelock fsspec pyyaml packaging
+    # found missing on the H200 (huggingface_hub 2.4 imports httpx2; xgrammar imports tvm_ffi)
+    httpx2 httpcore2 truststore apache-tvm-ffi)
 python3 -m pip download -q --only-binary=:all: --no-deps --python-version 3.12 \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux_2_24_x86_64 --platform manylinux_2_28_x86_64 \
