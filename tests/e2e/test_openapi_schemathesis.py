@@ -26,7 +26,7 @@ def test_schemathesis_finds_no_failures(tmp_path: Path) -> None:
         out = subprocess.run(
             [st, "--config-file", str(CONFIG), "run", f"{daemon.http_url}/openapi.json",
              "--checks", "all", "--header", f"Authorization: Bearer {TOKEN}",
-             "--max-examples", "40", "--request-timeout", "10", "--workers", "2",
+             "--max-examples", "40", "--request-timeout", "10", "--workers", "1",
              "--generation-database", "none", "--no-color",
              "--report", "junit", "--report-dir", str(tmp_path)],
             capture_output=True, text=True, timeout=300, cwd=tmp_path,

@@ -140,7 +140,8 @@ def say(**msg):
 client = EmbCacheClient(sys.argv[2], timeout=10)
 keys = sys.argv[3:]
 with client.get(keys) as views:
-    say(event="held", problems=[payload.check(k, v) for k, v in zip(keys, views)])
+    problems = [payload.check(k, v) for k, v in zip(keys, views)]
+say(event="held", problems=problems)  # after the block: a stop now cannot land inside it
 for line in sys.stdin:
     cmd, *args = line.split()
     if cmd == "read":
