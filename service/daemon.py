@@ -3,7 +3,8 @@
 Start-up order: host pool (may take a while to pin), then listeners, then one JSON line
 ``{"event": "ready", ...}`` on stdout. SIGTERM/SIGINT: health NOT_SERVING, the engine
 refuses new work, in-flight calls get ``drain_grace_s`` to finish, every lease is
-released, the shared-memory segment is removed, exit code 0.
+released, the shared-memory segment is removed (with ``--warm-restart on``, the default, it
+stays with its index for the next daemon to adopt: docs/restart.md), exit code 0.
 """
 
 from __future__ import annotations
@@ -156,7 +157,8 @@ class Daemon:
                 await grpc_service.stop(0)
             if fd_server is not None:
                 fd_server.close()
-            await asyncio.to_thread(engine.close)  # the shared tier writes what it has queued
+            # The shared tier writes what it has queued; a warm restart keeps the segment.
+            await asyncio.to_thread(engine.close, keep_segment=s.warm_restart)
         log.info("stopped cleanly")
         return 0
 
