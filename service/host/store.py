@@ -190,6 +190,7 @@ class HostStore:
     def verify(self, entry: Entry) -> bool:
         """Check an adopted entry's bytes against its CRC32 (dropping it if they differ)."""
         entry.unverified = False
+        self.counters["adopt_checked"] += 1
         ok = entry_crc(self.pool, entry) == entry.crc32
         if not ok:
             self.drop_corrupt(entry)
