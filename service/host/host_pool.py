@@ -160,7 +160,9 @@ class HostPool:
             ) from None
         if self._keep is not None:
             st = os.fstat(fd)
-            reason = "its size differs" if st.st_size != self.nbytes else self._keep(st)
+            reason = self._keep(st)
+            if reason is None and st.st_size != self.nbytes:
+                reason = f"its size is {st.st_size} bytes, not {self.nbytes}"
             if reason is None:
                 self.adopted = True
                 log.info("adopting shared-memory segment %s (warm restart)", self.name)
