@@ -92,7 +92,8 @@ def test_sigterm_then_restart_serves_every_ready_entry(spec: dm.DaemonSpec) -> N
         dm.stop(d)
 
 
-HAMMER_BUDGET = 24 * MiB  # per writer: two fit the 64 MiB pool, so nothing is evicted
+HAMMER_BUDGET = 24 * MiB  # pool pages per writer: two fit the 64 MiB pool, nothing is evicted
+PAGE = 256 * KiB  # the daemon's default page: an entry takes whole pages
 
 
 def _hammer(target: str, prefix: str, done: list[str], stop: threading.Event) -> None:
@@ -107,7 +108,7 @@ def _hammer(target: str, prefix: str, done: list[str], stop: threading.Event) ->
                 nbytes = ROW * rng.randint(1, 128)
                 client.put(key, payload.make(key, nbytes, i))
                 done.append(key)
-                total += nbytes
+                total += -(-nbytes // PAGE) * PAGE
                 i += 1
     except Exception:  # the kill: the put in flight fails, as it must
         return

@@ -558,6 +558,7 @@ class FaultRun:
                 t.start()
             time.sleep(1.0 + self.rng.random())
             returned = list(done)  # SIGTERM comes after these returned
+            stats = d.stats()
             t0 = time.monotonic()
             code = dm.stop(d)
             stop.set()
@@ -579,13 +580,16 @@ class FaultRun:
             dm.reap(d.proc)
         if code != 0:
             out.problems.append(f"exit code {code}: {d.log_tail(800)}")
+        if stats["evictions"]:
+            out.problems.append(f"the set-up evicted {stats['evictions']} entries: lower the load")
         if restart["dropped_checksum_entries"] or bad:
             out.problems.append(f"corrupt entries: {restart}, read: {bad[:3]}")
         out.notes = {"adopted": restart["adopted_entries"], "returned_puts": len(returned)}
         return out
 
 
-WARM_BUDGET = 24 * MiB  # per writer: two fit the 64 MiB pool, so nothing is evicted
+WARM_BUDGET = 24 * MiB  # pool pages per writer: two fit the 64 MiB pool, nothing is evicted
+PAGE = 256 * KiB  # the daemon's default page: an entry takes whole pages
 
 
 def _warm_writer(target: str, prefix: str, done: list[tuple[str, int]], stop: Any) -> None:
@@ -597,7 +601,7 @@ def _warm_writer(target: str, prefix: str, done: list[tuple[str, int]], stop: An
             key, nbytes = f"{prefix}/{i}", 2 * KiB * rng.randint(1, 256)
             client.put(key, payload.make(key, nbytes, i))
             done.append((key, i))
-            total += nbytes
+            total += -(-nbytes // PAGE) * PAGE
             i += 1
 
 
