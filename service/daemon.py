@@ -100,7 +100,11 @@ class Daemon:
         # A shared tier that is down at start is a degraded start, not a failed one.
         shared = shared_tier_hooks(tier_config, metrics) if tier_config is not None else None
         engine = await asyncio.to_thread(
-            CacheEngine, s, copy_observer=metrics.observe_copy, shared_tier=shared
+            CacheEngine,
+            s,
+            copy_observer=metrics.observe_copy,
+            shared_tier=shared,
+            defer_verify=True,  # started after the ready line (docs/restart.md)
         )
         fd_server = grpc_service = None
         try:
@@ -140,6 +144,7 @@ class Daemon:
                 os.chmod(grpc_service.uds.path, int(s.socket_mode, 8))
             self._announce(grpc_service, http_sock.getsockname()[1], engine)
             _sd_notify("READY=1")
+            engine.start_verifier()  # adopted entries: checked from now on, and when read
             await self._stop.wait()
             _sd_notify("STOPPING=1")
             log.info("draining: refusing new work, %.1fs grace", s.drain_grace_s)

@@ -64,11 +64,15 @@ class CacheEngine:
         device_pools: Sequence[DevicePool] | None = None,
         copy_observer: CopyObserver | None = None,
         shared_tier: SharedTierFactory | None = None,
+        defer_verify: bool = False,
     ) -> None:
         """Allocate the host pool and the device pools (``device_pools``, closed with the
         engine; None: one per served GPU), then start the shared tier ``shared_tier`` builds.
         ``clock``: the time leases expire by; ``copy_observer``: told of every finished copy
-        ``(direction, nbytes, seconds)``. PoolInUseError: a live daemon owns the segment."""
+        ``(direction, nbytes, seconds)``. ``defer_verify``: start the background check of
+        entries adopted at a warm restart only at :meth:`start_verifier` (the daemon does,
+        once it is ready: the pass would otherwise slow its start). PoolInUseError: a live
+        daemon owns the segment."""
         self.settings = settings
         self._clock = clock
         self._lock = threading.Lock()
@@ -100,7 +104,8 @@ class CacheEngine:
                 pool.close(unlink=False)
                 raise
             self.verifier = Verifier(self._store, self._lock, lambda: self._closed)
-            self.verifier.start()
+            if not defer_verify:
+                self.verifier.start()
         # The parts, for tests, benchmarks and debugging; transports use the methods.
         self.host_pool: HostPool = pool
         self.host_store: HostStore = self._store
@@ -123,6 +128,12 @@ class CacheEngine:
             except BaseException:
                 self.close()
                 raise
+
+    def start_verifier(self) -> None:
+        """Start the background CRC32 check of adopted entries (with ``defer_verify``);
+        entries read first are checked then anyway. Idempotent."""
+        if self.verifier is not None and not self.verifier.thread.is_alive():
+            self.verifier.start()
 
     def host_segment(self) -> SegmentInfo:
         """The host pool's shared-memory segment, as clients map it."""
@@ -319,7 +330,8 @@ class CacheEngine:
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key can be served; with a shared tier, local misses ask it too."""
         with self._lock:
-            out = [isinstance(k, str) and self._store.entries.get(k) is not None for k in keys]
+            found = self._store.lookup  # an adopted entry is checked first (restart.py)
+            out = [isinstance(k, str) and found(k) is not None for k in keys]
         return self._shared.exists(keys, out)
 
     def evict(self, keys: Sequence[str]) -> EvictResults:

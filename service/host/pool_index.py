@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,7 @@ class Replayed:
 
     header: rec.Header
     adds: dict[str, rec.AddRecord] = field(default_factory=dict)
+    raw: dict[str, bytes] = field(default_factory=dict)  # key -> its framed ADD, as read
     holds: dict[int, rec.HoldRecord] = field(default_factory=dict)
     torn: bool = False
 
@@ -55,16 +57,18 @@ def replay(path: Path) -> Replayed:
     out = Replayed(rec.Header.unpack(data))
     stop = rec.HEADER_BYTES  # where the replay stopped
     for record, end in rec.records(data):
-        stop = end
         if isinstance(record, rec.AddRecord):
             out.adds.pop(record.key, None)  # a re-add goes to the most recent end
             out.adds[record.key] = record
+            out.raw[record.key] = data[stop:end]
         elif isinstance(record, rec.HoldRecord):
             out.holds[record.hold_id] = record
         elif record[0] == rec.DEL:
             out.adds.pop(str(record[1]), None)
+            out.raw.pop(str(record[1]), None)
         else:
             out.holds.pop(int(record[1]), None)
+        stop = end
     out.torn = stop != len(data)
     return out
 
@@ -80,13 +84,15 @@ class PoolIndex:
         self._adds: dict[str, bytes] = {}  # key -> its framed ADD (for compaction)
         self._holds: dict[int, bytes] = {}  # hold id -> its framed HOLD
         self._written = 0  # records in the file
+        self._batch: list[bytes] | None = None  # records held back by batch()
 
     @classmethod
     def create(cls, path: Path, header: rec.Header, replayed: Replayed | None = None) -> PoolIndex:
         """A fresh index at ``path`` (replacing any), holding what ``replayed`` kept live."""
         index = cls(path, header)
         if replayed is not None:
-            index._adds = {k: rec.encode_add(a) for k, a in replayed.adds.items()}
+            raw = replayed.raw
+            index._adds = {k: raw.get(k) or rec.encode_add(a) for k, a in replayed.adds.items()}
             index._holds = {i: rec.encode_hold(h) for i, h in replayed.holds.items()}
         index._rewrite()
         return index
@@ -128,7 +134,28 @@ class PoolIndex:
             self._append(rec.encode_unhold(hold_id))
 
     # -- the file ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Write the records of the block in one ``write`` at its end (the holds of a batch
+        get, the releases of many leases); the caller returns to its client after it."""
+        if self._batch is not None:  # nested: the outer batch writes
+            yield
+            return
+        self._batch = []
+        try:
+            yield
+        finally:
+            records, self._batch = self._batch, None
+            if records:
+                self._write(b"".join(records), len(records))
+
     def _append(self, data: bytes) -> None:
+        if self._batch is not None:
+            self._batch.append(data)
+        else:
+            self._write(data, 1)
+
+    def _write(self, data: bytes, count: int) -> None:
         if self._fd is None:
             return
         try:
@@ -138,7 +165,7 @@ class PoolIndex:
             log.exception("cannot write the warm-restart index %s: removing it", self.path)
             self.remove()
             return
-        self._written += 1
+        self._written += count
         if self._written > 2 * (len(self._adds) + len(self._holds)) + _SLACK:
             self._rewrite()
 

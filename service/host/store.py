@@ -256,9 +256,10 @@ class HostStore:
         out = [None if e is None else add(e, owner, expires_at, page) for e in entries]
         process = self.processes.get(owner)
         if self.index is not None and process is not None:  # views may outlive this daemon
-            for lease in out:
-                if lease is not None:
-                    self.index.hold(lease.lease_id, process, lease.key)
+            with self.index.batch():
+                for lease in out:
+                    if lease is not None:
+                        self.index.hold(lease.lease_id, process, lease.key)
         return out
 
     def end_lease(self, lease_id: int, owner: str | None = None) -> bool:
@@ -324,7 +325,10 @@ class HostStore:
     def release(self, lease_ids: Iterable[int], owner: str | None = None) -> int:
         """End these leases (unknown ids, and with ``owner`` others' ids, skipped); returns
         how many ended."""
-        return sum(self.end_lease(i, owner) for i in lease_ids)
+        if self.index is None:
+            return sum(self.end_lease(i, owner) for i in lease_ids)
+        with self.index.batch():
+            return sum(self.end_lease(i, owner) for i in lease_ids)
 
     def renew(self, lease_ids: Iterable[int], expires_at: float, owner: str | None = None) -> int:
         """Move the expiry of the live ones (with ``owner``: of its own only) to

@@ -193,3 +193,51 @@ def test_warm_restart_off_removes_a_stale_index(settings: Settings) -> None:
         assert not index_path(SHM_DIR / settings.shm_name).exists()
     finally:
         engine.close()
+
+
+def test_a_batch_is_one_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "x.index"
+    index = PoolIndex.create(path, HEADER)
+    writes: list[int] = []
+    real = os.write
+
+    def counting(fd: int, data: bytes) -> int:
+        writes.append(len(data))
+        return real(fd, data)
+
+    monkeypatch.setattr(pool_index.os, "write", counting)
+    me = ProcessRef.of(os.getpid())
+    assert me is not None
+    with index.batch():
+        for i in range(50):
+            index.hold(i, me, f"k{i}")
+        with index.batch():  # nested: the outer one writes
+            index.unhold(3)
+        assert writes == []
+    assert len(writes) == 1
+    index.close()
+    assert sorted(replay(path).holds) == [i for i in range(50) if i != 3]
+
+
+def test_records_whose_runs_overlap_or_leave_the_pool_are_dropped(settings: Settings) -> None:
+    engine = CacheEngine(settings)
+    want = fill(engine, 3)
+    (lease,) = engine.get(["k0"], "test")
+    assert lease is not None
+    runs, dtype = lease.entry.runs, lease.entry.dtype
+    engine.release([lease.lease_id])
+    engine.close(keep_segment=True)
+    path = index_path(SHM_DIR / settings.shm_name)
+    evil = rec.AddRecord("evil", dtype, (700,), 700, runs, 0, 0)  # k0's pages again
+    outside = rec.AddRecord("out", dtype, (700,), 700, ((1 << 20, 1),), 0, 0)
+    with path.open("ab") as f:
+        f.write(rec.encode_add(evil) + rec.encode_add(outside))
+    engine = CacheEngine(settings)
+    try:
+        assert engine.adopted.dropped_invalid == 2 and engine.adopted.entries == 3
+        for key, t in want.items():
+            got = read(engine, key)
+            assert got is not None and torch.equal(got, t), key
+        assert read(engine, "evil") is None and read(engine, "out") is None
+    finally:
+        engine.close()
