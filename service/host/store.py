@@ -15,9 +15,6 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-
-import numpy as np
 
 from embcache.service.host.allocator import PageRunAllocator, Run
 from embcache.service.host.entries import Entry, EntryState, EntryTable
@@ -27,34 +24,15 @@ from embcache.service.host.leases import Lease, LeaseCaps, LeaseTable
 from embcache.service.host.pool_index import PoolIndex
 from embcache.service.host.prealloc import PutPrealloc
 from embcache.service.host.quarantine import Held, ProcessRef, Quarantine
-from embcache.service.host.stats import PoolStats, run_bucket
+from embcache.service.host.stats import run_bucket
+from embcache.service.host.store_views import HostCounts, StoreViews
 from embcache.service.host.verify import entry_crc
 
-PAGE_FREE, PAGE_FILLING, PAGE_READY, PAGE_LEASED = 0, 1, 2, 3
 SHARED_TIER_OWNER = "shared-tier"  # owner of the shared tier's own leases and fills
 __all__ = ["EvictOutcome", "EvictResults", "HostCounts", "HostStore", "raise_for_evict"]
 
 
-@dataclass(frozen=True, slots=True)
-class HostCounts:
-    """The store's counters and sizes at one moment (for the engine's stats)."""
-
-    pool: PoolStats
-    entries_ready: int
-    entries_filling: int
-    reserved_filling_bytes: int
-    metadata_bytes: int
-    max_entries: int
-    leases_active: int
-    lease_owners: int
-    runs_per_entry: dict[str, int]
-    counters: dict[str, int]
-    prealloc_bytes: int
-    quarantined: int = 0  # holds kept after a forced end (quarantine.py)
-    quarantined_bytes: int = 0
-
-
-class HostStore:
+class HostStore(StoreViews):
     """Pages, entries, reservations and leases of the host pool (module docstring).
 
     ``on_evict(entry)`` runs before an entry's pages are freed (the engine drops its device
@@ -410,60 +388,3 @@ class HostStore:
         self.processes.clear()
         self._filling.clear()
         self.inflight.clear()
-
-    # -- views ---------------------------------------------------------------------------
-    def snapshot(self, state: str | None) -> list[Entry]:
-        """The entries now: READY in insertion order, then FILLING (``state`` keeps
-        ``ready`` or ``filling`` only); one copy of the tables (``engine/listing.py``)."""
-        found: list[Entry] = []
-        if state in (None, "ready"):
-            found = list(self.entries.by_key.values())
-        if state in (None, "filling"):
-            found.extend(entry for entry, _ in self._filling.values())
-        return found
-
-    def counts(self) -> HostCounts:
-        """A snapshot for the stats; the prealloc's pages count as free (on loan)."""
-        a, page = self.alloc, self.page_bytes
-        prealloc = self.prealloc.pages  # free capacity on loan to device puts: counted free
-        free_pages = a.num_free_pages + prealloc
-        used_pages = a.num_pages - free_pages
-        pool = PoolStats(
-            "host",
-            a.num_pages * page,
-            used_pages * page,
-            free_pages * page,
-            page,
-            a.num_pages,
-            used_pages,
-            free_pages,
-            a.largest_free_run,  # runs the allocator holds (the prealloc's not among them)
-            a.num_free_runs,
-        )
-        return HostCounts(
-            pool=pool,
-            entries_ready=len(self.entries),
-            entries_filling=len(self._filling),
-            reserved_filling_bytes=sum(e.num_pages for e, _ in self._filling.values()) * page,
-            metadata_bytes=self.entries.meta_bytes,
-            max_entries=self.max_entries,
-            leases_active=len(self.leases),
-            lease_owners=self.leases.owners(),
-            runs_per_entry={k: v for k, v in self._runs_hist.items() if v},
-            counters=dict(self.counters),
-            prealloc_bytes=prealloc * page,
-            quarantined=len(self.quarantine),
-            quarantined_bytes=self.quarantine.nbytes,
-        )
-
-    def page_states(self) -> np.ndarray:
-        """One uint8 per host page: 0 free, 1 filling, 2 ready, 3 leased."""
-        states = np.zeros(self.alloc.num_pages, dtype=np.uint8)
-        for entry, _ in self._filling.values():
-            for start, n in entry.runs:
-                states[start : start + n] = PAGE_FILLING
-        for entry in self.entries.by_key.values():
-            value = PAGE_LEASED if entry.ref_cnt else PAGE_READY
-            for start, n in entry.runs:
-                states[start : start + n] = value
-        return states
