@@ -89,6 +89,14 @@ class Settings(BaseSettings):
         description="Name of the POSIX shared-memory segment of the host pool (empty: "
         "'embcache-<port>-<random>', created exclusively; the ready line names it).",
     )
+    warm_restart: bool = Field(
+        True,
+        description="on: a restarted daemon adopts the READY entries its predecessor left in "
+        "the segment --shm-name names (or the newest stale 'embcache-<port>-*' one), if its "
+        "index has this layout, page size and pool size, and SIGTERM leaves the segment and "
+        "its index in place; off: every start is cold and SIGTERM removes the segment "
+        "(docs/restart.md).",
+    )
     gpus: str = Field(
         "all",
         description="GPUs that get a device pool: 'all' visible ones, or indices like '0,2'.",
@@ -246,6 +254,8 @@ class Settings(BaseSettings):
     def _shm_name(cls, v: str) -> str:
         if v and not SHM_NAME.match(v):
             raise ValueError("use 1-200 letters, digits, '.', '_' or '-'")
+        if v.endswith((".index", ".tmp")):
+            raise ValueError("names ending in .index or .tmp are the warm-restart index's")
         return v
 
     @field_validator("auth_token")

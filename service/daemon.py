@@ -3,7 +3,8 @@
 Start-up order: host pool (may take a while to pin), then listeners, then one JSON line
 ``{"event": "ready", ...}`` on stdout. SIGTERM/SIGINT: health NOT_SERVING, the engine
 refuses new work, in-flight calls get ``drain_grace_s`` to finish, every lease is
-released, the shared-memory segment is removed, exit code 0.
+released, the shared-memory segment is removed (with ``--warm-restart on``, the default, it
+stays with its index for the next daemon to adopt: docs/restart.md), exit code 0.
 """
 
 from __future__ import annotations
@@ -100,7 +101,11 @@ class Daemon:
         # A shared tier that is down at start is a degraded start, not a failed one.
         shared = shared_tier_hooks(tier_config, metrics) if tier_config is not None else None
         engine = await asyncio.to_thread(
-            CacheEngine, s, copy_observer=metrics.observe_copy, shared_tier=shared
+            CacheEngine,
+            s,
+            copy_observer=metrics.observe_copy,
+            shared_tier=shared,
+            defer_verify=True,  # started after the ready line (docs/restart.md)
         )
         fd_server = grpc_service = None
         try:
@@ -140,6 +145,7 @@ class Daemon:
                 os.chmod(grpc_service.uds.path, int(s.socket_mode, 8))
             self._announce(grpc_service, http_sock.getsockname()[1], engine)
             _sd_notify("READY=1")
+            engine.start_verifier()  # adopted entries: checked from now on, and when read
             await self._stop.wait()
             _sd_notify("STOPPING=1")
             log.info("draining: refusing new work, %.1fs grace", s.drain_grace_s)
@@ -157,7 +163,8 @@ class Daemon:
                 await grpc_service.stop(0)
             if fd_server is not None:
                 fd_server.close()
-            await asyncio.to_thread(engine.close)  # the shared tier writes what it has queued
+            # The shared tier writes what it has queued; a warm restart keeps the segment.
+            await asyncio.to_thread(engine.close, keep_segment=s.warm_restart)
         log.info("stopped cleanly")
         return 0
 

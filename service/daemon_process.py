@@ -98,6 +98,8 @@ class DaemonProcess:
     ) -> None:
         if "--shm-name" not in flags:  # a segment no other daemon uses
             flags = [*flags, "--shm-name", f"embcache-child-{os.getpid()}-{uuid.uuid4().hex[:8]}"]
+        if "--warm-restart" not in flags:  # a name used once: keep nothing behind
+            flags = [*flags, "--warm-restart", "off"]
         inherited = {k: v for k, v in os.environ.items() if not k.startswith("EMBCACHE_")}
         self.proc = subprocess.Popen(
             serve_command(*flags),

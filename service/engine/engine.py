@@ -45,7 +45,9 @@ from embcache.service.host.entries import Entry
 from embcache.service.host.host_pool import HostPool, SegmentInfo
 from embcache.service.host.leases import Lease, LeaseCaps
 from embcache.service.host.put_writer import FillTarget, PutHandle
+from embcache.service.host.restart import Adopted, Verifier, WarmStart
 from embcache.service.host.store import EvictResults, HostStore, raise_for_evict
+from embcache.service.host.verify import entry_crc
 
 log = logging.getLogger("embcache.service.engine")
 
@@ -62,18 +64,24 @@ class CacheEngine:
         device_pools: Sequence[DevicePool] | None = None,
         copy_observer: CopyObserver | None = None,
         shared_tier: SharedTierFactory | None = None,
+        defer_verify: bool = False,
     ) -> None:
         """Allocate the host pool and the device pools (``device_pools``, closed with the
         engine; None: one per served GPU), then start the shared tier ``shared_tier`` builds.
         ``clock``: the time leases expire by; ``copy_observer``: told of every finished copy
-        ``(direction, nbytes, seconds)``. PoolInUseError: a live daemon owns the segment."""
+        ``(direction, nbytes, seconds)``. ``defer_verify``: start the background check of
+        entries adopted at a warm restart only at :meth:`start_verifier` (the daemon does,
+        once it is ready: the pass would otherwise slow its start). PoolInUseError: a live
+        daemon owns the segment."""
         self.settings = settings
         self._clock = clock
         self._lock = threading.Lock()
         self._draining = False
         self._closed = False
+        self.adopted = Adopted()  # what a warm restart adopted and dropped
         self._uses_cuda = cuda_wanted(settings)
-        pool = build_host_pool(settings, self._uses_cuda)
+        warm = WarmStart(settings.host_pool_bytes, settings.page_bytes)
+        pool = build_host_pool(settings, self._uses_cuda, warm if settings.warm_restart else None)
         try:
             self._tier = build_tier(settings, pool, device_pools, copy_observer)
         except BaseException:
@@ -87,6 +95,17 @@ class CacheEngine:
             caps=LeaseCaps(settings.max_leases_per_owner, settings.leased_bytes_limit),
             max_entries=settings.entry_limit,
         )
+        self.verifier: Verifier | None = None  # checks adopted entries' bytes (restart.py)
+        if settings.warm_restart:
+            try:
+                self.adopted = warm.attach(self._store, clock())
+            except BaseException:
+                self._tier.close()
+                pool.close(unlink=False)
+                raise
+            self.verifier = Verifier(self._store, self._lock, lambda: self._closed)
+            if not defer_verify:
+                self.verifier.start()
         # The parts, for tests, benchmarks and debugging; transports use the methods.
         self.host_pool: HostPool = pool
         self.host_store: HostStore = self._store
@@ -109,6 +128,12 @@ class CacheEngine:
             except BaseException:
                 self.close()
                 raise
+
+    def start_verifier(self) -> None:
+        """Start the background CRC32 check of adopted entries (with ``defer_verify``);
+        entries read first are checked then anyway. Idempotent."""
+        if self.verifier is not None and not self.verifier.thread.is_alive():
+            self.verifier.start()
 
     def host_segment(self) -> SegmentInfo:
         """The host pool's shared-memory segment, as clients map it."""
@@ -153,7 +178,7 @@ class CacheEngine:
         entry, put_id, byte_runs = found
         target = FillTarget(
             self._store.pool.array,
-            lambda: self._commit_fill(put_id),
+            lambda: self._commit_fill(put_id, entry),
             lambda: self._abort_fill(put_id),
             lambda: self._closed,
         )
@@ -170,7 +195,9 @@ class CacheEngine:
             handle.write(tensor.detach().cpu().contiguous())
             return handle.commit()
 
-    def _commit_fill(self, put_id: int) -> bool:
+    def _commit_fill(self, put_id: int, entry: Entry) -> bool:
+        if self.settings.warm_restart and entry.crc32 is None:  # for the index; no lock held
+            entry.crc32 = entry.checksum if entry.checksum is not None else self._crc(entry)
         with self._lock:
             done = puts.commit(self._store, put_id, self._clock())
         if done is None:
@@ -179,6 +206,10 @@ class CacheEngine:
         self._tier.prepare(entry)
         self._shared.on_commit(entry.key, owner)
         return True
+
+    def _crc(self, entry: Entry) -> int:
+        """CRC32 of a filled reservation's bytes (its one writer is done with them)."""
+        return entry_crc(self._store.pool, entry)
 
     def _abort_fill(self, put_id: int) -> None:
         with self._lock:
@@ -302,7 +333,8 @@ class CacheEngine:
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key can be served; with a shared tier, local misses ask it too."""
         with self._lock:
-            out = [isinstance(k, str) and self._store.entries.get(k) is not None for k in keys]
+            found = self._store.lookup  # an adopted entry is checked first (restart.py)
+            out = [isinstance(k, str) and found(k) is not None for k in keys]
         return self._shared.exists(keys, out)
 
     def evict(self, keys: Sequence[str]) -> EvictResults:
@@ -381,18 +413,23 @@ class CacheEngine:
         if self._draining:
             raise Draining("daemon is draining")
 
-    def close(self) -> None:
+    def close(self, *, keep_segment: bool = False) -> None:
         """Stop the shared tier, drop every lease and reservation, and remove the
-        shared-memory segment. Idempotent."""
+        shared-memory segment and its index (``keep_segment``: leave both for a warm
+        restart, ``docs/restart.md``). Idempotent."""
         self._shared.close()
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._draining = True
-            self._store.drop_all()
+            index = self._store.index
+            self._store.drop_all()  # lets go of the index first: the holds in it stay
+        keep = keep_segment and index is not None and index.active
+        if index is not None:
+            index.close() if keep else index.remove()
         self._tier.close()
-        self._store.pool.close()
+        self._store.pool.close(unlink=not keep)
 
     def __enter__(self) -> CacheEngine:
         return self

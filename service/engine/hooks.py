@@ -13,7 +13,9 @@ from embcache.service.config import Settings
 from embcache.service.device.copier import CopyObserver
 from embcache.service.device.pool import DevicePool
 from embcache.service.device.tier import DeviceTier
-from embcache.service.host.host_pool import HostPool, unique_host_pool
+from embcache.service.host.host_pool import SHM_DIR, HostPool, unique_host_pool
+from embcache.service.host.pool_index import index_path
+from embcache.service.host.restart import WarmStart, find_stale
 
 log = logging.getLogger("embcache.service.engine")
 
@@ -169,10 +171,19 @@ def build_tier(
         raise
 
 
-def build_host_pool(settings: Settings, uses_cuda: bool) -> HostPool:
+def build_host_pool(settings: Settings, uses_cuda: bool, warm: WarmStart | None = None) -> HostPool:
     """The host pool's shared-memory segment, registered with CUDA when it is used: named
-    ``shm_name`` when one is set, else ``embcache-<port>-<random>`` (``unique_host_pool``)."""
+    ``shm_name`` when one is set, else ``embcache-<port>-<random>`` (``unique_host_pool``).
+    With ``warm``, a stale segment whose index ``warm`` accepts is adopted (without a
+    ``shm_name``: the newest stale one of this port); without, a stale index goes."""
     size, page, mode = settings.host_pool_bytes, settings.page_bytes, int(settings.shm_mode, 8)
-    if settings.shm_name:
-        return HostPool(settings.shm_name, size, page, register_cuda=uses_cuda, mode=mode)
+    name = settings.shm_name
+    if warm is not None and not name:
+        name = find_stale(settings.shm_prefix, SHM_DIR) or ""
+    if name:
+        keep = warm.keep(SHM_DIR / name) if warm is not None else None
+        pool = HostPool(name, size, page, register_cuda=uses_cuda, mode=mode, keep=keep)
+        if keep is None:  # ours now (locked), and cold: an old index would lie
+            index_path(pool.path).unlink(missing_ok=True)
+        return pool
     return unique_host_pool(settings.shm_prefix, size, page, register_cuda=uses_cuda, mode=mode)

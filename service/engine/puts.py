@@ -51,7 +51,7 @@ def reserve(
     Raises QuotaExceeded (``owner`` has more than ``quota`` bytes in open puts) and
     PoolExhausted (no room, or ``max_entries`` reached, even after evicting every unleased
     entry), reserving nothing."""
-    existing = store.entries.get(key)
+    existing = store.lookup(key)  # an adopted entry whose bytes fail their CRC is replaced
     if existing is not None:
         check_same_meta(existing, meta.dtype, meta.shape)
         store.entries.touch(existing)

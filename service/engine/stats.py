@@ -41,6 +41,7 @@ class EngineStats:
     max_entries: int = 0  # READY and FILLING entries together are kept at most this many
     leases_quarantined: int = 0  # holds kept after a forced end (host/quarantine.py)
     quarantined_bytes: int = 0
+    restart: dict[str, int] = field(default_factory=dict)  # what a warm restart adopted
 
     @property
     def hit_rate(self) -> float:
@@ -109,7 +110,25 @@ def engine_stats(host: HostCounts, tier: DeviceTier, *, draining: bool) -> Engin
         max_entries=host.max_entries,
         leases_quarantined=host.quarantined,
         quarantined_bytes=host.quarantined_bytes,
+        restart=restart_counts(c),
     )
+
+
+def restart_counts(c: dict[str, int]) -> dict[str, int]:
+    """What the warm restart at start adopted and dropped (``host/restart.py``), and how
+    many adopted entries are not checked against their CRC32 yet."""
+    adopted = c.get("adopted_entries", 0)
+    return {
+        "adopted_entries": adopted,
+        "adopted_bytes": c.get("adopted_bytes", 0),
+        "unverified_entries": adopted - c.get("adopt_checked", 0),
+        "dropped_checksum_entries": c.get("adopt_dropped_checksum", 0),
+        "dropped_checksum_bytes": c.get("adopt_dropped_checksum_bytes", 0),
+        "dropped_layout_entries": c.get("adopt_dropped_layout", 0),
+        "dropped_layout_bytes": c.get("adopt_dropped_layout_bytes", 0),
+        "dropped_invalid_entries": c.get("adopt_dropped_invalid", 0),
+        "layout_replaced": c.get("adopt_layout_replaced", 0),
+    }
 
 
 def entry_info(

@@ -26,11 +26,13 @@ if TYPE_CHECKING:
 
 
 class EntryState(enum.IntEnum):
-    """FILLING (reserved, invisible), READY (in the key map), FREED (its pages went back)."""
+    """FILLING (reserved, invisible), READY (in the key map), FREED (its pages went back),
+    DROPPED (out of the key map, its pages kept until the holds on them end)."""
 
     FILLING = 1
     READY = 2
     FREED = 3
+    DROPPED = 4
 
 
 @dataclass(slots=True, eq=False)
@@ -51,6 +53,8 @@ class Entry:
     last_access: float = 0.0
     num_pages: int = field(init=False)  # sum of the runs' lengths (runs never change)
     host_cols: np.ndarray | None = field(default=None, repr=False)  # copy_plan.entry_columns
+    crc32: int | None = None  # of the bytes, for the warm-restart index (pool_index.py)
+    unverified: bool = False  # adopted at a warm restart; its crc32 not checked yet
 
     def __post_init__(self) -> None:
         self.num_pages = sum(n for _, n in self.runs)
@@ -102,6 +106,14 @@ class EntryTable:
         if self._lru.pop(entry.key, None) is not None:
             self.evictable_pages -= entry.num_pages
         entry.state = EntryState.FREED
+
+    def forget(self, entry: Entry) -> None:
+        """Take a held (leased) entry out of the key map: it is never served again, and
+        its pages stay until the last hold ends (state DROPPED)."""
+        assert entry.ref_cnt > 0 and entry.key not in self._lru, entry.key
+        del self.by_key[entry.key]
+        self.meta_bytes -= meta_bytes(entry)
+        entry.state = EntryState.DROPPED
 
     def touch(self, entry: Entry) -> None:
         """Mark an unleased entry as just used (a repeated identical put)."""

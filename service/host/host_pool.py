@@ -8,6 +8,10 @@ The same segment serves both tiers of readers: CPU clients on the node map it by
 An exclusive ``flock`` on the segment marks it as owned by a live daemon. A segment left by
 a daemon that died is recognised by a free lock and replaced at start; one whose lock is
 held belongs to a running daemon, and starting a second daemon on it fails.
+
+A warm restart (``docs/restart.md``) passes ``keep``: a stale segment that ``keep`` accepts
+is adopted as it is (its bytes stay; ``adopted`` says so) instead of being replaced, and
+:meth:`HostPool.close` with ``unlink=False`` leaves it for the next daemon.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import re
 import secrets
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +40,12 @@ log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")
 _NAME_TRIES = 8  # fresh random names tried before giving up
 _FRESH_S = 5.0  # a segment younger than this may be a starting daemon's: never removed
+INDEX_SUFFIXES = (".index", ".index.tmp")  # pool_index.py's files beside a segment
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+
+
+# Given an existing segment's stat, None to adopt it, or why it must be replaced.
+KeepSegment = Callable[[os.stat_result], str | None]
 
 
 class PoolInUseError(RuntimeError):
@@ -74,9 +83,11 @@ class HostPool:
         populate: bool = True,
         mode: int = 0o600,
         exclusive: bool = False,
+        keep: KeepSegment | None = None,
     ) -> None:
         """Create the segment ``/dev/shm/<name>`` (``exclusive``: FileExistsError if the name
-        exists; else a stale one of this user that no daemon holds is replaced)."""
+        exists; else a stale one of this user that no daemon holds is replaced, or adopted
+        when ``keep`` accepts it)."""
         if not _NAME_RE.match(name):
             raise ValueError(f"shm name {name!r} must match {_NAME_RE.pattern}")
         assert nbytes > 0 and nbytes % page_bytes == 0, (nbytes, page_bytes)
@@ -87,10 +98,15 @@ class HostPool:
         self.num_pages = nbytes // page_bytes
         self.path = SHM_DIR / name
         self.registered = False
+        self.adopted = False  # the bytes of a stale segment were kept (warm restart)
+        self.replaced_because: str | None = None  # why a stale segment was not adopted
         self._closed = False
         self._mode = mode
+        self._keep = keep
         self._fd = self._create_segment(exclusive)
         try:
+            # An adopted segment's pages exist already: its checksum pass faults them in.
+            populate = populate and not self.adopted
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
             self._mmap = mmap.mmap(self._fd, nbytes, flags=flags)
             self.array: np.ndarray = np.frombuffer(self._mmap, dtype=np.uint8)
@@ -110,6 +126,9 @@ class HostPool:
             if exclusive:
                 raise
             fd = self._reclaim_stale()
+            if self.adopted:
+                os.fchmod(fd, self._mode)
+                return fd  # locked, sized and full of the old daemon's bytes
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.fchmod(fd, self._mode)  # explicit: the umask does not decide who may map it
@@ -139,7 +158,23 @@ class HostPool:
                 f"shared-memory segment {self.name!r} belongs to a running daemon: stop it, "
                 "or give this one another --shm-name (or --grpc-port)"
             ) from None
-        log.warning("replacing stale shared-memory segment %s left by a dead daemon", self.name)
+        if self._keep is not None:
+            st = os.fstat(fd)
+            reason = self._keep(st)
+            if reason is None and st.st_size != self.nbytes:
+                reason = f"its size is {st.st_size} bytes, not {self.nbytes}"
+            if reason is None:
+                self.adopted = True
+                log.info("adopting shared-memory segment %s (warm restart)", self.name)
+                return fd
+            self.replaced_because = reason
+            log.warning(
+                "replacing shared-memory segment %s instead of adopting it: %s",
+                self.name,
+                reason,
+            )
+        else:
+            log.warning("replacing stale shared-memory segment %s left by a dead daemon", self.name)
         os.unlink(self.path)
         os.close(fd)
         return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -151,7 +186,7 @@ class HostPool:
         self._registration = register_host_memory(self.tensor)
         self.registered = True
 
-    def _release_segment(self) -> None:
+    def _release_segment(self, unlink: bool = True) -> None:
         if self.registered:
             torch.cuda.synchronize()  # no copy may still read the pages
             self._registration.unregister()
@@ -165,15 +200,17 @@ class HostPool:
             except BufferError:
                 # Views handed out are still alive; the mapping goes when they do.
                 log.debug("host pool mapping still referenced; leaving it to the GC")
-        self.path.unlink(missing_ok=True)
-        os.close(self._fd)
+        if unlink:
+            self.path.unlink(missing_ok=True)
+        os.close(self._fd)  # the flock goes with it: the next daemon may adopt the segment
 
-    def close(self) -> None:
-        """Unregister, unmap and unlink the segment. Idempotent."""
+    def close(self, *, unlink: bool = True) -> None:
+        """Unregister, unmap and unlink the segment (``unlink=False``: leave it, for a warm
+        restart). Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._release_segment()
+        self._release_segment(unlink)
 
     @property
     def closed(self) -> bool:
@@ -181,6 +218,10 @@ class HostPool:
         return self._closed
 
     # -- access --------------------------------------------------------------------------
+    def fileno(self) -> int:
+        """The segment's file descriptor (it holds the flock)."""
+        return self._fd
+
     def info(self) -> SegmentInfo:
         """What clients need to map the segment (and adapters to reach its bytes)."""
         return SegmentInfo(
@@ -232,6 +273,8 @@ def remove_stale_segments(prefix: str) -> int:
     daemon that died is free); returns how many went."""
     removed = 0
     for path in sorted(SHM_DIR.glob(f"{prefix}-*")):
+        if path.name.endswith(INDEX_SUFFIXES):
+            continue  # a segment's warm-restart index, not a segment (removed with it)
         try:
             st = path.lstat()
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
@@ -249,5 +292,7 @@ def remove_stale_segments(prefix: str) -> int:
             os.close(fd)
         log.warning("removing stale shared-memory segment %s left by a dead daemon", path.name)
         path.unlink(missing_ok=True)
+        for suffix in INDEX_SUFFIXES:
+            path.with_name(path.name + suffix).unlink(missing_ok=True)
         removed += 1
     return removed

@@ -12,75 +12,27 @@ errors; a broken invariant is an ``AssertionError``.
 
 from __future__ import annotations
 
-import enum
 import itertools
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
-import numpy as np
-
-from embcache.errors import EntryLeased, NotFound
 from embcache.service.host.allocator import PageRunAllocator, Run
 from embcache.service.host.entries import Entry, EntryState, EntryTable
+from embcache.service.host.evict import EvictOutcome, EvictResults, raise_for_evict
 from embcache.service.host.host_pool import HostPool
 from embcache.service.host.leases import Lease, LeaseCaps, LeaseTable
+from embcache.service.host.pool_index import PoolIndex
 from embcache.service.host.prealloc import PutPrealloc
 from embcache.service.host.quarantine import Held, ProcessRef, Quarantine
-from embcache.service.host.stats import PoolStats, run_bucket
+from embcache.service.host.stats import run_bucket
+from embcache.service.host.store_views import HostCounts, StoreViews
+from embcache.service.host.verify import entry_crc
 
-PAGE_FREE, PAGE_FILLING, PAGE_READY, PAGE_LEASED = 0, 1, 2, 3
 SHARED_TIER_OWNER = "shared-tier"  # owner of the shared tier's own leases and fills
+__all__ = ["EvictOutcome", "EvictResults", "HostCounts", "HostStore", "raise_for_evict"]
 
 
-class EvictOutcome(enum.Enum):
-    """What an eviction did to one key (leased entries are never forced)."""
-
-    EVICTED = "evicted"
-    NOT_FOUND = "not_found"
-    LEASED = "leased"
-
-
-class EvictResults(list[EvictOutcome]):
-    """The outcome of each key, in key order (a list), and ``freed_bytes``: the pool memory
-    the evictions made free, in whole pages (what an eviction by bytes counts too)."""
-
-    def __init__(self, outcomes: Iterable[EvictOutcome], freed_bytes: int) -> None:
-        super().__init__(outcomes)
-        self.freed_bytes = freed_bytes
-
-
-def raise_for_evict(key: str, outcome: EvictOutcome, *, device: int | None = None) -> None:
-    """The typed error of one key's eviction outcome (none when evicted); ``device``: the
-    eviction was of that device pool's copies only."""
-    if outcome is EvictOutcome.NOT_FOUND and device is not None:
-        raise NotFound("no such entry, or no copy in that device pool", key=key, device=device)
-    if outcome is EvictOutcome.NOT_FOUND:
-        raise NotFound("no such entry", key=key)
-    if outcome is EvictOutcome.LEASED:
-        raise EntryLeased("entry is leased; it is evicted only once released", key=key)
-
-
-@dataclass(frozen=True, slots=True)
-class HostCounts:
-    """The store's counters and sizes at one moment (for the engine's stats)."""
-
-    pool: PoolStats
-    entries_ready: int
-    entries_filling: int
-    reserved_filling_bytes: int
-    metadata_bytes: int
-    max_entries: int
-    leases_active: int
-    lease_owners: int
-    runs_per_entry: dict[str, int]
-    counters: dict[str, int]
-    prealloc_bytes: int
-    quarantined: int = 0  # holds kept after a forced end (quarantine.py)
-    quarantined_bytes: int = 0
-
-
-class HostStore:
+class HostStore(StoreViews):
     """Pages, entries, reservations and leases of the host pool (module docstring).
 
     ``on_evict(entry)`` runs before an entry's pages are freed (the engine drops its device
@@ -116,6 +68,7 @@ class HostStore:
         self.clock = clock
         self.caps = caps
         self.max_entries = max_entries if max_entries is not None else pool.num_pages + 1024
+        self.index: PoolIndex | None = None  # the warm-restart index (restart.py sets it)
 
     # -- pages ---------------------------------------------------------------------------
     def pages_for(self, nbytes: int) -> int:
@@ -191,12 +144,56 @@ class HostStore:
 
     def add_ready(self, entry: Entry, now: float) -> None:
         """A complete entry becomes visible to readers."""
+        self.adopt(entry, now)
+        if self.index is not None and entry.crc32 is not None:
+            self.index.add(entry, entry.crc32)  # its bytes are complete: a restart keeps it
+        self.counters["puts_committed"] += 1
+        self.counters["put_bytes"] += entry.nbytes
+
+    def adopt(self, entry: Entry, now: float) -> None:
+        """Make an entry READY without counting a put (a put's commit, or a warm restart)."""
         entry.state = EntryState.READY
         entry.last_access = now
         self.entries.add_ready(entry)
         self._runs_hist[run_bucket(len(entry.runs))] += 1
-        self.counters["puts_committed"] += 1
-        self.counters["put_bytes"] += entry.nbytes
+
+    def lookup(self, key: str) -> Entry | None:
+        """The READY entry of ``key``; one adopted at a warm restart is checked against its
+        CRC32 first, and a mismatch is dropped (:meth:`drop_corrupt`) and answers None."""
+        entry = self.entries.get(key)
+        if entry is not None and entry.unverified and not self.verify(entry):
+            return None
+        return entry
+
+    def verify(self, entry: Entry) -> bool:
+        """Check an adopted entry's bytes against its CRC32 (dropping it if they differ)."""
+        entry.unverified = False
+        self.counters["adopt_checked"] += 1
+        ok = entry_crc(self.pool, entry) == entry.crc32
+        if not ok:
+            self.drop_corrupt(entry)
+        return ok
+
+    def drop_corrupt(self, entry: Entry) -> None:
+        """An adopted entry whose bytes fail their CRC32: never served; its pages go back
+        now, or once the views still held on them are gone."""
+        if self.index is not None:
+            self.index.delete(entry.key)
+        self._runs_hist[run_bucket(len(entry.runs))] -= 1
+        self.counters["adopt_dropped_checksum"] += 1
+        self.counters["adopt_dropped_checksum_bytes"] += entry.nbytes
+        if entry.ref_cnt:
+            self.entries.forget(entry)
+            return
+        self.entries.remove(entry)
+        self.alloc.free(entry.runs)
+
+    def _release_hold(self, entry: Entry) -> None:
+        """Drop a quarantine hold's reference; the last one frees a DROPPED entry's pages."""
+        self.entries.release(entry)
+        if entry.state is EntryState.DROPPED and not entry.ref_cnt:
+            self.alloc.free(entry.runs)
+            entry.state = EntryState.FREED
 
     def discard(self, entry: Entry) -> None:
         """Free the pages of an entry that never became READY."""
@@ -210,7 +207,7 @@ class HostStore:
         (:meth:`unpin`)."""
         self.expire(now)
         counted = owner != SHARED_TIER_OWNER  # write-through reads are not client hits
-        found = self.entries.get
+        found = self.lookup
         out = [found(key) if isinstance(key, str) else None for key in keys]
         if counted and self.caps is not None:
             self.leases.check_caps(owner, out, self.caps)  # refused: nothing pinned
@@ -234,7 +231,14 @@ class HostStore:
     ) -> list[Lease | None]:
         """One lease per pinned entry (the pin becomes the lease's reference)."""
         add, page = self.leases.add, self.page_bytes
-        return [None if e is None else add(e, owner, expires_at, page) for e in entries]
+        out = [None if e is None else add(e, owner, expires_at, page) for e in entries]
+        process = self.processes.get(owner)
+        if self.index is not None and process is not None:  # views may outlive this daemon
+            with self.index.batch():
+                for lease in out:
+                    if lease is not None:
+                        self.index.hold(lease.lease_id, process, lease.key)
+        return out
 
     def end_lease(self, lease_id: int, owner: str | None = None) -> bool:
         """End one lease and drop its reference; False for an unknown or ended id, or one
@@ -248,6 +252,8 @@ class HostStore:
             return False
         self.leases.pop(lease_id)
         self.entries.release(lease.entry)
+        if self.index is not None:
+            self.index.unhold(lease_id)
         return True
 
     def _end_held(self, lease_id: int, owner: str | None) -> None:
@@ -257,7 +263,9 @@ class HostStore:
         if held is None or (owner is not None and self.processes.get(owner) != held.process):
             return
         self.quarantine.pop(lease_id)
-        self.entries.release(held.entry)
+        self._release_hold(held.entry)
+        if self.index is not None:
+            self.index.unhold(lease_id)
 
     def end_by_force(self, lease: Lease) -> None:
         """End a lease its owner did not release (a TTL, the end of its session, an
@@ -269,6 +277,8 @@ class HostStore:
             return
         nbytes = lease.entry.num_pages * self.page_bytes
         self.quarantine.add(Held(lease.lease_id, lease.entry, process, nbytes))
+        if self.index is not None:  # kept across a restart too, until the process exits
+            self.index.hold(lease.lease_id, process, lease.key)
         self.counters["leases_quarantined"] += 1
 
     def end_owner(self, owner: str) -> int:
@@ -285,13 +295,18 @@ class HostStore:
         """``process`` has exited: end every hold kept for it; returns how many."""
         held = self.quarantine.pop_process(process)
         for h in held:
-            self.entries.release(h.entry)
+            self._release_hold(h.entry)
+            if self.index is not None:
+                self.index.unhold(h.lease_id)
         return len(held)
 
     def release(self, lease_ids: Iterable[int], owner: str | None = None) -> int:
         """End these leases (unknown ids, and with ``owner`` others' ids, skipped); returns
         how many ended."""
-        return sum(self.end_lease(i, owner) for i in lease_ids)
+        if self.index is None:
+            return sum(self.end_lease(i, owner) for i in lease_ids)
+        with self.index.batch():
+            return sum(self.end_lease(i, owner) for i in lease_ids)
 
     def renew(self, lease_ids: Iterable[int], expires_at: float, owner: str | None = None) -> int:
         """Move the expiry of the live ones (with ``owner``: of its own only) to
@@ -345,6 +360,8 @@ class HostStore:
         """Remove an unleased READY entry and free its pages (its device copies first);
         returns the bytes of those pages."""
         self._on_evict(entry)
+        if self.index is not None:
+            self.index.delete(entry.key)  # before the pages can be reused
         self.entries.remove(entry)
         self.alloc.free(entry.runs)
         self._runs_hist[run_bucket(len(entry.runs))] -= 1
@@ -361,68 +378,13 @@ class HostStore:
         return count, freed
 
     def drop_all(self) -> None:
-        """The engine is closing: end every lease and forget every reservation."""
+        """The engine is closing: end every lease and forget every reservation. The index
+        is let go first: the holds in it stay for the next daemon (views may outlive us)."""
+        self.index = None
         for lease_id in self.leases.all_ids():
             self.end_lease(lease_id)
         for held in self.quarantine.clear():
-            self.entries.release(held.entry)
+            self._release_hold(held.entry)
         self.processes.clear()
         self._filling.clear()
         self.inflight.clear()
-
-    # -- views ---------------------------------------------------------------------------
-    def snapshot(self, state: str | None) -> list[Entry]:
-        """The entries now: READY in insertion order, then FILLING (``state`` keeps
-        ``ready`` or ``filling`` only); one copy of the tables (``engine/listing.py``)."""
-        found: list[Entry] = []
-        if state in (None, "ready"):
-            found = list(self.entries.by_key.values())
-        if state in (None, "filling"):
-            found.extend(entry for entry, _ in self._filling.values())
-        return found
-
-    def counts(self) -> HostCounts:
-        """A snapshot for the stats; the prealloc's pages count as free (on loan)."""
-        a, page = self.alloc, self.page_bytes
-        prealloc = self.prealloc.pages  # free capacity on loan to device puts: counted free
-        free_pages = a.num_free_pages + prealloc
-        used_pages = a.num_pages - free_pages
-        pool = PoolStats(
-            "host",
-            a.num_pages * page,
-            used_pages * page,
-            free_pages * page,
-            page,
-            a.num_pages,
-            used_pages,
-            free_pages,
-            a.largest_free_run,  # runs the allocator holds (the prealloc's not among them)
-            a.num_free_runs,
-        )
-        return HostCounts(
-            pool=pool,
-            entries_ready=len(self.entries),
-            entries_filling=len(self._filling),
-            reserved_filling_bytes=sum(e.num_pages for e, _ in self._filling.values()) * page,
-            metadata_bytes=self.entries.meta_bytes,
-            max_entries=self.max_entries,
-            leases_active=len(self.leases),
-            lease_owners=self.leases.owners(),
-            runs_per_entry={k: v for k, v in self._runs_hist.items() if v},
-            counters=dict(self.counters),
-            prealloc_bytes=prealloc * page,
-            quarantined=len(self.quarantine),
-            quarantined_bytes=self.quarantine.nbytes,
-        )
-
-    def page_states(self) -> np.ndarray:
-        """One uint8 per host page: 0 free, 1 filling, 2 ready, 3 leased."""
-        states = np.zeros(self.alloc.num_pages, dtype=np.uint8)
-        for entry, _ in self._filling.values():
-            for start, n in entry.runs:
-                states[start : start + n] = PAGE_FILLING
-        for entry in self.entries.by_key.values():
-            value = PAGE_LEASED if entry.ref_cnt else PAGE_READY
-            for start, n in entry.runs:
-                states[start : start + n] = value
-        return states

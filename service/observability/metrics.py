@@ -133,6 +133,15 @@ class EngineCollector(Collector):
             counter("put_bytes", "Bytes committed by puts."),
             counter("leases_expired", "Leases ended by their TTL."),
             counter("copy_bytes", "Bytes copied, by direction.", ["direction"]),
+            gauge("restart_adopted_entries", "Entries adopted at a warm restart."),
+            gauge("restart_adopted_bytes", "Bytes of the entries adopted at a warm restart."),
+            gauge("restart_unverified_entries", "Adopted entries not checked yet."),
+            gauge(
+                "restart_dropped_entries",
+                "Entries a warm restart dropped, by reason (checksum, layout, invalid).",
+                ["reason"],
+            ),
+            gauge("restart_dropped_bytes", "Bytes a warm restart dropped.", ["reason"]),
         ]
 
     def _fill(self, families: list[Metric], s: Any) -> None:
@@ -173,6 +182,14 @@ class EngineCollector(Collector):
         add("leases_expired", [], s.leases_expired)
         for direction, nbytes in sorted(self._metrics.copied_bytes(s).items()):
             add("copy_bytes", [direction], nbytes)
+        r = s.restart
+        add("restart_adopted_entries", [], r.get("adopted_entries", 0))
+        add("restart_adopted_bytes", [], r.get("adopted_bytes", 0))
+        add("restart_unverified_entries", [], r.get("unverified_entries", 0))
+        for reason in ("checksum", "layout", "invalid"):
+            add("restart_dropped_entries", [reason], r.get(f"dropped_{reason}_entries", 0))
+        for reason in ("checksum", "layout"):
+            add("restart_dropped_bytes", [reason], r.get(f"dropped_{reason}_bytes", 0))
 
 
 class _IpcSource(Protocol):

@@ -21,6 +21,7 @@ KINDS = (
     "deadline_get",
     "sigterm_daemon",
     "sigkill_daemon",
+    "restart_daemon",
 )
 
 

@@ -48,6 +48,31 @@ class PoolStatsModel(_OpenModel):
     )
 
 
+class RestartModel(_Model):
+    """A warm restart's figures: all zero after a cold start."""
+
+    adopted_entries: int = Field(
+        default=0, description="READY entries adopted from the old segment."
+    )
+    adopted_bytes: int = Field(default=0, description="Their bytes.")
+    unverified_entries: int = Field(
+        default=0, description="Adopted entries not yet checked against their CRC32 (checked first "
+        "when read, and by a background pass).",
+    )  # fmt: skip
+    dropped_checksum_entries: int = Field(
+        default=0, description="Adopted entries dropped because their bytes failed their CRC32."
+    )
+    dropped_checksum_bytes: int = Field(default=0, description="Their bytes.")
+    dropped_layout_entries: int = Field(
+        default=0, description="Entries of an old segment replaced because its layout differed."
+    )
+    dropped_layout_bytes: int = Field(default=0, description="Their bytes.")
+    dropped_invalid_entries: int = Field(
+        default=0, description="Index records dropped because their page runs were not valid."
+    )
+    layout_replaced: int = Field(default=0, description="1 when an old segment was replaced.")
+
+
 class StatsResponse(_OpenModel):
     version: str = Field(description="The daemon's version.")
     commit: str = Field(description="The git commit it was built from ('unknown' if not known).")
@@ -88,6 +113,10 @@ class StatsResponse(_OpenModel):
         "the pages through views: their pages stay out of reuse until it exits or drops them.",
     )
     quarantined_bytes: int = Field(0, description="Pages those quarantined leases hold, in bytes.")
+    restart: RestartModel = Field(
+        default_factory=lambda: RestartModel(),
+        description="What this daemon adopted at a warm restart (docs/restart.md).",
+    )
 
 
 class EntrySummary(_Model):
@@ -237,6 +266,9 @@ class PoolMapSummary(_Model):
     hits: int
     misses: int
     evictions: int
+    adopted_entries: int = 0
+    dropped_checksum_entries: int = 0
+    dropped_layout_entries: int = 0
 
 
 class PoolMapHistory(_Model):

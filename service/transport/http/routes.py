@@ -205,6 +205,9 @@ def pool_map(
             hits=stats.hits,
             misses=stats.misses,
             evictions=stats.evictions,
+            adopted_entries=stats.restart.get("adopted_entries", 0),
+            dropped_checksum_entries=stats.restart.get("dropped_checksum_entries", 0),
+            dropped_layout_entries=stats.restart.get("dropped_layout_entries", 0),
         ),
         host=PoolMapTier(
             tier="host",

@@ -41,6 +41,7 @@ class DaemonSpec:
     token: str | None = None
     device: str = "cpu"  # "auto"/"cuda" for GPU runs
     env: dict[str, str] = field(default_factory=dict)  # EMBCACHE_* settings, say
+    warm_restart: bool = False  # on: SIGTERM leaves the segment for the next start
 
     def args(self) -> list[str]:
         args = serve_command(
@@ -56,6 +57,8 @@ class DaemonSpec:
             str(self.drain_grace_s),
             "--device",
             self.device,
+            "--warm-restart",
+            "on" if self.warm_restart else "off",
             *self.extra,
         )
         if self.token:
@@ -188,6 +191,8 @@ def discard(daemon: Daemon) -> None:
     (its segment name and socket path are unique to this run)."""
     reap(daemon.proc)
     daemon.spec_shm_path().unlink(missing_ok=True)
+    for suffix in (".index", ".index.tmp"):  # a warm-restart daemon's index beside it
+        SHM_DIR.joinpath(daemon.spec.shm_name + suffix).unlink(missing_ok=True)
     with contextlib.suppress(OSError):
         if daemon.socket_path.is_socket():
             daemon.socket_path.unlink()

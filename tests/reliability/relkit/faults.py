@@ -17,6 +17,9 @@
 - sigkill_daemon: SIGKILL, restart on the same shm name and socket: clients get
   UNAVAILABLE; the restart replaces the stale segment and serves misses; views of the dead
   daemon's pool keep their bytes.
+- restart_daemon (issue 31): SIGTERM under load (two writers, a reader) with
+  ``--warm-restart on``, then ``serve`` again: every put that returned before the SIGTERM
+  is served by the new daemon with its bytes; nothing corrupt is ever read.
 """
 
 from __future__ import annotations
@@ -153,6 +156,7 @@ class FaultRun:
                 dm.discard(self.d)
         self.sigterm_daemon()
         self.sigkill_daemon()
+        self.restart_daemon()
         return self.figures(final)
 
     def figures(self, final: dict[str, Any]) -> dict[str, Any]:
@@ -528,6 +532,92 @@ class FaultRun:
             out.notes["old_release_error"] = error_name(exc)
         out.notes["stale_segment_found"] = int(stale)
         return d, out
+
+    # -- warm restart under load -------------------------------------------------------------
+    def restart_daemon(self) -> None:
+        for rep in range(self.reps):
+            spec = dm.DaemonSpec(self.tmp / f"warm-{rep}", warm_restart=True, drain_grace_s=2.0)
+            try:
+                self.record("restart_daemon", self._restart_one(spec, rep))
+            finally:
+                for suffix in ("", ".index", ".index.tmp"):
+                    dm.SHM_DIR.joinpath(spec.shm_name + suffix).unlink(missing_ok=True)
+
+    def _restart_one(self, spec: dm.DaemonSpec, rep: int) -> Outcome:
+        out = Outcome(None)
+        d = dm.start(spec)
+        done: list[tuple[str, int]] = []  # (key, seed) of each put that returned
+        bad: list[str] = []
+        stop = threading.Event()
+        threads = [
+            threading.Thread(target=_warm_writer, args=(d.unix, f"warm{rep}w{w}", done, stop))
+            for w in range(2)
+        ] + [threading.Thread(target=_warm_reader, args=(d.unix, done, bad, stop))]
+        try:
+            for t in threads:
+                t.start()
+            time.sleep(1.0 + self.rng.random())
+            returned = list(done)  # SIGTERM comes after these returned
+            stats = d.stats()
+            t0 = time.monotonic()
+            code = dm.stop(d)
+            stop.set()
+            for t in threads:
+                t.join(20)
+            d = dm.start(spec)
+            out.reclaim_s = time.monotonic() - t0
+            restart = d.stats()["restart"]
+            with EmbCacheClient(d.unix, timeout=10) as client:
+                for key, _seed in returned:
+                    with client.get([key]) as (t,):
+                        problem = payload.check(key, t)
+                    del t
+                    if problem is not None:
+                        out.lost += 1
+                        out.problems.append(f"{key}: {problem}")
+        finally:
+            stop.set()
+            dm.reap(d.proc)
+        if code != 0:
+            out.problems.append(f"exit code {code}: {d.log_tail(800)}")
+        if stats["evictions"]:
+            out.problems.append(f"the set-up evicted {stats['evictions']} entries: lower the load")
+        if restart["dropped_checksum_entries"] or bad:
+            out.problems.append(f"corrupt entries: {restart}, read: {bad[:3]}")
+        out.notes = {"adopted": restart["adopted_entries"], "returned_puts": len(returned)}
+        return out
+
+
+WARM_BUDGET = 24 * MiB  # pool pages per writer: two fit the 64 MiB pool, nothing is evicted
+PAGE = 256 * KiB  # the daemon's default page: an entry takes whole pages
+
+
+def _warm_writer(target: str, prefix: str, done: list[tuple[str, int]], stop: Any) -> None:
+    """Put entries until ``stop`` or the daemon goes; record each one that returned."""
+    rng = random.Random(prefix)
+    with contextlib.suppress(EmbCacheError), EmbCacheClient(target, timeout=5) as client:
+        total = i = 0
+        while not stop.is_set() and total < WARM_BUDGET:
+            key, nbytes = f"{prefix}/{i}", 2 * KiB * rng.randint(1, 256)
+            client.put(key, payload.make(key, nbytes, i))
+            done.append((key, i))
+            total += -(-nbytes // PAGE) * PAGE
+            i += 1
+
+
+def _warm_reader(target: str, done: list[tuple[str, int]], bad: list[str], stop: Any) -> None:
+    """Read back random entries that were put until ``stop`` or the daemon goes."""
+    rng = random.Random(1)
+    with contextlib.suppress(EmbCacheError), EmbCacheClient(target, timeout=5) as client:
+        while not stop.is_set():
+            if not done:
+                time.sleep(0.01)
+                continue
+            key, _ = done[rng.randrange(len(done))]
+            with client.get([key]) as (t,):
+                if t is not None and payload.check(key, t) is not None:
+                    bad.append(key)
+            del t
 
 
 def _status_of(call: Callable[[], object]) -> str:

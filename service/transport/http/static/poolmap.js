@@ -202,7 +202,12 @@
       dev.hidden = true;
     }
     setText("entries", fmtInt(s.entries));
-    setText("entries-foot", `${fmtInt(s.filling)} filling · ${fmtInt(s.evictions)} evicted`);
+    const warm = s.adopted_entries || s.dropped_checksum_entries || s.dropped_layout_entries
+      ? ` · restart: ${fmtInt(s.adopted_entries)} adopted, ${fmtInt(s.dropped_checksum_entries)}`
+        + ` dropped by checksum, ${fmtInt(s.dropped_layout_entries)} by layout`
+      : "";
+    setText("entries-foot",
+      `${fmtInt(s.filling)} filling · ${fmtInt(s.evictions)} evicted${warm}`);
     setText("leases", fmtInt(s.leases_active));
     const pinned = (map.host.counts.leased || 0) * map.host.page_bytes;
     setText("evictions", `pin ${fmtBytes(pinned)} of host pages`);

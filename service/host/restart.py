@@ -1,0 +1,256 @@
+"""Warm restart: adopt the READY entries a previous daemon left in its segment.
+
+:class:`WarmStart` is made before the host pool: its :meth:`WarmStart.keep` tells the pool
+whether a stale segment may be adopted (the index beside it has this layout version, page
+size, number of pages and the segment's inode) or must be replaced, and why. Once the host
+store exists, :meth:`WarmStart.attach` adopts what the index holds and opens a fresh index
+(its generation bumped; a torn tail dropped) for the store to keep up to date.
+
+Adoption trusts nothing it cannot check: a record whose runs leave the pool or overlap an
+earlier record's is dropped; every adopted entry is checked against its CRC32 before it is
+first served (``HostStore.lookup``) and by :class:`Verifier`, a background pass at ISA-L
+speed. Leases do not survive, but a hold of a process that still runs (it may read the
+pages through views) keeps its entry's pages out of reuse until that process exits
+(``quarantine.py``; the daemon's reaper frees them).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from embcache.service.host import index_records as rec
+from embcache.service.host.allocator import PageRunAllocator, Run
+from embcache.service.host.entries import Entry, EntryState
+from embcache.service.host.pool_index import PoolIndex, Replayed, index_path, replay
+from embcache.service.host.quarantine import Held, ProcessRef
+from embcache.service.host.store import HostStore
+
+log = logging.getLogger(__name__)
+
+_VERIFY_SLICE = 64 << 20  # bytes checked per hold of the engine lock by the background pass
+
+
+@dataclass(frozen=True, slots=True)
+class Adopted:
+    """What a start adopted and dropped (also in the store's counters, for the stats)."""
+
+    entries: int = 0
+    nbytes: int = 0
+    dropped_invalid: int = 0  # records whose runs left the pool or overlapped another
+    holds: int = 0  # holds kept for processes that still run
+    layout_replaced: bool = False
+    dropped_layout: int = 0  # entries of a segment replaced for its layout (when known)
+    dropped_layout_bytes: int = 0
+
+
+class WarmStart:
+    """One start's warm-restart decisions (module docstring), for a pool of ``nbytes`` in
+    pages of ``page_bytes``."""
+
+    def __init__(self, nbytes: int, page_bytes: int) -> None:
+        self.nbytes = nbytes
+        self.page_bytes = page_bytes
+        self.replayed: Replayed | None = None
+        self.reason: str | None = None  # why the segment was replaced, if it was
+        self._dropped = (0, 0)  # entries, bytes of a replaced segment's index (if readable)
+
+    def keep(self, segment: Path) -> Callable[[os.stat_result], str | None]:
+        """The pool's ``keep``: None to adopt the stale segment at ``segment``, else why not."""
+
+        def check(st: os.stat_result) -> str | None:
+            self.reason = self._check(index_path(segment), st)
+            if self.reason is not None:
+                self.replayed = None
+            return self.reason
+
+        return check
+
+    def _check(self, path: Path, st: os.stat_result) -> str | None:
+        try:
+            found = replay(path)
+        except FileNotFoundError:
+            return "no warm-restart index beside it (a daemon with --warm-restart off?)"
+        except (OSError, rec.IndexFormatError) as exc:
+            return f"its index is unreadable ({exc})"
+        h = found.header
+        if h.version != rec.LAYOUT_VERSION:
+            return f"index layout version {h.version}, this daemon reads {rec.LAYOUT_VERSION}"
+        self._dropped = (len(found.adds), sum(a.nbytes for a in found.adds.values()))
+        if h.page_bytes != self.page_bytes:
+            return f"page size {h.page_bytes}, --page-bytes is {self.page_bytes}"
+        if h.num_pages * h.page_bytes != self.nbytes:
+            return f"pool size {h.num_pages * h.page_bytes}, --host-pool-bytes is {self.nbytes}"
+        if h.inode != st.st_ino:
+            return "its index belongs to another segment (inode differs)"
+        self.replayed = found
+        return None
+
+    def attach(self, store: HostStore, now: float) -> Adopted:
+        """Adopt what the index held (if the pool kept its segment), then give the store a
+        fresh index. Logs one line saying what happened."""
+        pool = store.pool
+        inode = os.fstat(pool.fileno()).st_ino
+        generation = 0
+        if pool.adopted and self.replayed is not None:
+            found = self.replayed
+            adopted = adopt(store, found, now)
+            generation = found.header.generation + 1
+            log.info(
+                "warm restart: adopted %d entries (%d bytes), %d holds of live processes; "
+                "%d records dropped as invalid%s",
+                adopted.entries, adopted.nbytes, adopted.holds, adopted.dropped_invalid,
+                " (a torn tail dropped)" if found.torn else "",
+            )  # fmt: skip
+        else:
+            found = None
+            replaced = pool.replaced_because is not None
+            entries, nbytes = self._dropped if replaced else (0, 0)
+            adopted = Adopted(
+                layout_replaced=replaced, dropped_layout=entries, dropped_layout_bytes=nbytes
+            )
+        counters = store.counters
+        counters["adopted_entries"] += adopted.entries
+        counters["adopted_bytes"] += adopted.nbytes
+        counters["adopt_dropped_invalid"] += adopted.dropped_invalid
+        counters["adopt_dropped_layout"] += adopted.dropped_layout
+        counters["adopt_dropped_layout_bytes"] += adopted.dropped_layout_bytes
+        counters["adopt_layout_replaced"] += adopted.layout_replaced
+        header = rec.Header(rec.LAYOUT_VERSION, pool.page_bytes, pool.num_pages, inode, generation)
+        store.index = PoolIndex.create(index_path(pool.path), header, found)
+        return adopted
+
+
+def adopt(store: HostStore, found: Replayed, now: float) -> Adopted:
+    """Make each valid record of ``found`` a READY entry (unverified: checked before it is
+    served), give the allocator the rest of the pool, and quarantine the holds of processes
+    that still run. Drops from ``found`` what it did not adopt (the new index keeps the rest)."""
+    pages = store.pool.num_pages
+    invalid = _drop_invalid(found, pages, store.page_bytes)
+    used: list[Run] = []
+    entries: dict[str, Entry] = {}
+    for key, a in found.adds.items():
+        used.extend(a.runs)
+        entry = Entry(key, a.dtype, a.shape, a.nbytes, a.runs, EntryState.READY)
+        entry.crc32, entry.unverified = a.crc, True
+        entries[key] = entry
+    store.alloc = PageRunAllocator.with_used(pages, used)
+    for entry in entries.values():
+        store.adopt(entry, now)
+    holds = 0
+    for hold_id, h in list(found.holds.items()):
+        held = entries.get(h.key)
+        process = ProcessRef(h.pid, h.start)
+        if held is None or not process.alive():
+            del found.holds[hold_id]  # nothing to keep: the process is gone
+            continue
+        store.entries.acquire(held)
+        store.quarantine.add(Held(hold_id, held, process, held.num_pages * store.page_bytes))
+        holds += 1
+    nbytes = sum(e.nbytes for e in entries.values())
+    return Adopted(len(entries), nbytes, invalid, holds)
+
+
+def _drop_invalid(found: Replayed, pages: int, page_bytes: int) -> int:
+    """Drop the records whose runs leave the pool, do not hold their bytes, or overlap an
+    earlier record's; returns how many. All runs are checked at once (sorted, with numpy);
+    only when that finds a fault are the records checked one by one, in index order."""
+    runs = [(s, n) for a in found.adds.values() for s, n in a.runs]
+    sizes_ok = all(
+        sum(n for _, n in a.runs) == -(-a.nbytes // page_bytes) for a in found.adds.values()
+    )
+    if runs and sizes_ok:
+        flat = np.array(runs, dtype=np.int64)
+        flat = flat[np.argsort(flat[:, 0], kind="stable")]
+        ends = flat[:, 0] + flat[:, 1]
+        positive = (flat[:, 1] > 0).all() and flat[0, 0] >= 0
+        disjoint = (flat[1:, 0] >= ends[:-1]).all()  # sorted and disjoint: ends increase
+        if positive and disjoint and ends[-1] <= pages:
+            return 0  # the usual case: every record is valid
+    elif sizes_ok:
+        return 0
+    taken = np.zeros(pages, dtype=bool)
+    invalid = 0
+    for key, a in list(found.adds.items()):
+        ok = sum(n for _, n in a.runs) == -(-a.nbytes // page_bytes) and all(
+            n > 0 and s >= 0 and s + n <= pages and not taken[s : s + n].any() for s, n in a.runs
+        )
+        if not ok:
+            invalid += 1
+            del found.adds[key]
+            continue
+        for s, n in a.runs:
+            taken[s : s + n] = True
+    return invalid
+
+
+def find_stale(prefix: str, shm_dir: Path) -> str | None:
+    """The newest ``<prefix>-*`` segment of this user with an index beside it that no live
+    daemon holds (its flock is free): what a daemon without ``--shm-name`` adopts."""
+    best: tuple[float, str] | None = None
+    for path in shm_dir.glob(f"{prefix}-*"):
+        if path.name.endswith((".index", ".tmp")) or not index_path(path).exists():
+            continue
+        try:
+            st = path.lstat()
+            if st.st_uid != os.geteuid():
+                continue
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a running daemon's
+        finally:
+            os.close(fd)
+        if best is None or st.st_mtime > best[0]:
+            best = (st.st_mtime, path.name)
+    return None if best is None else best[1]
+
+
+class Verifier:
+    """The background pass that checks every adopted entry's CRC32 (``store.verify``), a
+    slice of ``_VERIFY_SLICE`` bytes per hold of the engine's ``lock``, until none is left
+    or ``closed()``. Entries served first are checked by ``HostStore.lookup`` instead."""
+
+    def __init__(self, store: HostStore, lock: threading.Lock, closed: Callable[[], bool]) -> None:
+        self._store = store
+        self._lock = lock
+        self._closed = closed
+        self._todo = [e for e in store.entries.by_key.values() if e.unverified]
+        self.thread = threading.Thread(target=self._run, name="embcache-verify", daemon=True)
+
+    @property
+    def pending(self) -> int:
+        """Adopted entries not checked yet (an estimate, read without the lock)."""
+        return sum(e.unverified for e in self._todo)
+
+    def start(self) -> None:
+        """Start the pass (once; nothing to do when nothing was adopted)."""
+        if self._todo and self.thread.ident is None:
+            self.thread.start()
+
+    def _run(self) -> None:
+        todo = self._todo
+        at = 0
+        while at < len(todo):
+            with self._lock:
+                if self._closed():
+                    return
+                done = 0
+                while at < len(todo) and done < _VERIFY_SLICE:
+                    entry = todo[at]
+                    at += 1
+                    if entry.unverified and entry.state is EntryState.READY:
+                        self._store.verify(entry)
+                        done += entry.nbytes
+        dropped = self._store.counters.get("adopt_dropped_checksum", 0)
+        log.info("warm restart: checked %d adopted entries, %d dropped", len(todo), dropped)
