@@ -36,6 +36,8 @@ class AsyncCalls(abc.ABC):
         self.session_id: str | None = None
         self.serves_calls = False
         self.serves_device_puts = False
+        self.serves_host_puts = False  # put / put_batch with the bytes inline
+        self.serves_writable_puts = False  # put_reserve / commit / abort (same uid)
         self.lease_ttl_s = 0.0  # the daemon's default lease lifetime (0: not said)
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[pb.SessionResult]] = {}
@@ -57,6 +59,8 @@ class AsyncCalls(abc.ABC):
         self.session_id = opened.session_id
         self.serves_calls = opened.calls
         self.serves_device_puts = opened.device_puts
+        self.serves_host_puts = opened.host_puts
+        self.serves_writable_puts = opened.writable_puts
         self.lease_ttl_s = opened.lease_ttl_s
         self._reader = asyncio.get_running_loop().create_task(self._drain())
 

@@ -43,6 +43,8 @@ class Session:
         self.session_id: str | None = None
         self.serves_calls = False  # the daemon runs SessionCall (it said so when opening)
         self.serves_device_puts = False  # ... including the device puts
+        self.serves_host_puts = False  # ... and put / put_batch with the bytes inline
+        self.serves_writable_puts = False  # never on a gRPC stream (no peer uid)
         self.lease_ttl_s = 0.0  # the daemon's default lease lifetime (0: not said)
         self.error: BaseException | None = None
         self.alive = True
@@ -81,6 +83,8 @@ class Session:
                     self.session_id = msg.opened.session_id
                     self.serves_calls = msg.opened.calls
                     self.serves_device_puts = msg.opened.device_puts
+                    self.serves_host_puts = msg.opened.host_puts
+                    self.serves_writable_puts = msg.opened.writable_puts
                     self.lease_ttl_s = msg.opened.lease_ttl_s
                     self._opened.set()
         except grpc.RpcError as err:

@@ -66,6 +66,8 @@ class UdsSession:
         self.session_id: str | None = None
         self.serves_calls = False
         self.serves_device_puts = False
+        self.serves_host_puts = False  # put / put_batch with the bytes inline
+        self.serves_writable_puts = False  # put_reserve / commit / abort (same uid)
         self.lease_ttl_s = 0.0  # the daemon's default lease lifetime (0: not said)
         try:
             hello = pb.SessionHello(client_name=name, pid=os.getpid(), auth_token=token or "")
@@ -87,6 +89,8 @@ class UdsSession:
         self.session_id = first.opened.session_id
         self.serves_calls = first.opened.calls
         self.serves_device_puts = first.opened.device_puts
+        self.serves_host_puts = first.opened.host_puts
+        self.serves_writable_puts = first.opened.writable_puts
         self.lease_ttl_s = first.opened.lease_ttl_s
 
     @classmethod
