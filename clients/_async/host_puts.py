@@ -27,9 +27,9 @@ from embcache.clients.core.payload import Payload, payload_of
 from embcache.clients.core.session_calls import SessionLost, serves
 from embcache.clients.device.shm_write import process_writable_maps
 from embcache.errors import PermissionDenied
-from embcache.proto.checksum import crc32
 from embcache.proto.constants import CHUNK_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.proto.framing import InlinePuts
 
 # Entries up to this size travel inline in one session call (and a put_batch carries at most
 # this many bytes): one message holds them with their headers (the limit is 1 MiB + 128 KiB),
@@ -47,9 +47,8 @@ class AsyncHostPuts(AsyncStatelessCalls):
         payload = payload_of(tensor)
         session = await self._open_session()
         if payload.nbytes <= INLINE_PUT_BYTES and serves(session, "put"):
-            request = pb.SessionPut(header=payload.header(key, checksum=checksum))
-            request.data = payload.data.tobytes()
-            reply = await self._session_call("put", request, self._streamed(key, payload, checksum))
+            inline = InlinePuts([(payload.header(key, checksum=checksum), payload.data)], False)
+            reply = await self._session_call("put", inline, self._streamed(key, payload, checksum))
             return bool(reply.created)
         if self._caps.writable_puts and serves(session, "put_reserve"):
             created = await self._put_reserved(key, payload, checksum)
@@ -101,13 +100,13 @@ class AsyncHostPuts(AsyncStatelessCalls):
             await self._one(session, "put_abort", pb.PutAbortRequest(reservation_id=rid))
             return None
         try:
-            pool.write_runs(reserved.runs, payload.data)
+            crc = pool.write_runs(reserved.runs, payload.data, checksum=checksum)
         except BaseException:
             await self._one(session, "put_abort", pb.PutAbortRequest(reservation_id=rid))
             raise
         commit = pb.PutCommitRequest(reservation_id=rid)
-        if checksum:
-            commit.checksum = crc32(payload.data)
+        if crc is not None:
+            commit.checksum = crc
         return bool((await self._one(session, "put_commit", commit)).created)
 
     async def _one(self, session: Any, kind: str, request: Any) -> Any:
@@ -126,7 +125,7 @@ class AsyncHostPuts(AsyncStatelessCalls):
         if not serves(session, "put_batch"):
             return [await self._put_host(k, t, checksum) for k, t in pairs]
         out: list[bool | None] = [None] * len(pairs)
-        batch: list[tuple[int, pb.SessionPut]] = []
+        batch: list[tuple[int, tuple[pb.PutHeader, memoryview]]] = []
         size = 0
         for i, (key, tensor) in enumerate(pairs):
             payload = payload_of(tensor)
@@ -135,9 +134,7 @@ class AsyncHostPuts(AsyncStatelessCalls):
             if batch and (size + payload.nbytes > INLINE_PUT_BYTES or len(batch) >= BATCH_ITEMS):
                 await self._put_batch_call(batch, out)
                 batch, size = [], 0
-            item = pb.SessionPut(header=payload.header(key, checksum=checksum))
-            item.data = payload.data.tobytes()
-            batch.append((i, item))
+            batch.append((i, (payload.header(key, checksum=checksum), payload.data)))
             size += payload.nbytes
         if batch:
             await self._put_batch_call(batch, out)
@@ -147,9 +144,9 @@ class AsyncHostPuts(AsyncStatelessCalls):
         ]
 
     async def _put_batch_call(
-        self, batch: list[tuple[int, pb.SessionPut]], out: list[bool | None]
+        self, batch: list[tuple[int, tuple[pb.PutHeader, memoryview]]], out: list[bool | None]
     ) -> None:
-        request = pb.SessionPutBatch(items=[item for _, item in batch])
+        request = InlinePuts([item for _, item in batch], True)
 
         async def one_by_one(md: Any, to: float) -> pb.PutFromDeviceBatchResponse:
             return pb.PutFromDeviceBatchResponse()  # not served after all: left to put()

@@ -21,6 +21,7 @@ from embcache.clients.core.errors import RpcFailed
 from embcache.clients.core.session_calls import SessionLost, unclaimed_release
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.proto.framing import call_message
 
 
 class AsyncCalls(abc.ABC):
@@ -49,6 +50,10 @@ class AsyncCalls(abc.ABC):
 
     @abc.abstractmethod
     async def _send(self, msg: pb.SessionRequest) -> None: ...
+
+    async def _send_call(self, call_id: int, request: dict[str, Any]) -> None:
+        """Send a call (the session socket frames inline puts by hand: ``framing.py``)."""
+        await self._send(call_message(call_id, request))
 
     @abc.abstractmethod
     def _end_transport(self) -> None:
@@ -98,7 +103,7 @@ class AsyncCalls(abc.ABC):
         fut: asyncio.Future[pb.SessionResult] = asyncio.get_running_loop().create_future()
         self._waiting[call_id] = fut
         try:
-            await self._send(pb.SessionRequest(call=pb.SessionCall(call_id=call_id, **request)))
+            await self._send_call(call_id, request)
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except TimeoutError:
             raise RpcFailed(

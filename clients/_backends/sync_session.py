@@ -23,6 +23,7 @@ from embcache.clients.core.errors import RpcFailed
 from embcache.clients.core.session_calls import SessionLost, unclaimed_release
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.proto.framing import call_message
 
 
 class _Waiter:
@@ -118,7 +119,7 @@ class Session:
             if not self.alive:
                 raise SessionLost("the Session stream has ended")
             self._waiting[call_id] = waiter
-        self._queue.put(pb.SessionRequest(call=pb.SessionCall(call_id=call_id, **request)))
+        self._queue.put(call_message(call_id, request))
         if not waiter.done.wait(timeout):
             with self._waiting_lock:
                 self._waiting.pop(call_id, None)

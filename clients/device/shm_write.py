@@ -23,10 +23,12 @@ from typing import Any
 import numpy as np
 
 from embcache.clients.device.shm import SHM_DIR, open_segment
+from embcache.proto.checksum import crc32
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.locations import boot_id
 
 log = logging.getLogger(__name__)
+PIECE_BYTES = 256 << 10  # copied, then checksummed, while in the CPU's cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,20 +39,27 @@ class WritablePool:
     array: np.ndarray  # uint8 over the mapping
     _mmap: mmap.mmap
 
-    def write_runs(self, runs: Any, data: memoryview) -> None:
+    def write_runs(self, runs: Any, data: memoryview, *, checksum: bool = False) -> int | None:
         """Copy ``data`` into ``runs`` (``ByteRun``s, in order) of the segment: they must
         cover exactly ``data``'s bytes and lie inside the segment (ValueError otherwise,
-        before anything is written)."""
+        before anything is written). With ``checksum``, returns the CRC32 of the bytes,
+        computed piece by piece right after each piece is copied (while it is in cache:
+        one pass over memory fewer than a CRC before the copy)."""
         src = np.frombuffer(data, dtype=np.uint8) if data.nbytes else np.empty(0, np.uint8)
         spans = [(int(r.offset), int(r.length)) for r in runs]
         if sum(n for _, n in spans) != src.size:
             raise ValueError(f"runs cover {sum(n for _, n in spans)} bytes, not {src.size}")
         if any(off < 0 or off + n > self.size for off, n in spans):
             raise ValueError("a reserved run lies outside the segment")
-        pos = 0
+        crc, pos = 0, 0
         for off, n in spans:
-            self.array[off : off + n] = src[pos : pos + n]
+            for at in range(0, n, PIECE_BYTES):
+                end = min(at + PIECE_BYTES, n)
+                self.array[off + at : off + end] = src[pos + at : pos + end]
+                if checksum:
+                    crc = crc32(src[pos + at : pos + end].data, crc)
             pos += n
+        return crc if checksum else None
 
 
 class WritableMaps:
