@@ -29,6 +29,11 @@ from embcache.proto.locations import boot_id
 
 log = logging.getLogger(__name__)
 PIECE_BYTES = 256 << 10  # copied, then checksummed, while in the CPU's cache
+# Linux 5.14+: fault a range in with one system call. This process's first write to a page
+# of the segment is a page fault; a scratch run on the CI machine copied 4 MiB into pages
+# this mapping had not touched in 2.6 ms, 1.3 ms after this madvise, 0.58 ms once mapped
+# (where the madvise itself still costs 0.14-0.29 ms: so only pages not written yet get it).
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +43,9 @@ class WritablePool:
     size: int
     array: np.ndarray  # uint8 over the mapping
     _mmap: mmap.mmap
+    page_bytes: int
+    written: bytearray  # per pool page: 1 once this mapping wrote it (faulted in)
+    populate: list[bool]  # [False] once the kernel refused MADV_POPULATE_WRITE
 
     def write_runs(self, runs: Any, data: memoryview, *, checksum: bool = False) -> int | None:
         """Copy ``data`` into ``runs`` (``ByteRun``s, in order) of the segment: they must
@@ -53,6 +61,7 @@ class WritablePool:
             raise ValueError("a reserved run lies outside the segment")
         crc, pos = 0, 0
         for off, n in spans:
+            self._populate(off, n)
             for at in range(0, n, PIECE_BYTES):
                 end = min(at + PIECE_BYTES, n)
                 self.array[off + at : off + end] = src[pos + at : pos + end]
@@ -60,6 +69,22 @@ class WritablePool:
                     crc = crc32(src[pos + at : pos + end].data, crc)
             pos += n
         return crc if checksum else None
+
+    def _populate(self, offset: int, length: int) -> None:
+        """Fault the pages of a run in before they are first written (a hint)."""
+        if not length:
+            return
+        first, last = offset // self.page_bytes, (offset + length - 1) // self.page_bytes + 1
+        if self.written.find(0, first, last) < 0:
+            return  # every page of it is mapped here already
+        self.written[first:last] = b"\x01" * (last - first)
+        if not self.populate[0]:
+            return
+        start = offset - offset % mmap.PAGESIZE
+        try:
+            self._mmap.madvise(MADV_POPULATE_WRITE, start, offset + length - start)
+        except OSError:  # an older kernel: plain page faults
+            self.populate[0] = False
 
 
 class WritableMaps:
@@ -101,7 +126,9 @@ class WritableMaps:
             return None
         finally:
             os.close(fd)  # the mapping keeps the memory
-        return WritablePool(desc.size, np.frombuffer(mm, dtype=np.uint8), mm)
+        page = max(int(desc.page_bytes), mmap.PAGESIZE)
+        written = bytearray(-(-desc.size // page))
+        return WritablePool(desc.size, np.frombuffer(mm, dtype=np.uint8), mm, page, written, [True])
 
 
 _process_maps = WritableMaps()
