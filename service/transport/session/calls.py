@@ -97,9 +97,14 @@ class SessionCalls:
         self.host_puts = host_puts  # the session's host puts and reservations, if served
 
     def start(self, call: pb.SessionCall) -> None:
-        """Run ``call`` as a task; its result is sent when it finishes."""
+        """Run ``call`` as a task; its result is sent when it finishes. A posted release
+        (call id 0: no result) runs at once instead, without a task: it only updates the
+        lease table, and it rides in front of the client's next call."""
         if self._on_call is not None:
             self._on_call()
+        if call.call_id == 0 and call.WhichOneof("request") == "release":
+            self._posted_release(call.release)
+            return
         task = asyncio.get_running_loop().create_task(self._run(call))
         self._tasks.add(task)
         task.add_done_callback(self._finished)
@@ -178,8 +183,6 @@ class SessionCalls:
             if self._metrics is not None:
                 name = f"Session.{NAMES.get(kind or '', 'Unknown')}"
                 self._metrics.observe_rpc(self._transport, name, code, time.perf_counter() - start)
-        if call.call_id == 0 and kind == "release":
-            return  # posted: nobody waits for its result
         if response.ByteSize() > MAX_MESSAGE_BYTES:  # would end the session: refuse it alone
             self._give_back(result)
             size = response.ByteSize()
@@ -207,6 +210,18 @@ class SessionCalls:
             result.put_abort.CopyFrom(puts.abort(call.put_abort))
         else:
             raise InvalidArgument("unknown put call", kind=kind)
+
+    def _posted_release(self, request: pb.ReleaseRequest) -> None:
+        start = time.perf_counter()
+        code = "OK"
+        try:
+            self._release(request, self.owner)
+        except EmbCacheError as err:  # nobody waits for the answer: logged only
+            code = status_for(err).grpc_code
+            log.info("Session.release (posted) -> %s: %s", code, err.describe())
+        if self._metrics is not None:
+            elapsed = time.perf_counter() - start
+            self._metrics.observe_rpc(self._transport, "Session.Release", code, elapsed)
 
     def _give_back(self, result: pb.SessionResult) -> None:
         """Release the leases a result would have handed out."""
