@@ -18,11 +18,10 @@ from typing import Any, TypeVar, overload
 
 import torch
 
+from embcache.clients._async.host_puts import AsyncHostPuts
 from embcache.clients._async.results import AsyncLeasedTensors
-from embcache.clients._async.stateless_calls import AsyncStatelessCalls
 from embcache.clients._backends.async_io import leased_call
 from embcache.clients.core.errors import RpcFailed
-from embcache.clients.core.payload import payload_of
 from embcache.clients.core.replies import check_ended
 from embcache.clients.core.requests import as_keys, device_get_request, get_request
 from embcache.clients.device import device_replies, exports, into, pools
@@ -34,7 +33,7 @@ from embcache.proto.embcache.v1 import embcache_pb2 as pb
 R = TypeVar("R")
 
 
-class AsyncEmbCacheClient(AsyncStatelessCalls):
+class AsyncEmbCacheClient(AsyncHostPuts):
     """A client of one embcache daemon, for asyncio programs (docs/grpc.md).
 
     Made on the event loop that uses it. ``async with AsyncEmbCacheClient(target) as c:``
@@ -47,7 +46,9 @@ class AsyncEmbCacheClient(AsyncStatelessCalls):
 
         A CUDA tensor is copied by the daemon from this GPU (``PutFromDevice``; no checksum:
         the bytes never pass through this process) when the daemon can open its memory;
-        anything else is streamed in 1 MiB chunks. Puts are idempotent: retried like reads.
+        anything else goes by the cheapest host path the daemon serves (``host_puts.py``:
+        inline on the session, written into reserved pages, or streamed in 1 MiB chunks).
+        Puts are idempotent: retried like reads.
 
         Args:
             key: the entry's key.
@@ -67,21 +68,14 @@ class AsyncEmbCacheClient(AsyncStatelessCalls):
             created = await self._put_from_device(key, tensor)
             if created is not None:
                 return created
-        payload = payload_of(tensor)
-
-        async def send(md: Any, to: float) -> pb.PutResponse:
-            messages = payload.messages(key, checksum=checksum)
-            return await self._put(messages, timeout=to, metadata=md)
-
-        # In the session: the daemon counts the put's in-flight bytes against this client.
-        reply = await self._call(send, session=True)
-        return bool(reply.created)
+        return await self._put_host(key, tensor, checksum)
 
     async def put_many(
         self, items: Mapping[str, Any] | Sequence[tuple[str, Any]], *, checksum: bool = True
     ) -> list[bool]:
         """Store several tensors: the CUDA ones in ``PutFromDeviceBatch`` calls (one wait
-        per call; each call is all or nothing), the rest one by one as :meth:`put` does.
+        per call; each call is all or nothing), small host ones in ``put_batch`` session
+        calls (up to 1 MiB each, all or nothing), the rest one by one as :meth:`put` does.
 
         Args:
             items: a mapping of keys to tensors, or ``(key, tensor)`` pairs.
@@ -103,10 +97,14 @@ class AsyncEmbCacheClient(AsyncStatelessCalls):
                 if reply is None:
                     break
                 batch.returned(reply, out)
-        return [
-            bool(c) if c is not None else await self.put(k, t, checksum=checksum)
-            for (k, t), c in zip(pairs, out, strict=True)
-        ]
+        for i, (k, t) in enumerate(pairs):  # CUDA tensors not batched: one device put each
+            if out[i] is None and self._caps.device_puts and dp.wants_device_put(t):
+                out[i] = await self.put(k, t, checksum=checksum)
+        rest = [i for i, c in enumerate(out) if c is None]
+        stored = await self._put_host_many([pairs[i] for i in rest], checksum)
+        for i, created in zip(rest, stored, strict=True):
+            out[i] = created
+        return [bool(c) for c in out]
 
     async def _put_batch(self, batch: dp.Batch) -> pb.PutFromDeviceBatchResponse | None:
         try:

@@ -186,10 +186,10 @@ class AsyncConnection:
         attempt = 0
         while True:
             session = await self._open_session()
-            if self._views.pending():
-                await self._post_gone(session)
             if not serves(session, kind):
-                return await self._call(rpc, session=True)
+                return await self._call(rpc, session=True)  # releases what is gone first
+            if self._views.pending():
+                await self._post_gone(session)  # rides in front of this call
             try:
                 result = await session.call(self.timeout, **{kind: request})
             except SessionLost:

@@ -40,7 +40,8 @@ connect = functools.partial(channel.connect, aio=True)
 class Pump:
     """A task on the client's loop that runs ``work()`` again after the seconds it returns
     (None: not before the next :meth:`poke`; below 0: never again). Started by the first
-    poke; an error in one round is logged and the next round comes a second later."""
+    poke; an error in one round is logged and the next round comes a second later. A poke
+    wakes the task only when it sleeps without a deadline (``sync_io.Pump`` says why)."""
 
     def __init__(self, work: Callable[[], Awaitable[float | None]], name: str) -> None:
         self._work = work
@@ -48,18 +49,23 @@ class Pump:
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._stopped = False
+        self._pokes = 0  # pokes so far; a round that ends idle runs again if any came
+        self._timed = True  # in a round, or asleep until a deadline: pokes need no wake
 
     def poke(self) -> None:
         """Run a round soon (on the running loop; starts the task the first time)."""
         if self._stopped:
             return
+        self._pokes += 1
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name=self._name)
-        self._wake.set()
+        if not self._timed:
+            self._wake.set()
 
     async def _run(self) -> None:
         while not self._stopped:
             self._wake.clear()
+            seen, self._timed = self._pokes, True
             try:
                 delay = await self._work()
             except Exception:
@@ -68,6 +74,9 @@ class Pump:
             if delay is not None and delay < 0:
                 self._stopped = True
                 return
+            if delay is None and self._pokes != seen:
+                delay = 0.0  # poked during the round: another one
+            self._timed = delay is not None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), delay)
 

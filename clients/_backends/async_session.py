@@ -21,6 +21,7 @@ from embcache.clients.core.errors import RpcFailed
 from embcache.clients.core.session_calls import SessionLost, unclaimed_release
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.proto.framing import call_message
 
 
 class AsyncCalls(abc.ABC):
@@ -36,6 +37,8 @@ class AsyncCalls(abc.ABC):
         self.session_id: str | None = None
         self.serves_calls = False
         self.serves_device_puts = False
+        self.serves_host_puts = False  # put / put_batch with the bytes inline
+        self.serves_writable_puts = False  # put_reserve / commit / abort (same uid)
         self.lease_ttl_s = 0.0  # the daemon's default lease lifetime (0: not said)
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[pb.SessionResult]] = {}
@@ -48,6 +51,10 @@ class AsyncCalls(abc.ABC):
     @abc.abstractmethod
     async def _send(self, msg: pb.SessionRequest) -> None: ...
 
+    async def _send_call(self, call_id: int, request: dict[str, Any]) -> None:
+        """Send a call (the session socket frames inline puts by hand: ``framing.py``)."""
+        await self._send(call_message(call_id, request))
+
     @abc.abstractmethod
     def _end_transport(self) -> None:
         """Cancel the stream or close the socket (which ends the session in the daemon)."""
@@ -57,6 +64,8 @@ class AsyncCalls(abc.ABC):
         self.session_id = opened.session_id
         self.serves_calls = opened.calls
         self.serves_device_puts = opened.device_puts
+        self.serves_host_puts = opened.host_puts
+        self.serves_writable_puts = opened.writable_puts
         self.lease_ttl_s = opened.lease_ttl_s
         self._reader = asyncio.get_running_loop().create_task(self._drain())
 
@@ -94,7 +103,7 @@ class AsyncCalls(abc.ABC):
         fut: asyncio.Future[pb.SessionResult] = asyncio.get_running_loop().create_future()
         self._waiting[call_id] = fut
         try:
-            await self._send(pb.SessionRequest(call=pb.SessionCall(call_id=call_id, **request)))
+            await self._send_call(call_id, request)
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except TimeoutError:
             raise RpcFailed(

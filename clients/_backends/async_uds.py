@@ -2,7 +2,8 @@
 
 The messages of a gRPC Session stream, each after its 4-byte length
 (``embcache.proto.framing``); a task reads the results (``async_session.AsyncCalls``).
-Closing the connection ends the session: the daemon releases its leases.
+Closing the connection ends the session: the daemon releases its leases. A posted release
+rides in front of the next call, in one write (``sync_uds``).
 """
 
 from __future__ import annotations
@@ -10,15 +11,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from typing import Any
 
 from google.protobuf.message import DecodeError
 
 from embcache.clients._backends.async_session import AsyncCalls
 from embcache.clients.core.errors import RpcFailed, from_call_error
+from embcache.clients.core.session_calls import SessionLost
 from embcache.proto.constants import MAX_MESSAGE_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.framing import FRAME_HEADER as HEADER
-from embcache.proto.framing import frame
+from embcache.proto.framing import call_frame, frame
 
 
 class AsyncUdsSession(AsyncCalls):
@@ -31,6 +34,7 @@ class AsyncUdsSession(AsyncCalls):
         super().__init__()
         self._stream = reader
         self._writer = writer
+        self._posted: list[bytes] = []  # frames of posted calls, sent before the next call
 
     @classmethod
     async def open(cls, path: str, token: str | None, name: str, timeout: float) -> AsyncUdsSession:
@@ -61,11 +65,30 @@ class AsyncUdsSession(AsyncCalls):
         except asyncio.IncompleteReadError:
             return None
 
+    async def post(self, **request: Any) -> None:
+        """Queue a release (call id 0: no result) for the next call's write (``sync_uds``)."""
+        if not self.alive:
+            raise SessionLost(f"{self.what} has ended")
+        self._posted.append(frame(pb.SessionRequest(call=pb.SessionCall(call_id=0, **request))))
+
+    async def _send_call(self, call_id: int, request: dict[str, Any]) -> None:
+        await self._send_frame(call_frame(call_id, request))
+
     async def _send(self, msg: pb.SessionRequest) -> None:
-        self._writer.write(frame(msg))
+        await self._send_frame(frame(msg))
+
+    async def _send_frame(self, data: bytes) -> None:
+        if self._posted:
+            data = b"".join((*self._posted, data))
+            self._posted.clear()
+        self._writer.write(data)
         await self._writer.drain()
 
     def _end_transport(self) -> None:
+        if self._posted:  # before the end of the session (a quarantine otherwise)
+            with contextlib.suppress(OSError):
+                self._writer.write(b"".join(self._posted))
+            self._posted.clear()
         self._writer.close()
 
     async def close(self) -> None:

@@ -46,7 +46,12 @@ def leased_call(fn: F) -> F:
 class Pump:
     """A daemon thread that runs ``work()`` again after the seconds it returns (None: not
     before the next :meth:`poke`; below 0: never again). Started by the first poke; an
-    error in one round is logged and the next round comes a second later."""
+    error in one round is logged and the next round comes a second later.
+
+    A poke wakes the thread only when it sleeps without a deadline: while it has a round
+    due (views are held, so rounds come every ``POLL_S`` at most) the poke is left to that
+    round. Waking it on every get cost the caller about 0.3 ms on a 2-core machine (the
+    woken thread takes the GIL and runs its round on the caller's path)."""
 
     def __init__(self, work: Callable[[], float | None], name: str) -> None:
         self._work = work
@@ -55,20 +60,27 @@ class Pump:
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._stopped = False
+        self._pokes = 0  # pokes so far; a round that ends idle runs again if any came
+        self._timed = True  # in a round, or asleep until a deadline: pokes need no wake
 
     def poke(self) -> None:
         """Run a round soon (from any thread; starts the thread the first time)."""
         with self._lock:
             if self._stopped:
                 return
+            self._pokes += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-        self._wake.set()
+            wake = not self._timed
+        if wake:
+            self._wake.set()
 
     def _run(self) -> None:
         while not self._stopped:
             self._wake.clear()
+            with self._lock:
+                seen, self._timed = self._pokes, True
             try:
                 delay = self._work()
             except Exception:
@@ -77,6 +89,10 @@ class Pump:
             if delay is not None and delay < 0:
                 self._stopped = True
                 return
+            with self._lock:
+                if delay is None and self._pokes != seen:
+                    delay = 0.0  # poked during the round: another one
+                self._timed = delay is not None
             if not self._stopped:
                 self._wake.wait(delay)
 

@@ -23,6 +23,7 @@ from embcache.clients.core.errors import RpcFailed
 from embcache.clients.core.session_calls import SessionLost, unclaimed_release
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.proto.framing import call_message
 
 
 class _Waiter:
@@ -43,6 +44,8 @@ class Session:
         self.session_id: str | None = None
         self.serves_calls = False  # the daemon runs SessionCall (it said so when opening)
         self.serves_device_puts = False  # ... including the device puts
+        self.serves_host_puts = False  # ... and put / put_batch with the bytes inline
+        self.serves_writable_puts = False  # never on a gRPC stream (no peer uid)
         self.lease_ttl_s = 0.0  # the daemon's default lease lifetime (0: not said)
         self.error: BaseException | None = None
         self.alive = True
@@ -81,6 +84,8 @@ class Session:
                     self.session_id = msg.opened.session_id
                     self.serves_calls = msg.opened.calls
                     self.serves_device_puts = msg.opened.device_puts
+                    self.serves_host_puts = msg.opened.host_puts
+                    self.serves_writable_puts = msg.opened.writable_puts
                     self.lease_ttl_s = msg.opened.lease_ttl_s
                     self._opened.set()
         except grpc.RpcError as err:
@@ -114,7 +119,7 @@ class Session:
             if not self.alive:
                 raise SessionLost("the Session stream has ended")
             self._waiting[call_id] = waiter
-        self._queue.put(pb.SessionRequest(call=pb.SessionCall(call_id=call_id, **request)))
+        self._queue.put(call_message(call_id, request))
         if not waiter.done.wait(timeout):
             with self._waiting_lock:
                 self._waiting.pop(call_id, None)

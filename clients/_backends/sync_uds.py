@@ -5,7 +5,8 @@ Same calls and results as a gRPC Session stream (``sync_session``), framed by a 
 the socket itself. With several callers in flight, one of them at a time reads; each result
 it reads wakes the caller it belongs to, and the reading passes to whoever still waits, so no
 result waits for a thread hop. Closing the connection ends the session: the daemon releases
-its leases.
+its leases. A posted release is not sent on its own: it rides in front of the next call (one
+write, one wake-up of the daemon), or goes out when the session closes.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from embcache.clients.core.session_calls import SessionLost, unclaimed_release
 from embcache.proto.constants import MAX_MESSAGE_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.framing import FRAME_HEADER as HEADER
-from embcache.proto.framing import frame
+from embcache.proto.framing import call_frame, frame
 
 _TIMEOUT = object()  # _read_one: nothing complete arrived before the deadline
 
@@ -57,6 +58,7 @@ class UdsSession:
         self._poll.register(sock, select.POLLIN)
         self._buf = bytearray()
         self._send_lock = threading.Lock()
+        self._posted: list[bytes] = []  # frames of posted calls, sent before the next call
         self._cond = threading.Condition()
         self._reading = False  # a caller is reading the socket
         self._waiting: dict[int, _Waiter] = {}
@@ -66,6 +68,8 @@ class UdsSession:
         self.session_id: str | None = None
         self.serves_calls = False
         self.serves_device_puts = False
+        self.serves_host_puts = False  # put / put_batch with the bytes inline
+        self.serves_writable_puts = False  # put_reserve / commit / abort (same uid)
         self.lease_ttl_s = 0.0  # the daemon's default lease lifetime (0: not said)
         try:
             hello = pb.SessionHello(client_name=name, pid=os.getpid(), auth_token=token or "")
@@ -87,6 +91,8 @@ class UdsSession:
         self.session_id = first.opened.session_id
         self.serves_calls = first.opened.calls
         self.serves_device_puts = first.opened.device_puts
+        self.serves_host_puts = first.opened.host_puts
+        self.serves_writable_puts = first.opened.writable_puts
         self.lease_ttl_s = first.opened.lease_ttl_s
 
     @classmethod
@@ -106,7 +112,7 @@ class UdsSession:
                 raise SessionLost("the session socket has closed")
             self._waiting[call_id] = waiter
         try:
-            self._send(pb.SessionRequest(call=pb.SessionCall(call_id=call_id, **request)))
+            self._send_frame(call_frame(call_id, request))
         except OSError as err:
             self._lost(err)
         self._wait(waiter, time.monotonic() + timeout)
@@ -120,15 +126,15 @@ class UdsSession:
         raise RpcFailed("deadline exceeded waiting for a session call", "DEADLINE_EXCEEDED")
 
     def post(self, **request: Any) -> None:
-        """Send a call without waiting for its result (a release): whoever reads next drops
-        the result, so post only before a call of one's own. SessionLost if closed."""
+        """Queue a call whose result nobody waits for (a release: call id 0, which the daemon
+        answers with nothing, older daemons with a result the next reader drops). It goes out
+        in one write with the next call, so post only before a call of one's own; a close
+        sends it first. SessionLost if closed."""
         if not self._alive:
             raise SessionLost("the session socket has closed")
-        try:
-            self._send(pb.SessionRequest(call=pb.SessionCall(call_id=0, **request)))
-        except OSError as err:
-            self._lost(err)
-            raise SessionLost("the session socket closed") from err
+        data = frame(pb.SessionRequest(call=pb.SessionCall(call_id=0, **request)))
+        with self._send_lock:
+            self._posted.append(data)
 
     def _wait(self, waiter: _Waiter, deadline: float) -> None:
         """Until ``waiter`` has its result, the socket closes or the deadline passes: wait
@@ -182,8 +188,13 @@ class UdsSession:
 
     # -- the socket ------------------------------------------------------------------------
     def _send(self, msg: pb.SessionRequest) -> None:
-        data = frame(msg)
+        self._send_frame(frame(msg))
+
+    def _send_frame(self, data: bytes) -> None:
         with self._send_lock:
+            if self._posted:  # posted releases first, in the same write
+                data = b"".join((*self._posted, data))
+                self._posted.clear()
             self._sock.sendall(data)
 
     def _read_one(self, deadline: float) -> pb.SessionResponse | object | None:
@@ -234,7 +245,13 @@ class UdsSession:
             self._cond.notify_all()
 
     def close(self) -> None:
-        """End the session (the daemon releases its leases) and close the socket."""
+        """End the session (the daemon releases its leases) and close the socket. Posted
+        releases go first: a lease the daemon saw end with the session while this process
+        lives would stay quarantined until it exits."""
+        with self._send_lock, contextlib.suppress(OSError):
+            if self._posted and self._alive:
+                self._sock.sendall(b"".join(self._posted))
+            self._posted.clear()
         self._lost(None)
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes a caller reading it

@@ -186,10 +186,10 @@ class Connection:
         attempt = 0
         while True:
             session = self._open_session()
-            if self._views.pending():
-                self._post_gone(session)
             if not serves(session, kind):
-                return self._call(rpc, session=True)
+                return self._call(rpc, session=True)  # releases what is gone first
+            if self._views.pending():
+                self._post_gone(session)  # rides in front of this call
             try:
                 result = session.call(self.timeout, **{kind: request})
             except SessionLost:

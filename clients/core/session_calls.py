@@ -26,13 +26,21 @@ class CallCarrier(Protocol):
 
     serves_calls: bool
     serves_device_puts: bool
+    serves_host_puts: bool
+    serves_writable_puts: bool
 
 
 def serves(session: CallCarrier, kind: str) -> bool:
     """Whether the daemon behind ``session`` runs calls of ``kind`` on the stream."""
+    if not session.serves_calls:
+        return False
     if kind in ("put_from_device", "put_from_device_batch"):
-        return session.serves_calls and session.serves_device_puts
-    return session.serves_calls
+        return session.serves_device_puts
+    if kind in ("put", "put_batch"):
+        return getattr(session, "serves_host_puts", False)
+    if kind in ("put_reserve", "put_commit", "put_abort"):
+        return getattr(session, "serves_writable_puts", False)
+    return True
 
 
 def unclaimed_release(result: pb.SessionResult) -> pb.SessionRequest | None:

@@ -97,20 +97,10 @@ class PoolMaps:
         identity = (desc.st_dev, desc.st_ino, desc.size)
         if identity in self._by_identity:  # same segment under a new pool id
             return self._by_identity[identity]
-        if "/" in desc.segment_name or not desc.segment_name:
-            return None
-        path = self._shm_dir / desc.segment_name
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as exc:
-            log.info("host pool %s not mappable here (%s); streaming bytes instead", path, exc)
+        fd = open_segment(self._shm_dir, desc, os.O_RDONLY)
+        if fd is None:
             return None
         try:
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) != (desc.st_dev, desc.st_ino) or st.st_size < desc.size:
-                log.info("%s is not the daemon's segment; streaming bytes instead", path)
-                os.close(fd)
-                return None
             mm = mmap.mmap(fd, desc.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         except BaseException:
             os.close(fd)
@@ -135,6 +125,31 @@ class PoolMaps:
             for pool_id, mapping in list(self._by_pool_id.items()):
                 if mapping is old:
                     del self._by_pool_id[pool_id]
+
+
+def open_segment(shm_dir: Path, desc: pb.HostShmPool, flags: int) -> int | None:
+    """A descriptor of the daemon's segment ``desc`` opened with ``flags`` (``O_RDONLY``, or
+    ``O_RDWR`` for a client the daemon lets fill reserved pages), or None when the file is
+    not there, cannot be opened so, or is not that segment (another device or inode: another
+    machine's or container's ``/dev/shm``). The caller checks the boot id first."""
+    if "/" in desc.segment_name or not desc.segment_name:
+        return None
+    path = shm_dir / desc.segment_name
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        log.info("host pool %s not mappable here (%s)", path, exc)
+        return None
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        return None
+    if (st.st_dev, st.st_ino) != (desc.st_dev, desc.st_ino) or st.st_size < desc.size:
+        log.info("%s is not the daemon's segment", path)
+        os.close(fd)
+        return None
+    return fd
 
 
 def mapped_segment(tensor: torch.Tensor, shm_dir: Path = SHM_DIR) -> str | None:

@@ -174,6 +174,34 @@ class PutHandle:
             for off, length in self._byte_runs:
                 self._crc = crc32(pool[off : off + length].data, self._crc)
 
+    def filled_in_place(self, checksum: int | None) -> None:
+        """Every byte was written into :attr:`byte_runs` by someone else (a client with the
+        daemon's uid, through its writable mapping of the segment: a reserved put of the
+        session socket). Marks them written and, with ``checksum`` (CRC32), computes the
+        pages' CRC32 for :meth:`verify` and :meth:`commit` to check."""
+        with self._lock:
+            if self.done:
+                raise LeaseExpired("put is no longer in progress", key=self.key)
+            if self._target is None:
+                raise InvalidArgument("the entry exists already: nothing to fill")
+            self._checksum = checksum
+            self._crc = 0
+            self.written = self.nbytes
+            self._checksum_pool()
+
+    def verify(self) -> None:
+        """Raise what :meth:`commit` would (too few bytes: InvalidArgument; a bad CRC32:
+        ChecksumMismatch) without committing, so a batch checks every entry before it
+        commits any; the handle stays open for the caller to abort."""
+        if self.written != self.nbytes:
+            raise InvalidArgument(
+                "put ended before all bytes arrived",
+                key=self.key,
+                nbytes=self.nbytes,
+                received=self.written,
+            )
+        self._verify()
+
     def skip_bytes(self) -> None:
         """For a put of an existing identical entry: accept without reading the bytes."""
         with self._lock:

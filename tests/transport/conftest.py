@@ -35,15 +35,14 @@ class CountingMetrics:
 @contextlib.contextmanager
 def temp_server(shm_name: str, **extra: Any) -> Iterator[tuple[CacheEngine, GrpcServerThread]]:
     """An in-process server on a temporary Unix socket, 1 MiB host pool of 64 KiB pages;
-    ``extra`` settings on top."""
+    ``extra`` settings on top (the sizes included)."""
     with tempfile.TemporaryDirectory(prefix="ecc-") as d:
+        sizes = {"host_pool_bytes": 1 * MiB, "page_bytes": 64 * KiB}
         settings = Settings(
             grpc_port=0,
             grpc_socket=Path(d) / "c.sock",
             shm_name=shm_name,
-            host_pool_bytes=1 * MiB,
-            page_bytes=64 * KiB,
-            **extra,
+            **{**sizes, **extra},
         )
         with serving(settings, CountingMetrics()) as pair:
             yield pair

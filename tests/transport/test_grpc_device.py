@@ -585,8 +585,9 @@ def test_client_put_many(dev_server: Server, monkeypatch, use_async: bool) -> No
 
     first, again = put_twice()
     assert first == [True] * 4 and again == [False] * 4
-    assert batches == [2, 1, 2, 1]  # the host tensor was streamed, not batched
-    assert kinds == ["put_from_device_batch"] * 4  # on the session stream, not as RPCs
+    assert batches == [2, 1, 2, 1]  # the host tensor went in a host put_batch
+    # on the session stream, not as RPCs
+    assert kinds == ["put_from_device_batch", "put_from_device_batch", "put_batch"] * 2
     # one event per batch, waited on once per call; both given back and reused next time
     assert len(fake.events) == 4 and len(fake.made_events) == 2
     assert len(fake.event_opens) == 2  # the daemon opened each once (one session)

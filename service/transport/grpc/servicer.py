@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -43,6 +44,7 @@ from embcache.service.transport.idle import idle_limited
 from embcache.service.transport.render import LocationRenderer
 from embcache.service.transport.session.admin import SessionAdmin, StreamDrop, dropped_error
 from embcache.service.transport.session.calls import Send, SessionCalls
+from embcache.service.transport.session.host_puts import SessionPuts, may_write_segment
 from embcache.service.transport.session.open import OpenSession
 from embcache.service.transport.session.registry import PeerCreds, SessionRegistry
 from embcache.service.transport.session.waiters import FifoLock
@@ -358,6 +360,13 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
             transport=transport,
             max_calls=self.settings.max_session_calls,
             quota_owner=record.quota_owner,
+            host_puts=SessionPuts(
+                self.engine,
+                self.host_pool,
+                record.quota_owner,
+                writable=transport == "lane" and may_write_segment(peer, os.geteuid()),
+                idle_s=self.settings.put_idle_timeout_s,
+            ),
         )
         record.in_flight = lambda: calls.in_flight
         opened = pb.SessionOpened(
@@ -366,6 +375,8 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
             daemon_version=_version(),
             calls=True,
             device_puts=True,
+            host_puts=True,
+            writable_puts=calls.host_puts is not None and calls.host_puts.writable,
         )
         return OpenSession(calls, opened, self._end_session, record)
 

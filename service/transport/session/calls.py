@@ -1,5 +1,5 @@
-"""Calls carried on a Session stream (``SessionCall``): Get, Release and the device puts
-(PutFromDevice, PutFromDeviceBatch) without a new RPC.
+"""Calls carried on a Session stream (``SessionCall``): Get, Release, the device puts
+(PutFromDevice, PutFromDeviceBatch) and the host puts (``host_puts.py``) without a new RPC.
 
 A message on an open stream costs about half a unary call in Python gRPC (no new HTTP/2
 stream, headers, deadline or trailers; docs/grpc.md, ``Session`` in "RPCs"), and device
@@ -18,7 +18,8 @@ handler must not skip the drop); everything a call waits on leaves in O(1) when 
 finds the session closed (the Get handlers check) or is cancelled at its next await (they
 release on the way out), so no lease outlives the session. A result larger than a message
 (the Get handlers refuse those first) is answered as ``ReplyTooLarge`` and its leases given
-back, so it never ends the session.
+back, so it never ends the session. A release posted with call id 0 gets no result: its
+caller does not wait for one (``SessionCall.call_id``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from embcache.errors import EmbCacheError, InvalidArgument, ReplyTooLarge
 from embcache.proto.constants import MAX_MESSAGE_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.transport.accounting import RpcMetrics
+from embcache.service.transport.session.host_puts import SessionPuts
 from embcache.service.transport.status import status_for
 
 log = logging.getLogger("embcache.grpc")
@@ -48,6 +50,11 @@ NAMES = {  # a call's name in the metrics, as its RPC's
     "release": "Release",
     "put_from_device": "PutFromDevice",
     "put_from_device_batch": "PutFromDeviceBatch",
+    "put": "Put",
+    "put_batch": "PutBatch",
+    "put_reserve": "PutReserve",
+    "put_commit": "PutCommit",
+    "put_abort": "PutAbort",
 }
 Send = Callable[[pb.SessionResponse], Awaitable[None]]
 
@@ -71,6 +78,7 @@ class SessionCalls:
         transport: str = "grpc",
         max_calls: int = 0,
         quota_owner: str | None = None,
+        host_puts: SessionPuts | None = None,
     ) -> None:
         self.owner = owner
         self.quota_owner = quota_owner or owner
@@ -86,11 +94,17 @@ class SessionCalls:
         self._metrics = metrics
         self._on_call = on_call  # told of each call as it arrives (busy polling)
         self._tasks: set[asyncio.Task[None]] = set()
+        self.host_puts = host_puts  # the session's host puts and reservations, if served
 
     def start(self, call: pb.SessionCall) -> None:
-        """Run ``call`` as a task; its result is sent when it finishes."""
+        """Run ``call`` as a task; its result is sent when it finishes. A posted release
+        (call id 0: no result) runs at once instead, without a task: it only updates the
+        lease table, and it rides in front of the client's next call."""
         if self._on_call is not None:
             self._on_call()
+        if call.call_id == 0 and call.WhichOneof("request") == "release":
+            self._posted_release(call.release)
+            return
         task = asyncio.get_running_loop().create_task(self._run(call))
         self._tasks.add(task)
         task.add_done_callback(self._finished)
@@ -123,9 +137,12 @@ class SessionCalls:
             self.on_room()
 
     def cancel(self) -> None:
-        """Cancel the calls still running (each gives back the leases it took); O(n)."""
+        """Cancel the calls still running (each gives back the leases it took) and abort the
+        session's put reservations (their pages go back); O(n)."""
         for task in list(self._tasks):
             task.cancel()
+        if self.host_puts is not None:
+            self.host_puts.close()
 
     async def _run(self, call: pb.SessionCall) -> None:
         start = time.perf_counter()
@@ -146,6 +163,8 @@ class SessionCalls:
                 request = call.put_from_device_batch
                 batch = await self._put_batch(request, self.owner, self.quota_owner)
                 result.put_from_device_batch.CopyFrom(batch)
+            elif kind is not None and kind.startswith("put") and self.host_puts is not None:
+                await self._host_put(kind, call, result)
             else:
                 raise InvalidArgument(
                     "a session call carries a get, release or device put request", kind=kind
@@ -174,6 +193,35 @@ class SessionCalls:
         except BaseException:
             self._give_back(result)  # nobody will read this result
             raise
+
+    async def _host_put(self, kind: str, call: pb.SessionCall, result: pb.SessionResult) -> None:
+        """A host put call (``host_puts.py``): inline, batch, or a reservation's steps."""
+        puts = self.host_puts
+        assert puts is not None
+        if kind == "put":
+            result.put.CopyFrom(puts.put(call.put))
+        elif kind == "put_batch":
+            result.put_batch.CopyFrom(puts.put_batch(call.put_batch))
+        elif kind == "put_reserve":
+            result.put_reserve.CopyFrom(puts.reserve(call.put_reserve))
+        elif kind == "put_commit":
+            result.put_commit.CopyFrom(await puts.commit(call.put_commit))
+        elif kind == "put_abort":
+            result.put_abort.CopyFrom(puts.abort(call.put_abort))
+        else:
+            raise InvalidArgument("unknown put call", kind=kind)
+
+    def _posted_release(self, request: pb.ReleaseRequest) -> None:
+        start = time.perf_counter()
+        code = "OK"
+        try:
+            self._release(request, self.owner)
+        except EmbCacheError as err:  # nobody waits for the answer: logged only
+            code = status_for(err).grpc_code
+            log.info("Session.release (posted) -> %s: %s", code, err.describe())
+        if self._metrics is not None:
+            elapsed = time.perf_counter() - start
+            self._metrics.observe_rpc(self._transport, "Session.Release", code, elapsed)
 
     def _give_back(self, result: pb.SessionResult) -> None:
         """Release the leases a result would have handed out."""

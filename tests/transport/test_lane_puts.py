@@ -1,0 +1,418 @@
+"""Host puts on the session socket (service/transport/session/host_puts.py,
+clients/_async/host_puts.py): inline puts and batches, reserved pages the client fills
+through a writable mapping, and what each leaves behind when it fails."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from embcache.clients import AsyncEmbCacheClient, EmbCacheClient
+from embcache.clients._async import host_puts
+from embcache.clients.core.targets import uds_path
+from embcache.errors import InvalidArgument, MetadataConflict, QuotaExceeded
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.service.transport.session.host_puts import may_write_segment
+from embcache.service.transport.session.registry import PeerCreds
+
+KiB, MiB = 1 << 10, 1 << 20
+HEADER = struct.Struct("<I")
+
+
+def target(server) -> str:  # type: ignore[no-untyped-def]
+    return f"unix:{server[1].service.socket_path}"
+
+
+def no_fill_left(engine) -> bool:  # type: ignore[no-untyped-def]
+    """Nothing FILLING and every page free (no READY entries in these checks)."""
+    stats = engine.stats()
+    return (
+        stats.entries_filling == 0
+        and stats.reserved_filling_bytes == 0
+        and stats.host.free_pages == stats.host.total_pages
+    )
+
+
+def calls_of(server) -> list[str]:  # type: ignore[no-untyped-def]
+    return [m for t, m, _ in server[1].service.servicer.metrics.by_transport if t == "lane"]
+
+
+# -- a raw session on the socket ---------------------------------------------------------------
+class Raw:
+    """A session on the session socket spoken by hand (frames of SessionRequest)."""
+
+    def __init__(self, server) -> None:  # type: ignore[no-untyped-def]
+        path = uds_path(target(server))
+        assert path is not None
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(10)
+        self.sock.connect(path)
+        self.opened = self._ask(pb.SessionRequest(hello=pb.SessionHello(client_name="raw"))).opened
+        self._id = 0
+
+    def _ask(self, msg: pb.SessionRequest) -> pb.SessionResponse:
+        body = msg.SerializeToString()
+        self.sock.sendall(HEADER.pack(len(body)) + body)
+        head = self._exactly(HEADER.size)
+        return pb.SessionResponse.FromString(self._exactly(HEADER.unpack(head)[0]))
+
+    def _exactly(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            got = self.sock.recv(n - len(data))
+            assert got, "the daemon closed the session"
+            data += got
+        return data
+
+    def call(self, **request: object) -> pb.SessionResult:
+        self._id += 1
+        call = pb.SessionCall(call_id=self._id, **request)  # type: ignore[arg-type]
+        result = self._ask(pb.SessionRequest(call=call)).result
+        assert result.call_id == self._id
+        return result
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def header(key: str, data: bytes, dtype: str = "uint8", crc: bool = True) -> pb.PutHeader:
+    head = pb.PutHeader(key=key, dtype=dtype, shape=[len(data)], nbytes=len(data))
+    if crc:
+        head.checksum = zlib.crc32(data)
+    return head
+
+
+# -- the decision ------------------------------------------------------------------------------
+def test_only_a_peer_with_the_daemons_uid_may_write_the_segment() -> None:
+    assert may_write_segment(PeerCreds(pid=10, uid=1000, gid=1000), 1000)
+    assert not may_write_segment(PeerCreds(pid=10, uid=1001, gid=1000), 1000)
+    assert not may_write_segment(PeerCreds(pid=10, uid=0, gid=0), 1000)  # not even root
+    assert not may_write_segment(None, 1000)  # gRPC: no peer credentials
+
+
+def test_the_daemon_says_what_it_serves(server_factory) -> None:
+    with server_factory() as server:
+        raw = Raw(server)
+        try:
+            assert raw.opened.host_puts and raw.opened.writable_puts  # same uid: this test
+        finally:
+            raw.close()
+
+
+# -- inline puts -------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("numel", [0, 1, 3000, 64 * KiB // 4])
+def test_inline_put_round_trips(server_factory, dtype, numel) -> None:
+    with server_factory() as server, EmbCacheClient(target(server)) as client:
+        engine = server[0]
+        tensor = (torch.arange(numel, dtype=torch.float32) * 0.37 - 5).to(dtype)
+        assert client.put("k", tensor) is True
+        assert client.put("k", tensor) is False  # idempotent
+        with client.get("k") as (got,):
+            assert got is not None and got.dtype == dtype and torch.equal(got, tensor)
+        assert "Session.Put" in calls_of(server)
+        assert ("grpc", "Put", "OK") not in server[1].service.servicer.metrics.by_transport
+        assert engine.stats().entries_filling == 0
+
+
+def test_put_many_goes_in_batches_and_checks_every_byte(server_factory) -> None:
+    with server_factory(host_pool_bytes=4 * MiB) as server, EmbCacheClient(target(server)) as c:
+        items = {f"k{i}": torch.full((16 * KiB,), i, dtype=torch.uint8) for i in range(40)}
+        assert c.put_many(items) == [True] * 40
+        assert c.put_many(items) == [False] * 40
+        for key, tensor in items.items():
+            with c.get(key) as (got,):
+                assert got is not None and torch.equal(got, tensor)
+        batches = calls_of(server).count("Session.PutBatch")
+        assert 2 <= batches <= 4  # 640 KiB a round, packed up to 1 MiB a call
+        assert "Session.Put" not in calls_of(server)
+
+
+def test_bad_inline_puts_leave_nothing(server_factory) -> None:
+    with server_factory() as server:
+        engine = server[0]
+        raw = Raw(server)
+        try:
+            data = bytes(range(256)) * 64
+            bad_crc = header("a", data)
+            bad_crc.checksum ^= 1
+            too_few = header("b", data)
+            too_many = header("c", data)
+            bad_dtype = header("d", data, dtype="complex64")
+            cases = [
+                (bad_crc, data, "ChecksumMismatch"),
+                (too_few, data[:-1], "InvalidArgument"),
+                (too_many, data + b"x", "InvalidArgument"),
+                (bad_dtype, data, "InvalidArgument"),
+                (header("", data), data, "InvalidArgument"),
+            ]
+            for head, payload, error in cases:
+                result = raw.call(put=pb.SessionPut(header=head, data=payload))
+                assert result.error.error_type == error, head
+                assert no_fill_left(engine)
+            # A batch with one bad item stores none of them.
+            good = pb.SessionPut(header=header("g", data), data=data)
+            bad = pb.SessionPut(header=bad_crc, data=data)
+            result = raw.call(put_batch=pb.SessionPutBatch(items=[good, bad]))
+            assert result.error.error_type == "ChecksumMismatch"
+            dup = raw.call(put_batch=pb.SessionPutBatch(items=[good, good]))
+            assert dup.error.error_type == "InvalidArgument"
+            assert no_fill_left(engine) and engine.exists(["g"]) == [False]
+            assert engine.stats().entries_ready == 0
+        finally:
+            raw.close()
+
+
+def test_metadata_conflict_and_quota_apply(server_factory) -> None:
+    quota = 128 * KiB
+    server_of = server_factory(max_inflight_bytes_per_client=quota)
+    with server_of as server, EmbCacheClient(target(server)) as client:
+        client.put("k", torch.zeros(100, dtype=torch.float32))
+        with pytest.raises(MetadataConflict):
+            client.put("k", torch.zeros(100, dtype=torch.float16))
+        big = [(f"q{i}", torch.zeros(64 * KiB, dtype=torch.uint8)) for i in range(3)]
+        with pytest.raises(QuotaExceeded):  # 192 KiB in flight in one batch
+            client.put_many(big)
+        assert no_fill_left_but(server[0], entries=1)
+
+
+def no_fill_left_but(engine, entries: int) -> bool:  # type: ignore[no-untyped-def]
+    stats = engine.stats()
+    return stats.entries_filling == 0 and stats.entries_ready == entries
+
+
+# -- reserved pages ----------------------------------------------------------------------------
+def test_large_put_fills_reserved_pages(server_factory) -> None:
+    with server_factory(host_pool_bytes=8 * MiB) as server, EmbCacheClient(target(server)) as c:
+        tensor = torch.randn(3 * MiB // 4)  # 3 MiB: above the inline bound
+        assert c.put("big", tensor) is True
+        assert c.put("big", tensor) is False
+        with c.get("big") as (got,):
+            assert got is not None and torch.equal(got, tensor)
+        lane = calls_of(server)
+        assert "Session.PutReserve" in lane and "Session.PutCommit" in lane
+        assert ("grpc", "Put", "OK") not in server[1].service.servicer.metrics.by_transport
+        assert server[0].stats().entries_filling == 0
+
+
+def test_reserve_commit_abort_and_bad_crc_on_the_wire(server_factory, wait_until) -> None:
+    with server_factory(host_pool_bytes=4 * MiB) as server:
+        engine = server[0]
+        raw = Raw(server)
+        try:
+            data = np.random.default_rng(1).integers(0, 256, 2 * MiB, dtype=np.uint8).tobytes()
+            reserve = pb.PutReserveRequest(header=header("r", data))
+            reserved = raw.call(put_reserve=reserve).put_reserve
+            assert reserved.reservation_id and reserved.nbytes == len(data)
+            assert engine.stats().entries_filling == 1
+            assert engine.exists(["r"]) == [False]  # FILLING: invisible
+            write(reserved, data)
+            commit = pb.PutCommitRequest(reservation_id=reserved.reservation_id)
+            commit.checksum = zlib.crc32(data) ^ 1
+            refused = raw.call(put_commit=commit)
+            assert refused.error.error_type == "ChecksumMismatch"
+            assert no_fill_left(engine) and engine.exists(["r"]) == [False]
+            again = raw.call(put_commit=commit)  # the reservation is gone
+            assert again.error.error_type == "NotFound"
+            # Abort frees the pages; a good commit makes it READY with the bytes.
+            second = raw.call(put_reserve=reserve).put_reserve
+            abort = pb.PutAbortRequest(reservation_id=second.reservation_id)
+            assert raw.call(put_abort=abort).put_abort.aborted
+            assert not raw.call(put_abort=abort).put_abort.aborted
+            assert no_fill_left(engine)
+            third = raw.call(put_reserve=reserve).put_reserve
+            write(third, data)
+            commit = pb.PutCommitRequest(reservation_id=third.reservation_id)
+            commit.checksum = zlib.crc32(data)
+            assert raw.call(put_commit=commit).put_commit.created
+            lease = engine.get(["r"], "test")[0]
+            assert lease is not None
+            assert engine.tensor(lease).numpy().tobytes() == data
+            engine.release([lease.lease_id], "test")
+            # The key is stored now: a reservation for it writes nothing.
+            assert raw.call(put_reserve=reserve).put_reserve.reservation_id == 0
+            # Session end frees an open reservation.
+            open_one = pb.PutReserveRequest(header=header("s", data[: 300 * KiB]))
+            assert raw.call(put_reserve=open_one).put_reserve.reservation_id
+            assert engine.stats().entries_filling == 1
+        finally:
+            raw.close()
+        assert wait_until(lambda: engine.stats().entries_filling == 0)
+        assert engine.stats().entries_ready == 1
+
+
+def write(reserved: pb.PutReserveResponse, data: bytes) -> None:
+    """Fill the reserved runs through a writable mapping, as the client does."""
+    from embcache.clients.device.shm_write import WritableMaps
+
+    pool = WritableMaps().get(reserved.pool)
+    assert pool is not None
+    pool.write_runs(reserved.runs, memoryview(data))
+
+
+def test_an_idle_reservation_is_aborted(server_factory, wait_until) -> None:
+    with server_factory(put_idle_timeout_s=0.3) as server:
+        raw = Raw(server)
+        try:
+            data = bytes(200 * KiB)
+            rid = raw.call(put_reserve=pb.PutReserveRequest(header=header("i", data)))
+            assert server[0].stats().entries_filling == 1
+            assert wait_until(lambda: no_fill_left(server[0]))
+            commit = pb.PutCommitRequest(reservation_id=rid.put_reserve.reservation_id)
+            assert raw.call(put_commit=commit).error.error_type == "NotFound"
+        finally:
+            raw.close()
+
+
+def test_another_sessions_reservation_cannot_be_committed(server_factory) -> None:
+    with server_factory() as server:
+        one, two = Raw(server), Raw(server)
+        try:
+            data = bytes(100 * KiB)
+            rid = one.call(put_reserve=pb.PutReserveRequest(header=header("o", data)))
+            commit = pb.PutCommitRequest(reservation_id=rid.put_reserve.reservation_id)
+            assert two.call(put_commit=commit).error.error_type == "NotFound"
+            assert one.call(put_commit=commit).put_commit.created
+        finally:
+            one.close()
+            two.close()
+
+
+def test_a_peer_without_write_access_is_refused_and_streams(server_factory, monkeypatch) -> None:
+    from embcache.service.transport.grpc import servicer
+
+    # The daemon decides with the peer's uid; here every peer counts as another user's.
+    monkeypatch.setattr(servicer, "may_write_segment", lambda peer, uid: False)
+    with server_factory(host_pool_bytes=8 * MiB) as server:
+        raw = Raw(server)
+        try:
+            assert raw.opened.host_puts and not raw.opened.writable_puts
+            data = bytes(2 * MiB)
+            refused = raw.call(put_reserve=pb.PutReserveRequest(header=header("x", data)))
+            assert refused.error.error_type == "PermissionDenied"
+            assert no_fill_left(server[0])
+        finally:
+            raw.close()
+        before = calls_of(server).count("Session.PutReserve")
+        with EmbCacheClient(target(server)) as client:
+            tensor = torch.randn(MiB)  # 4 MiB: streamed over gRPC instead
+            assert client.put("x", tensor) is True
+            with client.get("x") as (got,):
+                assert got is not None and torch.equal(got, tensor)
+        assert calls_of(server).count("Session.PutReserve") == before
+        assert ("grpc", "Put", "OK") in server[1].service.servicer.metrics.by_transport
+
+
+def test_a_client_killed_between_reserve_and_commit_leaves_nothing(
+    server_factory, wait_until
+) -> None:
+    with server_factory(host_pool_bytes=4 * MiB) as server:
+        path = uds_path(target(server))
+        child = textwrap.dedent(
+            f"""
+            import socket, struct, sys, time, zlib
+            from embcache.proto.embcache.v1 import embcache_pb2 as pb
+            H = struct.Struct("<I")
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect({path!r})
+            def send(m):
+                b = m.SerializeToString(); s.sendall(H.pack(len(b)) + b)
+            send(pb.SessionRequest(hello=pb.SessionHello(client_name="doomed")))
+            head = pb.PutHeader(key="doomed", dtype="uint8", shape=[{2 * MiB}])
+            req = pb.PutReserveRequest(header=head)
+            send(pb.SessionRequest(call=pb.SessionCall(call_id=1, put_reserve=req)))
+            got = 0
+            while got < 2:  # opened, then the reservation
+                n = H.unpack(s.recv(4, socket.MSG_WAITALL))[0]
+                s.recv(n, socket.MSG_WAITALL)
+                got += 1
+            print("reserved", flush=True)
+            time.sleep(60)
+            """
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-c", child], stdout=subprocess.PIPE, text=True, cwd=os.getcwd()
+        )
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "reserved"
+            assert server[0].stats().entries_filling == 1
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+        assert wait_until(lambda: no_fill_left(server[0]))
+        assert server[0].exists(["doomed"]) == [False]
+
+
+# -- fallbacks and the asyncio client ----------------------------------------------------------
+def test_without_the_session_socket_puts_stream_over_grpc(server_factory) -> None:
+    with server_factory() as server:
+        with EmbCacheClient(target(server), session_lane=False) as client:
+            tensor = torch.arange(5000, dtype=torch.int32)
+            assert client.put("g", tensor) is True  # inline on the gRPC Session stream
+            assert client.put_many({"h": tensor, "i": tensor}) == [True, True]
+            with client.get(["g", "h", "i"]) as got:
+                assert all(t is not None and torch.equal(t, tensor) for t in got)
+        assert not calls_of(server)
+
+
+def test_a_daemon_without_host_puts_gets_streams(server_factory, monkeypatch) -> None:
+    from embcache.clients.core import session_calls
+
+    real = session_calls.serves
+
+    def older(session, kind: str) -> bool:  # type: ignore[no-untyped-def]
+        return False if kind.startswith("put") else real(session, kind)
+
+    monkeypatch.setattr(host_puts, "serves", older)
+    from embcache.clients._sync import host_puts as sync_host_puts
+
+    monkeypatch.setattr(sync_host_puts, "serves", older)
+    with server_factory(host_pool_bytes=4 * MiB) as server, EmbCacheClient(target(server)) as c:
+        assert c.put_many({"a": torch.ones(10), "b": torch.ones(300_000)}) == [True, True]
+        with c.get(["a", "b"]) as (a, b):
+            assert a is not None and torch.equal(a, torch.ones(10))
+            assert b is not None and torch.equal(b, torch.ones(300_000))
+        assert ("grpc", "Put", "OK") in server[1].service.servicer.metrics.by_transport
+        assert not [m for m in calls_of(server) if m.startswith("Session.Put")]
+
+
+def test_asyncio_client_puts_inline_and_reserved(server_factory) -> None:
+    with server_factory(host_pool_bytes=8 * MiB) as server:
+
+        async def main() -> None:
+            async with AsyncEmbCacheClient(target(server)) as client:
+                small, big = torch.arange(1000.0), torch.randn(MiB)
+                assert await client.put("s", small) is True
+                assert await client.put("b", big) is True
+                assert await client.put_many({"s": small, "t": small}) == [False, True]
+                leased = await client.get(["s", "b", "t"])
+                s, b, t = leased
+                assert s is not None and torch.equal(s, small)
+                assert b is not None and torch.equal(b, big)
+                assert t is not None and torch.equal(t, small)
+                del s, b, t
+                await leased.release()
+                del leased  # it holds the views: the session ends once they are gone
+                with pytest.raises(InvalidArgument):
+                    await client.put("", small)
+
+        asyncio.run(main())
+        lane = calls_of(server)
+        assert {"Session.Put", "Session.PutBatch", "Session.PutReserve"} <= set(lane)
