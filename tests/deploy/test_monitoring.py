@@ -76,6 +76,7 @@ def exported(live_daemon: dict[str, Any]) -> Iterator[dict[str, Any]]:
         assert client.put("deploy/emb-0", emb) is True
         with client.get(["deploy/emb-0", "deploy/missing"]) as (hit, miss):
             assert hit is not None and torch.equal(hit, emb) and miss is None
+        assert client.exists(["deploy/emb-0"]) == [True]  # a gRPC call (the rest rode the lane)
     base = f"http://127.0.0.1:{live_daemon['http_port']}"
     auth = {"Authorization": f"Bearer {live_daemon['token']}"}
     with httpx.Client(base_url=base, timeout=30, headers=auth) as http:
@@ -113,7 +114,7 @@ def test_metrics_are_live_and_histograms_have_samples(exported: dict[str, Any]) 
     assert {"embcache_build_info", "process_resident_memory_bytes"} <= names
     rpc = exported["families"]["embcache_rpc_duration_seconds"]
     transports = {s.labels.get("transport") for s in rpc.samples if s.name.endswith("_count")}
-    assert {"grpc", "lane", "http"} <= transports  # the client's get went over the session lane
+    assert {"grpc", "lane", "http"} <= transports  # put and get on the lane, exists on gRPC
     hits = exported["families"]["embcache_hits"]
     assert [s.value for s in hits.samples if s.name == "embcache_hits_total"] == [1.0]
     # the gRPC server exports its IPC cache: nothing mapped by a CPU daemon
