@@ -204,8 +204,16 @@ class AsyncEmbCacheClient(AsyncHostPuts):
             decoded.lease_ids = []
             decoded.anchors = []
         views, anchors = self._hold_views(decoded, ttl_s, taken_at)
+        # Copies made before the leases could have ended (the client's estimate runs from
+        # before the call was sent) need no count from the daemon at release.
+        fresh = time.monotonic() < taken_at + self._lease_lifetime(ttl_s)
         leased = AsyncLeasedTensors(
-            decoded.tensors, decoded.lease_ids, self.release, views, anchors
+            decoded.tensors,
+            decoded.lease_ids,
+            self.release,
+            views,
+            anchors,
+            post=self._release_later if fresh else None,
         )
         del decoded, anchors  # the leased tensors hold the views now: nothing else may
         return await self._placed(leased, device)

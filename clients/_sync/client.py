@@ -206,7 +206,17 @@ class EmbCacheClient(HostPuts):
             decoded.lease_ids = []
             decoded.anchors = []
         views, anchors = self._hold_views(decoded, ttl_s, taken_at)
-        leased = LeasedTensors(decoded.tensors, decoded.lease_ids, self.release, views, anchors)
+        # Copies made before the leases could have ended (the client's estimate runs from
+        # before the call was sent) need no count from the daemon at release.
+        fresh = time.monotonic() < taken_at + self._lease_lifetime(ttl_s)
+        leased = LeasedTensors(
+            decoded.tensors,
+            decoded.lease_ids,
+            self.release,
+            views,
+            anchors,
+            post=self._release_later if fresh else None,
+        )
         del decoded, anchors  # the leased tensors hold the views now: nothing else may
         return self._placed(leased, device)
 

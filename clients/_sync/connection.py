@@ -51,6 +51,9 @@ T = TypeVar("T")
 log = logging.getLogger("embcache.client")
 
 
+LINGER_S = 1.0  # how long the pump looks again for releases queued without a wake
+
+
 class Connection:
     """The channel, session and retries of a client, and what it learned of its daemon."""
 
@@ -275,6 +278,20 @@ class Connection:
         self._channel.close()
 
     # -- leases of views (core/views.py) ---------------------------------------------------
+    def _lease_lifetime(self, ttl_s: float | None) -> float:
+        """How long a lease taken now lives (what was asked, or the session's default)."""
+        session = self._session
+        return ttl_s or (session.lease_ttl_s if session is not None else 0.0) or 1.0
+
+    def _release_later(self, lease_ids: list[int]) -> None:
+        """Release these with the next call, or from the pump (``ViewLeases.release_later``):
+        the pump is poked only for the first of a run of them (``_tend_views`` then keeps
+        looking every ``LINGER_S`` while more come), so a get does not wake it each time."""
+        idle = not self._views.pending()
+        self._views.release_later(lease_ids)
+        if idle:
+            self._pump.poke()
+
     def _hold_views(
         self, decoded: Decoded, ttl_s: float | None, taken_at: float, device: Any = None
     ) -> tuple[ViewLeases, list[Any]]:
@@ -282,7 +299,7 @@ class Connection:
         end once their block has ended and their views are gone. Returns the table and the
         anchors, for the leased tensors to hold until their block ends."""
         session = self._session
-        lifetime = ttl_s or (session.lease_ttl_s if session is not None else 0.0) or 1.0
+        lifetime = self._lease_lifetime(ttl_s)
         anchors = []
         for lease_id, anchor in zip(decoded.lease_ids, decoded.anchors, strict=True):
             if anchor is not None:
@@ -303,24 +320,32 @@ class Connection:
     def _tend_views(self) -> float | None:
         """One round of the pump: release the leases whose views are gone, renew the others
         before their TTL; returns the seconds until the next round (None: nothing held)."""
-        self._release_gone()
+        released = self._release_gone()
         if self._closed and not len(self._views):  # close() waited for the last view
             self._shut()
             return -1.0  # the pump ends
         for ttl_s, ids in self._views.due():
             self._renew_views(ids, ttl_s)
-        return self._views.next_round()
+        later = self._views.next_round()
+        if later is None and released:
+            # Releases came in (copies' leases, which _release_later queues without a
+            # wake): look again in a second instead of sleeping until the next poke, so
+            # a client that stops calling still ends them, and one that keeps getting
+            # costs one wake a second rather than one a get.
+            later = LINGER_S
+        return later
 
-    def _release_gone(self) -> None:
+    def _release_gone(self) -> int:
         """Release the leases whose block ended and whose views are gone (after the device
-        work of device views: what was queued on them before they went)."""
+        work of device views: what was queued on them before they went); how many."""
         ready = self._views.take_releasable()
         if not ready:
-            return
+            return 0
         devices = {device for _, device in ready if device is not None}
         if devices:
             run_blocking(sync_devices, devices)
         self._release_quietly([lease_id for lease_id, _ in ready])
+        return len(ready)
 
     def _post_gone(self, session: Any) -> None:
         """Before a call on ``session``: release what is gone without waiting for the

@@ -110,6 +110,12 @@ class ViewLeases:
                 if held is not None:
                     held.finalizer.detach()
 
+    def release_later(self, lease_ids: Sequence[int]) -> None:
+        """Queue leases nothing reads any more (copies made while they surely lived) to be
+        released with the next call or by the pump, like those of views that are gone."""
+        with self._lock:
+            self._ready.extend((lease_id, None) for lease_id in lease_ids)
+
     def take_releasable(self, *, devices: bool = True) -> list[tuple[int, Any]]:
         """The leases to release now, as ``(id, device)``: their anchors are gone.
         ``devices=False`` leaves those of device views (whose device work must be waited
