@@ -18,6 +18,7 @@ from embcache.clients.device.shm import PoolMapping, PoolMaps
 from embcache.proto.dtypes import torch_dtype
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
+
 @dataclass(slots=True)
 class Decoded:
     tensors: list[torch.Tensor | None]
