@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine: the vLLM integration GPU test and bench/vllm_connector.py, with vLLM
 # carried as pure Python (scripts/carry_vllm.sh builds .whl/engines/). Output under $OUT.
+# .whl/ and .whl/engines/ together pass the device tool's 64 MiB carry: run gpu_suite.sh
+# first (it installs .whl/*.whl into /tmp/embcache-site, which this script reuses), then,
+# on the still-warm machine, this script carrying .whl/engines alone.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/bench/results}"
