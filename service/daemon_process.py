@@ -36,8 +36,9 @@ def _die_with_parent() -> Any:
 
 
 def serve_command(*flags: str) -> list[str]:
-    """``embcache serve`` from this interpreter on ephemeral ports, plus ``flags``
-    (a flag given again in ``flags`` overrides the default here)."""
+    """``embcache serve`` from this interpreter on ephemeral ports, without warm restart
+    (a test's segment name is used once: SIGTERM removes it), plus ``flags`` (a flag given
+    again in ``flags`` overrides the default here)."""
     return [
         sys.executable,
         "-m",
@@ -49,6 +50,8 @@ def serve_command(*flags: str) -> list[str]:
         "0",
         "--log-level",
         "warning",
+        "--warm-restart",
+        "off",
         *flags,
     ]
 

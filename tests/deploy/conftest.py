@@ -154,7 +154,7 @@ def live_daemon() -> Iterator[dict[str, Any]]:
         yield {**ready, "token": token}
     finally:
         if proc.poll() is None:
-            proc.terminate()  # the daemon drains and unlinks its segment
+            proc.terminate()  # the daemon drains (and, warm, keeps its segment)
             try:
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
@@ -162,3 +162,5 @@ def live_daemon() -> Iterator[dict[str, Any]]:
                 proc.wait(timeout=5)
         proc.stdout.close()
         shutil.rmtree(socket_dir, ignore_errors=True)
+        for leftover in (shm, f"{shm}.index"):  # warm restart (as deployed) keeps them
+            Path("/dev/shm", leftover).unlink(missing_ok=True)
