@@ -27,6 +27,7 @@ Prints the environment, the table and the targets; writes ``peers_<gpu or cpu>.j
 
 from __future__ import annotations
 
+import abc
 import argparse
 import contextlib
 import functools
@@ -127,20 +128,20 @@ def same(value: Any, expected: np.ndarray) -> bool:
 Finish = Callable[[], object] | None
 
 
-class Side:
+class Side(abc.ABC):
     """One store in one process: ``put`` and ``get`` one key or a batch, ``drop`` them."""
 
-    def put(self, keys: list[str], values: list[Any]) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def put(self, keys: list[str], values: list[Any]) -> None: ...
 
+    @abc.abstractmethod
     def get(self, keys: list[str]) -> tuple[list[Any], Finish]:
         """The values, and what ends the read (timed too), or None."""
-        raise NotImplementedError
 
-    def drop(self, keys: list[str]) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def drop(self, keys: list[str]) -> None: ...
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a hook: most stores hold nothing to close)
         pass
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx
 import torch
+from _common import git_commit
 
 from embcache.clients import EmbCacheClient
 from embcache.service.daemon_process import read_line, serve_command, stop
@@ -39,21 +40,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 GiB, MiB = 1 << 30, 1 << 20
 ENTRY = 4 * MiB
 PAGES_64G = 64 * GiB // (256 << 10)
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-            cwd=Path(__file__).parent,
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def _start(flags: list[str]) -> tuple[subprocess.Popen[str], dict[str, Any], float]:
@@ -231,7 +217,7 @@ def main() -> None:
     adopt = adoption_per_entry(args.adopt_entries)
     ext = extrapolate(rows, adopt)
     print(
-        f"commit {_commit()} | {platform.processor() or platform.machine()} | "
+        f"commit {git_commit()} | {platform.processor() or platform.machine()} | "
         f"{os.cpu_count()} CPUs | python {sys.version.split()[0]}"
     )
     print(
@@ -259,7 +245,7 @@ def main() -> None:
     )
     RESULTS.mkdir(exist_ok=True)
     out = {
-        "commit": _commit(),
+        "commit": git_commit(),
         "cpus": os.cpu_count(),
         "rows": rows,
         "adoption": adopt,

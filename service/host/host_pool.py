@@ -268,6 +268,27 @@ def unique_host_pool(prefix: str, nbytes: int, page_bytes: int, **options: Any) 
     raise PoolInUseError(f"no free shared-memory name with prefix {prefix!r}; try again")
 
 
+def unheld_segment(path: Path, min_age_s: float = 0.0) -> os.stat_result | None:
+    """``path``'s stat when it is a regular file of this user, at least ``min_age_s`` old,
+    that no live daemon holds (a daemon that died left its flock free); None otherwise."""
+    try:
+        st = path.lstat()
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return None
+        if time.time() - st.st_ctime < min_age_s:
+            return None
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return None  # a running daemon's
+    finally:
+        os.close(fd)
+    return st
+
+
 def remove_stale_segments(prefix: str) -> int:
     """Remove ``<prefix>-*`` segments of this user that no live daemon holds (the flock of a
     daemon that died is free); returns how many went."""
@@ -275,21 +296,9 @@ def remove_stale_segments(prefix: str) -> int:
     for path in sorted(SHM_DIR.glob(f"{prefix}-*")):
         if path.name.endswith(INDEX_SUFFIXES):
             continue  # a segment's warm-restart index, not a segment (removed with it)
-        try:
-            st = path.lstat()
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                continue
-            if time.time() - st.st_ctime < _FRESH_S:
-                continue  # maybe a daemon that is starting: not locked yet
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-        except OSError:
+        # One younger than _FRESH_S may be a starting daemon's, not locked yet.
+        if unheld_segment(path, min_age_s=_FRESH_S) is None:
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # a running daemon's
-        finally:
-            os.close(fd)
         log.warning("removing stale shared-memory segment %s left by a dead daemon", path.name)
         path.unlink(missing_ok=True)
         for suffix in INDEX_SUFFIXES:

@@ -16,7 +16,6 @@ pages through views) keeps its entry's pages out of reuse until that process exi
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import threading
@@ -29,6 +28,7 @@ import numpy as np
 from embcache.service.host import index_records as rec
 from embcache.service.host.allocator import PageRunAllocator, Run
 from embcache.service.host.entries import Entry, EntryState
+from embcache.service.host.host_pool import INDEX_SUFFIXES, unheld_segment
 from embcache.service.host.pool_index import PoolIndex, Replayed, index_path, replay
 from embcache.service.host.quarantine import Held, ProcessRef
 from embcache.service.host.store import HostStore
@@ -196,21 +196,10 @@ def find_stale(prefix: str, shm_dir: Path) -> str | None:
     daemon holds (its flock is free): what a daemon without ``--shm-name`` adopts."""
     best: tuple[float, str] | None = None
     for path in shm_dir.glob(f"{prefix}-*"):
-        if path.name.endswith((".index", ".tmp")) or not index_path(path).exists():
+        if path.name.endswith(INDEX_SUFFIXES) or not index_path(path).exists():
             continue
-        try:
-            st = path.lstat()
-            if st.st_uid != os.geteuid():
-                continue
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
+        if (st := unheld_segment(path)) is None:
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # a running daemon's
-        finally:
-            os.close(fd)
         if best is None or st.st_mtime > best[0]:
             best = (st.st_mtime, path.name)
     return None if best is None else best[1]
