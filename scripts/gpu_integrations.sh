@@ -27,7 +27,9 @@ mkdir -p "$pp/bin"
 printf '#!/bin/sh\nexec python3 -m embcache.service.cli "$@"\n' >"$pp/bin/embcache"
 chmod +x "$pp/bin/embcache"
 export PYTHONPATH="$pp:/tmp/embcache-site:$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$pp/bin:$PATH"
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 VLLM_TARGET_DEVICE=cuda
+# vLLM's CUDA platform needs its compiled extensions (flash attention) to inspect a model:
+# its classes run under its CPU platform here, while the connector's tensors are CUDA.
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 VLLM_TARGET_DEVICE=cpu
 status=0
 python3 -m pytest -m gpu -p no:cacheprovider -q -s tests/gpu/test_integrations_gpu.py \
     2>&1 | tee "$OUT/integrations_gpu.log" || status=1
