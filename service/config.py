@@ -174,6 +174,18 @@ class Settings(BaseSettings):
         "costs a fraction of gRPC's; docs/grpc.md). Same permissions and token as the gRPC "
         "socket.",
     )
+    tcp_lane: bool = Field(
+        True,
+        description="Also serve the session socket's framing on TCP, at grpc_host and "
+        "tcp_lane_port, for clients that reach gRPC over TCP; get_bytes sends its bytes raw "
+        "there (docs/grpc.md, 'The session socket on TCP'). Off with TLS, which it does not "
+        "speak; with an auth_token the hello must carry it.",
+    )
+    tcp_lane_port: int = Field(
+        0, ge=0, le=65535,
+        description="TCP port of the session socket on TCP (0 = pick a free one; clients "
+        "learn it from the Lanes RPC).",
+    )  # fmt: skip
     http_host: str = Field("127.0.0.1", description="HTTP bind address.")
     http_port: int = Field(7471, ge=0, le=65535, description="HTTP port (0 = pick a free one).")
     auth_token: str | None = Field(

@@ -141,7 +141,7 @@ class Daemon:
                 await asyncio.sleep(0.01)
             if grpc_service.socket_path:
                 os.chmod(grpc_service.socket_path, int(s.socket_mode, 8))
-            if grpc_service.uds is not None:
+            if grpc_service.uds is not None and grpc_service.uds.path is not None:
                 os.chmod(grpc_service.uds.path, int(s.socket_mode, 8))
             self._announce(grpc_service, http_sock.getsockname()[1], engine)
             _sd_notify("READY=1")
@@ -188,11 +188,13 @@ class Daemon:
         ports = list(getattr(grpc_service, "ports", []) or [])
         pipe = mps.control_pipe()
         segment, pools = engine.host_segment(), engine.device.pools
+        lanes = getattr(grpc_service, "uds", None)
         ready = {
             "event": "ready",
             "grpc_port": ports[0] if ports else None,
             "grpc_socket": str(grpc_service.socket_path) if grpc_service.socket_path else None,
-            "session_lane": str(grpc_service.uds.path) if grpc_service.uds else None,
+            "session_lane": str(lanes.path) if lanes is not None and lanes.path else None,
+            "tcp_lane_port": grpc_service.servicer.tcp_lane_port or None,
             "http_port": http_port,
             "shm_name": segment.name,
             "cuda": segment.registered,

@@ -39,9 +39,11 @@ class AsyncCalls(abc.ABC):
         self.serves_device_puts = False
         self.serves_host_puts = False  # put / put_batch with the bytes inline
         self.serves_writable_puts = False  # put_reserve / commit / abort (same uid)
+        self.serves_bytes_out = False  # get_bytes, its bytes raw after the result (sockets)
         self.lease_ttl_s = 0.0  # the daemon's default lease lifetime (0: not said)
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[pb.SessionResult]] = {}
+        self._payloads: dict[int, bytearray] = {}  # call id -> raw bytes after its result
         self._reader: asyncio.Task[None] | None = None
 
     @abc.abstractmethod
@@ -66,6 +68,7 @@ class AsyncCalls(abc.ABC):
         self.serves_device_puts = opened.device_puts
         self.serves_host_puts = opened.host_puts
         self.serves_writable_puts = opened.writable_puts
+        self.serves_bytes_out = opened.bytes_out
         self.lease_ttl_s = opened.lease_ttl_s
         self._reader = asyncio.get_running_loop().create_task(self._drain())
 
@@ -89,7 +92,9 @@ class AsyncCalls(abc.ABC):
         fut = self._waiting.pop(result.call_id, None)
         if fut is not None and not fut.done():
             fut.set_result(result)
-        elif (release := unclaimed_release(result)) is not None:  # its caller gave up
+            return
+        self._payloads.pop(result.call_id, None)  # nobody waits for it
+        if (release := unclaimed_release(result)) is not None:  # its caller gave up
             with contextlib.suppress(*self.transport_errors):  # gone: so are the leases
                 await self._send(release)
 
@@ -97,6 +102,12 @@ class AsyncCalls(abc.ABC):
         """Send a call (``get=``, ``release=``, ``put_from_device=``...) and wait for its
         result. RpcFailed(DEADLINE_EXCEEDED) after ``timeout``; SessionLost if the session
         ends first."""
+        return (await self.call_with_payload(timeout, **request))[0]
+
+    async def call_with_payload(
+        self, timeout: float, **request: Any
+    ) -> tuple[pb.SessionResult, bytearray | None]:
+        """:meth:`call`, and the raw bytes that followed its result (a get_bytes'), if any."""
         if not self.alive:
             raise SessionLost(f"{self.what} has ended")
         call_id = next(self._ids)
@@ -104,7 +115,8 @@ class AsyncCalls(abc.ABC):
         self._waiting[call_id] = fut
         try:
             await self._send_call(call_id, request)
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+            result = await asyncio.wait_for(asyncio.shield(fut), timeout)
+            return result, self._payloads.pop(call_id, None)
         except TimeoutError:
             raise RpcFailed(
                 "deadline exceeded waiting for a session call", "DEADLINE_EXCEEDED"
@@ -118,6 +130,7 @@ class AsyncCalls(abc.ABC):
             raise
         finally:
             self._waiting.pop(call_id, None)
+            self._payloads.pop(call_id, None)
 
     async def post(self, **request: Any) -> None:
         """Send a call without waiting for its result (a release: nothing to wait for);

@@ -1,9 +1,11 @@
-"""The asyncio client's session on the daemon's session socket (``PATH.lane``).
+"""The asyncio client's session on the daemon's session socket (``PATH.lane``, or its TCP
+port for a client that reached gRPC over TCP).
 
 The messages of a gRPC Session stream, each after its 4-byte length
 (``embcache.proto.framing``); a task reads the results (``async_session.AsyncCalls``).
 Closing the connection ends the session: the daemon releases its leases. A posted release
-rides in front of the next call, in one write (``sync_uds``).
+rides in front of the next call, in one write (``sync_uds``). The reading task also reads the
+raw bytes after a get_bytes result, for ``call_with_payload``.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from embcache.clients._backends.async_session import AsyncCalls
+from embcache.clients._backends.sync_uds import Address, payload_size
 from embcache.clients.core.errors import RpcFailed, from_call_error
 from embcache.clients.core.session_calls import SessionLost
 from embcache.proto.constants import MAX_MESSAGE_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.framing import FRAME_HEADER as HEADER
 from embcache.proto.framing import call_frame, frame
+
+_LIMIT = 1 << 20  # the stream reader's buffer: large payloads are read in big pieces
 
 
 class AsyncUdsSession(AsyncCalls):
@@ -37,8 +42,14 @@ class AsyncUdsSession(AsyncCalls):
         self._posted: list[bytes] = []  # frames of posted calls, sent before the next call
 
     @classmethod
-    async def open(cls, path: str, token: str | None, name: str, timeout: float) -> AsyncUdsSession:
-        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout)
+    async def open(
+        cls, address: Address, token: str | None, name: str, timeout: float
+    ) -> AsyncUdsSession:
+        if isinstance(address, tuple):
+            connecting = asyncio.open_connection(*address, limit=_LIMIT)
+        else:
+            connecting = asyncio.open_unix_connection(address, limit=_LIMIT)
+        reader, writer = await asyncio.wait_for(connecting, timeout)
         session = cls(reader, writer)
         try:
             hello = pb.SessionHello(client_name=name, pid=os.getpid(), auth_token=token or "")
@@ -61,7 +72,12 @@ class AsyncUdsSession(AsyncCalls):
             (size,) = HEADER.unpack(head)
             if size > MAX_MESSAGE_BYTES:
                 raise OSError(f"the session socket sent a message of {size} bytes")
-            return pb.SessionResponse.FromString(await self._stream.readexactly(size))
+            msg = pb.SessionResponse.FromString(await self._stream.readexactly(size))
+            if payload := payload_size(msg):
+                self._payloads[msg.result.call_id] = bytearray(
+                    await self._stream.readexactly(payload)
+                )
+            return msg
         except asyncio.IncompleteReadError:
             return None
 

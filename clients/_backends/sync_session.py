@@ -46,6 +46,7 @@ class Session:
         self.serves_device_puts = False  # ... including the device puts
         self.serves_host_puts = False  # ... and put / put_batch with the bytes inline
         self.serves_writable_puts = False  # never on a gRPC stream (no peer uid)
+        self.serves_bytes_out = False  # never on a gRPC stream (its frames are messages)
         self.lease_ttl_s = 0.0  # the daemon's default lease lifetime (0: not said)
         self.error: BaseException | None = None
         self.alive = True
@@ -108,6 +109,12 @@ class Session:
             waiter.done.set()
         elif (release := unclaimed_release(result)) is not None:  # its caller gave up
             self._queue.put(release)
+
+    def call_with_payload(
+        self, timeout: float, **request: Any
+    ) -> tuple[pb.SessionResult, bytearray | None]:
+        """:meth:`call` (a stream's results carry no raw bytes after them)."""
+        return self.call(timeout, **request), None
 
     def call(self, timeout: float, **request: Any) -> pb.SessionResult:
         """Send a call (``get=``, ``release=``, ``put_from_device=``...) on the stream and

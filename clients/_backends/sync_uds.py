@@ -1,4 +1,5 @@
-"""The blocking client's session on the daemon's session socket (``PATH.lane``).
+"""The blocking client's session on the daemon's session socket (``PATH.lane``, or its TCP
+port for a client that reached gRPC over TCP).
 
 Same calls and results as a gRPC Session stream (``sync_session``), framed by a 4-byte length
 (``embcache.proto.framing``), and no thread of its own: the caller writes its call and reads
@@ -6,7 +7,9 @@ the socket itself. With several callers in flight, one of them at a time reads; 
 it reads wakes the caller it belongs to, and the reading passes to whoever still waits, so no
 result waits for a thread hop. Closing the connection ends the session: the daemon releases
 its leases. A posted release is not sent on its own: it rides in front of the next call (one
-write, one wake-up of the daemon), or goes out when the session closes.
+write, one wake-up of the daemon), or goes out when the session closes. A get_bytes result is
+followed by the entry's bytes raw; whoever reads the result reads them too, straight into the
+buffer the caller gets (``call_with_payload``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,32 @@ from embcache.proto.framing import FRAME_HEADER as HEADER
 from embcache.proto.framing import call_frame, frame
 
 _TIMEOUT = object()  # _read_one: nothing complete arrived before the deadline
+PAYLOAD_STALL_S = 60.0  # a payload that makes no progress this long: the connection is lost
+Address = str | tuple[str, int]  # a Unix socket's path, or a TCP (host, port)
+
+
+def connect_lane(address: Address, timeout: float) -> socket.socket:
+    """A connected blocking socket to a session socket at ``address``."""
+    if isinstance(address, tuple):
+        sock = socket.create_connection(address, timeout=timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    else:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(address)
+        except BaseException:
+            sock.close()
+            raise
+    sock.settimeout(None)  # blocking sends; reads wait in poll() with a deadline
+    return sock
+
+
+def payload_size(msg: pb.SessionResponse) -> int:
+    """How many raw bytes follow ``msg`` (a get_bytes result's), 0 for any other."""
+    if msg.WhichOneof("kind") != "result" or msg.result.WhichOneof("outcome") != "get_bytes":
+        return 0
+    return int(msg.result.get_bytes.payload_bytes)
 
 
 class _Waiter:
@@ -43,16 +72,9 @@ class _Waiter:
 class UdsSession:
     """One session on the session socket; the interface of :class:`~.sync_session.Session`."""
 
-    def __init__(self, path: str, token: str | None, name: str, timeout: float) -> None:
+    def __init__(self, address: Address, token: str | None, name: str, timeout: float) -> None:
         """Connect, say hello (with the token) and wait up to ``timeout`` for the session."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(timeout)
-            sock.connect(path)
-            sock.settimeout(None)  # blocking sends; reads wait in poll() with a deadline
-        except BaseException:
-            sock.close()
-            raise
+        sock = connect_lane(address, timeout)
         self._sock = sock
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
@@ -62,6 +84,7 @@ class UdsSession:
         self._cond = threading.Condition()
         self._reading = False  # a caller is reading the socket
         self._waiting: dict[int, _Waiter] = {}
+        self._payloads: dict[int, bytearray] = {}  # call id -> the raw bytes after its result
         self._ids = itertools.count(1)
         self._alive = True
         self.error: BaseException | None = None
@@ -70,6 +93,7 @@ class UdsSession:
         self.serves_device_puts = False
         self.serves_host_puts = False  # put / put_batch with the bytes inline
         self.serves_writable_puts = False  # put_reserve / commit / abort (same uid)
+        self.serves_bytes_out = False  # get_bytes, its bytes raw after the result
         self.lease_ttl_s = 0.0  # the daemon's default lease lifetime (0: not said)
         try:
             hello = pb.SessionHello(client_name=name, pid=os.getpid(), auth_token=token or "")
@@ -93,18 +117,25 @@ class UdsSession:
         self.serves_device_puts = first.opened.device_puts
         self.serves_host_puts = first.opened.host_puts
         self.serves_writable_puts = first.opened.writable_puts
+        self.serves_bytes_out = first.opened.bytes_out
         self.lease_ttl_s = first.opened.lease_ttl_s
 
     @classmethod
-    def open(cls, path: str, token: str | None, name: str, timeout: float) -> UdsSession:
+    def open(cls, address: Address, token: str | None, name: str, timeout: float) -> UdsSession:
         """A new session (the constructor; named as the asyncio twin's, which must await)."""
-        return cls(path, token, name, timeout)
+        return cls(address, token, name, timeout)
 
     # -- calls -----------------------------------------------------------------------------
     def call(self, timeout: float, **request: Any) -> pb.SessionResult:
         """Send a call (``get=``, ``release=``, ``put_from_device=``...) and wait for its
         result. RpcFailed(DEADLINE_EXCEEDED) after ``timeout``; SessionLost if the socket
         closes first."""
+        return self.call_with_payload(timeout, **request)[0]
+
+    def call_with_payload(
+        self, timeout: float, **request: Any
+    ) -> tuple[pb.SessionResult, bytearray | None]:
+        """:meth:`call`, and the raw bytes that followed its result (a get_bytes'), if any."""
         call_id = next(self._ids)
         waiter = _Waiter()
         with self._cond:
@@ -119,7 +150,7 @@ class UdsSession:
         with self._cond:
             if waiter.done:
                 assert waiter.result is not None
-                return waiter.result
+                return waiter.result, self._payloads.pop(call_id, None)
             self._waiting.pop(call_id, None)
             if not self._alive:
                 raise SessionLost("the session socket closed during the call")
@@ -182,6 +213,7 @@ class UdsSession:
                 waiter.done = True
                 self._cond.notify_all()
                 return
+        self._payloads.pop(result.call_id, None)  # nobody waits for it
         if (release := unclaimed_release(result)) is not None:  # its caller gave up
             with contextlib.suppress(OSError):  # if the socket is gone, so are the leases
                 self._send(release)
@@ -211,6 +243,8 @@ class UdsSession:
                     with memoryview(buf) as view:  # parsed in place, not copied first
                         msg = pb.SessionResponse.FromString(view[HEADER.size : end])
                     del buf[:end]
+                    if size := payload_size(msg):
+                        self._payloads[msg.result.call_id] = self._read_payload(size)
                     return msg
             left = deadline - time.monotonic()
             if left <= 0 or not self._poll.poll(max(1, int(left * 1000) + 1)):
@@ -219,6 +253,24 @@ class UdsSession:
             if not data:
                 return None
             buf += data
+
+    def _read_payload(self, size: int) -> bytearray:
+        """The ``size`` raw bytes after a result: what is buffered, then straight from the
+        socket into the buffer. Read whole whatever the caller's deadline (the stream would
+        be out of step otherwise); a payload that stalls loses the connection."""
+        out = bytearray(size)
+        have = min(size, len(self._buf))
+        out[:have] = self._buf[:have]
+        del self._buf[:have]
+        with memoryview(out) as view:
+            while have < size:
+                if not self._poll.poll(int(PAYLOAD_STALL_S * 1000)):
+                    raise OSError(f"the session socket stalled {size - have} bytes into a payload")
+                n = self._sock.recv_into(view[have:], size - have)
+                if n == 0:
+                    raise OSError("the session socket closed inside a payload")
+                have += n
+        return out
 
     @property
     def alive(self) -> bool:

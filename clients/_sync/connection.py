@@ -5,9 +5,10 @@
 The session anchors the client's leases in the daemon: it is opened on first use and kept
 for the life of the client, and when it ends (``close()``, this process dies, the connection
 drops) the daemon releases them. It runs on the daemon's session socket when the target is a
-Unix socket that has one, else on a gRPC Session stream. Each new session looks for the
-socket again, also while it retries a restarting daemon, so a client that outlives a daemon
-restart returns to it.
+Unix socket that has one, or a TCP target (without TLS) whose daemon says where its session
+socket listens on TCP (the Lanes RPC), else on a gRPC Session stream. Each new session looks
+for the socket again, also while it retries a restarting daemon, so a client that outlives a
+daemon restart returns to it.
 
 Every call gets the client's deadline and is retried on UNAVAILABLE with jittered
 exponential backoff; a call that names a session the daemon forgot is tried again on a new
@@ -30,14 +31,14 @@ import grpc
 
 from embcache.clients._backends.sync_io import CallFn, Lock, Pump, connect, run_blocking, sleep
 from embcache.clients._backends.sync_session import Session
-from embcache.clients._backends.sync_uds import UdsSession
+from embcache.clients._backends.sync_uds import Address, UdsSession
 from embcache.clients.core.capabilities import Capabilities, HostFallbacks
 from embcache.clients.core.channel import auth_metadata
 from embcache.clients.core.errors import RpcFailed, from_call_error, translate
 from embcache.clients.core.requests import renew_request
 from embcache.clients.core.retry import backoff_s, is_unknown_session, retry_step, should_retry
 from embcache.clients.core.session_calls import SessionLost, serves
-from embcache.clients.core.targets import normalize_target, uds_path
+from embcache.clients.core.targets import normalize_target, tcp_address, uds_path
 from embcache.clients.core.views import BATCH, ViewLeases
 from embcache.clients.device.device_replies import sync_devices
 from embcache.clients.device.host_replies import Decoded
@@ -52,6 +53,7 @@ log = logging.getLogger("embcache.client")
 
 
 LINGER_S = 1.0  # how long the pump looks again for releases queued without a wake
+TCP_CONNECT_S = 2.0  # at most this long to reach a session socket on TCP (else gRPC)
 
 
 class Connection:
@@ -104,6 +106,9 @@ class Connection:
         self._token = token
         self._client_name = client_name
         self._uds = uds_path(target) if session_lane else None
+        secure = tls or root_certificates is not None or private_key is not None
+        # The session socket on TCP speaks no TLS: a client that asked for TLS never uses it.
+        self._tcp_lane = session_lane and not secure and tcp_address(target, 0) is not None
         self._session: Session | UdsSession | None = None
         self._session_lock = Lock()
         self._closed = False
@@ -135,19 +140,41 @@ class Connection:
 
     def _uds_or_stream(self, metadata: Any, timeout: float) -> Session | UdsSession:
         """A session on the daemon's session socket if it has one, else a gRPC Session stream."""
-        uds = self._open_uds()
+        uds = self._open_uds(metadata, timeout)
         return uds or Session.open(self._stub, metadata, self._client_name, timeout)
 
-    def _open_uds(self) -> UdsSession | None:
+    def _open_uds(self, metadata: Any, timeout: float) -> UdsSession | None:
         """A session on the daemon's session socket; None if it has none (this session uses
         gRPC; the next one looks for the socket again, e.g. after the daemon restarted)."""
-        if self._uds is None:
+        address = self._uds or self._tcp_lane_address(metadata, timeout)
+        if address is None:
+            return None
+        tcp = isinstance(address, tuple)
+        try:
+            return UdsSession.open(
+                address,
+                self._token,
+                self._client_name,
+                min(self.timeout, TCP_CONNECT_S) if tcp else self.timeout,
+            )
+        except (OSError, TimeoutError) as err:
+            if tcp:  # unreachable (a firewall, another network): gRPC from now on
+                self._tcp_lane = False
+            log.debug("no session socket at %s (%s): this session uses gRPC", address, err)
+            return None
+
+    def _tcp_lane_address(self, metadata: Any, timeout: float) -> Address | None:
+        """Where the daemon's session socket listens on TCP (the Lanes RPC), if it does."""
+        if not self._tcp_lane:
             return None
         try:
-            return UdsSession.open(self._uds, self._token, self._client_name, self.timeout)
-        except OSError as err:
-            log.debug("no session socket at %s (%s): this session uses gRPC", self._uds, err)
+            reply = self._stub.Lanes(pb.LanesRequest(), timeout=timeout, metadata=metadata)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise  # retried by the caller's loop (UNAVAILABLE) or translated
+            self._tcp_lane = False  # an older daemon
             return None
+        return tcp_address(self.target, reply.tcp_port) if reply.tcp_port else None
 
     def _drop_session(self) -> None:
         with self._session_lock:

@@ -40,6 +40,8 @@ def serves(session: CallCarrier, kind: str) -> bool:
         return getattr(session, "serves_host_puts", False)
     if kind in ("put_reserve", "put_commit", "put_abort"):
         return getattr(session, "serves_writable_puts", False)
+    if kind == "get_bytes":
+        return getattr(session, "serves_bytes_out", False)
     return True
 
 

@@ -21,3 +21,21 @@ def uds_path(target: str) -> str | None:
     if path.startswith("//"):  # unix:///abs/path
         path = path[2:]
     return path + UDS_SUFFIX if path else None
+
+
+def tcp_address(target: str, port: int) -> tuple[str, int] | None:
+    """``(host, port)`` on the host of a TCP ``target`` (``host:port``, ``[v6]:port``,
+    ``dns:///host:port``); None for a Unix or other target."""
+    if target.startswith(("unix:", "unix-abstract:", "vsock:")):
+        return None
+    if target.startswith("dns:"):
+        target = target[len("dns:") :].lstrip("/")
+        if "/" in target:  # dns://authority/host:port
+            target = target.rsplit("/", 1)[1]
+    for scheme in ("ipv4:", "ipv6:"):
+        if target.startswith(scheme):
+            target = target[len(scheme) :].split(",")[0]
+    host, sep, _ = target.rpartition(":")
+    if not sep or not host:
+        return None
+    return host.strip("[]"), port

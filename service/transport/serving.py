@@ -1,4 +1,5 @@
-"""The data plane: the gRPC server and, beside its Unix socket, the session socket.
+"""The data plane: the gRPC server and, beside its Unix socket and its TCP port, the session
+socket.
 
 :func:`start_data_plane` starts both on the running loop: the session socket first, so a
 client that finds the gRPC socket finds the session socket too, and both serve the same
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,11 +30,13 @@ from embcache.service.transport.grpc.servicer import EmbeddingCacheServicer
 from embcache.service.transport.sockets import prepare_socket_path, unlink_socket
 from embcache.service.transport.uds.server import UdsServer, uds_path
 
+log = logging.getLogger("embcache.transport")
+
 
 @dataclass
 class DataPlane:
-    """A running gRPC server and its session socket (None without a gRPC Unix socket, or
-    with ``uds_sessions`` off)."""
+    """A running gRPC server and its session socket (None with neither a gRPC Unix socket and
+    ``uds_sessions`` nor ``tcp_lane``)."""
 
     grpc: GrpcService
     uds: UdsServer | None = None  # the session socket
@@ -63,7 +67,8 @@ class DataPlane:
         await self.grpc.stop_calls(grace)
         if self.uds is not None:  # its calls had the same grace; their sessions end here
             await self.uds.stop()
-            unlink_socket(self.uds.path)
+            if self.uds.path is not None:
+                unlink_socket(self.uds.path)
         await self.grpc.close()
 
 
@@ -73,17 +78,25 @@ async def start_data_plane(
     """Start the session socket (first: a client that finds the gRPC socket finds it too)
     and the gRPC server for ``engine`` on the running loop; they share one servicer."""
     servicer = EmbeddingCacheServicer(engine, settings, metrics)
+    unix = settings.grpc_socket is not None and settings.uds_sessions
+    tcp = settings.tcp_lane and settings.tls_cert is None  # it does not speak TLS
     uds = None
-    if settings.grpc_socket is not None and settings.uds_sessions:
-        uds = UdsServer(servicer, uds_path(Path(settings.grpc_socket)), settings.auth_token)
-        prepare_socket_path(uds.path)
-        await uds.start()
+    if unix or tcp:
+        path = uds_path(Path(settings.grpc_socket)) if settings.grpc_socket and unix else None
+        uds = UdsServer(servicer, path, settings.auth_token)
     try:
+        if uds is not None and uds.path is not None:
+            prepare_socket_path(uds.path)
+            await uds.start()
+        if uds is not None and tcp:
+            servicer.tcp_lane_port = await uds.start_tcp(settings.grpc_host, settings.tcp_lane_port)
+            log.info("session socket on TCP at %s:%d", settings.grpc_host, servicer.tcp_lane_port)
         grpc_service = await start_grpc(engine, settings, metrics, servicer)
     except BaseException:
         if uds is not None:
             await uds.stop()
-            unlink_socket(uds.path)
+            if uds.path is not None:
+                unlink_socket(uds.path)
         servicer.close()
         raise
     return DataPlane(grpc_service, uds)

@@ -186,7 +186,11 @@ def test_the_token_is_required_by_the_daemon(
 
 def test_ports_match_the_settings(container: dict[str, Any], daemon_settings: Settings) -> None:
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": daemon_settings.grpc_port, "http": daemon_settings.http_port}
+    assert ports == {
+        "grpc": daemon_settings.grpc_port,
+        "http": daemon_settings.http_port,
+        "lane": daemon_settings.tcp_lane_port,
+    }
     defaults = Settings()
     assert (daemon_settings.grpc_port, daemon_settings.http_port) == (
         defaults.grpc_port,

@@ -133,10 +133,13 @@ def _cli(d: dm.Daemon, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
 
 
-@pytest.mark.parametrize("over", ["lane", "grpc-stream"])
+@pytest.mark.parametrize("over", ["lane", "tcp-lane", "grpc-stream"])
 def test_sessions_are_listed_and_an_operator_drops_one(daemon: dm.Daemon, over: str) -> None:
     target = daemon.unix if over == "lane" else daemon.tcp
-    with EmbCacheClient(target, timeout=30, client_name=f"decoder-{over}", retries=0) as client:
+    name, stream = f"decoder-{over}", over == "grpc-stream"
+    with EmbCacheClient(
+        target, timeout=30, client_name=name, retries=0, session_lane=not stream
+    ) as client:
         client.put("ops/a", torch.ones(1024))
         client.put("ops/b", torch.ones(2048))
         held = client.get(["ops/a", "ops/b"], ttl_s=600)
@@ -146,7 +149,7 @@ def test_sessions_are_listed_and_an_operator_drops_one(daemon: dm.Daemon, over: 
                 if s["client_name"] == f"decoder-{over}"]  # fmt: skip
         assert (me["leases"], me["leased_bytes"]) == (2, 3 * 4096)
         assert me["pid"] == os.getpid()
-        assert me["transport"] == ("lane" if over == "lane" else "grpc")
+        assert me["transport"] == ("grpc" if stream else "lane")
         if over == "lane":
             assert me["uid"] == os.getuid()  # the kernel's word, not the hello's
         table = _cli(daemon, "sessions")

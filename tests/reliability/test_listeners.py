@@ -97,7 +97,8 @@ def test_listens_only_on_loopback_and_unix(which: str, request: pytest.FixtureRe
     inet, unix = listeners(d.pid)
     FIG[f"{which}_inet_listeners"] = [f"{ip}:{port}" for ip, port in inet]
     FIG[f"{which}_unix_listeners"] = unix
-    assert {port for _, port in inet} == {d.ready["grpc_port"], d.ready["http_port"]}, inet
+    ports = {d.ready["grpc_port"], d.ready["http_port"], d.ready["tcp_lane_port"]}
+    assert {port for _, port in inet} == ports, inet  # the session socket's TCP port too
     assert all(loopback(ip) for ip, _ in inet), inet
     # The gRPC socket and its session lane, with the same permissions, and nothing else.
     lane = f"{d.socket_path}.lane"
@@ -118,6 +119,16 @@ def test_token_enforced_on_the_session_lane(guarded: dm.Daemon) -> None:
     finally:
         session.close()
     FIG["session lane without / with token"] = "UNAUTHENTICATED / opened"
+    tcp = ("127.0.0.1", guarded.ready["tcp_lane_port"])
+    for token in (None, "wrong"):
+        with pytest.raises(Unauthenticated):
+            UdsSession(tcp, token, "audit", 5.0)
+    session = UdsSession(tcp, TOKEN, "audit", 5.0)
+    try:
+        assert session.call(5.0, release=pb.ReleaseRequest()).release.released == 0
+    finally:
+        session.close()
+    FIG["session socket on TCP without / with token"] = "UNAUTHENTICATED / opened"
 
 
 EXPOSED = [("--grpc-host", "0.0.0.0"), ("--http-host", "::"), ("--grpc-host", "192.0.2.1")]

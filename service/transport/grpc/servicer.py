@@ -43,7 +43,8 @@ from embcache.service.transport.handlers.device import (
 from embcache.service.transport.idle import idle_limited
 from embcache.service.transport.render import LocationRenderer
 from embcache.service.transport.session.admin import SessionAdmin, StreamDrop, dropped_error
-from embcache.service.transport.session.calls import Send, SessionCalls
+from embcache.service.transport.session.bytes_out import read_bytes
+from embcache.service.transport.session.calls import Send, SendBytes, SessionCalls
 from embcache.service.transport.session.host_puts import SessionPuts, may_write_segment
 from embcache.service.transport.session.open import OpenSession
 from embcache.service.transport.session.registry import PeerCreds, SessionRegistry
@@ -81,6 +82,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         self.host_pool = pool_handle_of(LocationRenderer(engine, settings).host_pool())
         self.device = DevicePlane(engine, settings, ipc)
         self.busy = BusyPoll(settings.busy_poll_us / 1e6)  # started with the server
+        self.tcp_lane_port = 0  # the session socket's TCP port, once it listens (serving.py)
 
     def close(self) -> None:
         """Close the client allocations opened through IPC (after the server stopped)."""
@@ -228,6 +230,12 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         finally:
             self.engine.release([lease.lease_id])
 
+    @rpc("Lanes")
+    async def Lanes(
+        self, request: pb.LanesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LanesResponse:
+        return pb.LanesResponse(tcp_port=self.tcp_lane_port)
+
     # -- leases --------------------------------------------------------------------------
     @rpc("Release")
     async def Release(
@@ -339,11 +347,16 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
             session.end()
 
     def open_session(
-        self, send: Send, transport: str, peer: PeerCreds | None = None
+        self,
+        send: Send,
+        transport: str,
+        peer: PeerCreds | None = None,
+        send_bytes: SendBytes | None = None,
     ) -> OpenSession:
         """A new session whose results go out through ``send`` (a gRPC Session stream's or
         a session-socket connection's, ``uds/server.py``, whose ``peer`` credentials its
-        quota follows); :meth:`OpenSession.end` ends it."""
+        quota follows, and whose ``send_bytes`` carries get_bytes' raw bytes);
+        :meth:`OpenSession.end` ends it."""
         record = self.sessions.open(transport, peer)
         session_id = record.session_id
         if peer is not None:
@@ -367,6 +380,8 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
                 writable=transport == "lane" and may_write_segment(peer, os.geteuid()),
                 idle_s=self.settings.put_idle_timeout_s,
             ),
+            read_bytes=lambda request, owner: read_bytes(self.engine, request, owner),
+            send_bytes=send_bytes,
         )
         record.in_flight = lambda: calls.in_flight
         opened = pb.SessionOpened(
@@ -377,6 +392,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
             device_puts=True,
             host_puts=True,
             writable_puts=calls.host_puts is not None and calls.host_puts.writable,
+            bytes_out=calls.serves_bytes,
         )
         return OpenSession(calls, opened, self._end_session, record)
 

@@ -1,5 +1,6 @@
 """Calls carried on a Session stream (``SessionCall``): Get, Release, the device puts
-(PutFromDevice, PutFromDeviceBatch) and the host puts (``host_puts.py``) without a new RPC.
+(PutFromDevice, PutFromDeviceBatch), the host puts (``host_puts.py``) and, on a session
+socket, get_bytes (``bytes_out.py``) without a new RPC.
 
 A message on an open stream costs about half a unary call in Python gRPC (no new HTTP/2
 stream, headers, deadline or trailers; docs/grpc.md, ``Session`` in "RPCs"), and device
@@ -45,6 +46,12 @@ PutHandler = Callable[[pb.PutFromDeviceRequest, str, str], Awaitable[pb.PutRespo
 PutBatchHandler = Callable[
     [pb.PutFromDeviceBatchRequest, str, str], Awaitable[pb.PutFromDeviceBatchResponse]
 ]
+# (request, owner) -> the result and its bytes (``bytes_out.read_bytes``)
+ReadBytes = Callable[[pb.GetBytesRequest, str], Awaitable[tuple[pb.BytesOut, bytes]]]
+Payload = bytes | bytearray
+# A session socket's writer of a result and the raw bytes after it: waits until the
+# connection has room, then awaits ``produce()`` and writes both, in one piece.
+SendBytes = Callable[[Callable[[], Awaitable[tuple[pb.SessionResponse, Payload]]]], Awaitable[None]]
 NAMES = {  # a call's name in the metrics, as its RPC's
     "get": "Get",
     "release": "Release",
@@ -55,6 +62,7 @@ NAMES = {  # a call's name in the metrics, as its RPC's
     "put_reserve": "PutReserve",
     "put_commit": "PutCommit",
     "put_abort": "PutAbort",
+    "get_bytes": "GetBytes",
 }
 Send = Callable[[pb.SessionResponse], Awaitable[None]]
 
@@ -79,6 +87,8 @@ class SessionCalls:
         max_calls: int = 0,
         quota_owner: str | None = None,
         host_puts: SessionPuts | None = None,
+        read_bytes: ReadBytes | None = None,
+        send_bytes: SendBytes | None = None,
     ) -> None:
         self.owner = owner
         self.quota_owner = quota_owner or owner
@@ -95,6 +105,13 @@ class SessionCalls:
         self._on_call = on_call  # told of each call as it arrives (busy polling)
         self._tasks: set[asyncio.Task[None]] = set()
         self.host_puts = host_puts  # the session's host puts and reservations, if served
+        self._read_bytes = read_bytes
+        self._send_bytes = send_bytes  # None: the transport cannot send raw bytes (gRPC)
+
+    @property
+    def serves_bytes(self) -> bool:
+        """Whether get_bytes is served here (a session socket's calls)."""
+        return self._read_bytes is not None and self._send_bytes is not None
 
     def start(self, call: pb.SessionCall) -> None:
         """Run ``call`` as a task; its result is sent when it finishes. A posted release
@@ -147,6 +164,9 @@ class SessionCalls:
     async def _run(self, call: pb.SessionCall) -> None:
         start = time.perf_counter()
         kind = call.WhichOneof("request")
+        if kind == "get_bytes":
+            await self._get_bytes(call, start)
+            return
         response = pb.SessionResponse()
         result = response.result  # filled in place: the reply is copied once, into it
         result.call_id = call.call_id
@@ -193,6 +213,49 @@ class SessionCalls:
         except BaseException:
             self._give_back(result)  # nobody will read this result
             raise
+
+    async def _get_bytes(self, call: pb.SessionCall, start: float) -> None:
+        """A get_bytes: its result, then the bytes raw, written together once the
+        connection has room (``bytes_out.py``); refused where they cannot follow (gRPC)."""
+        code = "OK"
+        request = call.get_bytes
+
+        async def produce() -> tuple[pb.SessionResponse, Payload]:
+            nonlocal code
+            response = pb.SessionResponse()
+            result = response.result
+            result.call_id = call.call_id
+            payload: Payload = b""
+            try:
+                if self._read_bytes is None or self._send_bytes is None:
+                    raise InvalidArgument(
+                        "get_bytes is a session socket's call (SessionOpened.bytes_out)"
+                    )
+                meta, payload = await self._read_bytes(request, self.owner)
+                result.get_bytes.CopyFrom(meta)
+            except EmbCacheError as err:
+                code = _fail(result, err)
+                log.info("Session.get_bytes -> %s: %s", code, err.describe())
+            except Exception:
+                code = "INTERNAL"
+                log.exception("Session.get_bytes failed unexpectedly")
+                error = pb.CallError(code=code, message="internal error in get_bytes")
+                result.error.CopyFrom(error)
+            return response, payload
+
+        try:
+            if self._send_bytes is None:
+                response, _ = await produce()  # the refusal
+                await self._send(response)
+            else:
+                await self._send_bytes(produce)
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        finally:
+            if self._metrics is not None:
+                elapsed = time.perf_counter() - start
+                self._metrics.observe_rpc(self._transport, "Session.GetBytes", code, elapsed)
 
     async def _host_put(self, kind: str, call: pb.SessionCall, result: pb.SessionResult) -> None:
         """A host put call (``host_puts.py``): inline, batch, or a reservation's steps."""

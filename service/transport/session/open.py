@@ -14,7 +14,7 @@ from typing import Protocol
 
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.transport.accounting import RpcMetrics
-from embcache.service.transport.session.calls import Send, SessionCalls
+from embcache.service.transport.session.calls import Send, SendBytes, SessionCalls
 from embcache.service.transport.session.registry import PeerCreds, SessionRecord
 
 log = logging.getLogger("embcache.session")
@@ -67,5 +67,9 @@ class SessionHost(Protocol):
     metrics: RpcMetrics | None
 
     def open_session(
-        self, send: Send, transport: str, peer: PeerCreds | None = None
+        self,
+        send: Send,
+        transport: str,
+        peer: PeerCreds | None = None,
+        send_bytes: SendBytes | None = None,
     ) -> OpenSession: ...

@@ -19,6 +19,11 @@ session's in-flight quota follows that process, and operators see its pid and ui
 Reading stops while the client does not read its results (the transport's writes back up)
 and while the session has ``max_session_calls`` calls in flight; the messages already
 received wait in the buffer and are handled once a call ends.
+
+The same framing also listens on TCP (``start_tcp``; setting ``tcp_lane``) for clients that
+reach gRPC over TCP: no peer credentials there (no quarantine tie, no writable puts), TCP
+keepalive finds a peer that vanished, and the token is checked the same way. On either, a
+get_bytes result is followed by the entry's bytes raw (``session/bytes_out.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import asyncio
 import functools
 import hmac
 import logging
+import socket
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
@@ -36,6 +43,7 @@ from embcache.proto.constants import MAX_MESSAGE_BYTES, UDS_SUFFIX
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.framing import FRAME_HEADER as HEADER
 from embcache.proto.framing import frame
+from embcache.service.transport.session.calls import Payload
 from embcache.service.transport.session.open import OpenSession, SessionHost
 from embcache.service.transport.session.registry import PeerCreds
 from embcache.service.transport.session.waiters import Gate
@@ -43,6 +51,8 @@ from embcache.service.transport.sockets import peer_credentials
 from embcache.service.transport.status import status_for
 
 log = logging.getLogger("embcache.uds")
+# A TCP peer that stops answering is dropped after about KEEPIDLE + KEEPCNT * KEEPINTVL s.
+KEEPIDLE_S, KEEPINTVL_S, KEEPCNT = 30, 10, 3
 
 
 def uds_path(grpc_socket: Path) -> Path:
@@ -53,17 +63,27 @@ def uds_path(grpc_socket: Path) -> Path:
 class UdsServer:
     """The session socket's listener and its open connections."""
 
-    def __init__(self, host: SessionHost, path: Path, token: str | None) -> None:
+    def __init__(self, host: SessionHost, path: Path | None, token: str | None) -> None:
         self.host = host  # opens the sessions (the gRPC servicer: same registry and calls)
         self.path = path
         self._token = token.encode() if token else None
         self._server: asyncio.AbstractServer | None = None
+        self._tcp: asyncio.AbstractServer | None = None
         self._conns: set[_Connection] = set()  # open ones (each a session)
 
     async def start(self) -> None:
         """Listen on ``path`` (which the caller prepared: no stale socket there)."""
+        assert self.path is not None
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(lambda: _Connection(self), str(self.path))
+
+    async def start_tcp(self, host: str, port: int) -> int:
+        """Listen on TCP ``host:port`` too (0: a free port); returns the port."""
+        loop = asyncio.get_running_loop()
+        self._tcp = await loop.create_server(
+            lambda: _Connection(self, tcp=True), host.strip("[]"), port
+        )
+        return int(self._tcp.sockets[0].getsockname()[1])
 
     @property
     def connections(self) -> int:
@@ -84,19 +104,21 @@ class UdsServer:
 
     async def stop(self) -> None:
         """Stop accepting and close every connection (which ends their sessions)."""
-        if self._server is not None:
-            self._server.close()
+        servers = [s for s in (self._server, self._tcp) if s is not None]
+        for server in servers:
+            server.close()
         for conn in list(self._conns):
             conn.close()
-        if self._server is not None:
-            await self._server.wait_closed()
+        for server in servers:
+            await server.wait_closed()
 
 
 class _Connection(asyncio.Protocol):
     """One client connection: one session, opened by the client's hello."""
 
-    def __init__(self, server: UdsServer) -> None:
+    def __init__(self, server: UdsServer, tcp: bool = False) -> None:
         self.server = server
+        self.tcp = tcp
         self.transport: asyncio.Transport | None = None
         self.session: OpenSession | None = None
         self.peer: PeerCreds | None = None
@@ -108,8 +130,11 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        creds = peer_credentials(transport.get_extra_info("socket"))
+        sock = transport.get_extra_info("socket")
+        creds = peer_credentials(sock)
         self.peer = PeerCreds(*creds) if creds is not None else None
+        if self.tcp and sock is not None:
+            _keepalive(sock)
         self.server.track(self)
 
     def data_received(self, data: bytes) -> None:
@@ -184,7 +209,9 @@ class _Connection(asyncio.Protocol):
             elif not self.server.authorized(msg.hello):
                 self._refuse(Unauthenticated("missing or invalid auth token"))
             else:
-                self.session = self.server.host.open_session(self._send, "lane", self.peer)
+                self.session = self.server.host.open_session(
+                    self._send, "lane", self.peer, self._send_bytes
+                )
                 self.session.calls.on_room = self._on_room
                 if self.session.record is not None:  # an operator's drop (from any thread)
                     loop = asyncio.get_running_loop()
@@ -206,6 +233,21 @@ class _Connection(asyncio.Protocol):
         if self.transport is None or self.transport.is_closing():
             raise ConnectionResetError("the session socket connection closed")
         self._write(msg)
+
+    async def _send_bytes(
+        self, produce: Callable[[], Awaitable[tuple[pb.SessionResponse, Payload]]]
+    ) -> None:
+        """A get_bytes result and its bytes (``bytes_out.py``): read once writes have room,
+        then written back to back (nothing else can come between on the loop)."""
+        await self._writable.wait()
+        if self.transport is None or self.transport.is_closing():
+            raise ConnectionResetError("the session socket connection closed")
+        response, payload = await produce()
+        if self.transport.is_closing():
+            raise ConnectionResetError("the session socket connection closed")
+        self._write(response)
+        if payload:
+            self.transport.write(payload)
 
     def _write(self, msg: pb.SessionResponse) -> None:
         assert self.transport is not None
@@ -243,4 +285,18 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()
 
     def _peer(self) -> str:
+        if self.tcp and self.transport is not None:
+            return f"lane-tcp:{self.transport.get_extra_info('peername')}"
         return f"lane:{self.server.path}"
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """TCP keepalive on an accepted connection, where the platform has the options."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", KEEPIDLE_S), ("TCP_KEEPINTVL", KEEPINTVL_S),
+                            ("TCP_KEEPCNT", KEEPCNT)):  # fmt: skip
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    except OSError as err:
+        log.debug("session socket: no TCP keepalive: %s", err)
