@@ -61,7 +61,7 @@ def test_a_tcp_client_gets_bytes_on_the_session_socket(server_factory) -> None:
         assert ("lane", "Session.GetBytes", "INVALID_ARGUMENT") in metrics.by_transport
 
 
-def test_bytes_of_an_entry_in_several_runs(server_factory) -> None:
+def test_bytes_of_an_entry_in_several_runs(server_factory, wait_until) -> None:
     """An entry whose pages are scattered comes back whole and in order."""
     with server_factory(host_pool_bytes=1 * MiB, page_bytes=64 * KiB) as (engine, thread):
         for i in range(16):  # fill the pool, then free every other page
@@ -76,7 +76,9 @@ def test_bytes_of_an_entry_in_several_runs(server_factory) -> None:
             assert got is not None and torch.equal(got.tensor(), x)
             mid = client.get_bytes("scattered", offset=64 * KiB - 8, length=16)
             assert mid is not None and bytes(mid.data) == x.numpy().tobytes()[64 * KiB - 8 :][:16]
-        assert engine.stats().leases_active == 0
+        # The daemon runs in this process: its loop ends the last reply's lease as it sends
+        # the last bytes, which this thread may read first.
+        assert wait_until(lambda: engine.stats().leases_active == 0)
 
 
 def test_concurrent_readers_each_get_their_own_bytes(server_factory, concurrently) -> None:
@@ -178,3 +180,49 @@ def test_get_bytes_on_a_grpc_session_stream_is_refused(server_factory) -> None:
             got = client.get_bytes("k")  # the client streams it over gRPC instead
             assert got is not None and torch.equal(got.tensor(), torch.ones(3))
         assert engine.stats().leases_active == 0
+
+
+def test_the_lease_ends_before_the_reader_has_the_bytes(server_factory) -> None:
+    """A reader that evicts what it just read finds it no longer leased: the reply's lease
+    ends inside the daemon's last send of its bytes, not some time after."""
+    with server_factory(host_pool_bytes=64 * MiB) as (engine, thread):
+        client = EmbCacheClient(tcp_target(thread), timeout=10)
+        with client:
+            for i in range(20):
+                client.put(f"k{i}", torch.full((MiB,), i, dtype=torch.float32))  # 4 MiB
+                got = client.get_bytes(f"k{i}")
+                assert got is not None and len(got.data) == 4 * MiB
+                # A call on the daemon's loop comes after the reply's lease ended.
+                assert client.evict(f"k{i}") == "evicted"  # EntryLeased otherwise
+        assert engine.stats().entries_ready == 0
+
+
+def test_a_reader_that_never_reads_is_closed_before_the_lease_ends(
+    server_factory, monkeypatch, wait_until
+) -> None:
+    """Bytes left unsent past the drain deadline: the daemon closes the connection (dropping
+    the views it buffered) and ends the lease, while the reader still holds its socket."""
+    from embcache.service.transport.session import bytes_out
+
+    monkeypatch.setattr(bytes_out, "DRAIN_S", 0.3)
+    with server_factory(host_pool_bytes=64 * MiB) as (engine, thread):
+        engine.put("big", torch.zeros(32 * MiB, dtype=torch.uint8))
+        sock = socket.create_connection(("127.0.0.1", lane_port(thread)), timeout=10)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        try:
+            hello = pb.SessionRequest(hello=pb.SessionHello(client_name="stalled", pid=1))
+            call = pb.SessionCall(call_id=1, get_bytes=pb.GetBytesRequest(key="big"))
+            for msg in (hello, pb.SessionRequest(call=call)):
+                body = msg.SerializeToString()
+                sock.sendall(HEADER.pack(len(body)) + body)
+            assert wait_until(lambda: engine.stats().leases_active == 1)  # the reply's
+            assert wait_until(lambda: len(thread.service.servicer.sessions) == 0, timeout=10)
+            assert engine.stats().leases_active == 0
+            assert client_evicts(thread, "big")
+        finally:
+            sock.close()
+
+
+def client_evicts(thread, key: str) -> bool:  # type: ignore[no-untyped-def]
+    with EmbCacheClient(tcp_target(thread), timeout=10) as client:
+        return client.evict(key) == "evicted"

@@ -10,6 +10,7 @@ The servicer also opens the sessions that gRPC streams and the session socket ca
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -380,7 +381,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
                 writable=transport == "lane" and may_write_segment(peer, os.geteuid()),
                 idle_s=self.settings.put_idle_timeout_s,
             ),
-            read_bytes=lambda request, owner: read_bytes(self.engine, request, owner),
+            read_bytes=functools.partial(read_bytes, self.engine),
             send_bytes=send_bytes,
         )
         record.in_flight = lambda: calls.in_flight

@@ -2,37 +2,47 @@
 
 The gRPC GetBytes stream costs a message per MiB and gRPC's per-message work on the one event
 loop; on a session socket the result is one small ``BytesOut`` frame (meta and length) and the
-bytes follow as they are, in one write, so a remote reader pays a socket's cost, not gRPC's.
+bytes follow as they are, so a remote reader pays a socket's cost, not gRPC's.
 
-The bytes are copied out of the pool (once: the views of its runs, joined) under a lease, and
-the lease ends at once: the transport
-may keep what it could not send yet (Python 3.12's asyncio keeps a reference rather than a
-copy), and pages of the pool must not be reachable from there once the lease is gone. The
-copy is made only once the connection's writes have room (the transport's gate), so a client
-that does not read holds at most one reply's bytes in the daemon. Ranges above
-``IN_THREAD_BYTES`` are copied in a worker thread, off the event loop.
+The bytes go to the transport as views of the pool, not copies, under a lease that lasts
+until the transport has let go of them. asyncio sends what the socket takes at once and keeps
+the rest (Python 3.11 copies it; 3.12 keeps the views themselves), so the lease ends only once
+the connection's write buffer is empty or the connection is gone (``uds/server.py``,
+``_send_bytes``). A reader that leaves the bytes unread past ``drain_deadline`` has its
+connection closed (which drops the views) before the lease would expire: no page is reused
+while a view of it may still be sent. The bytes are read only once the connection's writes
+have room, so a client that sends calls and reads nothing holds at most about one reply's
+views.
 """
 
 from __future__ import annotations
 
-import asyncio
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import cast
 
-from embcache.errors import InvalidArgument, LeaseExpired, NotFound
+from embcache.errors import InvalidArgument, NotFound
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.engine import CacheEngine
-from embcache.service.host.leases import Lease
 
-CHUNK = 8 << 20  # bytes copied between two checks that the lease lives
-IN_THREAD_BYTES = 8 << 20
+DRAIN_S = 30.0  # longest a reply's bytes may wait to be sent (less if the lease ends sooner)
 
 
-async def read_bytes(
-    engine: CacheEngine, request: pb.GetBytesRequest, owner: str
-) -> tuple[pb.BytesOut, bytes]:
-    """The ``BytesOut`` answer to ``request`` and its payload, read under a lease of ``owner``
-    that ends before this returns.
+@dataclass(slots=True, eq=False)  # identity: a connection keeps a set of those it sends
+class BytesReply:
+    """A get_bytes answer: its ``BytesOut``, the views of the pool to send after it, and what
+    ends their lease once they are sent (``release``; idempotent)."""
+
+    out: pb.BytesOut
+    views: list[memoryview]
+    release: Callable[[], None]
+    drain_deadline: float  # time.monotonic() by which the views must be sent
+
+
+def read_bytes(engine: CacheEngine, request: pb.GetBytesRequest, owner: str) -> BytesReply:
+    """The answer to ``request``: views of the entry's bytes under a lease of ``owner`` that
+    the caller ends (``release``) once the views are no longer referenced.
 
     Raises:
         NotFound: no such entry.
@@ -41,33 +51,31 @@ async def read_bytes(
     lease = engine.get([request.key], owner)[0]
     if lease is None:
         raise NotFound("no such entry", key=request.key)
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            engine.release([lease.lease_id])
+
     try:
         offset, nbytes = request.offset, lease.nbytes
         length = request.length if request.HasField("length") else nbytes - offset
-        if offset > nbytes or length < 0 or offset + length > nbytes:  # before allocating
+        if offset > nbytes or length < 0 or offset + length > nbytes:
             raise InvalidArgument(
                 "byte range outside the entry", offset=offset, length=length, nbytes=nbytes
             )
-        if length > IN_THREAD_BYTES:
-            out = await asyncio.to_thread(_copy, engine, lease, request.offset, length)
-        else:
-            out = _copy(engine, lease, request.offset, length)
+        chunks = engine.iter_bytes(lease, offset, length, max(length, 1), copy=_view)
+        views = [v for v in cast(list[memoryview], list(chunks)) if len(v)]
         meta = pb.TensorMeta(dtype=lease.dtype, shape=lease.shape, nbytes=nbytes)
-        return pb.BytesOut(meta=meta, payload_bytes=len(out)), out
-    finally:
-        engine.release([lease.lease_id])
+        # Sent well before the lease could expire (the engine's clock is time.monotonic).
+        deadline = min(time.monotonic() + DRAIN_S, lease.expires_at - 1.0)
+        return BytesReply(pb.BytesOut(meta=meta, payload_bytes=length), views, release, deadline)
+    except BaseException:
+        release()
+        raise
 
 
-def _copy(engine: CacheEngine, lease: Lease, offset: int, length: int) -> bytes:
-    """``[offset, offset+length)`` of the leased entry, copied once (views of its runs,
-    joined), and checked to be still leased after the copy (LeaseExpired otherwise)."""
-    chunks = engine.iter_bytes(lease, offset, length, CHUNK, copy=_view)
-    views = cast(list[memoryview], list(chunks))
-    out = views[0].tobytes() if len(views) == 1 else b"".join(views)
-    if not engine.lease_alive(lease):  # ended by force meanwhile: pages may be reused
-        raise LeaseExpired("lease has ended", lease_id=lease.lease_id, key=lease.key)
-    return out
-
-
-# Each run's view as it is, not a copy: _copy joins them before the lease ends.
+# Each run's view as it is, not a copy: the lease lives until the transport let go of it.
 _view = cast(Callable[[memoryview], bytes], lambda view: view)

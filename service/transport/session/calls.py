@@ -34,6 +34,7 @@ from embcache.errors import EmbCacheError, InvalidArgument, ReplyTooLarge
 from embcache.proto.constants import MAX_MESSAGE_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.transport.accounting import RpcMetrics
+from embcache.service.transport.session.bytes_out import BytesReply
 from embcache.service.transport.session.host_puts import SessionPuts
 from embcache.service.transport.status import status_for
 
@@ -46,12 +47,13 @@ PutHandler = Callable[[pb.PutFromDeviceRequest, str, str], Awaitable[pb.PutRespo
 PutBatchHandler = Callable[
     [pb.PutFromDeviceBatchRequest, str, str], Awaitable[pb.PutFromDeviceBatchResponse]
 ]
-# (request, owner) -> the result and its bytes (``bytes_out.read_bytes``)
-ReadBytes = Callable[[pb.GetBytesRequest, str], Awaitable[tuple[pb.BytesOut, bytes]]]
-Payload = bytes | bytearray
+# (request, owner) -> the answer and the views to send after it (``bytes_out.read_bytes``)
+ReadBytes = Callable[[pb.GetBytesRequest, str], BytesReply]
 # A session socket's writer of a result and the raw bytes after it: waits until the
-# connection has room, then awaits ``produce()`` and writes both, in one piece.
-SendBytes = Callable[[Callable[[], Awaitable[tuple[pb.SessionResponse, Payload]]]], Awaitable[None]]
+# connection has room, then calls ``produce()`` and writes both, in one piece, and ends the
+# reply's lease once the transport has let go of its views.
+Produce = Callable[[], tuple[pb.SessionResponse, BytesReply | None]]
+SendBytes = Callable[[Produce], Awaitable[None]]
 NAMES = {  # a call's name in the metrics, as its RPC's
     "get": "Get",
     "release": "Release",
@@ -220,32 +222,35 @@ class SessionCalls:
         code = "OK"
         request = call.get_bytes
 
-        async def produce() -> tuple[pb.SessionResponse, Payload]:
+        def produce() -> tuple[pb.SessionResponse, BytesReply | None]:
             nonlocal code
             response = pb.SessionResponse()
             result = response.result
             result.call_id = call.call_id
-            payload: Payload = b""
+            reply = None
             try:
                 if self._read_bytes is None or self._send_bytes is None:
                     raise InvalidArgument(
                         "get_bytes is a session socket's call (SessionOpened.bytes_out)"
                     )
-                meta, payload = await self._read_bytes(request, self.owner)
-                result.get_bytes.CopyFrom(meta)
+                reply = self._read_bytes(request, self.owner)
+                result.get_bytes.CopyFrom(reply.out)
             except EmbCacheError as err:
                 code = _fail(result, err)
                 log.info("Session.get_bytes -> %s: %s", code, err.describe())
             except Exception:
+                if reply is not None:
+                    reply.release()
+                    reply = None
                 code = "INTERNAL"
                 log.exception("Session.get_bytes failed unexpectedly")
                 error = pb.CallError(code=code, message="internal error in get_bytes")
                 result.error.CopyFrom(error)
-            return response, payload
+            return response, reply
 
         try:
             if self._send_bytes is None:
-                response, _ = await produce()  # the refusal
+                response, _ = produce()  # the refusal
                 await self._send(response)
             else:
                 await self._send_bytes(produce)

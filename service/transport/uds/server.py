@@ -33,7 +33,7 @@ import functools
 import hmac
 import logging
 import socket
-from collections.abc import Awaitable, Callable
+import time
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
@@ -43,7 +43,8 @@ from embcache.proto.constants import MAX_MESSAGE_BYTES, UDS_SUFFIX
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.framing import FRAME_HEADER as HEADER
 from embcache.proto.framing import frame
-from embcache.service.transport.session.calls import Payload
+from embcache.service.transport.session.bytes_out import BytesReply
+from embcache.service.transport.session.calls import Produce
 from embcache.service.transport.session.open import OpenSession, SessionHost
 from embcache.service.transport.session.registry import PeerCreds
 from embcache.service.transport.session.waiters import Gate
@@ -53,6 +54,7 @@ from embcache.service.transport.status import status_for
 log = logging.getLogger("embcache.uds")
 # A TCP peer that stops answering is dropped after about KEEPIDLE + KEEPCNT * KEEPINTVL s.
 KEEPIDLE_S, KEEPINTVL_S, KEEPCNT = 30, 10, 3
+_DRAIN_POLL_S = 0.0005  # how often a sent reply's lease looks whether its bytes have left
 
 
 def uds_path(grpc_socket: Path) -> Path:
@@ -124,6 +126,7 @@ class _Connection(asyncio.Protocol):
         self.peer: PeerCreds | None = None
         self._buf = bytearray()
         self._writable = Gate()  # shut while the client does not read (writes back up)
+        self._sending: set[BytesReply] = set()  # replies whose views may still be buffered
         self._at_bound = False  # reading stopped: the session has max_session_calls running
 
     # -- asyncio.Protocol ------------------------------------------------------------------
@@ -135,6 +138,10 @@ class _Connection(asyncio.Protocol):
         self.peer = PeerCreds(*creds) if creds is not None else None
         if self.tcp and sock is not None:
             _keepalive(sock)
+        # Paused as soon as anything waits in the buffer, resumed once it is empty: a
+        # client that does not read is held back at once, and resume_writing tells when a
+        # get_bytes reply's views have all been sent.
+        transport.set_write_buffer_limits(high=0, low=0)
         self.server.track(self)
 
     def data_received(self, data: bytes) -> None:
@@ -175,8 +182,20 @@ class _Connection(asyncio.Protocol):
         self._update_reading()
 
     def resume_writing(self) -> None:
+        # The write buffer is empty (low-water mark 0): called inside the transport's last
+        # send, before the loop runs anything else, so a reply's lease ends before its
+        # reader can have the last of its bytes (and, say, evict the entry).
+        self._release_sent()
         self._writable.open()
         self._update_reading()
+
+    def _release_sent(self) -> None:
+        """End the leases of replies whose bytes have all left (the buffer is empty)."""
+        transport = self.transport
+        if self._sending and transport is not None and transport.get_write_buffer_size() == 0:
+            sending, self._sending = self._sending, set()
+            for reply in sending:
+                reply.release()
 
     def _on_room(self) -> None:
         """A call ended below the bound: handle what is buffered, read on."""
@@ -195,6 +214,11 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        # The buffer is gone: the replies' leases end first, as released, so that the
+        # session's end below does not take them for forced ends (and quarantine them).
+        sending, self._sending = self._sending, set()
+        for reply in sending:
+            reply.release()
         self.server.forget(self)
         self._writable.open()  # waiting writers find the connection closed
         if self.session is not None:
@@ -234,20 +258,42 @@ class _Connection(asyncio.Protocol):
             raise ConnectionResetError("the session socket connection closed")
         self._write(msg)
 
-    async def _send_bytes(
-        self, produce: Callable[[], Awaitable[tuple[pb.SessionResponse, Payload]]]
-    ) -> None:
+    async def _send_bytes(self, produce: Produce) -> None:
         """A get_bytes result and its bytes (``bytes_out.py``): read once writes have room,
-        then written back to back (nothing else can come between on the loop)."""
+        then written back to back (nothing else can come between on the loop); the reply's
+        lease ends once the transport holds none of its views."""
         await self._writable.wait()
-        if self.transport is None or self.transport.is_closing():
+        transport = self.transport
+        if transport is None or transport.is_closing():
             raise ConnectionResetError("the session socket connection closed")
-        response, payload = await produce()
-        if self.transport.is_closing():
-            raise ConnectionResetError("the session socket connection closed")
+        response, reply = produce()
         self._write(response)
-        if payload:
-            self.transport.write(payload)
+        if reply is None:
+            return
+        for view in reply.views:
+            transport.write(view)
+        self._sending.add(reply)
+        self._release_when_sent(reply, _DRAIN_POLL_S)
+
+    def _release_when_sent(self, reply: BytesReply, wait_s: float) -> None:
+        """End ``reply``'s lease once the write buffer is empty (what the socket did not
+        take at once may be the views themselves) or the connection is gone (its buffer is
+        dropped: ``connection_lost`` ends it then); past the reply's drain deadline the
+        connection is closed first. Looked at again after ``wait_s``, doubling to 50 ms."""
+        transport = self.transport
+        if reply not in self._sending:
+            return  # ended with the connection
+        if transport is None or transport.get_write_buffer_size() == 0:
+            self._sending.discard(reply)
+            reply.release()
+            return
+        if time.monotonic() > reply.drain_deadline:
+            log.info("session socket: a reader left %d bytes unread; closing it",
+                     transport.get_write_buffer_size())  # fmt: skip
+            transport.abort()  # drops the buffer, views included; connection_lost ends it
+            return
+        next_s = min(wait_s * 2, 0.05)
+        asyncio.get_running_loop().call_later(wait_s, self._release_when_sent, reply, next_s)
 
     def _write(self, msg: pb.SessionResponse) -> None:
         assert self.transport is not None
