@@ -15,6 +15,7 @@ import argparse
 import cProfile
 import json
 import pstats
+import signal
 import statistics
 import subprocess
 import sys
@@ -33,18 +34,19 @@ from embcache.clients import EmbCacheClient
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.daemon_process import read_line, serve_command, stop
 
-# The daemon under cProfile: its loop thread (the main thread) is profiled until SIGTERM.
+# The daemon under cProfile: its loop thread (the main thread) is profiled from SIGUSR1 to
+# SIGUSR2, which writes the profile (the handlers run on the main thread).
 PROFILED = r"""
-import cProfile, sys
+import cProfile, signal, sys
 from embcache.service.cli.app import app
 out, argv = sys.argv[1], sys.argv[2:]
 prof = cProfile.Profile()
-prof.enable()
-try:
-    app(argv, standalone_mode=False)
-finally:
+signal.signal(signal.SIGUSR1, lambda *_: prof.enable())
+def done(*_):
     prof.disable()
     prof.dump_stats(out)
+signal.signal(signal.SIGUSR2, done)
+app(argv, standalone_mode=False)
 """
 KiB, MiB = 1 << 10, 1 << 20
 TOP = 14
@@ -126,8 +128,8 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     tmp = Path(tempfile.mkdtemp(prefix="callprof-"))
     results: dict[str, Any] = {}
-    for name in ["session call (empty Release)", *_names(cuda)]:
-        prof_file = tmp / "daemon.prof"
+    for i, name in enumerate(["session call (empty Release)", *_names(cuda)]):
+        prof_file = tmp / f"daemon{i}.prof"
         flags = serve_command("--grpc-socket", str(tmp / "d.sock"), "--host-pool-bytes", "1GiB")
         flags = [sys.executable, "-c", PROFILED, str(prof_file), *flags[3:]]
         if not cuda:
@@ -139,23 +141,24 @@ def main() -> None:
             with EmbCacheClient(f"unix:{tmp / 'd.sock'}", timeout=30) as client:
                 fns = cases(client, cuda)
                 wall = timed(fns[name], args.calls)
+                proc.send_signal(signal.SIGUSR1)
+                time.sleep(0.5)  # the daemon's loop wakes at least that often
                 prof = cProfile.Profile()
                 prof.enable()
                 for _ in range(args.calls):
                     fns[name]()
                 prof.disable()
+                proc.send_signal(signal.SIGUSR2)
+                _wait_for(prof_file)
         finally:
             stop(proc)
         client_top = top(pstats.Stats(prof), args.calls)
         daemon_stats = pstats.Stats(str(prof_file))
-        # The daemon ran the warm-up and the timed calls too: per call of all of them.
-        total = args.calls // 5 + args.calls * 2
+        total = args.calls  # the daemon's profile covers the profiled calls only
         results[name] = {
             "wall_p50_us": round(wall, 1),
             "client_top": client_top,
-            "daemon_top": [r for r in top(daemon_stats, total, 40) if "poll" not in r["function"]][
-                :TOP
-            ],
+            "daemon_top": top(daemon_stats, total),
         }
         print(f"\n== {name}: p50 {wall:.0f} us without the profiler")
         for side in ("client_top", "daemon_top"):
@@ -172,6 +175,13 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     suffix = "h200" if cuda else "cpu"
     (args.out_dir / f"call_profile_{suffix}.json").write_text(json.dumps(out, indent=2))
+
+
+def _wait_for(path: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # written whole
 
 
 def _names(cuda: bool) -> list[str]:
