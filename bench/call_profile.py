@@ -124,11 +124,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     ap.add_argument("--calls", type=int, default=600)
+    ap.add_argument("--only", default="", help="profile only calls whose name contains this")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     tmp = Path(tempfile.mkdtemp(prefix="callprof-"))
     results: dict[str, Any] = {}
-    for i, name in enumerate(["session call (empty Release)", *_names(cuda)]):
+    names = [n for n in _names(cuda) if args.only in n]
+    for i, name in enumerate(["session call (empty Release)", *names]):
         prof_file = tmp / f"daemon{i}.prof"
         flags = serve_command("--grpc-socket", str(tmp / "d.sock"), "--host-pool-bytes", "1GiB")
         flags = [sys.executable, "-c", PROFILED, str(prof_file), *flags[3:]]
