@@ -353,10 +353,8 @@ class AsyncEmbCacheClient(AsyncHostPuts):
             keys=names, destination=pb.DeviceBuffer(buffer=exported.message), offsets=offsets
         )
         try:
-            reply = await self._session_call(
-                "get_into",
-                request,
-                lambda md, to: self._stub.GetInto(request, timeout=to, metadata=md),
+            reply = await self._call(
+                lambda md, to: self._stub.GetInto(request, timeout=to, metadata=md), session=True
             )
         except DeviceUnavailable as exc:
             self._no_device.add(exported.message.gpu_uuid, exc)
