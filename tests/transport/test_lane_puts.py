@@ -290,10 +290,10 @@ def test_another_sessions_reservation_cannot_be_committed(server_factory) -> Non
 
 
 def test_a_peer_without_write_access_is_refused_and_streams(server_factory, monkeypatch) -> None:
-    from embcache.service.transport.grpc import servicer
+    from embcache.service.transport.grpc import sessions
 
     # The daemon decides with the peer's uid; here every peer counts as another user's.
-    monkeypatch.setattr(servicer, "may_write_segment", lambda peer, uid: False)
+    monkeypatch.setattr(sessions, "may_write_segment", lambda peer, uid: False)
     with server_factory(host_pool_bytes=8 * MiB) as server:
         raw = Raw(server)
         try:

@@ -10,10 +10,8 @@ The servicer also opens the sessions that gRPC streams and the session socket ca
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
-import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -34,6 +32,7 @@ from embcache.service.host.leases import Lease
 from embcache.service.transport.accounting import RpcMetrics
 from embcache.service.transport.grpc.busy_poll import BusyPoll
 from embcache.service.transport.grpc.errors import rpc
+from embcache.service.transport.grpc.sessions import VERSION_METADATA, SessionRpcs
 from embcache.service.transport.handlers.device import (
     DevicePlane,
     check_reply_size,
@@ -43,18 +42,10 @@ from embcache.service.transport.handlers.device import (
 )
 from embcache.service.transport.idle import idle_limited
 from embcache.service.transport.render import LocationRenderer
-from embcache.service.transport.session.admin import SessionAdmin, StreamDrop, dropped_error
-from embcache.service.transport.session.bytes_out import read_bytes
-from embcache.service.transport.session.calls import Send, SendBytes, SessionCalls
-from embcache.service.transport.session.host_puts import SessionPuts, may_write_segment
-from embcache.service.transport.session.open import OpenSession
-from embcache.service.transport.session.registry import PeerCreds, SessionRegistry
-from embcache.service.transport.session.waiters import FifoLock
+from embcache.service.transport.session.admin import SessionAdmin
+from embcache.service.transport.session.registry import SessionRegistry
 
 log = logging.getLogger("embcache.grpc")
-# Initial metadata of the Session stream and of Stats: which daemon build answers. The
-# data-path unary calls leave it out (it would cost them a write of its own).
-VERSION_METADATA = (("embcache-version", build_info.describe()),)
 
 _EVICT_OUTCOMES = {
     EvictOutcome.EVICTED: pb.EVICTED,
@@ -63,9 +54,9 @@ _EVICT_OUTCOMES = {
 }
 
 
-class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
-    """Every RPC of the service (docs/grpc.md, "RPCs"); owns the session registry, the
-    device plane and the busy poller."""
+class EmbeddingCacheServicer(SessionRpcs, pb_grpc.EmbeddingCacheServicer):
+    """Every RPC of the service (docs/grpc.md, "RPCs"; the sessions' in ``sessions.py``);
+    owns the session registry, the device plane and the busy poller."""
 
     def __init__(
         self,
@@ -231,12 +222,6 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         finally:
             self.engine.release([lease.lease_id])
 
-    @rpc("Lanes")
-    async def Lanes(
-        self, request: pb.LanesRequest, context: grpc.aio.ServicerContext
-    ) -> pb.LanesResponse:
-        return pb.LanesResponse(tcp_port=self.tcp_lane_port)
-
     # -- leases --------------------------------------------------------------------------
     @rpc("Release")
     async def Release(
@@ -310,101 +295,6 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         result = await asyncio.to_thread(self.engine.prefetch, keys, device=device)
         return pb.PrefetchResponse(**result)
 
-    # -- sessions ------------------------------------------------------------------------
-    @rpc("Session")
-    async def Session(
-        self,
-        request_iterator: AsyncIterator[pb.SessionRequest],
-        context: grpc.aio.ServicerContext,
-    ) -> None:
-        writing = FifoLock()  # calls finish concurrently; one write at a time
-
-        async def send(msg: pb.SessionResponse) -> None:
-            async with writing:
-                await context.write(msg)
-
-        session = self.open_session(send, "grpc")
-        drop = StreamDrop()  # an operator's drop (embcache drop-session) ends this stream
-        if session.record is not None:
-            session.record.end = drop
-        try:
-            await context.send_initial_metadata(VERSION_METADATA)
-            await send(pb.SessionResponse(opened=session.opened))
-            async for msg in request_iterator:
-                if not isinstance(msg, pb.SessionRequest):
-                    raise InvalidArgument("undecodable Session message")
-                if msg.WhichOneof("kind") == "ping":
-                    await send(pb.SessionResponse(pong=msg.ping))
-                else:
-                    session.handle(msg, context.peer())
-                    await session.calls.room()  # at the bound: read on once a call ends
-        except asyncio.CancelledError:
-            if not drop.absorb():
-                raise
-            raise dropped_error(session.session_id) from None
-        finally:
-            # Ended for any reason: closed, cancelled, connection lost, server stopping.
-            # Nothing here awaits: a second cancellation must not skip the lease drop.
-            session.end()
-
-    def open_session(
-        self,
-        send: Send,
-        transport: str,
-        peer: PeerCreds | None = None,
-        send_bytes: SendBytes | None = None,
-    ) -> OpenSession:
-        """A new session whose results go out through ``send`` (a gRPC Session stream's or
-        a session-socket connection's, ``uds/server.py``, whose ``peer`` credentials its
-        quota follows, and whose ``send_bytes`` carries get_bytes' raw bytes);
-        :meth:`OpenSession.end` ends it."""
-        record = self.sessions.open(transport, peer)
-        session_id = record.session_id
-        if peer is not None:
-            self.engine.quarantine.bind(session_id, peer.pid)
-        calls = SessionCalls(
-            session_id,
-            send,
-            self._get,
-            self._release,
-            self.metrics,
-            put=self.device.put_from_device,
-            put_batch=self.device.put_from_device_batch,
-            on_call=self.busy.poke,
-            transport=transport,
-            max_calls=self.settings.max_session_calls,
-            quota_owner=record.quota_owner,
-            host_puts=SessionPuts(
-                self.engine,
-                self.host_pool,
-                record.quota_owner,
-                writable=transport == "lane" and may_write_segment(peer, os.geteuid()),
-                idle_s=self.settings.put_idle_timeout_s,
-            ),
-            read_bytes=functools.partial(read_bytes, self.engine),
-            send_bytes=send_bytes,
-        )
-        record.in_flight = lambda: calls.in_flight
-        opened = pb.SessionOpened(
-            session_id=session_id,
-            lease_ttl_s=self.settings.lease_ttl_s,
-            daemon_version=_version(),
-            calls=True,
-            device_puts=True,
-            host_puts=True,
-            writable_puts=calls.host_puts is not None and calls.host_puts.writable,
-            bytes_out=calls.serves_bytes,
-        )
-        return OpenSession(calls, opened, self._end_session, record)
-
-    def _end_session(self, session_id: str) -> int:
-        """A session ended: forget its id, drop its leases and the client allocations
-        opened for it; returns how many leases it held."""
-        self.sessions.close(session_id)
-        dropped = self.engine.drop_owner(session_id)
-        self.device.ipc.drop_owner(session_id)
-        return dropped
-
 
 def _chunk_of(msg: Any) -> memoryview | bytes:
     if isinstance(msg, memoryview):  # the fast path of decoding.decode_put_request
@@ -421,7 +311,3 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     return value
-
-
-def _version() -> str:
-    return build_info.version()

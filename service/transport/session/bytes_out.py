@@ -8,7 +8,8 @@ The bytes go to the transport as views of the pool, not copies, under a lease th
 until the transport has let go of them. asyncio sends what the socket takes at once and keeps
 the rest (Python 3.11 copies it; 3.12 keeps the views themselves), so the lease ends only once
 the connection's write buffer is empty or the connection is gone (``uds/server.py``,
-``_send_bytes``). A reader that leaves the bytes unread past ``drain_deadline`` has its
+``_send_bytes``); ranges up to ``COPY_BYTES`` are copied instead and their lease ends before
+anything is sent. A reader that leaves the bytes unread past ``drain_deadline`` has its
 connection closed (which drops the views) before the lease would expire: no page is reused
 while a view of it may still be sent. The bytes are read only once the connection's writes
 have room, so a client that sends calls and reads nothing holds at most about one reply's
@@ -27,6 +28,7 @@ from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.engine import CacheEngine
 
 DRAIN_S = 30.0  # longest a reply's bytes may wait to be sent (less if the lease ends sooner)
+COPY_BYTES = 256 << 10  # ranges up to this size are copied and their lease ends at once
 
 
 @dataclass(slots=True, eq=False)  # identity: a connection keeps a set of those it sends
@@ -69,6 +71,9 @@ def read_bytes(engine: CacheEngine, request: pb.GetBytesRequest, owner: str) -> 
         chunks = engine.iter_bytes(lease, offset, length, max(length, 1), copy=_view)
         views = [v for v in cast(list[memoryview], list(chunks)) if len(v)]
         meta = pb.TensorMeta(dtype=lease.dtype, shape=lease.shape, nbytes=nbytes)
+        if length <= COPY_BYTES:  # a copy costs less than the wait: released before sent
+            views = [memoryview(b"".join(views))]
+            release()
         # Sent well before the lease could expire (the engine's clock is time.monotonic).
         deadline = min(time.monotonic() + DRAIN_S, lease.expires_at - 1.0)
         return BytesReply(pb.BytesOut(meta=meta, payload_bytes=length), views, release, deadline)
