@@ -17,6 +17,7 @@ from embcache.clients._backends.sync_uds import UdsSession
 from embcache.clients.core.targets import tcp_address
 from embcache.errors import InvalidArgument, Unauthenticated
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.service.transport.session import bytes_out
 
 KiB, MiB = 1 << 10, 1 << 20
 HEADER = struct.Struct("<I")
@@ -67,9 +68,10 @@ def test_bytes_of_an_entry_in_several_runs(server_factory, wait_until) -> None:
         for i in range(16):  # fill the pool, then free every other page
             engine.put(f"f{i}", torch.full((16 * KiB,), i, dtype=torch.int32))
         engine.evict([f"f{i}" for i in range(0, 16, 2)])
-        x = torch.arange(4 * 16 * KiB, dtype=torch.int32)  # 4 pages, in 4 runs
-        engine.put("scattered", x)
-        assert len(engine.entry_info("scattered").page_runs) > 1
+        x = torch.arange(5 * 16 * KiB, dtype=torch.int32)  # 5 pages in 5 runs, 320 KiB:
+        engine.put("scattered", x)  # above COPY_BYTES, so sent as views of its runs
+        assert len(engine.entry_info("scattered").page_runs) == 5
+        assert x.numel() * 4 > bytes_out.COPY_BYTES
         with EmbCacheClient(f"unix:{thread.service.socket_path}", timeout=10) as client:
             got = client.get_bytes("scattered")
             assert isinstance(client._session, UdsSession)  # the Unix session socket
@@ -202,8 +204,6 @@ def test_a_reader_that_never_reads_is_closed_before_the_lease_ends(
 ) -> None:
     """Bytes left unsent past the drain deadline: the daemon closes the connection (dropping
     the views it buffered) and ends the lease, while the reader still holds its socket."""
-    from embcache.service.transport.session import bytes_out
-
     monkeypatch.setattr(bytes_out, "DRAIN_S", 0.3)
     with server_factory(host_pool_bytes=64 * MiB) as (engine, thread):
         engine.put("big", torch.zeros(32 * MiB, dtype=torch.uint8))
