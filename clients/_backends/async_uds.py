@@ -43,8 +43,9 @@ class AsyncUdsSession(AsyncCalls):
 
     @classmethod
     async def open(
-        cls, address: Address, token: str | None, name: str, timeout: float
+        cls, address: Address, token: str | None, name: str, timeout: float, spin_s: float = 0.0
     ) -> AsyncUdsSession:
+        """Connect and open a session (``spin_s`` is the blocking twin's; a task reads here)."""
         if isinstance(address, tuple):
             connecting = asyncio.open_connection(*address, limit=_LIMIT)
         else:

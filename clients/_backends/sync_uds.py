@@ -72,10 +72,14 @@ class _Waiter:
 class UdsSession:
     """One session on the session socket; the interface of :class:`~.sync_session.Session`."""
 
-    def __init__(self, address: Address, token: str | None, name: str, timeout: float) -> None:
-        """Connect, say hello (with the token) and wait up to ``timeout`` for the session."""
+    def __init__(
+        self, address: Address, token: str | None, name: str, timeout: float, spin_s: float = 0.0
+    ) -> None:
+        """Connect, say hello (with the token) and wait up to ``timeout`` for the session;
+        later results are polled for ``spin_s`` without sleeping before the reader sleeps."""
         sock = connect_lane(address, timeout)
         self._sock = sock
+        self._spin_s = spin_s
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
         self._buf = bytearray()
@@ -121,9 +125,11 @@ class UdsSession:
         self.lease_ttl_s = first.opened.lease_ttl_s
 
     @classmethod
-    def open(cls, address: Address, token: str | None, name: str, timeout: float) -> UdsSession:
+    def open(
+        cls, address: Address, token: str | None, name: str, timeout: float, spin_s: float = 0.0
+    ) -> UdsSession:
         """A new session (the constructor; named as the asyncio twin's, which must await)."""
-        return cls(address, token, name, timeout)
+        return cls(address, token, name, timeout, spin_s)
 
     # -- calls -----------------------------------------------------------------------------
     def call(self, timeout: float, **request: Any) -> pb.SessionResult:
@@ -246,13 +252,26 @@ class UdsSession:
                     if size := payload_size(msg):
                         self._payloads[msg.result.call_id] = self._read_payload(size)
                     return msg
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._poll.poll(max(1, int(left * 1000) + 1)):
-                return _TIMEOUT
-            data = self._sock.recv(1 << 16)
+            data = self._spin_recv() if self._spin_s else None
+            if data is None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._poll.poll(max(1, int(left * 1000) + 1)):
+                    return _TIMEOUT
+                data = self._sock.recv(1 << 16)
             if not data:
                 return None
             buf += data
+
+    def _spin_recv(self) -> bytes | None:
+        """What the socket has within ``spin_s``, read without sleeping (b"" at its end);
+        None when nothing came: the caller sleeps in poll() then."""
+        give_up = time.perf_counter() + self._spin_s
+        while True:
+            try:
+                return self._sock.recv(1 << 16, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                if time.perf_counter() >= give_up:
+                    return None
 
     def _read_payload(self, size: int) -> bytearray:
         """The ``size`` raw bytes after a result: what is buffered, then straight from the

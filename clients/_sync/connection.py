@@ -54,6 +54,7 @@ log = logging.getLogger("embcache.client")
 
 LINGER_S = 1.0  # how long the pump looks again for releases queued without a wake
 TCP_CONNECT_S = 2.0  # at most this long to reach a session socket on TCP (else gRPC)
+SPIN_US = 300  # the blocking client's spin before it sleeps on the session socket
 
 
 class Connection:
@@ -73,6 +74,7 @@ class Connection:
         client_name: str = "",
         options: Sequence[tuple[str, Any]] = (),
         session_lane: bool = True,
+        spin_us: int = SPIN_US,
     ) -> None:
         """Prepare a client of the daemon at ``target``; nothing is sent until the first call.
 
@@ -89,6 +91,10 @@ class Connection:
             options: extra gRPC channel options, after embcache's own.
             session_lane: use the daemon's session socket when it has one (False: always
                 a gRPC Session stream).
+            spin_us: the blocking client waits for a result on the Unix session socket
+                by polling it without sleeping for up to this long first (0: never), which
+                spares the kernel's wake-up of a sleeping thread (docs/grpc.md); on TCP,
+                and in the asyncio client, it waits without spinning.
         """
         target = normalize_target(target)
         self._channel, self._stub, self._put, self._get_bytes = connect(
@@ -106,6 +112,7 @@ class Connection:
         self._token = token
         self._client_name = client_name
         self._uds = uds_path(target) if session_lane else None
+        self._spin_s = max(spin_us, 0) / 1e6
         secure = tls or root_certificates is not None or private_key is not None
         # The session socket on TCP speaks no TLS: a client that asked for TLS never uses it.
         self._tcp_lane = session_lane and not secure and tcp_address(target, 0) is not None
@@ -156,6 +163,7 @@ class Connection:
                 self._token,
                 self._client_name,
                 min(self.timeout, TCP_CONNECT_S) if tcp else self.timeout,
+                spin_s=0.0 if tcp else self._spin_s,  # a network's round trip: no spin
             )
         except (OSError, TimeoutError) as err:
             if tcp:  # unreachable (a firewall, another network): gRPC from now on

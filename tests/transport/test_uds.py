@@ -479,3 +479,24 @@ def test_async_lane_checks_the_token(token_server, wait_until) -> None:
 
     asyncio.run(main())
     assert wait_until(lambda: len(token_server[1].service.servicer.sessions) == 0)
+
+
+@pytest.mark.parametrize("spin_us", [0, 300, 50_000])
+def test_the_client_spins_or_sleeps_for_its_results(server, spin_us: int) -> None:
+    """``spin_us``: results are polled for without sleeping first (0: poll() at once); either
+    way each call gets its own result, and a daemon that closes the socket while a caller
+    spins ends the session rather than hanging the caller."""
+    engine, thread = server
+    engine.put("k", torch.arange(5))
+    target = f"unix:{thread.service.socket_path}"
+    with EmbCacheClient(target, timeout=10, spin_us=spin_us) as client:
+        for _ in range(20):
+            with client.get("k") as (t,):
+                assert torch.equal(t, torch.arange(5))
+        session = client._session
+        assert isinstance(session, UdsSession) and session._spin_s == spin_us / 1e6
+        [view] = thread.service.servicer.admin.views()  # an operator drops the session:
+        thread.service.servicer.admin.drop(view.session_id)  # the daemon closes its socket
+        with client.get("k") as (t,):  # a new session
+            assert torch.equal(t, torch.arange(5))
+        assert client._session is not session
