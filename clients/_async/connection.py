@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Self, TypeVar
 
 import grpc
@@ -215,11 +215,19 @@ class AsyncConnection:
                     continue
                 raise translate(err) from err
 
-    async def _session_call(self, kind: str, request: Any, rpc: CallFn[T]) -> T:
+    async def _session_call(
+        self,
+        kind: str,
+        request: Any,
+        rpc: CallFn[T],
+        take: Callable[[Any, bytearray | None], T] | None = None,
+    ) -> T:
         """``request`` as a ``kind`` call on the session when the daemon serves those there
         (cheaper than an RPC), else the RPC ``rpc(metadata, timeout)`` in the session.
-        Retried like an RPC: on UNAVAILABLE, and on a new session if the session ended (a
-        Get's leases ended with it; a put is idempotent)."""
+        The answer is the result's ``kind`` reply, or ``take(reply, payload)`` of it and
+        the raw bytes that followed (get_bytes'). Retried like an RPC: on UNAVAILABLE, and
+        on a new session if the session ended (a Get's leases ended with it; a put is
+        idempotent)."""
         attempt = 0
         while True:
             session = await self._open_session()
@@ -228,13 +236,15 @@ class AsyncConnection:
             if self._views.pending():
                 await self._post_gone(session)  # rides in front of this call
             try:
-                result = await session.call(self.timeout, **{kind: request})
+                result, payload = await session.call_with_payload(self.timeout, **{kind: request})
             except SessionLost:
                 if attempt >= self.retries:
                     raise
                 attempt += 1
                 continue
             if result.WhichOneof("outcome") == kind:
+                if take is not None:
+                    return take(getattr(result, kind), payload)
                 reply: T = getattr(result, kind)
                 return reply
             if retry_step(result, attempt, self.retries) == "new_session":

@@ -10,7 +10,7 @@ from typing import Any, overload
 import grpc
 
 from embcache.clients._async.connection import AsyncConnection
-from embcache.clients._backends.async_io import CallFn, sleep
+from embcache.clients._backends.async_io import CallFn
 from embcache.clients.core.replies import (
     BytesCollector,
     EntryBytes,
@@ -19,8 +19,6 @@ from embcache.clients.core.replies import (
     stats_dict,
 )
 from embcache.clients.core.requests import as_keys, evict_request, prefetch_request, renew_request
-from embcache.clients.core.retry import backoff_s, retry_step
-from embcache.clients.core.session_calls import SessionLost, serves
 from embcache.clients.device import pools
 from embcache.errors import EmbCacheError
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
@@ -149,55 +147,25 @@ class AsyncStatelessCalls(AsyncConnection):
         request = pb.GetBytesRequest(key=key, offset=offset)
         if length is not None:
             request.length = length
-        on_session = await self._get_bytes_on_session(request)
-        if on_session is not _NOT_SERVED:
-            return on_session  # type: ignore[return-value]
 
-        async def fetch(md: Any, to: float) -> EntryBytes:
+        async def fetch(md: Any, to: float) -> EntryBytes:  # the gRPC stream's way
             collector = BytesCollector(key)
             async for msg in self._get_bytes(request, timeout=to, metadata=md):
                 collector.add(msg, length, offset)
             return collector.result()
 
+        def take(out: pb.BytesOut, payload: bytearray | None) -> EntryBytes:  # a socket's
+            data = payload if payload is not None else bytearray()
+            if len(data) != out.payload_bytes:
+                raise ValueError("get_bytes: fewer bytes than the result announced")
+            return EntryBytes(key, out.meta.dtype, tuple(out.meta.shape), data)
+
         try:
-            return await self._call(fetch)
+            return await self._session_call("get_bytes", request, fetch, take)
         except EmbCacheError as exc:
             if getattr(exc, "grpc_status", None) == grpc.StatusCode.NOT_FOUND:
                 return None
             raise
-
-    async def _get_bytes_on_session(self, request: pb.GetBytesRequest) -> object:
-        """get_bytes as a session call: the entry's bytes or None (absent); ``_NOT_SERVED``
-        where the session does not carry it (a gRPC Session stream, an older daemon).
-        Retried like the session's other calls."""
-        attempt = 0
-        while True:
-            session = await self._open_session()
-            if not serves(session, "get_bytes"):
-                return _NOT_SERVED
-            try:
-                result, payload = await session.call_with_payload(self.timeout, get_bytes=request)
-            except SessionLost:
-                if attempt >= self.retries:
-                    raise
-                attempt += 1
-                continue
-            if result.WhichOneof("outcome") == "get_bytes":
-                out = result.get_bytes
-                data = payload if payload is not None else bytearray()
-                if len(data) != out.payload_bytes:
-                    raise ValueError("get_bytes: fewer bytes than the result announced")
-                return EntryBytes(request.key, out.meta.dtype, tuple(out.meta.shape), data)
-            if result.error.code == "NOT_FOUND":
-                return None
-            if retry_step(result, attempt, self.retries) == "new_session":
-                await self._drop_session()
-            else:
-                await sleep(backoff_s(attempt))
-            attempt += 1
-
-
-_NOT_SERVED = object()  # _get_bytes_on_session: the session does not carry get_bytes
 
 
 def _unary(method: Any, request: Any) -> CallFn[Any]:

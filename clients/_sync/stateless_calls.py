@@ -11,7 +11,7 @@ from typing import Any, overload
 
 import grpc
 
-from embcache.clients._backends.sync_io import CallFn, sleep
+from embcache.clients._backends.sync_io import CallFn
 from embcache.clients._sync.connection import Connection
 from embcache.clients.core.replies import (
     BytesCollector,
@@ -21,8 +21,6 @@ from embcache.clients.core.replies import (
     stats_dict,
 )
 from embcache.clients.core.requests import as_keys, evict_request, prefetch_request, renew_request
-from embcache.clients.core.retry import backoff_s, retry_step
-from embcache.clients.core.session_calls import SessionLost, serves
 from embcache.clients.device import pools
 from embcache.errors import EmbCacheError
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
@@ -149,55 +147,25 @@ class StatelessCalls(Connection):
         request = pb.GetBytesRequest(key=key, offset=offset)
         if length is not None:
             request.length = length
-        on_session = self._get_bytes_on_session(request)
-        if on_session is not _NOT_SERVED:
-            return on_session  # type: ignore[return-value]
 
-        def fetch(md: Any, to: float) -> EntryBytes:
+        def fetch(md: Any, to: float) -> EntryBytes:  # the gRPC stream's way
             collector = BytesCollector(key)
             for msg in self._get_bytes(request, timeout=to, metadata=md):
                 collector.add(msg, length, offset)
             return collector.result()
 
+        def take(out: pb.BytesOut, payload: bytearray | None) -> EntryBytes:  # a socket's
+            data = payload if payload is not None else bytearray()
+            if len(data) != out.payload_bytes:
+                raise ValueError("get_bytes: fewer bytes than the result announced")
+            return EntryBytes(key, out.meta.dtype, tuple(out.meta.shape), data)
+
         try:
-            return self._call(fetch)
+            return self._session_call("get_bytes", request, fetch, take)
         except EmbCacheError as exc:
             if getattr(exc, "grpc_status", None) == grpc.StatusCode.NOT_FOUND:
                 return None
             raise
-
-    def _get_bytes_on_session(self, request: pb.GetBytesRequest) -> object:
-        """get_bytes as a session call: the entry's bytes or None (absent); ``_NOT_SERVED``
-        where the session does not carry it (a gRPC Session stream, an older daemon).
-        Retried like the session's other calls."""
-        attempt = 0
-        while True:
-            session = self._open_session()
-            if not serves(session, "get_bytes"):
-                return _NOT_SERVED
-            try:
-                result, payload = session.call_with_payload(self.timeout, get_bytes=request)
-            except SessionLost:
-                if attempt >= self.retries:
-                    raise
-                attempt += 1
-                continue
-            if result.WhichOneof("outcome") == "get_bytes":
-                out = result.get_bytes
-                data = payload if payload is not None else bytearray()
-                if len(data) != out.payload_bytes:
-                    raise ValueError("get_bytes: fewer bytes than the result announced")
-                return EntryBytes(request.key, out.meta.dtype, tuple(out.meta.shape), data)
-            if result.error.code == "NOT_FOUND":
-                return None
-            if retry_step(result, attempt, self.retries) == "new_session":
-                self._drop_session()
-            else:
-                sleep(backoff_s(attempt))
-            attempt += 1
-
-
-_NOT_SERVED = object()  # _get_bytes_on_session: the session does not carry get_bytes
 
 
 def _unary(method: Any, request: Any) -> CallFn[Any]:

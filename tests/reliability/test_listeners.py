@@ -108,27 +108,22 @@ def test_listens_only_on_loopback_and_unix(which: str, request: pytest.FixtureRe
 
 
 def test_token_enforced_on_the_session_lane(guarded: dm.Daemon) -> None:
-    """The lane's hello needs the token; without it no session opens."""
-    lane = f"{guarded.socket_path}.lane"
-    for token in (None, "wrong"):
-        with pytest.raises(Unauthenticated):
-            UdsSession(lane, token, "audit", 5.0)
-    session = UdsSession(lane, TOKEN, "audit", 5.0)
-    try:
-        assert session.call(5.0, release=pb.ReleaseRequest()).release.released == 0
-    finally:
-        session.close()
-    FIG["session lane without / with token"] = "UNAUTHENTICATED / opened"
-    tcp = ("127.0.0.1", guarded.ready["tcp_lane_port"])
-    for token in (None, "wrong"):
-        with pytest.raises(Unauthenticated):
-            UdsSession(tcp, token, "audit", 5.0)
-    session = UdsSession(tcp, TOKEN, "audit", 5.0)
-    try:
-        assert session.call(5.0, release=pb.ReleaseRequest()).release.released == 0
-    finally:
-        session.close()
-    FIG["session socket on TCP without / with token"] = "UNAUTHENTICATED / opened"
+    """The lane's hello needs the token, on its Unix socket and on TCP; without it no
+    session opens."""
+    lanes = {
+        "session lane": f"{guarded.socket_path}.lane",
+        "session socket on TCP": ("127.0.0.1", guarded.ready["tcp_lane_port"]),
+    }
+    for name, address in lanes.items():
+        for token in (None, "wrong"):
+            with pytest.raises(Unauthenticated):
+                UdsSession(address, token, "audit", 5.0)
+        session = UdsSession(address, TOKEN, "audit", 5.0)
+        try:
+            assert session.call(5.0, release=pb.ReleaseRequest()).release.released == 0
+        finally:
+            session.close()
+        FIG[f"{name} without / with token"] = "UNAUTHENTICATED / opened"
 
 
 EXPOSED = [("--grpc-host", "0.0.0.0"), ("--http-host", "::"), ("--grpc-host", "192.0.2.1")]

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
-from embcache.errors import InvalidArgument, NotFound
+from embcache.errors import NotFound
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.engine import CacheEngine
 
@@ -62,21 +62,18 @@ def read_bytes(engine: CacheEngine, request: pb.GetBytesRequest, owner: str) -> 
             engine.release([lease.lease_id])
 
     try:
-        offset, nbytes = request.offset, lease.nbytes
-        length = request.length if request.HasField("length") else nbytes - offset
-        if offset > nbytes or length < 0 or offset + length > nbytes:
-            raise InvalidArgument(
-                "byte range outside the entry", offset=offset, length=length, nbytes=nbytes
-            )
-        chunks = engine.iter_bytes(lease, offset, length, max(length, 1), copy=_view)
-        views = [v for v in cast(list[memoryview], list(chunks)) if len(v)]
-        meta = pb.TensorMeta(dtype=lease.dtype, shape=lease.shape, nbytes=nbytes)
-        if length <= COPY_BYTES:  # a copy costs less than the wait: released before sent
+        length = request.length if request.HasField("length") else None
+        # One view per run (a chunk as long as the entry); InvalidArgument outside it.
+        chunks = engine.iter_bytes(lease, request.offset, length, max(lease.nbytes, 1), copy=_view)
+        views = cast(list[memoryview], list(chunks))
+        sent = sum(len(v) for v in views)
+        meta = pb.TensorMeta(dtype=lease.dtype, shape=lease.shape, nbytes=lease.nbytes)
+        if sent <= COPY_BYTES:  # a copy costs less than the wait: released before sent
             views = [memoryview(b"".join(views))]
             release()
         # Sent well before the lease could expire (the engine's clock is time.monotonic).
         deadline = min(time.monotonic() + DRAIN_S, lease.expires_at - 1.0)
-        return BytesReply(pb.BytesOut(meta=meta, payload_bytes=length), views, release, deadline)
+        return BytesReply(pb.BytesOut(meta=meta, payload_bytes=sent), views, release, deadline)
     except BaseException:
         release()
         raise

@@ -54,7 +54,6 @@ from embcache.service.transport.status import status_for
 log = logging.getLogger("embcache.uds")
 # A TCP peer that stops answering is dropped after about KEEPIDLE + KEEPCNT * KEEPINTVL s.
 KEEPIDLE_S, KEEPINTVL_S, KEEPCNT = 30, 10, 3
-_DRAIN_POLL_S = 0.0005  # how often a sent reply's lease looks whether its bytes have left
 
 
 def uds_path(grpc_socket: Path) -> Path:
@@ -272,28 +271,23 @@ class _Connection(asyncio.Protocol):
             return
         for view in reply.views:
             transport.write(view)
-        self._sending.add(reply)
-        self._release_when_sent(reply, _DRAIN_POLL_S)
-
-    def _release_when_sent(self, reply: BytesReply, wait_s: float) -> None:
-        """End ``reply``'s lease once the write buffer is empty (what the socket did not
-        take at once may be the views themselves) or the connection is gone (its buffer is
-        dropped: ``connection_lost`` ends it then); past the reply's drain deadline the
-        connection is closed first. Looked at again after ``wait_s``, doubling to 50 ms."""
-        transport = self.transport
-        if reply not in self._sending:
-            return  # ended with the connection
-        if transport is None or transport.get_write_buffer_size() == 0:
-            self._sending.discard(reply)
+        if transport.get_write_buffer_size() == 0:  # the socket took it all at once
             reply.release()
             return
-        if time.monotonic() > reply.drain_deadline:
+        # What is left may be the views themselves: the lease ends in resume_writing (the
+        # buffer is empty) or connection_lost (the buffer is gone), unless the reader is
+        # still too slow at the drain deadline.
+        self._sending.add(reply)
+        wait_s = max(reply.drain_deadline - time.monotonic(), 0.0)
+        asyncio.get_running_loop().call_later(wait_s, self._overdue, reply)
+
+    def _overdue(self, reply: BytesReply) -> None:
+        """``reply``'s bytes are still unsent at its drain deadline: close the connection
+        (its buffer goes, views included; ``connection_lost`` ends the lease)."""
+        if reply in self._sending and self.transport is not None:
             log.info("session socket: a reader left %d bytes unread; closing it",
-                     transport.get_write_buffer_size())  # fmt: skip
-            transport.abort()  # drops the buffer, views included; connection_lost ends it
-            return
-        next_s = min(wait_s * 2, 0.05)
-        asyncio.get_running_loop().call_later(wait_s, self._release_when_sent, reply, next_s)
+                     self.transport.get_write_buffer_size())  # fmt: skip
+            self.transport.abort()
 
     def _write(self, msg: pb.SessionResponse) -> None:
         assert self.transport is not None
