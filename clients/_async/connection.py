@@ -236,7 +236,12 @@ class AsyncConnection:
             if self._views.pending():
                 await self._post_gone(session)  # rides in front of this call
             try:
-                result, payload = await session.call_with_payload(self.timeout, **{kind: request})
+                if take is None:  # no raw bytes follow this kind's result
+                    result, payload = await session.call(self.timeout, **{kind: request}), None
+                else:
+                    result, payload = await session.call_with_payload(
+                        self.timeout, **{kind: request}
+                    )
             except SessionLost:
                 if attempt >= self.retries:
                     raise

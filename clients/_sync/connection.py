@@ -237,7 +237,10 @@ class Connection:
             if self._views.pending():
                 self._post_gone(session)  # rides in front of this call
             try:
-                result, payload = session.call_with_payload(self.timeout, **{kind: request})
+                if take is None:  # no raw bytes follow this kind's result
+                    result, payload = session.call(self.timeout, **{kind: request}), None
+                else:
+                    result, payload = session.call_with_payload(self.timeout, **{kind: request})
             except SessionLost:
                 if attempt >= self.retries:
                     raise
