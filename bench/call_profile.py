@@ -111,6 +111,13 @@ def cases(client: EmbCacheClient, cuda: bool) -> dict[str, Callable[[], object]]
 
         out["device hit 4 MiB (owned copy)"] = hit(False)
         out["device hit 4 MiB (zero_copy)"] = hit(True)
+        dest = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
+
+        def get_into() -> None:  # what a vLLM worker's load does: into its own buffer
+            (r,) = client.get_into(["large"], dest)
+            assert r.found
+
+        out["device get_into 4 MiB"] = get_into
     return out
 
 
@@ -189,7 +196,11 @@ def _wait_for(path: Path, timeout: float = 30.0) -> None:
 def _names(cuda: bool) -> list[str]:
     names = ["get 64 KiB (view)", "put 64 KiB", "get_bytes 64 KiB", "get_bytes 4 MiB"]
     if cuda:
-        names += ["device hit 4 MiB (owned copy)", "device hit 4 MiB (zero_copy)"]
+        names += [
+            "device hit 4 MiB (owned copy)",
+            "device hit 4 MiB (zero_copy)",
+            "device get_into 4 MiB",
+        ]
     return names
 
 

@@ -3,7 +3,7 @@
 # part, then the GPU benchmarks. Logs and JSON go to $OUT (default bench/results).
 #   scripts/gpu_suite.sh [PART ...]   parts: kernels device grpc rest reliability multi
 #                                            bench-kernels bench-device bench-colocate
-#                                            bench-grpc bench-rest
+#                                            bench-grpc bench-rest bench-profile
 #                                            bench-multi grpc-mps (the gRPC GPU tests as
 #                                            clients of an MPS control daemon of their own)
 #                                            (default: all; multi and bench-multi only where
@@ -84,6 +84,9 @@ for part in "${parts[@]}"; do
     bench-rest)
       [ -e bench/rest_e2e.py ] && { python3 bench/rest_e2e.py --out-dir "$OUT" 2>&1 \
         | tee "$OUT/bench_rest.log" || status=1; } ;;
+    bench-profile)  # where a call's time goes, both ends (cProfile), device calls only
+      python3 bench/call_profile.py --only device --out-dir "$OUT" 2>&1 \
+        | tee "$OUT/bench_call_profile.log" || status=1 ;;
     bench-peers) python3 bench/peers.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench_peers.log" || status=1 ;;
     *) echo "unknown part $part"; status=1 ;;
   esac

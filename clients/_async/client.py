@@ -353,8 +353,10 @@ class AsyncEmbCacheClient(AsyncHostPuts):
             keys=names, destination=pb.DeviceBuffer(buffer=exported.message), offsets=offsets
         )
         try:
-            reply = await self._call(
-                lambda md, to: self._stub.GetInto(request, timeout=to, metadata=md), session=True
+            reply = await self._session_call(
+                "get_into",
+                request,
+                lambda md, to: self._stub.GetInto(request, timeout=to, metadata=md),
             )
         except DeviceUnavailable as exc:
             self._no_device.add(exported.message.gpu_uuid, exc)

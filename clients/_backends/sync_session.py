@@ -47,6 +47,7 @@ class Session:
         self.serves_host_puts = False  # ... and put / put_batch with the bytes inline
         self.serves_writable_puts = False  # never on a gRPC stream (no peer uid)
         self.serves_bytes_out = False  # never on a gRPC stream (its frames are messages)
+        self.serves_get_into = False  # ... get_into in the session (opened.get_into)
         self.lease_ttl_s = 0.0  # the daemon's default lease lifetime (0: not said)
         self.error: BaseException | None = None
         self.alive = True
@@ -87,6 +88,7 @@ class Session:
                     self.serves_device_puts = msg.opened.device_puts
                     self.serves_host_puts = msg.opened.host_puts
                     self.serves_writable_puts = msg.opened.writable_puts
+                    self.serves_get_into = msg.opened.get_into
                     self.lease_ttl_s = msg.opened.lease_ttl_s
                     self._opened.set()
         except grpc.RpcError as err:

@@ -98,6 +98,7 @@ class UdsSession:
         self.serves_host_puts = False  # put / put_batch with the bytes inline
         self.serves_writable_puts = False  # put_reserve / commit / abort (same uid)
         self.serves_bytes_out = False  # get_bytes, its bytes raw after the result
+        self.serves_get_into = False  # get_into as a session call
         self.lease_ttl_s = 0.0  # the daemon's default lease lifetime (0: not said)
         try:
             hello = pb.SessionHello(client_name=name, pid=os.getpid(), auth_token=token or "")
@@ -122,6 +123,7 @@ class UdsSession:
         self.serves_host_puts = first.opened.host_puts
         self.serves_writable_puts = first.opened.writable_puts
         self.serves_bytes_out = first.opened.bytes_out
+        self.serves_get_into = first.opened.get_into
         self.lease_ttl_s = first.opened.lease_ttl_s
 
     @classmethod

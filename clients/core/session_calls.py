@@ -42,6 +42,8 @@ def serves(session: CallCarrier, kind: str) -> bool:
         return getattr(session, "serves_writable_puts", False)
     if kind == "get_bytes":
         return getattr(session, "serves_bytes_out", False)
+    if kind == "get_into":
+        return getattr(session, "serves_get_into", False)
     return True
 
 

@@ -716,6 +716,44 @@ def test_get_into_packs_and_copies(dev_server: Server, stub) -> None:
     assert engine.stats().leases_active == 1
 
 
+def test_get_into_as_a_session_call(dev_server: Server) -> None:
+    """GetInto in the session (the session socket's call, as the client sends it): the same
+    copies, offsets and errors as the RPC, and the session's leases end with the call."""
+    from embcache.clients._backends.sync_uds import UdsSession
+    from embcache.clients.core.targets import uds_path
+
+    engine, service, fake = dev_server
+    data = {"a": blob(1000, 1), "c": blob(77, 3)}
+    for key, t in data.items():
+        engine.put(key, t)
+    buf = torch.zeros(MiB, dtype=torch.uint8)
+    dest = pb.CudaIpcTensor(gpu_uuid=FAKE_GPU, ipc_handle=fake.register(buf), offset=0,
+                            alloc_size=MiB, dtype="uint8", shape=[MiB])  # fmt: skip
+    lane = uds_path(f"unix:{service.socket_path}")
+    assert lane is not None
+    session = UdsSession(lane, None, "into", 10)
+    try:
+        assert session.serves_get_into
+        request = pb.GetIntoRequest(
+            keys=["a", "miss", "c"], destination=pb.DeviceBuffer(buffer=dest)
+        )
+        result = session.call(10, get_into=request)
+        got = into.into_results(result.get_into)
+        assert [r.found for r in got] == [True, False, True]
+        for r in got:
+            if r:
+                assert torch.equal(buf[r.offset : r.offset + r.nbytes], data[r.key])
+        bad = pb.GetIntoRequest(keys=["a", "c"], offsets=[0, 500])  # overlapping slots
+        bad.destination.buffer.CopyFrom(dest)
+        assert session.call(10, get_into=bad).error.code == "INVALID_ARGUMENT"
+        assert engine.stats().leases_active == 0
+    finally:
+        session.close()
+    metrics = service.servicer.metrics
+    if metrics is not None and hasattr(metrics, "by_transport"):
+        assert ("lane", "Session.GetInto", "OK") in metrics.by_transport
+
+
 def test_client_get_into_a_host_buffer(dev_server: Server) -> None:
     engine, service, _ = dev_server
     a, c = torch.randn(10, 3), torch.arange(7, dtype=torch.int16)

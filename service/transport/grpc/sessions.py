@@ -131,6 +131,7 @@ class SessionRpcs:
             ),
             read_bytes=functools.partial(read_bytes, self.engine),
             send_bytes=send_bytes,
+            get_into=self.device.get_into,
         )
         record.in_flight = lambda: calls.in_flight
         opened = pb.SessionOpened(
@@ -142,6 +143,7 @@ class SessionRpcs:
             host_puts=True,
             writable_puts=calls.host_puts is not None and calls.host_puts.writable,
             bytes_out=calls.serves_bytes,
+            get_into=True,
         )
         return OpenSession(calls, opened, self._end_session, record)
 

@@ -44,6 +44,8 @@ GetHandler = Callable[[pb.GetRequest, str], Awaitable[pb.GetResponse]]
 ReleaseHandler = Callable[[pb.ReleaseRequest, str], pb.ReleaseResponse]  # (request, owner)
 # (request, owner of the IPC mappings, owner of the in-flight quota)
 PutHandler = Callable[[pb.PutFromDeviceRequest, str, str], Awaitable[pb.PutResponse]]
+# (request, owner): a GetInto in the session (the device handler's)
+GetIntoHandler = Callable[[pb.GetIntoRequest, str], Awaitable[pb.GetIntoResponse]]
 PutBatchHandler = Callable[
     [pb.PutFromDeviceBatchRequest, str, str], Awaitable[pb.PutFromDeviceBatchResponse]
 ]
@@ -65,6 +67,7 @@ NAMES = {  # a call's name in the metrics, as its RPC's
     "put_commit": "PutCommit",
     "put_abort": "PutAbort",
     "get_bytes": "GetBytes",
+    "get_into": "GetInto",
 }
 Send = Callable[[pb.SessionResponse], Awaitable[None]]
 
@@ -91,6 +94,7 @@ class SessionCalls:
         host_puts: SessionPuts | None = None,
         read_bytes: ReadBytes | None = None,
         send_bytes: SendBytes | None = None,
+        get_into: GetIntoHandler | None = None,
     ) -> None:
         self.owner = owner
         self.quota_owner = quota_owner or owner
@@ -109,6 +113,7 @@ class SessionCalls:
         self.host_puts = host_puts  # the session's host puts and reservations, if served
         self._read_bytes = read_bytes
         self._send_bytes = send_bytes  # None: the transport cannot send raw bytes (gRPC)
+        self._get_into = get_into
 
     @property
     def serves_bytes(self) -> bool:
@@ -181,6 +186,8 @@ class SessionCalls:
             elif kind == "put_from_device" and self._put is not None:
                 reply = await self._put(call.put_from_device, self.owner, self.quota_owner)
                 result.put_from_device.CopyFrom(reply)
+            elif kind == "get_into" and self._get_into is not None:
+                result.get_into.CopyFrom(await self._get_into(call.get_into, self.owner))
             elif kind == "put_from_device_batch" and self._put_batch is not None:
                 request = call.put_from_device_batch
                 batch = await self._put_batch(request, self.owner, self.quota_owner)
