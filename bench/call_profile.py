@@ -141,8 +141,9 @@ def main() -> None:
         prof_file = tmp / f"daemon{i}.prof"
         flags = serve_command("--grpc-socket", str(tmp / "d.sock"), "--host-pool-bytes", "1GiB")
         flags = [sys.executable, "-c", PROFILED, str(prof_file), *flags[3:]]
-        if not cuda:
-            flags += ["--device", "cpu"]
+        # on a GPU, a device pool: the device calls read from it (without one they would
+        # fall back to a host get and a copy)
+        flags += ["--device-pool-bytes", "1GiB"] if cuda else ["--device", "cpu"]
         proc = subprocess.Popen(flags, stdout=subprocess.PIPE, text=True)
         try:
             ready = json.loads(read_line(proc, '"event": "ready"', 180))

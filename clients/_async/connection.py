@@ -74,6 +74,7 @@ class AsyncConnection:
         options: Sequence[tuple[str, Any]] = (),
         session_lane: bool = True,
         spin_us: int = SPIN_US,
+        copy_gets_up_to: int = 0,
     ) -> None:
         """Prepare a client of the daemon at ``target``; nothing is sent until the first call.
 
@@ -94,6 +95,10 @@ class AsyncConnection:
                 by polling it without sleeping for up to this long first (0: never), which
                 spares the kernel's wake-up of a sleeping thread (docs/grpc.md); on TCP,
                 and in the asyncio client, it waits without spinning.
+            copy_gets_up_to: on the daemon's node, host entries of at most this many bytes
+                come back as copies this process owns, sent after the result, instead of
+                views of the pool (no lease, no mapping, no release: cheaper below about
+                256 KiB); 0: always views. Clients on other machines get copies anyway.
         """
         target = normalize_target(target)
         self._channel, self._stub, self._put, self._get_bytes = connect(
@@ -105,6 +110,7 @@ class AsyncConnection:
             certificate_chain=certificate_chain,
         )
         self.target = target
+        self._copy_gets_up_to = max(0, int(copy_gets_up_to))
         self.timeout = timeout
         self.retries = retries
         self._auth = auth_metadata(token)

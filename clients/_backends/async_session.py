@@ -41,6 +41,7 @@ class AsyncCalls(abc.ABC):
         self.serves_writable_puts = False  # put_reserve / commit / abort (same uid)
         self.serves_bytes_out = False  # get_bytes, its bytes raw after the result (sockets)
         self.serves_get_into = False  # get_into as a session call
+        self.serves_inline_gets = False  # host gets with small entries copied after the result
         self.lease_ttl_s = 0.0  # the daemon's default lease lifetime (0: not said)
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[pb.SessionResult]] = {}
@@ -71,6 +72,7 @@ class AsyncCalls(abc.ABC):
         self.serves_writable_puts = opened.writable_puts
         self.serves_bytes_out = opened.bytes_out
         self.serves_get_into = opened.get_into
+        self.serves_inline_gets = opened.inline_gets
         self.lease_ttl_s = opened.lease_ttl_s
         self._reader = asyncio.get_running_loop().create_task(self._drain())
 

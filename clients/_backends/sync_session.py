@@ -48,6 +48,7 @@ class Session:
         self.serves_writable_puts = False  # never on a gRPC stream (no peer uid)
         self.serves_bytes_out = False  # never on a gRPC stream (its frames are messages)
         self.serves_get_into = False  # ... get_into in the session (opened.get_into)
+        self.serves_inline_gets = False  # never on a gRPC stream (no raw bytes follow)
         self.lease_ttl_s = 0.0  # the daemon's default lease lifetime (0: not said)
         self.error: BaseException | None = None
         self.alive = True

@@ -55,10 +55,16 @@ def connect_lane(address: Address, timeout: float) -> socket.socket:
 
 
 def payload_size(msg: pb.SessionResponse) -> int:
-    """How many raw bytes follow ``msg`` (a get_bytes result's), 0 for any other."""
-    if msg.WhichOneof("kind") != "result" or msg.result.WhichOneof("outcome") != "get_bytes":
+    """How many raw bytes follow ``msg`` (a get_bytes result's, or a get's inline copies),
+    0 for any other."""
+    if msg.WhichOneof("kind") != "result":
         return 0
-    return int(msg.result.get_bytes.payload_bytes)
+    outcome = msg.result.WhichOneof("outcome")
+    if outcome == "get_bytes":
+        return int(msg.result.get_bytes.payload_bytes)
+    if outcome == "get":
+        return int(msg.result.get.inline_bytes)
+    return 0
 
 
 class _Waiter:
@@ -99,6 +105,7 @@ class UdsSession:
         self.serves_writable_puts = False  # put_reserve / commit / abort (same uid)
         self.serves_bytes_out = False  # get_bytes, its bytes raw after the result
         self.serves_get_into = False  # get_into as a session call
+        self.serves_inline_gets = False  # host gets with small entries copied after the result
         self.lease_ttl_s = 0.0  # the daemon's default lease lifetime (0: not said)
         try:
             hello = pb.SessionHello(client_name=name, pid=os.getpid(), auth_token=token or "")
@@ -124,6 +131,7 @@ class UdsSession:
         self.serves_writable_puts = first.opened.writable_puts
         self.serves_bytes_out = first.opened.bytes_out
         self.serves_get_into = first.opened.get_into
+        self.serves_inline_gets = first.opened.inline_gets
         self.lease_ttl_s = first.opened.lease_ttl_s
 
     @classmethod

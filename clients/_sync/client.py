@@ -26,9 +26,15 @@ from embcache.clients._sync.results import LeasedTensors
 from embcache.clients.core.errors import RpcFailed
 from embcache.clients.core.replies import check_ended
 from embcache.clients.core.requests import as_keys, device_get_request, get_request
+from embcache.clients.core.session_calls import serves
 from embcache.clients.device import device_replies, exports, into, pools
 from embcache.clients.device import puts as dp
-from embcache.clients.device.host_replies import decode_get
+from embcache.clients.device.host_replies import (
+    INLINE_GET_BYTES,
+    INLINE_REMOTE_BYTES,
+    decode_get,
+    leased_ids,
+)
 from embcache.errors import DeviceUnavailable, LeaseExpired
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
@@ -187,15 +193,17 @@ class EmbCacheClient(HostPuts):
             leased = self._get_device(names, device, ttl_s, zero_copy)
             if leased is not None:
                 return leased
-        if self._pool_local is False:
+        if self._pool_local is False and not self._inline_gets():
             tensors = [self._fetch_tensor(k) for k in names]
             return self._placed(LeasedTensors(tensors, [], self.release), device)
         taken_at = time.monotonic()
-        reply = self._get_call(get_request(names, ttl_s))
+        # Copies on request; on another machine up to the most one reply carries.
+        limit = INLINE_REMOTE_BYTES if self._pool_local is False else self._copy_gets_up_to
+        reply, payload = self._host_get_call(get_request(names, ttl_s), limit)
         try:
-            decoded = decode_get(reply, self._maps)
+            decoded = decode_get(reply, self._maps, payload=payload)
         except BaseException:
-            self.release([r.lease_id for r in reply.results if r.found])
+            self.release(leased_ids(reply))
             raise
         if decoded.lease_ids:
             self._pool_local = not decoded.remote
@@ -317,15 +325,39 @@ class EmbCacheClient(HostPuts):
         buffer = out
         return self._host_copy(names, lambda ts: into.copy_into_buffer(names, ts, buffer, offsets))
 
+    def _host_get_call(
+        self, request: pb.GetRequest, limit: int
+    ) -> tuple[pb.GetResponse, bytearray | None]:
+        """A host Get in the session, and the raw bytes after its result: where the session
+        socket serves it, entries of at most ``limit`` bytes come back as copies (no lease,
+        no mapping), their bytes after the result; 0: none."""
+        if not limit or not self._inline_gets():
+            return self._get_call(request), None
+        request.inline_max_bytes = limit
+
+        def take(reply: pb.GetResponse, payload: bytearray | None) -> Any:
+            return reply, payload
+
+        def rpc(md: Any, to: float) -> tuple[pb.GetResponse, None]:  # no copies follow
+            return self._stub.Get(request, timeout=to, metadata=md), None
+
+        got: tuple[pb.GetResponse, bytearray | None] = self._session_call("get", request, rpc, take)
+        return got
+
+    def _inline_gets(self) -> bool:
+        """Whether this client's session serves host gets with inline copies."""
+        return serves(self._open_session(), "inline_get")
+
     def _host_copy(self, names: list[str], copy: Callable[[list[Any]], R]) -> R:
         """``copy(tensors)`` of a host get whose entries are read straight from the shared
         mapping (no views to make: they are copied at once), then the leases end."""
         if self._pool_local is False:
             return self._copied(self.get(names), copy)
-        reply = self._get_call(get_request(names, None))
-        ids = [r.lease_id for r in reply.results if r.found]
+        # copied into the caller's memory anyway: small entries may come as copies
+        reply, payload = self._host_get_call(get_request(names, None), INLINE_GET_BYTES)
+        ids = leased_ids(reply)
         try:
-            decoded = decode_get(reply, self._maps, views=False)
+            decoded = decode_get(reply, self._maps, views=False, payload=payload)
             if decoded.remote:  # not mappable here: the leased get streams the bytes
                 self._pool_local = False
                 self.release(ids)

@@ -44,6 +44,8 @@ def serves(session: CallCarrier, kind: str) -> bool:
         return getattr(session, "serves_bytes_out", False)
     if kind == "get_into":
         return getattr(session, "serves_get_into", False)
+    if kind == "inline_get":  # a host get whose small entries follow its result as copies
+        return getattr(session, "serves_inline_gets", False)
     return True
 
 
@@ -52,7 +54,7 @@ def unclaimed_release(result: pb.SessionResult) -> pb.SessionRequest | None:
     hands out, if any (either transport, sync or asyncio)."""
     if result.WhichOneof("outcome") != "get":
         return None
-    ids = [r.lease_id for r in result.get.results if r.found]
+    ids = [r.lease_id for r in result.get.results if r.found and r.lease_id]
     if not ids:
         return None
     return pb.SessionRequest(call=pb.SessionCall(release=pb.ReleaseRequest(lease_ids=ids)))

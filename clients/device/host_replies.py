@@ -1,6 +1,8 @@
 """Get replies with host locations turned into tensors over the mapped host pool.
 
-A same-node client maps the host pool once (``shm.PoolMaps``); an entry stored as one run
+Small entries may come as copies instead, their bytes after the result (the daemon's
+``session/inline_gets.py``): tensors over those bytes, with no lease. A same-node client
+maps the host pool once (``shm.PoolMaps``); an entry stored as one run
 becomes a zero-copy view in a private copy-on-write mapping of its own (writes stay in this
 process), an entry spread over several runs is gathered into a new tensor. A view's mapping
 is its anchor: its lease ends once its block has ended and the anchor is gone
@@ -18,6 +20,18 @@ from embcache.clients.device.shm import PoolMapping, PoolMaps
 from embcache.proto.dtypes import torch_dtype
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
+# Host entries up to this size are asked for as copies sent after the result where the
+# client copies them anyway (get_into a host buffer): below it the copy costs less than a
+# mapping and a lease. A client on another machine asks for copies of up to the most the
+# daemon sends in one reply (1 MiB); larger entries are fetched by get_bytes.
+INLINE_GET_BYTES = 256 << 10
+INLINE_REMOTE_BYTES = 1 << 20
+
+
+def leased_ids(reply: pb.GetResponse) -> list[int]:
+    """The leases a host Get handed out (entries sent as copies have none)."""
+    return [r.lease_id for r in reply.results if r.found and r.lease_id]
+
 
 @dataclass(slots=True)
 class Decoded:
@@ -30,15 +44,28 @@ class Decoded:
     ready: Any = None  # device gets: an event recorded after the copies into owned memory
 
 
-def decode_get(reply: pb.GetResponse, maps: PoolMaps, *, views: bool = True) -> Decoded:
+def decode_get(
+    reply: pb.GetResponse,
+    maps: PoolMaps,
+    *,
+    views: bool = True,
+    payload: bytearray | None = None,
+) -> Decoded:
     """Tensors for a host Get. ``views=False``: entries in one run are slices of the shared
     read-only mapping instead of private views (for the client's own copies, read once
-    while the lease is held and never handed out: no mapping to make, no page to fault)."""
+    while the lease is held and never handed out: no mapping to make, no page to fault).
+    ``payload``: the raw bytes after the result, of the entries it sent as copies (no lease;
+    their tensors are over it, owned by the caller)."""
     pools = {p.pool_id: p for p in reply.pools}
     out = Decoded([], [])
+    if len(payload or b"") != reply.inline_bytes:
+        raise ValueError("get: the raw bytes after the result are not as many as it says")
     for index, result in enumerate(reply.results):
         if not result.found:
             out.tensors.append(None)
+            continue
+        if result.WhichOneof("location") == "inline":
+            out.tensors.append(_copied(result, payload or bytearray()))
             continue
         out.lease_ids.append(result.lease_id)
         if result.WhichOneof("location") != "host" or result.host.pool_id not in pools:
@@ -53,6 +80,18 @@ def decode_get(reply: pb.GetResponse, maps: PoolMaps, *, views: bool = True) -> 
         out.tensors.append(tensor)
         out.anchors.append(anchor)
     return out
+
+
+def _copied(result: pb.GetResult, payload: bytearray) -> torch.Tensor:
+    """An entry the daemon sent as a copy: a tensor over its bytes in ``payload``."""
+    meta, offset = result.meta, result.inline.offset
+    if offset + meta.nbytes > len(payload):
+        raise ValueError(f"reply for {result.key!r} has inline bytes past the payload")
+    if meta.nbytes:
+        flat = torch.frombuffer(payload, dtype=torch.uint8, count=meta.nbytes, offset=offset)
+    else:
+        flat = torch.empty(0, dtype=torch.uint8)
+    return flat.view(torch_dtype(meta.dtype)).view(tuple(meta.shape))
 
 
 def _tensor(result: pb.GetResult, mapping: PoolMapping, views: bool) -> tuple[torch.Tensor, Any]:

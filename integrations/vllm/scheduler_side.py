@@ -121,7 +121,9 @@ class SchedulerSide:
             return
         keys = [self.key(i) for i in fresh]
         try:
-            if self.settings.prefetch:
+            # The pin's host get fetches shared-tier misses itself: a prefetch before it
+            # would only add a call. Without the pin, exists() does not fetch: warm first.
+            if self.settings.prefetch and not self.settings.scheduler_pin:
                 self.client.prefetch(keys)
             if self.settings.scheduler_pin:
                 self._pin_lookup(fresh, keys, request_id)

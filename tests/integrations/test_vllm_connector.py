@@ -166,6 +166,25 @@ def test_has_cache_item_is_batched_and_memoised(model: Any, extra: dict[str, Any
     sched.shutdown()
 
 
+@pytest.mark.parametrize("pin", [True, False])
+def test_prefetch_only_where_the_lookup_would_not_fetch(
+    model: Any, extra: dict[str, Any], pin: bool
+) -> None:
+    """The pin's host get fetches shared-tier misses itself, so only exists() lookups are
+    preceded by a prefetch."""
+    produce(model, extra, {"p1": embeds(3, 3)})
+    cfg = {**extra, "scheduler_pin": pin, "prefetch": True}
+    sched = make(model, "ec_consumer", cfg, ECConnectorRole.SCHEDULER)
+    client = sched._scheduler.client
+    asked: list[list[str]] = []
+    real = client.prefetch
+    client.prefetch = lambda keys, *a, **k: asked.append(list(keys)) or real(keys, *a, **k)
+    sched.ensure_cache_available(kit.request("r", [("p1", 3), ("p2", 3)]), 0)
+    assert sched.has_cache_item("p1") and not sched.has_cache_item("p2")
+    assert asked == ([] if pin else [[sched.key_for("p1"), sched.key_for("p2")]])
+    sched.shutdown()
+
+
 def test_scheduler_never_initialises_cuda(model: Any, extra: dict[str, Any]) -> None:
     produce(model, extra, {"c1": embeds(4, 4)})
     sched = make(model, "ec_consumer", extra, ECConnectorRole.SCHEDULER)

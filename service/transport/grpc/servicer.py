@@ -158,12 +158,16 @@ class EmbeddingCacheServicer(SessionRpcs, pb_grpc.EmbeddingCacheServicer):
             if not self.sessions.alive(owner):
                 # The session ended while we were taking leases: they would outlive it.
                 raise UnknownSession("session ended during the call", session=owner)
-            reply = self._host_reply(request.keys, leases)
-            check_reply_size(reply)  # ReplyTooLarge: refused whole
-            return reply
+            return self._checked_reply(request.keys, leases)  # ReplyTooLarge: refused whole
         except BaseException:  # nobody receives these leases
             self.engine.release((x.lease_id for x in leases if x is not None), owner)
             raise
+
+    def _checked_reply(self, keys: Sequence[str], leases: Sequence[Lease | None]) -> pb.GetResponse:
+        """:meth:`_host_reply`, refused (ReplyTooLarge) if it would not fit one message."""
+        reply = self._host_reply(keys, leases)
+        check_reply_size(reply)
+        return reply
 
     def _host_reply(self, keys: Sequence[str], leases: Sequence[Lease | None]) -> pb.GetResponse:
         pool_id = self.host_pool.pool_id

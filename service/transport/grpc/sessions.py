@@ -30,6 +30,7 @@ from embcache.service.transport.session.calls import (
     SessionCalls,
 )
 from embcache.service.transport.session.host_puts import SessionPuts, may_write_segment
+from embcache.service.transport.session.inline_gets import Render, inline_get
 from embcache.service.transport.session.open import OpenSession
 from embcache.service.transport.session.registry import PeerCreds, SessionRegistry
 from embcache.service.transport.session.waiters import FifoLock
@@ -52,6 +53,7 @@ class SessionRpcs:
     tcp_lane_port: int  # the session socket's TCP port, once it listens (serving.py)
     _get: GetHandler
     _release: ReleaseHandler
+    _checked_reply: Render  # a host get's reply, ReplyTooLarge if it exceeds a message
 
     @rpc("Lanes")
     async def Lanes(
@@ -132,6 +134,9 @@ class SessionRpcs:
             read_bytes=functools.partial(read_bytes, self.engine),
             send_bytes=send_bytes,
             get_into=self.device.get_into,
+            inline_get=functools.partial(
+                inline_get, self.engine, alive=self.sessions.alive, render=self._checked_reply
+            ),
         )
         record.in_flight = lambda: calls.in_flight
         opened = pb.SessionOpened(
@@ -144,6 +149,7 @@ class SessionRpcs:
             writable_puts=calls.host_puts is not None and calls.host_puts.writable,
             bytes_out=calls.serves_bytes,
             get_into=True,
+            inline_gets=calls.serves_inline_gets,
         )
         return OpenSession(calls, opened, self._end_session, record)
 

@@ -51,6 +51,8 @@ PutBatchHandler = Callable[
 ]
 # (request, owner) -> the answer and the views to send after it (``bytes_out.read_bytes``)
 ReadBytes = Callable[[pb.GetBytesRequest, str], BytesReply]
+# (request, owner) -> a host get's reply and the copies sent after it (``inline_gets.py``)
+InlineGet = Callable[[pb.GetRequest, str], tuple[pb.GetResponse, BytesReply | None]]
 # A session socket's writer of a result and the raw bytes after it: waits until the
 # connection has room, then calls ``produce()`` and writes both, in one piece, and ends the
 # reply's lease once the transport has let go of its views.
@@ -95,6 +97,7 @@ class SessionCalls:
         read_bytes: ReadBytes | None = None,
         send_bytes: SendBytes | None = None,
         get_into: GetIntoHandler | None = None,
+        inline_get: InlineGet | None = None,
     ) -> None:
         self.owner = owner
         self.quota_owner = quota_owner or owner
@@ -114,11 +117,17 @@ class SessionCalls:
         self._read_bytes = read_bytes
         self._send_bytes = send_bytes  # None: the transport cannot send raw bytes (gRPC)
         self._get_into = get_into
+        self._inline_get = inline_get
 
     @property
     def serves_bytes(self) -> bool:
         """Whether get_bytes is served here (a session socket's calls)."""
         return self._read_bytes is not None and self._send_bytes is not None
+
+    @property
+    def serves_inline_gets(self) -> bool:
+        """Whether host gets may send small entries as copies after the result here."""
+        return self._inline_get is not None and self._send_bytes is not None
 
     def start(self, call: pb.SessionCall) -> None:
         """Run ``call`` as a task; its result is sent when it finishes. A posted release
@@ -174,6 +183,10 @@ class SessionCalls:
         if kind == "get_bytes":
             await self._get_bytes(call, start)
             return
+        inline = kind == "get" and call.get.inline_max_bytes and not call.get.gpu_uuid
+        if inline and self.serves_inline_gets:  # elsewhere the request's wish is ignored
+            await self._inline(call, start)
+            return
         response = pb.SessionResponse()
         result = response.result  # filled in place: the reply is copied once, into it
         result.call_id = call.call_id
@@ -224,10 +237,42 @@ class SessionCalls:
             raise
 
     async def _get_bytes(self, call: pb.SessionCall, start: float) -> None:
-        """A get_bytes: its result, then the bytes raw, written together once the
-        connection has room (``bytes_out.py``); refused where they cannot follow (gRPC)."""
-        code = "OK"
+        """A get_bytes: its result, then the bytes raw (``bytes_out.py``); refused where they
+        cannot follow (gRPC)."""
         request = call.get_bytes
+
+        def read(result: pb.SessionResult) -> BytesReply:
+            if self._read_bytes is None:
+                raise InvalidArgument(
+                    "get_bytes is a session socket's call (SessionOpened.bytes_out)"
+                )
+            reply = self._read_bytes(request, self.owner)
+            result.get_bytes.CopyFrom(reply.out)
+            return reply
+
+        await self._with_bytes(call, start, "get_bytes", read)
+
+    async def _inline(self, call: pb.SessionCall, start: float) -> None:
+        """A host get whose small entries follow the result as copies (``inline_gets.py``)."""
+
+        def read(result: pb.SessionResult) -> BytesReply | None:
+            assert self._inline_get is not None
+            reply, copies = self._inline_get(call.get, self.owner)
+            result.get.CopyFrom(reply)
+            return copies
+
+        await self._with_bytes(call, start, "get", read)
+
+    async def _with_bytes(
+        self,
+        call: pb.SessionCall,
+        start: float,
+        kind: str,
+        read: Callable[[pb.SessionResult], BytesReply | None],
+    ) -> None:
+        """A call whose result raw bytes follow: ``read(result)`` fills the result and says
+        what follows, run once the connection has room; both are written together."""
+        code = "OK"
 
         def produce() -> tuple[pb.SessionResponse, BytesReply | None]:
             nonlocal code
@@ -236,22 +281,22 @@ class SessionCalls:
             result.call_id = call.call_id
             reply = None
             try:
-                if self._read_bytes is None or self._send_bytes is None:
+                if self._send_bytes is None:
                     raise InvalidArgument(
-                        "get_bytes is a session socket's call (SessionOpened.bytes_out)"
+                        f"{kind} with raw bytes is a session socket's call", kind=kind
                     )
-                reply = self._read_bytes(request, self.owner)
-                result.get_bytes.CopyFrom(reply.out)
+                reply = read(result)
             except EmbCacheError as err:
                 code = _fail(result, err)
-                log.info("Session.get_bytes -> %s: %s", code, err.describe())
+                log.info("Session.%s -> %s: %s", kind, code, err.describe())
             except Exception:
                 if reply is not None:
                     reply.release()
                     reply = None
+                self._give_back(result)
                 code = "INTERNAL"
-                log.exception("Session.get_bytes failed unexpectedly")
-                error = pb.CallError(code=code, message="internal error in get_bytes")
+                log.exception("Session.%s failed unexpectedly", kind)
+                error = pb.CallError(code=code, message=f"internal error in {kind}")
                 result.error.CopyFrom(error)
             return response, reply
 
@@ -267,7 +312,8 @@ class SessionCalls:
         finally:
             if self._metrics is not None:
                 elapsed = time.perf_counter() - start
-                self._metrics.observe_rpc(self._transport, "Session.GetBytes", code, elapsed)
+                name = f"Session.{NAMES.get(kind, 'Unknown')}"
+                self._metrics.observe_rpc(self._transport, name, code, elapsed)
 
     async def _host_put(self, kind: str, call: pb.SessionCall, result: pb.SessionResult) -> None:
         """A host put call (``host_puts.py``): inline, batch, or a reservation's steps."""
@@ -314,4 +360,4 @@ def _fail(result: pb.SessionResult, err: EmbCacheError) -> str:
 
 
 def _lease_ids(reply: pb.GetResponse) -> list[int]:
-    return [r.lease_id for r in reply.results if r.found]
+    return [r.lease_id for r in reply.results if r.found and r.lease_id]

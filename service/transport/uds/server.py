@@ -54,6 +54,7 @@ from embcache.service.transport.status import status_for
 log = logging.getLogger("embcache.uds")
 # A TCP peer that stops answering is dropped after about KEEPIDLE + KEEPCNT * KEEPINTVL s.
 KEEPIDLE_S, KEEPINTVL_S, KEEPCNT = 30, 10, 3
+SMALL_WRITE = 256 << 10  # a result and raw bytes up to this size go out in one write
 
 
 def uds_path(grpc_socket: Path) -> Path:
@@ -266,11 +267,15 @@ class _Connection(asyncio.Protocol):
         if transport is None or transport.is_closing():
             raise ConnectionResetError("the session socket connection closed")
         response, reply = produce()
-        self._write(response)
         if reply is None:
+            self._write(response)
             return
-        for view in reply.views:
-            transport.write(view)
+        if sum(len(v) for v in reply.views) <= SMALL_WRITE:  # one send: cheaper than two
+            transport.write(b"".join((frame(response), *reply.views)))
+        else:
+            self._write(response)
+            for view in reply.views:
+                transport.write(view)
         if transport.get_write_buffer_size() == 0:  # the socket took it all at once
             reply.release()
             return
