@@ -157,12 +157,14 @@ class AsyncEmbCacheClient(AsyncHostPuts):
 
         On the daemon's node the tensors are zero-copy views of its host pool, each in a
         private copy-on-write mapping: writing into one (``x.mul_(2)``) changes only this
-        tensor, never the cache (entries in several page runs are gathered copies);
-        elsewhere the bytes are streamed. With a CUDA ``device`` and a daemon with a device
-        pool on that GPU, the tensors live on the GPU, copied out of the pool into memory
-        you own (one gather on the device's current stream, which later work waits for);
-        ``zero_copy=True`` gives views of the pool itself for entries in one run: no copy,
-        but read-only by contract (a write would change the cache for every reader).
+        tensor, never the cache (entries in several page runs are gathered copies; with
+        ``copy_gets_up_to``, entries up to that size are copies sent after the reply, with
+        no lease); elsewhere the bytes are streamed, small entries in the reply itself.
+        With a CUDA ``device`` and a daemon with a device pool on that GPU, the tensors
+        live on the GPU, copied out of the pool into memory you own (one gather on the
+        device's current stream, which later work waits for); ``zero_copy=True`` gives
+        views of the pool itself for entries in one run: no copy, but read-only by
+        contract (a write would change the cache for every reader).
         Without such a pool they are copied there and the leases released at once.
 
         A view's lease ends once its block has ended (``with``, or ``release()``) *and* the
