@@ -97,7 +97,9 @@ def test_by_default_a_same_node_get_gives_views(server_factory) -> None:
             assert in_pool(client, t) and engine.stats().leases_active == 1
 
 
-def test_a_remote_client_gets_small_and_large_entries_in_one_call(server_factory) -> None:
+def test_a_remote_client_gets_small_and_large_entries_in_one_call(
+    server_factory, monkeypatch
+) -> None:
     """A TCP client cannot map the pool: small entries come in the get's reply, larger
     ones are fetched by get_bytes; nothing stays leased."""
     with server_factory(host_pool_bytes=32 * MiB) as (engine, thread):
@@ -110,7 +112,9 @@ def test_a_remote_client_gets_small_and_large_entries_in_one_call(server_factory
         with EmbCacheClient(target, timeout=10) as client:
             for key, t in data.items():
                 client.put(key, t)
-            client._maps.get = lambda handle: None  # type: ignore[method-assign]  # elsewhere
+            # As on another machine: the pool cannot be mapped. The maps are the process's,
+            # shared by every client, so the patch ends with the test.
+            monkeypatch.setattr(client._maps, "get", lambda handle: None)
             for _ in range(2):  # the first finds out the pool is not mappable here
                 with client.get([*data, "missing"]) as got:
                     assert isinstance(client._session, UdsSession)
