@@ -64,7 +64,9 @@ def read_bytes(engine: CacheEngine, request: pb.GetBytesRequest, owner: str) -> 
     try:
         length = request.length if request.HasField("length") else None
         # One view per run (a chunk as long as the entry); InvalidArgument outside it.
-        chunks = engine.iter_bytes(lease, request.offset, length, max(lease.nbytes, 1), copy=_view)
+        chunks = engine.iter_bytes(
+            lease, request.offset, length, max(lease.nbytes, 1), copy=view_of
+        )
         views = cast(list[memoryview], list(chunks))
         sent = sum(len(v) for v in views)
         meta = pb.TensorMeta(dtype=lease.dtype, shape=lease.shape, nbytes=lease.nbytes)
@@ -79,5 +81,6 @@ def read_bytes(engine: CacheEngine, request: pb.GetBytesRequest, owner: str) -> 
         raise
 
 
-# Each run's view as it is, not a copy: the lease lives until the transport let go of it.
-_view = cast(Callable[[memoryview], bytes], lambda view: view)
+# Each run's view as it is, not a copy (for ``iter_bytes``): get_bytes' lease lives until the
+# transport let go of it; inline gets copy it at once (``inline_gets.py``).
+view_of = cast(Callable[[memoryview], bytes], lambda view: view)

@@ -24,7 +24,7 @@ from embcache.errors import UnknownSession
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.engine import CacheEngine
 from embcache.service.host.leases import Lease
-from embcache.service.transport.session.bytes_out import DRAIN_S, BytesReply
+from embcache.service.transport.session.bytes_out import DRAIN_S, BytesReply, view_of
 
 INLINE_TOTAL = 1 << 20  # bytes sent as copies per reply, at most
 ALIGN = 16  # each copy's offset in the raw bytes is a multiple of this
@@ -71,7 +71,7 @@ def inline_get(
                 lease, pos = leases[i], offset
                 assert lease is not None
                 # One view per run, copied while the lease lives (iter_bytes checks it).
-                chunks = engine.iter_bytes(lease, 0, None, max(lease.nbytes, 1), copy=_view)
+                chunks = engine.iter_bytes(lease, 0, None, max(lease.nbytes, 1), copy=view_of)
                 for view in chunks:
                     into[pos : pos + len(view)] = view
                     pos += len(view)
@@ -88,10 +88,9 @@ def inline_get(
                                                nbytes=lease.nbytes))  # fmt: skip
             result.inline.offset = offset
         reply.inline_bytes = total
+        # From here on only the located entries' leases are held (the caller's to give back).
+        held = [x.lease_id for x in rest if x is not None]
         engine.release((x.lease_id for x in copied if x is not None), owner)
-        for x in copied:
-            if x is not None:
-                held.remove(x.lease_id)
     except BaseException:
         engine.release(held, owner)
         raise
@@ -104,7 +103,3 @@ def inline_get(
 
 def _nothing() -> None:
     """A copy's release: it holds no lease."""
-
-
-def _view(view: memoryview) -> bytes:  # each run's view as it is: copied at once above
-    return view  # type: ignore[return-value]
