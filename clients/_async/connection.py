@@ -338,14 +338,16 @@ class AsyncConnection:
         session = self._session
         return ttl_s or (session.lease_ttl_s if session is not None else 0.0) or 1.0
 
-    def _release_later(self, lease_ids: list[int]) -> None:
+    def _release_later(self, lease_ids: list[int]) -> bool:
         """Release these with the next call, or from the pump (``ViewLeases.release_later``):
         the pump is poked only for the first of a run of them (``_tend_views`` then keeps
-        looking every ``LINGER_S`` while more come), so a get does not wake it each time."""
+        looking every ``LINGER_S`` while more come), so a get does not wake it each time.
+        Returns True: queued (the leased tensors' ``post``)."""
         idle = not self._views.pending()
         self._views.release_later(lease_ids)
         if idle:
             self._pump.poke()
+        return True
 
     def _hold_views(
         self, decoded: Decoded, ttl_s: float | None, taken_at: float, device: Any = None

@@ -43,7 +43,7 @@ class AsyncLeasedTensors(Sequence[torch.Tensor | None]):
         release: ReleaseFn,
         views: ViewLeases | None = None,
         anchors: Sequence[Any] = (),
-        post: Callable[[list[int]], None] | None = None,
+        post: Callable[[list[int]], bool] | None = None,
     ) -> None:
         self.tensors = tensors
         self.lease_ids = lease_ids
@@ -51,9 +51,10 @@ class AsyncLeasedTensors(Sequence[torch.Tensor | None]):
         self._release = release
         self._views = views  # the client's table of leases held by views
         self._anchors = tuple(anchors)  # held until the block ends (core/views.py)
-        # Given when the copies among the tensors were made while their leases surely lived
-        # (before the client's own estimate of their expiry): their release is then queued
-        # to ride with the next call instead of waiting for the daemon's count.
+        # Given where the tensors are copies: ``post(ids)`` queues their release to ride with
+        # the next call instead of waiting for the daemon's count, and says whether it did
+        # (it does only when the copies were surely complete while the leases lived, by
+        # the client's own estimate of their expiry).
         self._post = post
 
     def __getitem__(self, index: int) -> torch.Tensor | None:  # type: ignore[override]
@@ -86,9 +87,8 @@ class AsyncLeasedTensors(Sequence[torch.Tensor | None]):
         elif self._views is not None:
             ids, lost = self._views.end_block(ids)
         self._anchors = ()  # views that are gone already end their leases now
-        if ids and self._post is not None and not now and not lost:
-            self._post(ids)  # copies only (the views' leases end with their last tensor)
-            return
+        if ids and self._post is not None and not now and not lost and self._post(ids):
+            return  # copies only (the views' leases end with their last tensor)
         ended = await self._release(ids) if ids else 0
         check_ended(ended, ids, lost)
 

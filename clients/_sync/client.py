@@ -257,13 +257,31 @@ class EmbCacheClient(HostPuts):
                 return None
             raise
         copied = decoded.ready  # owned copies: an event after them (None: views, or no GPU)
+        expires = taken_at + self._lease_lifetime(ttl_s)
 
         def release(lease_ids: list[int]) -> int:
             device_replies.wait_copied(copied, dev)  # nothing reads the pool's pages after
             return self.release(lease_ids)
 
+        def post(lease_ids: list[int]) -> bool:
+            # Owned copies only: once they are complete, and while the leases surely lived
+            # then, nothing needs the daemon's count: the release rides with the next call.
+            assert copied is not None
+            copied.synchronize()
+            if time.monotonic() >= expires:
+                return False
+            self._release_later(lease_ids)
+            return True
+
         views, anchors = self._hold_views(decoded, ttl_s, taken_at, dev)
-        return LeasedTensors(decoded.tensors, decoded.lease_ids, release, views, anchors)
+        return LeasedTensors(
+            decoded.tensors,
+            decoded.lease_ids,
+            release,
+            views,
+            anchors,
+            post=post if copied is not None else None,
+        )
 
     def _placed(self, leased: LeasedTensors, device: str | torch.device | None) -> LeasedTensors:
         if device is None or torch.device(device).type == "cpu":

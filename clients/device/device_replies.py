@@ -28,6 +28,8 @@ from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+CLONE_MAX = 2  # owned contiguous entries of a reply this small are copied one by one
+
 
 class PoolOpenError(RuntimeError):
     """A device pool named in a reply cannot be opened in this process."""
@@ -65,17 +67,21 @@ def decode_device_get(
 ) -> Decoded:
     """Tensors for a Get with a GPU uuid; each pool is opened once through ``cache``.
     ``owned``: every entry is copied into memory the caller owns; the fragmented entries of
-    a pool (and, owned, the contiguous ones on page boundaries) are gathered together (one
-    upload and one launch: :func:`plan_gather`), and ``ready`` is an event after the copies
-    on a GPU. Otherwise contiguous entries are anchored views (``anchors``). The page ids
-    of a batch are checked and cut into runs with numpy, and each tensor is made with one
-    ``as_strided``, so the Python work per entry stays small."""
+    a pool (and, owned, the contiguous ones on page boundaries, in replies of more than
+    ``CLONE_MAX`` results) are gathered together (one upload and one launch:
+    :func:`plan_gather`), the other contiguous ones copied alone, and ``ready`` is an event
+    after the copies on a GPU. Otherwise contiguous entries are anchored views
+    (``anchors``). The page ids of a batch are checked and cut into runs with numpy, and
+    each tensor is made with one ``as_strided``, so the Python work per entry stays small."""
     pools = {p.pool_id: p for p in reply.pools}
     out = Decoded([], [])
     gathers: dict[str, _Gather] = {}
     opened: dict[str, tuple[torch.Tensor, int]] = {}
     typed: _Typed = {}
     clones: list[tuple[int, torch.Tensor, int, pb.TensorMeta]] = []  # copied after the wait
+    # A reply of a few entries copies its contiguous ones alone (one copy call each, no ids
+    # to place); more go into the gather, one launch for all.
+    few = len(reply.results) <= CLONE_MAX
     for result in reply.results:
         if not result.found:
             out.tensors.append(None)
@@ -106,7 +112,7 @@ def decode_device_get(
                 flat, out.anchors[-1] = anchored_view(pool, loc.offset, meta.nbytes)
                 out.tensors.append(_view(flat, 0, meta, typed))
                 continue
-            if page_bytes <= 0 or loc.offset % page_bytes:  # not on a page: copied alone
+            if page_bytes <= 0 or loc.offset % page_bytes or few:  # copied alone
                 clones.append((len(out.tensors), pool, loc.offset, meta))
                 out.tensors.append(None)  # filled below
                 continue
