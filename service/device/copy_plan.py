@@ -44,8 +44,11 @@ def merge_runs(src: ByteRuns, dst: ByteRuns) -> tuple[np.ndarray, np.ndarray, np
     """Pieces ``(src_offsets, dst_offsets, lengths)`` copying two run lists of equal length.
 
     Pieces start wherever either side's run starts; pieces contiguous on both sides are
-    joined again. Cost is a handful of numpy calls, whatever the number of runs.
+    joined again. Cost is a handful of numpy calls, whatever the number of runs; up to
+    ``SMALL_PLAN`` runs (both sides together) the same walk in plain Python is cheaper.
     """
+    if len(src) + len(dst) <= SMALL_PLAN:
+        return _merge_lists(src, dst)
     src_addr, src_len = _columns(src)
     dst_addr, dst_len = _columns(dst)
     return merge_arrays(src_addr, src_len, dst_addr, dst_len)
@@ -181,6 +184,37 @@ def _merge_small(
                 d_len -= take
                 if s_off == s_len[i]:
                     i, s_off = i + 1, 0
+    return (
+        np.array(so, dtype=np.int64),
+        np.array(do, dtype=np.int64),
+        np.array(ln, dtype=np.int64),
+    )
+
+
+def _merge_lists(src: ByteRuns, dst: ByteRuns) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`merge_arrays` of two short run lists, walked in Python (the same pieces)."""
+    assert sum(n for _, n in src) == sum(n for _, n in dst), "both sides must hold as much"
+    so: list[int] = []
+    do: list[int] = []
+    ln: list[int] = []
+    i = j = s_used = d_used = 0
+    while i < len(src) and j < len(dst):
+        (s_at, s_len), (d_at, d_len) = src[i], dst[j]
+        take = min(s_len - s_used, d_len - d_used)
+        if take > 0:
+            s, d = s_at + s_used, d_at + d_used
+            if ln and so[-1] + ln[-1] == s and do[-1] + ln[-1] == d:
+                ln[-1] += take  # contiguous on both sides: one piece
+            else:
+                so.append(s)
+                do.append(d)
+                ln.append(take)
+            s_used += take
+            d_used += take
+        if s_used == s_len:
+            i, s_used = i + 1, 0
+        if d_used == d_len:
+            j, d_used = j + 1, 0
     return (
         np.array(so, dtype=np.int64),
         np.array(do, dtype=np.int64),

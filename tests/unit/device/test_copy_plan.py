@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from embcache.service.device.copy_plan import (
     ByteRuns,
     PlanBuilder,
+    merge_arrays,
     merge_runs,
     row_bytes_for,
     truncate_runs,
@@ -78,7 +79,13 @@ def test_pair_runs_copies_every_byte_once(a: list[int], b: list[int], data) -> N
 
     src, dst = runs(a, 3), runs(b, 5)
     so, do, ln = pair_runs(src, dst, nbytes)
-    vs, vd, vn = merge_runs(truncate_runs(src, nbytes), truncate_runs(dst, nbytes))
+    src_runs, dst_runs = truncate_runs(src, nbytes), truncate_runs(dst, nbytes)
+    vs, vd, vn = merge_runs(src_runs, dst_runs)  # short lists: the walk in Python
+    assert (vs.tolist(), vd.tolist(), vn.tolist()) == (so, do, ln)
+    columns = [np.array(r, dtype=np.int64).reshape(-1, 2) for r in (src_runs, dst_runs)]
+    vs, vd, vn = merge_arrays(
+        columns[0][:, 0], columns[0][:, 1], columns[1][:, 0], columns[1][:, 1]
+    )
     assert (vs.tolist(), vd.tolist(), vn.tolist()) == (so, do, ln)  # same pieces, vectorised
     assert sum(ln) == nbytes
     src_mem = np.arange(200, dtype=np.int64)
