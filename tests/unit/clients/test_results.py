@@ -51,3 +51,30 @@ def test_the_asyncio_twin_reports_the_same() -> None:
                 raise KeyError("boom")
 
     asyncio.run(main())
+
+
+def test_a_post_that_declines_falls_back_to_a_counted_release() -> None:
+    """``post`` queues copies' releases for the next call; when it declines (a copy not
+    surely complete while its lease lived), the block's end releases now and reports a
+    lease that had ended."""
+    t = [torch.zeros(2)]
+    queued: list[list[int]] = []
+    released: list[list[int]] = []
+
+    def release(ids: list[int]) -> int:
+        released.append(ids)
+        return len(ids) - 1  # one had ended
+
+    def post(ids: list[int]) -> bool:
+        queued.append(ids)
+        return True
+
+    with LeasedTensors(t, [1, 2], release, post=post):
+        pass
+    assert queued == [[1, 2]] and released == []  # rides with the next call
+    with pytest.raises(LeaseExpired), LeasedTensors(t, [3, 4], release, post=lambda ids: False):
+        pass
+    assert released == [[3, 4]]
+    now = LeasedTensors(t, [5], lambda ids: released.append(ids) or 1, post=post)
+    now.release(now=True)  # an explicit release(now=True) never rides
+    assert released[-1] == [5] and queued == [[1, 2]]
