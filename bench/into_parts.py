@@ -10,10 +10,8 @@ from a client's get_into (bench/call_profile.py) for the transport's share.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import environment, print_environment
+from _common import environment, latencies_us, print_environment, save_json
 
 from embcache.service.config import Settings
 from embcache.service.device.copy_plan import PlanBuilder
@@ -32,14 +30,7 @@ ENTRY = 4 * MiB
 
 
 def p50_us(fn: Callable[[], object], iters: int) -> float:
-    for _ in range(5):
-        fn()
-    lat = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        lat.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(lat)
+    return statistics.median(latencies_us(fn, iters, warmup=5))
 
 
 def main() -> None:
@@ -103,10 +94,7 @@ def main() -> None:
     print_environment(env)
     for name, us in out.items():
         print(f"{name:<52} p50 {us:8.1f} us")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / "into_parts.json"
-    path.write_text(json.dumps({"bench": "into_parts", **env, "p50_us": out}, indent=2))
-    print(f"wrote {path}")
+    save_json("into_parts", {"bench": "into_parts", **env, "p50_us": out}, args.out_dir)
 
 
 if __name__ == "__main__":

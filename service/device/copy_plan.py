@@ -134,61 +134,25 @@ def plan_entries(
         cols = np.concatenate(src, axis=1)
         bases = np.repeat([runs[0][0] * page for runs in dst_runs], [c.shape[1] for c in src])
         return cols[0], cols[2] + bases, cols[1]
-    if sum(c.shape[1] for c in src) + sum(len(r) for r in dst_runs) <= SMALL_PLAN:
-        return _merge_small(src, dst_runs, page, rows)
-    cols = src[0] if len(src) == 1 else np.concatenate(src, axis=1)
-    d: list[tuple[int, int]] = []
+    d: list[tuple[int, int]] = []  # the destination runs, each entry's cut to its rows
     for left, runs in zip(rows, dst_runs, strict=True):
         for p, k in runs:
             take = min(k * page, left)
             d.append((p * page, take))
             left -= take
+    if sum(c.shape[1] for c in src) + len(d) <= SMALL_PLAN:
+        s = [run for c in src for run in zip(c[0].tolist(), c[1].tolist(), strict=True)]
+        return _merge_lists(s, d)
+    cols = src[0] if len(src) == 1 else np.concatenate(src, axis=1)
     dst = np.array(d, dtype=np.int64).reshape(-1, 2)
     return merge_arrays(cols[0], cols[1], dst[:, 0], dst[:, 1])
 
 
-# Up to this many runs (both sides together), :func:`plan_entries` merges in plain Python:
-# the numpy merge's fixed cost (some ten calls) is more than the work on small plans, and
-# it is paid before a get's copy can start (docs/device.md, "Engine API").
+# Up to this many runs (both sides together), :func:`merge_runs` and :func:`plan_entries`
+# merge in plain Python (:func:`_merge_lists`): the numpy merge's fixed cost (some ten
+# calls) is more than the work on small plans, and it is paid before a get's copy can start
+# (docs/device.md, "Engine API").
 SMALL_PLAN = 128
-
-
-def _merge_small(
-    src: Sequence[np.ndarray],
-    dst_runs: Sequence[Sequence[tuple[int, int]]],
-    page: int,
-    rows: Sequence[int],
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`merge_arrays` of :func:`plan_entries`' two sides, walked in Python: the same
-    pieces (cut where either side's run starts, joined where contiguous on both sides)."""
-    so: list[int] = []
-    do: list[int] = []
-    ln: list[int] = []
-    for cols, runs, left in zip(src, dst_runs, rows, strict=True):
-        s_start, s_len = cols[0].tolist(), cols[1].tolist()
-        i = s_off = 0
-        for p, k in runs:
-            d, d_len = p * page, min(k * page, left)
-            left -= d_len
-            while d_len > 0:
-                take = min(s_len[i] - s_off, d_len)
-                s = s_start[i] + s_off
-                if ln and so[-1] + ln[-1] == s and do[-1] + ln[-1] == d:
-                    ln[-1] += take
-                else:
-                    so.append(s)
-                    do.append(d)
-                    ln.append(take)
-                s_off += take
-                d += take
-                d_len -= take
-                if s_off == s_len[i]:
-                    i, s_off = i + 1, 0
-    return (
-        np.array(so, dtype=np.int64),
-        np.array(do, dtype=np.int64),
-        np.array(ln, dtype=np.int64),
-    )
 
 
 def _merge_lists(src: ByteRuns, dst: ByteRuns) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
