@@ -1,8 +1,9 @@
 """Where a get_into's time goes inside the daemon: the engine's ``get_into`` of one 4 MiB
 entry in this process (no transport), from the device pool (resident) and from the host
 pool, beside one plain 4 MiB copy of each kind (the floor) and the pieces around the
-copy (a stream synchronize with nothing queued, the planning of the copy). Subtract these
-from a client's get_into (bench/call_profile.py) for the transport's share.
+copy (a stream synchronize with nothing queued, the planning of the copy), and what a
+client does before it sends a get_into (the destination's IPC export and its event).
+Subtract these from a client's get_into (bench/call_profile.py) for the transport's share.
 
     python bench/into_parts.py [--iters N] [--out-dir DIR]   (a CUDA machine)
 """
@@ -21,6 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment, latencies_us, print_environment, save_json
 
+from embcache.clients.device import exports
+from embcache.clients.device.ipc_events import EVENTS
+from embcache.kernels import cuda_ipc
 from embcache.service.config import Settings
 from embcache.service.device.copy_plan import PlanBuilder
 from embcache.service.engine import CacheEngine
@@ -78,6 +82,11 @@ def main() -> None:
         b.add([(0, ENTRY)], [(0, ENTRY)], ENTRY)
         b.rows()
 
+    def export() -> None:  # what the client does before each GetInto
+        exported = exports.export_cuda(dest, as_bytes=True)
+        assert exported is not None
+        exported.returned()
+
     pool_src = engine.device.pool(0).tensor[:ENTRY]
     rows = {
         "get_into from the device pool (resident)": into("resident"),
@@ -86,6 +95,9 @@ def main() -> None:
         "floor: one 4 MiB pinned host-to-device copy + sync": copy(host),
         "stream synchronize, nothing queued": stream.synchronize,
         "plan of one run (PlanBuilder)": plan,
+        "client: export of the destination, with its event": export,
+        "client: the export's IPC memory handle alone": lambda: cuda_ipc.export_tensor(dest),
+        "client: the export's IPC event alone": lambda: EVENTS.record(dest.device).done(),
     }
     out = {name: p50_us(fn, args.iters) for name, fn in rows.items()}
     engine.close()

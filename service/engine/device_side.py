@@ -16,7 +16,6 @@ drains. Puts from device memory are described in ``device_puts.py``.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -27,6 +26,7 @@ from embcache.service.device.into import check_destination
 from embcache.service.device.pending_get import DeviceLease, PendingGet, Placement
 from embcache.service.device.pool import DevicePool
 from embcache.service.device.tier import DeviceTier
+from embcache.service.engine.device_into import PendingInto
 from embcache.service.engine.device_puts import PendingPut, PutTarget, start_puts
 from embcache.service.host.entries import Entry
 from embcache.service.host.leases import Lease
@@ -239,45 +239,58 @@ class DeviceSide:
         *,
         device: int | None = None,
     ) -> list[Lease | None]:
-        """Copy each entry found into ``dest`` at its offset, from device pool ``device``
-        where it is resident there (and loaded), else from the host pool; returns once the
-        copies are complete.
+        """Copy each entry found into ``dest`` at its offset and return once the copies are
+        complete: :meth:`start_into`, then wait and finish. Returns per key its lease (ended
+        by the time this returns), or None for a miss."""
+        pending = self.start_into(keys, owner, dest, offsets, device=device)
+        try:
+            pending.wait()
+        finally:
+            pending.finish()
+        return pending.leases
+
+    def start_into(
+        self,
+        keys: Sequence[str],
+        owner: str,
+        dest: torch.Tensor,
+        offsets: Sequence[int],
+        *,
+        device: int | None = None,
+        fill_misses: bool = True,
+    ) -> PendingInto:
+        """Lease the entries found and queue their copies into ``dest`` at their offsets,
+        from device pool ``device`` where they are resident there (and loaded), else from
+        the host pool; the caller finishes the result once its copies are complete.
 
         Args:
             dest: a flat contiguous uint8 buffer (a client's memory the daemon mapped, or
                 this process's own); ``offsets``: one byte offset per key.
             device: the pool on ``dest``'s GPU, if there is one (None: host copies only).
-        Returns:
-            Per key its lease (ended by the time this returns), or None for a miss.
+            fill_misses: fetch misses from the shared tier first (False: the caller did).
         Raises:
             InvalidArgument: a bad ``dest``, an offset count that is not one per key, or a
-                slot that does not fit or overlaps another (checked before any copy).
+                slot that does not fit or overlaps another (checked before any copy; no
+                lease is left behind).
             DeviceUnavailable: no pool ``device``, or out of service.
         """
         check_destination(dest, len(keys), len(offsets))
         if device is not None:
             self._tier.pool(device)  # no such pool: fail before anything else
-        self._fill_misses(keys)
+        if fill_misses:
+            self._fill_misses(keys)
         ttl = self._expiry(None)
         with self._lock:
             entries = self._pin(keys, owner)
             leases = self._store.lease(entries, owner, self._store.clock() + ttl)
-            ids = [x.lease_id for x in leases if x is not None]
             try:
                 stream = self._tier.queue_into(leases, dest, offsets, device)
+                event = self._tier.copier.record(stream)
             except BaseException:
-                self._store.release(ids)
+                self._store.release([x.lease_id for x in leases if x is not None])
                 raise
-        try:
-            start = time.perf_counter()
-            if stream is not None:
-                stream.synchronize()
-            nbytes = sum(x.nbytes for x in leases if x is not None)
-            self._tier.copier.observe("h2d", nbytes, time.perf_counter() - start)
-        finally:
-            with self._lock:
-                self._store.release(ids)
-        return leases
+        observe = self._tier.copier.observe
+        return PendingInto(leases, event, self._store.release, observe, self._lock)
 
     # -- puts from device memory (device_puts.py) ----------------------------------------
     def put(

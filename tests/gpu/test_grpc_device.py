@@ -148,6 +148,14 @@ with EmbCacheClient(sys.argv[1]) as client, EmbCacheClient(sys.argv[1]) as other
     k = keys[0]
     (r,) = client.get_into([k], buf, offsets=[1 << 20])
     assert r.offset == 1 << 20 and torch.equal(r.view(buf), want[k])
+    # a buffer still being written on our stream: the daemon's copy follows that work
+    for _ in range(3):  # busy (a worker thread waits), idle (on the daemon's loop), busy
+        torch.cuda._sleep(20_000_000)  # some ms of GPU time before the fill
+        buf.fill_(0xCD)
+        (r,) = client.get_into([k], buf, offsets=[2 << 20])
+        assert torch.equal(r.view(buf), want[k]), "GetInto copied before our writes ended"
+        (r,) = client.get_into([k], buf, offsets=[3 << 20])  # the stream is idle now
+        assert torch.equal(r.view(buf), want[k])
     out["leases"] = client.stats()["leases_active"]
 print(json.dumps(out))
 """

@@ -64,15 +64,15 @@ class FakeMapping:
 
 
 class FakeEvent:
-    def __init__(self, waits: list[bytes], handle: bytes) -> None:
-        self.waits, self.handle = waits, handle
+    def __init__(self, waits: list[bytes], handle: bytes, fired: Callable[[], bool]) -> None:
+        self.waits, self.handle, self._fired = waits, handle, fired
 
     def synchronize(self) -> None:
         self.waits.append(self.handle)
 
-    def query(self) -> bool:  # the daemon polls first: fired at once here
+    def query(self) -> bool:  # the daemon polls first: fired at once unless told otherwise
         self.waits.append(self.handle)
-        return True
+        return self._fired()
 
 
 class FakeRecorded:
@@ -93,6 +93,7 @@ class FakeIpc:
         self.event_opens: list[bytes] = []
         self.free_events: list[FakeRecorded] = []  # client side, for fake_cuda_puts
         self.made_events: set[bytes] = set()
+        self.unfired: set[bytes] = set()  # client events whose work has not finished yet
 
     def register(self, buf: torch.Tensor) -> bytes:
         handle = os.urandom(64)
@@ -117,7 +118,7 @@ class FakeIpc:
 
     def open_event(self, handle: bytes, device: int) -> FakeEvent:
         self.event_opens.append(handle)
-        return FakeEvent(self.events, handle)
+        return FakeEvent(self.events, handle, lambda: handle not in self.unfired)
 
 
 class FakePools:
@@ -752,6 +753,120 @@ def test_get_into_as_a_session_call(dev_server: Server) -> None:
     metrics = service.servicer.metrics
     if metrics is not None and hasattr(metrics, "by_transport"):
         assert ("lane", "Session.GetInto", "OK") in metrics.by_transport
+
+
+def into_paths(monkeypatch, service: DataPlane) -> list[str]:  # type: ignore[no-untyped-def]
+    """Which way each GetInto from now on ran: "loop" or "thread"."""
+    plane = service.servicer.device
+    paths: list[str] = []
+    now, waiting = plane._into_now, plane._into_waiting
+
+    async def on_loop(*args):  # type: ignore[no-untyped-def]
+        paths.append("loop")
+        return await now(*args)
+
+    def in_thread(*args):  # type: ignore[no-untyped-def]
+        paths.append("thread")
+        return waiting(*args)
+
+    monkeypatch.setattr(plane, "_into_now", on_loop)
+    monkeypatch.setattr(plane, "_into_waiting", in_thread)
+    return paths
+
+
+def test_get_into_runs_on_the_loop_once_nothing_can_block(dev_server: Server, monkeypatch) -> None:
+    """The first GetInto of a session maps the buffer and opens the client's event in a
+    worker thread; later ones, with both open and the event fired, copy on the loop. An
+    event that has not fired sends the call back to a thread, which waits for it. Either
+    way the bytes land at their slots and no lease outlives the call."""
+    from embcache.clients.core.targets import uds_path
+
+    engine, service, fake = dev_server
+    data = {"a": blob(1000, 1), "b": blob(2 * PAGE + 3, 2)}
+    for key, t in data.items():
+        engine.put(key, t)
+    engine.device.get(["b"], "warm")  # b from the device pool, a from the host pool
+    buf = torch.zeros(MiB, dtype=torch.uint8)
+    event = os.urandom(64)
+    dest = pb.CudaIpcTensor(gpu_uuid=FAKE_GPU, ipc_handle=fake.register(buf), offset=64,
+                            alloc_size=MiB, dtype="uint8", shape=[MiB - 64],
+                            event_handle=event)  # fmt: skip
+    paths = into_paths(monkeypatch, service)
+    lane = uds_path(f"unix:{service.socket_path}")
+    assert lane is not None
+    session = UdsSession(lane, None, "into-loop", 10)
+    try:
+
+        def call(offsets: list[int]) -> pb.SessionResult:
+            buf.zero_()
+            request = pb.GetIntoRequest(keys=["b", "miss", "a"], offsets=offsets)
+            request.destination.buffer.CopyFrom(dest)
+            return session.call(10, get_into=request)
+
+        for unfired in (False, False, True, False):
+            fake.unfired = {event} if unfired else set()
+            got = into.into_results(call([0, 0, 3 * PAGE]).get_into)
+            assert [r.found for r in got] == [True, False, True]
+            for r in got:
+                if r:
+                    lo = 64 + r.offset
+                    assert torch.equal(buf[lo : lo + r.nbytes], data[r.key])
+            assert engine.stats().leases_active == 1  # only the warm-up lease
+        assert paths == ["thread", "loop", "thread", "loop"]
+        assert len(fake.opened) == 1 and fake.event_opens == [event]
+        # a bad slot found on the loop: typed error, nothing copied, no lease left
+        fake.unfired = set()
+        bad = call([0, 0, 100])  # a's slot overlaps b's
+        assert bad.error.code == "INVALID_ARGUMENT" and paths[-1] == "loop"
+        assert not buf.any() and engine.stats().leases_active == 1
+    finally:
+        session.close()
+
+
+def test_a_get_into_cancelled_on_the_loop_ends_its_leases_after_its_copies(
+    dev_server: Server, stub, monkeypatch
+) -> None:
+    """A GetInto whose copies are still running when its caller gives up (a deadline)
+    keeps its leases, and the destination mapped, until the copies are complete; then
+    nothing is left behind."""
+    engine, service, fake = dev_server
+    engine.put("a", blob(3000, 4))
+    buf = torch.zeros(MiB, dtype=torch.uint8)
+    dest = pb.CudaIpcTensor(gpu_uuid=FAKE_GPU, ipc_handle=fake.register(buf), offset=0,
+                            alloc_size=MiB, dtype="uint8", shape=[MiB])  # fmt: skip
+    request = pb.GetIntoRequest(keys=["a"], destination=pb.DeviceBuffer(buffer=dest))
+    paths = into_paths(monkeypatch, service)
+    stub.GetInto(request)  # maps the buffer (in a thread)
+    copied = threading.Event()
+    leases_at_copy_end: list[int] = []
+
+    class SlowCopy:  # the copies' completion event, 0.6 s after they are queued
+        def query(self) -> bool:
+            return copied.is_set()
+
+        def synchronize(self) -> None:
+            copied.wait(5)
+
+    copier = engine.device._tier.copier
+    monkeypatch.setattr(copier, "record", lambda stream: SlowCopy())
+
+    def finish_copies() -> None:
+        leases_at_copy_end.append(engine.stats().leases_active)
+        copied.set()
+
+    timer = threading.Timer(0.6, finish_copies)
+    timer.start()
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GetInto(request, timeout=0.2)
+        assert err.value.code() == C.DEADLINE_EXCEEDED
+        assert paths == ["thread", "loop"]
+        assert wait_for(lambda: bool(leases_at_copy_end) and engine.stats().leases_active == 0)
+        assert leases_at_copy_end == [1]  # the lease lived until the copies were done
+    finally:
+        timer.cancel()
+        copied.set()
+    assert engine.stats().leases_active == 0
 
 
 def test_client_get_into_a_host_buffer(dev_server: Server) -> None:

@@ -252,6 +252,21 @@ class IpcCache:
             log.exception("closing an IPC mapping failed")
         self.closes += 1
 
+    def mapped(self, handle: bytes, device: int) -> bool:
+        """Whether the allocation behind ``handle`` is open on GPU ``device`` already (and
+        not being closed), so :meth:`tensor` maps nothing new."""
+        with self._lock:
+            opened = self._open.get(bytes(handle))
+            return opened is not None and not opened.doomed and opened.device == device
+
+    def fired(self, owner: str, handle: bytes, device: int) -> bool:
+        """Whether ``owner``'s event ``handle`` is open already and has fired (never blocks,
+        never opens anything: False means the caller should wait in a thread instead)."""
+        key = (owner, bytes(handle), device)
+        with self._lock:
+            event = self._events.get(key)
+        return event is not None and ClientEvent(self, key, event).fired()
+
     def wait_event(self, owner: str, handle: bytes, device: int) -> None:
         """Block until the client's event ``handle`` (on GPU ``device``) has fired.
         InvalidArgument when it cannot be opened or waited on."""

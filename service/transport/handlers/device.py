@@ -2,10 +2,11 @@
 
 Every request is validated completely before any IPC handle is opened. A device Get goes
 through the one device-get flow (``device_get.py``), the puts through ``device_puts.py``;
-both wait for their copies without blocking the event loop. ``GetInto`` runs its engine
-call in a worker thread, and a call cancelled while that runs gives back the leases the
-thread took. IPC descriptors (pool handles, fd tokens) only reach callers that passed the
-auth check: the interceptor runs before any handler.
+both wait for their copies without blocking the event loop. ``GetInto`` queues its
+copies on the loop when nothing can block (the destination mapped already, the client's
+event fired), and otherwise runs its engine call in a worker thread; either way its leases
+end once the copies are complete. IPC descriptors (pool handles, fd tokens) only reach
+callers that passed the auth check: the interceptor runs before any handler.
 """
 
 from __future__ import annotations
@@ -28,9 +29,14 @@ from embcache.service.engine import CacheEngine
 from embcache.service.host import admission
 from embcache.service.host.leases import Lease
 from embcache.service.transport import device_get
-from embcache.service.transport.device_get import Housekeeping, in_thread
+from embcache.service.transport.device_get import SPIN_RATE, SPIN_S, Housekeeping, in_thread
 from embcache.service.transport.handlers import device_puts as grpc_device_puts
-from embcache.service.transport.handlers.ipc_tensors import check_tensor, require_cuda, shape_of
+from embcache.service.transport.handlers.ipc_tensors import (
+    IpcTensor,
+    check_tensor,
+    require_cuda,
+    shape_of,
+)
 from embcache.service.transport.render import LocationRenderer
 
 log = logging.getLogger("embcache.grpc")
@@ -184,8 +190,8 @@ class DevicePlane:
 
     # -- GetInto -------------------------------------------------------------------------
     async def get_into(self, request: pb.GetIntoRequest, owner: str) -> pb.GetIntoResponse:
-        """Validate the destination and keys, then, in a worker thread, wait for the
-        client's event and copy the entries into its buffer (docs/grpc.md, ``GetInto``)."""
+        """Validate the destination and keys, then copy the entries into its buffer: on the
+        loop when nothing blocks, else in a worker thread (docs/grpc.md, ``GetInto``)."""
         buf = request.destination.buffer
         require_cuda(self.ipc, "GetInto", buf.gpu_uuid)
         if not request.HasField("destination"):
@@ -204,22 +210,12 @@ class DevicePlane:
         if any(off > dest.nbytes for off in offsets):
             raise InvalidArgument("offset outside the destination", destination=dest.nbytes)
         pool_index = self._pool_index(buf.gpu_uuid)
-
-        def run() -> list[tuple[Lease | None, int]]:
-            slots = offsets or self._pack(keys)
-            if dest.event is not None:
-                self.ipc.wait_event(owner, dest.event, dest.device)
-            if dest.nbytes == 0:
-                flat = torch.empty(0, dtype=torch.uint8)
-                found = self.engine.device.get_into(keys, owner, flat, slots)
-                return list(zip(found, slots, strict=True))
-            with self.ipc.tensor(
-                owner, dest.handle, dest.device, dest.alloc_size, dest.offset, dest.nbytes
-            ) as flat:
-                leases = self.engine.device.get_into(keys, owner, flat, slots, device=pool_index)
-            return list(zip(leases, slots, strict=True))
-
-        done = await in_thread(run)
+        if self._into_on_loop(owner, dest):
+            done = await self._into_now(keys, owner, dest, offsets, pool_index)
+        else:
+            done = await in_thread(
+                lambda: self._into_waiting(keys, owner, dest, offsets, pool_index)
+            )
         reply = pb.GetIntoResponse()
         for key, (lease, off) in zip(keys, done, strict=True):
             if lease is None:
@@ -229,6 +225,68 @@ class DevicePlane:
                     pb.GetIntoResult(key=key, found=True, meta=meta_of(lease), offset=off)
                 )
         return reply
+
+    def _into_on_loop(self, owner: str, dest: IpcTensor) -> bool:
+        """Whether a GetInto can run on the event loop: nothing to fetch from the shared
+        tier, the destination is mapped already and the client's event (if any) is open and
+        has fired. Otherwise something may block (opening a handle, waiting for the
+        client's GPU work, the network), and the call runs in a worker thread."""
+        if self.engine.fetches_misses or dest.nbytes == 0:
+            return False
+        if not self.ipc.mapped(dest.handle, dest.device):
+            return False
+        return dest.event is None or self.ipc.fired(owner, dest.event, dest.device)
+
+    async def _into_now(
+        self,
+        keys: list[str],
+        owner: str,
+        dest: IpcTensor,
+        offsets: list[int],
+        pool_index: int | None,
+    ) -> list[tuple[Lease | None, int]]:
+        """GetInto on the loop: queue the copies, then poll them between the loop's other
+        callbacks (long ones are waited for in a worker thread), with no thread hand-off
+        before the copies start. The leases end once the copies are complete."""
+        slots = offsets or self._pack(keys)
+        with self.ipc.tensor(
+            owner, dest.handle, dest.device, dest.alloc_size, dest.offset, dest.nbytes
+        ) as flat:
+            pending = self.engine.device.start_into(
+                keys, owner, flat, slots, device=pool_index, fill_misses=False
+            )
+            try:
+                spin = SPIN_S if pending.nbytes / SPIN_RATE < SPIN_S else 0.0
+                await device_get.poll_until(pending.done, pending.wait, spin)
+            except BaseException:
+                pending.wait()  # cancelled or failed: the copies still use the mapping
+                raise
+            finally:
+                pending.finish()
+        return list(zip(pending.leases, slots, strict=True))
+
+    def _into_waiting(
+        self,
+        keys: list[str],
+        owner: str,
+        dest: IpcTensor,
+        offsets: list[int],
+        pool_index: int | None,
+    ) -> list[tuple[Lease | None, int]]:
+        """GetInto in a worker thread: wait for the client's event, map the destination,
+        copy and wait for the copies."""
+        slots = offsets or self._pack(keys)
+        if dest.event is not None:
+            self.ipc.wait_event(owner, dest.event, dest.device)
+        if dest.nbytes == 0:
+            flat = torch.empty(0, dtype=torch.uint8)
+            found = self.engine.device.get_into(keys, owner, flat, slots)
+            return list(zip(found, slots, strict=True))
+        with self.ipc.tensor(
+            owner, dest.handle, dest.device, dest.alloc_size, dest.offset, dest.nbytes
+        ) as flat:
+            leases = self.engine.device.get_into(keys, owner, flat, slots, device=pool_index)
+        return list(zip(leases, slots, strict=True))
 
     def _pool_index(self, gpu_uuid: str) -> int | None:
         """The device pool on that GPU, if the daemon has one (else copies come from the
