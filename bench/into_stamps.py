@@ -1,0 +1,200 @@
+"""A client's get_into of one 4 MiB entry, stamp by stamp across both processes.
+
+The daemon runs with ``time.perf_counter`` stamps around the steps of a GetInto on the
+session socket (the frame's arrival, the call's start, the handler, ``start_into``, the
+copies' completion, the reply's write); the client stamps its own steps (the export, the
+send, the result's arrival, the return). Both processes read the same monotonic clock, so
+the stamps line up. Prints, per stamp, the median microseconds since the client's call
+began, beside an empty session call's round trip measured in the same run.
+
+    python bench/into_stamps.py [--calls N] [--out-dir DIR]   (a CUDA machine)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import environment, print_environment, save_json
+
+from embcache.clients import EmbCacheClient
+from embcache.clients._backends import sync_uds
+from embcache.clients.device import exports
+from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.service.daemon_process import read_line, serve_command, stop
+
+MiB = 1 << 20
+
+# The daemon, its steps wrapped with stamps; SIGUSR2 writes them to argv[1] as JSON.
+STAMPED = r"""
+import functools, json, signal, sys, time
+from embcache.service.cli.app import app
+from embcache.service.engine import device_side
+from embcache.service.engine.device_into import PendingInto
+from embcache.service.transport import device_get
+from embcache.service.transport.handlers import device
+from embcache.service.transport.session import calls
+from embcache.service.transport.uds import server
+
+out, argv = sys.argv[1], sys.argv[2:]
+stamps = []
+def stamp(name):
+    stamps.append((name, time.perf_counter()))
+
+def around(owner, attr, before, after, is_async=False):
+    real = getattr(owner, attr)
+    if is_async:
+        async def wrapped(*a, **k):
+            if before: stamp(before)
+            try:
+                return await real(*a, **k)
+            finally:
+                if after: stamp(after)
+    else:
+        def wrapped(*a, **k):
+            if before: stamp(before)
+            try:
+                return real(*a, **k)
+            finally:
+                if after: stamp(after)
+    setattr(owner, attr, functools.wraps(real)(wrapped))
+
+around(server._Connection, "data_received", "daemon: frame received", None)
+around(server._Connection, "_write", "daemon: reply written", None)
+around(calls.SessionCalls, "_run", "daemon: call starts", None, True)
+around(device.DevicePlane, "get_into", "daemon: handler starts", "daemon: handler returns", True)
+around(device.DevicePlane, "_into_now", "daemon: on the loop", None, True)
+around(device.DevicePlane, "_into_waiting", "daemon: in a thread", None)
+around(device_side.DeviceSide, "start_into", "daemon: start_into begins", "daemon: copies queued")
+around(device_get, "poll_until", None, "daemon: copies done", True)
+around(PendingInto, "finish", None, "daemon: leases ended")
+
+def dump(*_):
+    with open(out, "w") as f:
+        json.dump(stamps, f)
+signal.signal(signal.SIGUSR2, dump)
+app(argv, standalone_mode=False)
+"""
+
+
+def client_stamps(log: list[tuple[str, float]]) -> Callable[[], None]:
+    """Wrap the client's steps with stamps into ``log``; returns the undo."""
+    undo = []
+
+    def around(owner: Any, attr: str, before: str | None, after: str | None) -> None:
+        real = getattr(owner, attr)
+
+        def wrapped(*a: Any, **k: Any) -> Any:
+            if before:
+                log.append((before, time.perf_counter()))
+            try:
+                return real(*a, **k)
+            finally:
+                if after:
+                    log.append((after, time.perf_counter()))
+
+        setattr(owner, attr, wrapped)
+        undo.append(lambda: setattr(owner, attr, real))
+
+    around(exports, "export_cuda", None, "client: exported")
+    around(sync_uds.UdsSession, "_send_frame", "client: sends", None)
+    around(sync_uds.UdsSession, "call_with_payload", None, "client: result arrived")
+    return lambda: [u() for u in undo]
+
+
+def rounds(log: list[tuple[str, float]], starts: list[float]) -> dict[str, float]:
+    """Median microseconds of each stamp after its round's start (rounds split by
+    ``starts``); a stamp seen more than once in a round counts at its first."""
+    per: dict[str, list[float]] = {}
+    ends = [*starts[1:], float("inf")]
+    j = 0
+    log = sorted(log, key=lambda s: s[1])
+    for t0, t1 in zip(starts, ends, strict=True):
+        while j < len(log) and log[j][1] < t0:
+            j += 1
+        seen: set[str] = set()
+        while j < len(log) and log[j][1] < t1:
+            name, t = log[j]
+            if name not in seen:
+                seen.add(name)
+                per.setdefault(name, []).append((t - t0) * 1e6)
+            j += 1
+    out = {name: statistics.median(v) for name, v in per.items()}
+    return dict(sorted(out.items(), key=lambda kv: kv[1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("into_stamps: needs a CUDA GPU")
+    tmp = Path(tempfile.mkdtemp(prefix="intostamps-"))
+    stamps_file = tmp / "daemon.json"
+    flags = serve_command("--grpc-socket", str(tmp / "d.sock"), "--host-pool-bytes", "1GiB")
+    flags = [sys.executable, "-c", STAMPED, str(stamps_file), *flags[3:]]
+    flags += ["--device-pool-bytes", "1GiB"]
+    proc = subprocess.Popen(flags, stdout=subprocess.PIPE, text=True)
+    results: dict[str, Any] = {}
+    try:
+        json.loads(read_line(proc, '"event": "ready"', 180))
+        with EmbCacheClient(f"unix:{tmp / 'd.sock'}", timeout=30) as client:
+            client.put("large", torch.ones(MiB))  # 4 MiB
+            with client.get(["large"], device="cuda"):  # resident in the device pool
+                pass
+            dest = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
+            session = client._open_session()
+
+            def empty() -> None:
+                session.call(client.timeout, release=pb.ReleaseRequest())
+
+            def into() -> None:
+                (r,) = client.get_into(["large"], dest)
+                assert r.found
+
+            log: list[tuple[str, float]] = []
+            undo = client_stamps(log)
+            for name, fn in (("empty session call", empty), ("get_into 4 MiB", into)):
+                for _ in range(20):
+                    fn()
+                log.clear()
+                proc.send_signal(signal.SIGUSR2)  # daemon stamps so far: dropped below
+                time.sleep(0.5)
+                skip = len(json.loads(stamps_file.read_text()))
+                starts = []
+                for _ in range(args.calls):
+                    starts.append(time.perf_counter())
+                    fn()
+                    log.append(("client: returns", time.perf_counter()))
+                proc.send_signal(signal.SIGUSR2)
+                time.sleep(0.5)
+                daemon = [tuple(s) for s in json.loads(stamps_file.read_text())[skip:]]
+                results[name] = rounds(log + daemon, starts)  # type: ignore[arg-type]
+            undo()
+    finally:
+        stop(proc)
+    env = environment()
+    print("a get_into stamp by stamp (us after the client's call begins, medians)")
+    print_environment(env)
+    for name, steps in results.items():
+        print(f"\n== {name}")
+        for step, us in steps.items():
+            print(f"  {us:8.1f}  {step}")
+    save_json("into_stamps", {"bench": "into_stamps", **env, "us": results}, args.out_dir)
+
+
+if __name__ == "__main__":
+    main()
