@@ -3,9 +3,10 @@ run under cProfile while the client repeats one call; prints each side's top fun
 own time, per call, and the wall p50 without the profiler next to a bare session call (an
 empty Release, the floor of a call on the session socket) from the same run.
 
-Calls: host get 64 KiB (view + release), put 64 KiB, get_bytes 64 KiB and 4 MiB, and on a
-GPU the resident device hit (owned copy and zero_copy). cProfile slows Python two- to
-threefold, so its numbers rank the costs; the wall p50s are measured with it off.
+Calls: host get 64 KiB (view + release, and as copies after the result), put 64 KiB,
+get_bytes 64 KiB and 4 MiB, and on a GPU the resident device hit (owned copy and zero_copy)
+and a get_into. cProfile slows Python two- to threefold, so its numbers rank the costs; the
+wall p50s are measured with it off.
 ``python3 bench/call_profile.py --out-dir DIR``; JSON to DIR/call_profile_<device>.json.
 """
 
@@ -90,9 +91,15 @@ def cases(client: EmbCacheClient, cuda: bool) -> dict[str, Callable[[], object]]
             assert t is not None
         del t
 
+    def get_copy() -> None:  # copies after the result, no lease (copy_gets_up_to)
+        with client.get(["small"]) as (t,):
+            assert t is not None
+        del t
+
     out: dict[str, Callable[[], object]] = {
         "session call (empty Release)": lambda: _empty(client),
         "get 64 KiB (view)": get_view,
+        "get 64 KiB (copies)": get_copy,
         "put 64 KiB": lambda: client.put(f"p{next(counter)}", torch.ones(16 * KiB)),
         "get_bytes 64 KiB": lambda: client.get_bytes("small"),
         "get_bytes 4 MiB": lambda: client.get_bytes("large"),
@@ -148,7 +155,9 @@ def main() -> None:
         try:
             ready = json.loads(read_line(proc, '"event": "ready"', 180))
             assert ready["session_lane"]
-            with EmbCacheClient(f"unix:{tmp / 'd.sock'}", timeout=30) as client:
+            copies = 256 << 10 if "copies" in name else 0  # get as copies after the result
+            target = f"unix:{tmp / 'd.sock'}"
+            with EmbCacheClient(target, timeout=30, copy_gets_up_to=copies) as client:
                 fns = cases(client, cuda)
                 wall = timed(fns[name], args.calls)
                 proc.send_signal(signal.SIGUSR1)
@@ -195,7 +204,8 @@ def _wait_for(path: Path, timeout: float = 30.0) -> None:
 
 
 def _names(cuda: bool) -> list[str]:
-    names = ["get 64 KiB (view)", "put 64 KiB", "get_bytes 64 KiB", "get_bytes 4 MiB"]
+    names = ["get 64 KiB (view)", "get 64 KiB (copies)", "put 64 KiB"]
+    names += ["get_bytes 64 KiB", "get_bytes 4 MiB"]
     if cuda:
         names += [
             "device hit 4 MiB (owned copy)",

@@ -1,13 +1,14 @@
-"""A client's get_into of one 4 MiB entry, stamp by stamp across both processes.
+"""Small calls stamp by stamp across both processes: an empty session call, a 64 KiB host
+get as copies after the result, and on a GPU a resident 4 MiB device hit and a 4 MiB
+get_into.
 
-The daemon runs with ``time.perf_counter`` stamps around the steps of a GetInto on the
-session socket (the frame's arrival, the call's start, the handler, ``start_into``, the
-copies' completion, the reply's write); the client stamps its own steps (the export, the
-send, the result's arrival, the return). Both processes read the same monotonic clock, so
-the stamps line up. Prints, per stamp, the median microseconds since the client's call
-began, beside an empty session call's round trip measured in the same run.
+The daemon runs with ``time.perf_counter`` stamps around the steps of a session-socket call
+(the frame's arrival, the call's start, the handlers, the engine's steps, the reply's
+write); the client stamps its own (the export, the send, the result's arrival, the return).
+Both processes read the same monotonic clock, so the stamps line up. Prints, per stamp, the
+median microseconds since the client's call began.
 
-    python bench/into_stamps.py [--calls N] [--out-dir DIR]   (a CUDA machine)
+    python bench/call_stamps.py [--calls N] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from embcache.service.engine import device_side
 from embcache.service.engine.device_into import PendingInto
 from embcache.service.transport import device_get
 from embcache.service.transport.handlers import device
-from embcache.service.transport.session import calls
+from embcache.service.transport.session import calls, inline_gets
 from embcache.service.transport.uds import server
 
 out, argv = sys.argv[1], sys.argv[2:]
@@ -80,6 +81,9 @@ around(device.DevicePlane, "_into_waiting", "daemon: in a thread", None)
 around(device_side.DeviceSide, "start_into", "daemon: start_into begins", "daemon: copies queued")
 around(device_get, "poll_until", None, "daemon: copies done", True)
 around(PendingInto, "finish", None, "daemon: leases ended")
+around(device.DevicePlane, "get", "daemon: device get starts", "daemon: device get returns", True)
+around(inline_gets, "inline_get", "daemon: inline_get begins", "daemon: inline_get ends")
+around(server._Connection, "_send_bytes", None, "daemon: reply and bytes written", True)
 
 def dump(*_):
     with open(out, "w") as f:
@@ -135,65 +139,87 @@ def rounds(log: list[tuple[str, float]], starts: list[float]) -> dict[str, float
     return dict(sorted(out.items(), key=lambda kv: kv[1]))
 
 
+def cases(client: EmbCacheClient, cuda: bool) -> dict[str, Callable[[], object]]:
+    client.put("small", torch.ones(16 * 1024))  # 64 KiB
+    session = client._open_session()
+
+    def empty() -> None:
+        session.call(client.timeout, release=pb.ReleaseRequest())
+
+    def get_copies() -> None:  # the client copies entries up to 256 KiB after the result
+        with client.get(["small"]) as (t,):
+            assert t is not None
+
+    out: dict[str, Callable[[], object]] = {
+        "empty session call": empty,
+        "get 64 KiB (copies)": get_copies,
+    }
+    if cuda:
+        client.put("large", torch.ones(MiB))  # 4 MiB
+        with client.get(["large"], device="cuda"):  # resident in the device pool from now on
+            pass
+        dest = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
+
+        def hit() -> None:
+            with client.get(["large"], device="cuda") as (t,):
+                assert t is not None
+            torch.cuda.current_stream().synchronize()
+
+        def get_into() -> None:
+            (r,) = client.get_into(["large"], dest)
+            assert r.found
+
+        out["device hit 4 MiB (owned copy)"] = hit
+        out["get_into 4 MiB"] = get_into
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("into_stamps: needs a CUDA GPU")
-    tmp = Path(tempfile.mkdtemp(prefix="intostamps-"))
+    cuda = torch.cuda.is_available()
+    tmp = Path(tempfile.mkdtemp(prefix="callstamps-"))
     stamps_file = tmp / "daemon.json"
     flags = serve_command("--grpc-socket", str(tmp / "d.sock"), "--host-pool-bytes", "1GiB")
     flags = [sys.executable, "-c", STAMPED, str(stamps_file), *flags[3:]]
-    flags += ["--device-pool-bytes", "1GiB"]
+    flags += ["--device-pool-bytes", "1GiB"] if cuda else ["--device", "cpu"]
     proc = subprocess.Popen(flags, stdout=subprocess.PIPE, text=True)
     results: dict[str, Any] = {}
     try:
         json.loads(read_line(proc, '"event": "ready"', 180))
-        with EmbCacheClient(f"unix:{tmp / 'd.sock'}", timeout=30) as client:
-            client.put("large", torch.ones(MiB))  # 4 MiB
-            with client.get(["large"], device="cuda"):  # resident in the device pool
-                pass
-            dest = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
-            session = client._open_session()
-
-            def empty() -> None:
-                session.call(client.timeout, release=pb.ReleaseRequest())
-
-            def into() -> None:
-                (r,) = client.get_into(["large"], dest)
-                assert r.found
-
+        target = f"unix:{tmp / 'd.sock'}"
+        with EmbCacheClient(target, timeout=30, copy_gets_up_to=256 << 10) as client:
             log: list[tuple[str, float]] = []
-            undo = client_stamps(log)
-            for name, fn in (("empty session call", empty), ("get_into 4 MiB", into)):
+            for name, fn in cases(client, cuda).items():
                 for _ in range(20):
                     fn()
-                log.clear()
-                proc.send_signal(signal.SIGUSR2)  # daemon stamps so far: dropped below
+                proc.send_signal(signal.SIGUSR2)  # the daemon's stamps so far: skipped
                 time.sleep(0.5)
                 skip = len(json.loads(stamps_file.read_text()))
+                log.clear()
+                undo = client_stamps(log)
                 starts = []
                 for _ in range(args.calls):
                     starts.append(time.perf_counter())
                     fn()
                     log.append(("client: returns", time.perf_counter()))
+                undo()
                 proc.send_signal(signal.SIGUSR2)
                 time.sleep(0.5)
                 daemon = [tuple(s) for s in json.loads(stamps_file.read_text())[skip:]]
                 results[name] = rounds(log + daemon, starts)  # type: ignore[arg-type]
-            undo()
     finally:
         stop(proc)
     env = environment()
-    print("a get_into stamp by stamp (us after the client's call begins, medians)")
+    print("small calls stamp by stamp (us after the client's call begins, medians)")
     print_environment(env)
     for name, steps in results.items():
         print(f"\n== {name}")
         for step, us in steps.items():
             print(f"  {us:8.1f}  {step}")
-    save_json("into_stamps", {"bench": "into_stamps", **env, "us": results}, args.out_dir)
+    save_json("call_stamps", {"bench": "call_stamps", **env, "us": results}, args.out_dir)
 
 
 if __name__ == "__main__":
