@@ -1,6 +1,6 @@
 """Small calls stamp by stamp across both processes: an empty session call, a 64 KiB host
-get as copies after the result, and on a GPU a resident 4 MiB device hit and a 4 MiB
-get_into.
+get as copies after the result, a 64 KiB put and a put_many of 16, and on a GPU a resident
+4 MiB device hit and a 4 MiB get_into.
 
 The daemon runs with ``time.perf_counter`` stamps around the steps of a session-socket call
 (the frame's arrival, the call's start, the handlers, the engine's steps, the reply's
@@ -46,7 +46,7 @@ from embcache.service.engine import device_side
 from embcache.service.engine.device_into import PendingInto
 from embcache.service.transport import device_get
 from embcache.service.transport.handlers import device
-from embcache.service.transport.session import calls, inline_gets
+from embcache.service.transport.session import calls, host_puts, inline_gets
 from embcache.service.transport.uds import server
 
 out, argv = sys.argv[1], sys.argv[2:]
@@ -84,6 +84,8 @@ around(PendingInto, "finish", None, "daemon: leases ended")
 around(device.DevicePlane, "get", "daemon: device get starts", "daemon: device get returns", True)
 around(inline_gets, "inline_get", "daemon: inline_get begins", "daemon: inline_get ends")
 around(server._Connection, "_send_bytes", None, "daemon: reply and bytes written", True)
+around(host_puts.SessionPuts, "put", "daemon: put begins", "daemon: put ends")
+around(host_puts.SessionPuts, "put_batch", "daemon: put_batch begins", "daemon: put_batch ends")
 
 def dump(*_):
     with open(out, "w") as f:
@@ -150,9 +152,21 @@ def cases(client: EmbCacheClient, cuda: bool) -> dict[str, Callable[[], object]]
         with client.get(["small"]) as (t,):
             assert t is not None
 
+    small = [torch.full((16 * 1024,), float(i)) for i in range(16)]  # 64 KiB each
+    counter = iter(range(1 << 30))
+
+    def put() -> None:
+        client.put(f"p{next(counter)}", small[0])
+
+    def put_many() -> None:
+        n = next(counter)
+        client.put_many({f"m{n}-{i}": t for i, t in enumerate(small)})
+
     out: dict[str, Callable[[], object]] = {
         "empty session call": empty,
         "get 64 KiB (copies)": get_copies,
+        "put 64 KiB": put,
+        "put_many 16 x 64 KiB": put_many,
     }
     if cuda:
         client.put("large", torch.ones(MiB))  # 4 MiB
