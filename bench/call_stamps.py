@@ -6,7 +6,7 @@ The daemon runs with ``time.perf_counter`` stamps around the steps of a session-
 (the frame's arrival, the call's start, the handlers, the engine's steps, the reply's
 write); the client stamps its own (the export, the send, the result's arrival, the return).
 Both processes read the same monotonic clock, so the stamps line up. Prints, per stamp, the
-median microseconds since the client's call began.
+median microseconds since the client's call began, for each path the calls took.
 
     python bench/call_stamps.py [--calls N] [--out-dir DIR]
 """
@@ -78,6 +78,8 @@ around(calls.SessionCalls, "_run", "daemon: call starts", None, True)
 around(device.DevicePlane, "get_into", "daemon: handler starts", "daemon: handler returns", True)
 around(device.DevicePlane, "_into_now", "daemon: on the loop", None, True)
 around(device.DevicePlane, "_into_waiting", "daemon: in a thread", None)
+around(device.DevicePlane, "_pool_index", "daemon: checked", None)
+around(device_side.DeviceTier, "queue_into", "daemon: leased", None)
 around(device_side.DeviceSide, "start_into", "daemon: start_into begins", "daemon: copies queued")
 around(device_get, "poll_until", None, "daemon: copies done", True)
 around(PendingInto, "finish", None, "daemon: leases ended")
@@ -114,31 +116,43 @@ def client_stamps(log: list[tuple[str, float]]) -> Callable[[], None]:
         setattr(owner, attr, wrapped)
         undo.append(lambda: setattr(owner, attr, real))
 
-    around(exports, "export_cuda", None, "client: exported")
+    around(exports, "export_cuda", "client: exports", "client: exported")
     around(sync_uds.UdsSession, "_send_frame", "client: sends", None)
     around(sync_uds.UdsSession, "call_with_payload", None, "client: result arrived")
-    return lambda: [u() for u in undo]
+
+    def restore() -> None:
+        for u in undo:
+            u()
+
+    return restore
 
 
-def rounds(log: list[tuple[str, float]], starts: list[float]) -> dict[str, float]:
-    """Median microseconds of each stamp after its round's start (rounds split by
-    ``starts``); a stamp seen more than once in a round counts at its first."""
-    per: dict[str, list[float]] = {}
+def rounds(log: list[tuple[str, float]], starts: list[float]) -> dict[str, dict[str, float]]:
+    """Rounds (split by ``starts``) grouped by the steps they went through (a call may take
+    one of several paths): per group, keyed by how many rounds it holds, the median
+    microseconds of each stamp after its round's start; a stamp seen more than once in a
+    round counts at its first."""
+    groups: dict[frozenset[str], dict[str, list[float]]] = {}
     ends = [*starts[1:], float("inf")]
     j = 0
     log = sorted(log, key=lambda s: s[1])
     for t0, t1 in zip(starts, ends, strict=True):
         while j < len(log) and log[j][1] < t0:
             j += 1
-        seen: set[str] = set()
+        seen: dict[str, float] = {}
         while j < len(log) and log[j][1] < t1:
             name, t = log[j]
-            if name not in seen:
-                seen.add(name)
-                per.setdefault(name, []).append((t - t0) * 1e6)
+            seen.setdefault(name, (t - t0) * 1e6)
             j += 1
-    out = {name: statistics.median(v) for name, v in per.items()}
-    return dict(sorted(out.items(), key=lambda kv: kv[1]))
+        group = groups.setdefault(frozenset(seen), {})
+        for name, us in seen.items():
+            group.setdefault(name, []).append(us)
+    out = {}
+    for group in sorted(groups.values(), key=lambda g: -len(next(iter(g.values()), []))):
+        n = len(next(iter(group.values()), []))
+        medians = {name: statistics.median(v) for name, v in group.items()}
+        out[f"{n} rounds"] = dict(sorted(medians.items(), key=lambda kv: kv[1]))
+    return out
 
 
 def cases(client: EmbCacheClient, cuda: bool) -> dict[str, Callable[[], object]]:
@@ -206,7 +220,8 @@ def main() -> None:
         target = f"unix:{tmp / 'd.sock'}"
         with EmbCacheClient(target, timeout=30, copy_gets_up_to=256 << 10) as client:
             log: list[tuple[str, float]] = []
-            for name, fn in cases(client, cuda).items():
+            # the puts last: the entries they add may evict the ones the gets read
+            for name, fn in sorted(cases(client, cuda).items(), key=lambda c: "put" in c[0]):
                 for _ in range(20):
                     fn()
                 proc.send_signal(signal.SIGUSR2)  # the daemon's stamps so far: skipped
@@ -223,16 +238,17 @@ def main() -> None:
                 proc.send_signal(signal.SIGUSR2)
                 time.sleep(0.5)
                 daemon = [tuple(s) for s in json.loads(stamps_file.read_text())[skip:]]
-                results[name] = rounds(log + daemon, starts)  # type: ignore[arg-type]
+                results[name] = rounds(log + daemon, starts)
     finally:
         stop(proc)
     env = environment()
     print("small calls stamp by stamp (us after the client's call begins, medians)")
     print_environment(env)
     for name, steps in results.items():
-        print(f"\n== {name}")
-        for step, us in steps.items():
-            print(f"  {us:8.1f}  {step}")
+        for group, stamps in steps.items():
+            print(f"\n== {name} ({group})")
+            for step, us in stamps.items():
+                print(f"  {us:8.1f}  {step}")
     save_json("call_stamps", {"bench": "call_stamps", **env, "us": results}, args.out_dir)
 
 
