@@ -37,8 +37,9 @@ class PendingInto:
         self._finished = False
 
     @property
-    def nbytes(self) -> int:
-        """Bytes copied into the destination."""
+    def loaded_bytes(self) -> int:
+        """Bytes copied into the destination (named as a get's and a put's are, for
+        ``wait_copies``' estimate of how long the copies take)."""
         return sum(x.nbytes for x in self.leases if x is not None)
 
     def done(self) -> bool:
@@ -55,7 +56,7 @@ class PendingInto:
         if self._finished:
             return
         self._finished = True
-        self._observe("h2d", self.nbytes, time.perf_counter() - self._start)
+        self._observe("h2d", self.loaded_bytes, time.perf_counter() - self._start)
         ids = [x.lease_id for x in self.leases if x is not None]
         with self._lock:
             self._release(ids)

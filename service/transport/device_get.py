@@ -21,6 +21,7 @@ from typing import TypeVar
 from embcache.errors import UnknownSession
 from embcache.service.device.pending_get import DeviceLease, PendingGet
 from embcache.service.engine import CacheEngine
+from embcache.service.engine.device_into import PendingInto
 from embcache.service.engine.device_puts import PendingPut
 
 log = logging.getLogger("embcache.transport")
@@ -96,9 +97,10 @@ class Housekeeping:
             log.debug("device housekeeping of pool %d failed", device, exc_info=True)
 
 
-async def wait_copies(pending: PendingGet | PendingPut) -> None:
-    """Wait for a get's (or a put's) copies without blocking the loop (:func:`poll_until`);
-    copies expected to take longer than ``SPIN_S`` go straight to a worker thread."""
+async def wait_copies(pending: PendingGet | PendingPut | PendingInto) -> None:
+    """Wait for a get's (a put's, a get-into's) copies without blocking the loop
+    (:func:`poll_until`); copies expected to take longer than ``SPIN_S`` go straight to a
+    worker thread."""
     spin = SPIN_S if pending.loaded_bytes / SPIN_RATE < SPIN_S else 0.0
     await poll_until(pending.done, pending.wait, spin)
 

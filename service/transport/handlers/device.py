@@ -11,8 +11,9 @@ callers that passed the auth check: the interceptor runs before any handler.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from embcache.service.engine import CacheEngine
 from embcache.service.host import admission
 from embcache.service.host.leases import Lease
 from embcache.service.transport import device_get
-from embcache.service.transport.device_get import SPIN_RATE, SPIN_S, Housekeeping, in_thread
+from embcache.service.transport.device_get import Housekeeping, in_thread
 from embcache.service.transport.handlers import device_puts as grpc_device_puts
 from embcache.service.transport.handlers.ipc_tensors import (
     IpcTensor,
@@ -210,14 +211,15 @@ class DevicePlane:
         if any(off > dest.nbytes for off in offsets):
             raise InvalidArgument("offset outside the destination", destination=dest.nbytes)
         pool_index = self._pool_index(buf.gpu_uuid)
+        slots = offsets or self._pack(keys)
         if self._into_on_loop(owner, dest):
-            done = await self._into_now(keys, owner, dest, offsets, pool_index)
+            leases = await self._into_now(keys, owner, dest, slots, pool_index)
         else:
-            done = await in_thread(
-                lambda: self._into_waiting(keys, owner, dest, offsets, pool_index)
+            leases = await in_thread(
+                lambda: self._into_waiting(keys, owner, dest, slots, pool_index)
             )
         reply = pb.GetIntoResponse()
-        for key, (lease, off) in zip(keys, done, strict=True):
+        for key, lease, off in zip(keys, leases, slots, strict=True):
             if lease is None:
                 reply.results.append(pb.GetIntoResult(key=key, found=False))
             else:
@@ -242,51 +244,52 @@ class DevicePlane:
         keys: list[str],
         owner: str,
         dest: IpcTensor,
-        offsets: list[int],
+        slots: list[int],
         pool_index: int | None,
-    ) -> list[tuple[Lease | None, int]]:
-        """GetInto on the loop: queue the copies, then poll them between the loop's other
-        callbacks (long ones are waited for in a worker thread), with no thread hand-off
-        before the copies start. The leases end once the copies are complete."""
-        slots = offsets or self._pack(keys)
-        with self.ipc.tensor(
-            owner, dest.handle, dest.device, dest.alloc_size, dest.offset, dest.nbytes
-        ) as flat:
+    ) -> list[Lease | None]:
+        """GetInto on the loop: queue the copies, then wait for them without blocking the
+        loop (``wait_copies``), with no thread hand-off before the copies start. The leases
+        end once the copies are complete."""
+        with self._destination(owner, dest) as flat:
             pending = self.engine.device.start_into(
                 keys, owner, flat, slots, device=pool_index, fill_misses=False
             )
             try:
-                spin = SPIN_S if pending.nbytes / SPIN_RATE < SPIN_S else 0.0
-                await device_get.poll_until(pending.done, pending.wait, spin)
+                await device_get.wait_copies(pending)
             except BaseException:
                 pending.wait()  # cancelled or failed: the copies still use the mapping
                 raise
             finally:
                 pending.finish()
-        return list(zip(pending.leases, slots, strict=True))
+        return pending.leases
 
     def _into_waiting(
         self,
         keys: list[str],
         owner: str,
         dest: IpcTensor,
-        offsets: list[int],
+        slots: list[int],
         pool_index: int | None,
-    ) -> list[tuple[Lease | None, int]]:
+    ) -> list[Lease | None]:
         """GetInto in a worker thread: wait for the client's event, map the destination,
         copy and wait for the copies."""
-        slots = offsets or self._pack(keys)
         if dest.event is not None:
             self.ipc.wait_event(owner, dest.event, dest.device)
+        with self._destination(owner, dest) as flat:
+            device = pool_index if dest.nbytes else None  # an empty buffer: nothing to copy
+            return self.engine.device.get_into(keys, owner, flat, slots, device=device)
+
+    @contextlib.contextmanager
+    def _destination(self, owner: str, dest: IpcTensor) -> Iterator[torch.Tensor]:
+        """A GetInto's destination as flat bytes, mapped until the block ends (an empty
+        one maps nothing)."""
         if dest.nbytes == 0:
-            flat = torch.empty(0, dtype=torch.uint8)
-            found = self.engine.device.get_into(keys, owner, flat, slots)
-            return list(zip(found, slots, strict=True))
+            yield torch.empty(0, dtype=torch.uint8)
+            return
         with self.ipc.tensor(
             owner, dest.handle, dest.device, dest.alloc_size, dest.offset, dest.nbytes
         ) as flat:
-            leases = self.engine.device.get_into(keys, owner, flat, slots, device=pool_index)
-        return list(zip(leases, slots, strict=True))
+            yield flat
 
     def _pool_index(self, gpu_uuid: str) -> int | None:
         """The device pool on that GPU, if the daemon has one (else copies come from the
