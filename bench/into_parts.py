@@ -5,12 +5,18 @@ copy (a stream synchronize with nothing queued, the planning of the copy), and w
 client does before it sends a get_into (the destination's IPC export and its event).
 Subtract these from a client's get_into (bench/call_profile.py) for the transport's share.
 
-    python bench/into_parts.py [--iters N] [--out-dir DIR]   (a CUDA machine)
+    python bench/into_parts.py [--iters N] [--profile] [--out-dir DIR]   (a CUDA machine)
+
+``--profile`` also runs each get_into under cProfile and prints the functions that take the
+most time of their own (into_parts_profile.txt in the output folder).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 import uuid
@@ -40,6 +46,7 @@ def p50_us(fn: Callable[[], object], iters: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--profile", action="store_true", help="cProfile each get_into too")
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -100,6 +107,21 @@ def main() -> None:
         "client: the export's IPC event alone": lambda: EVENTS.record(dest.device).done(),
     }
     out = {name: p50_us(fn, args.iters) for name, fn in rows.items()}
+    if args.profile:
+        report = io.StringIO()
+        for key in ("resident", "host"):
+            prof = cProfile.Profile()
+            run = into(key)
+            prof.enable()
+            for _ in range(args.iters):
+                run()
+            prof.disable()
+            report.write(f"== get_into of {key!r}, {args.iters} calls (times are totals)\n")
+            stats = pstats.Stats(prof, stream=report).sort_stats("tottime")
+            stats.print_stats(30)
+        print(report.getvalue())
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / "into_parts_profile.txt").write_text(report.getvalue())
     engine.close()
     env = environment()
     print("get_into inside the daemon (in process, no transport)")

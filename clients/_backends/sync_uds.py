@@ -26,7 +26,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from embcache.clients.core.errors import RpcFailed, from_call_error
-from embcache.clients.core.session_calls import SessionLost, unclaimed_release
+from embcache.clients.core.session_calls import SessionLost, expected_work_s, unclaimed_release
 from embcache.proto.constants import MAX_MESSAGE_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.framing import FRAME_HEADER as HEADER
@@ -151,7 +151,11 @@ class UdsSession:
     def call_with_payload(
         self, timeout: float, **request: Any
     ) -> tuple[pb.SessionResult, bytearray | None]:
-        """:meth:`call`, and the raw bytes that followed its result (a get_bytes'), if any."""
+        """:meth:`call`, and the raw bytes that followed its result (a get_bytes'), if any.
+
+        A session that spins spins longer for a call whose copies take long (a GetInto, a
+        device put: ``expected_work_s``), so that the result does not come just after the
+        reader went to sleep."""
         call_id = next(self._ids)
         waiter = _Waiter()
         with self._cond:
@@ -162,7 +166,8 @@ class UdsSession:
             self._send_frame(call_frame(call_id, request))
         except OSError as err:
             self._lost(err)
-        self._wait(waiter, time.monotonic() + timeout)
+        spin_s = self._spin_s + expected_work_s(request) if self._spin_s else 0.0
+        self._wait(waiter, time.monotonic() + timeout, spin_s)
         with self._cond:
             if waiter.done:
                 assert waiter.result is not None
@@ -183,7 +188,7 @@ class UdsSession:
         with self._send_lock:
             self._posted.append(data)
 
-    def _wait(self, waiter: _Waiter, deadline: float) -> None:
+    def _wait(self, waiter: _Waiter, deadline: float, spin_s: float | None = None) -> None:
         """Until ``waiter`` has its result, the socket closes or the deadline passes: wait
         while another caller reads, else read one message and look again."""
         cond = self._cond
@@ -199,7 +204,7 @@ class UdsSession:
                 self._reading = True
             try:
                 try:
-                    msg = self._read_one(deadline)
+                    msg = self._read_one(deadline, spin_s)
                 except (OSError, DecodeError) as err:
                     msg = None
                     self.error = err
@@ -245,9 +250,13 @@ class UdsSession:
                 self._posted.clear()
             self._sock.sendall(data)
 
-    def _read_one(self, deadline: float) -> pb.SessionResponse | object | None:
+    def _read_one(
+        self, deadline: float, spin_s: float | None = None
+    ) -> pb.SessionResponse | object | None:
         """The next message; None at end of stream; ``_TIMEOUT`` at the deadline (a partial
-        message stays buffered for the next reader)."""
+        message stays buffered for the next reader). Spins ``spin_s`` (default: the
+        session's) before it sleeps."""
+        spin = self._spin_s if spin_s is None else spin_s
         buf = self._buf
         while True:
             if len(buf) >= HEADER.size:
@@ -262,7 +271,7 @@ class UdsSession:
                     if size := payload_size(msg):
                         self._payloads[msg.result.call_id] = self._read_payload(size)
                     return msg
-            data = self._spin_recv() if self._spin_s else None
+            data = self._spin_recv(spin) if spin else None
             if data is None:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._poll.poll(max(1, int(left * 1000) + 1)):
@@ -272,10 +281,10 @@ class UdsSession:
                 return None
             buf += data
 
-    def _spin_recv(self) -> bytes | None:
+    def _spin_recv(self, spin_s: float) -> bytes | None:
         """What the socket has within ``spin_s``, read without sleeping (b"" at its end);
         None when nothing came: the caller sleeps in poll() then."""
-        give_up = time.perf_counter() + self._spin_s
+        give_up = time.perf_counter() + spin_s
         while True:
             try:
                 return self._sock.recv(1 << 16, socket.MSG_DONTWAIT)

@@ -271,11 +271,13 @@ class DeviceTier:
         dest: torch.Tensor,
         offsets: Sequence[int],
         device: int | None,
+        *,
+        dest_ready: bool = False,
     ) -> torch.cuda.Stream | None:
         """Queue the copies of leased entries into ``dest`` (``into.py``); the stream to
         wait on (None: done already)."""
         pool = self.pool(device) if device is not None else None
-        return queue_into(self.copier, pool, leases, dest, offsets)
+        return queue_into(self.copier, pool, leases, dest, offsets, dest_ready=dest_ready)
 
     # -- stats and life cycle ------------------------------------------------------------
     def stats(self) -> list[PoolStats]:

@@ -238,11 +238,12 @@ class DeviceSide:
         offsets: Sequence[int],
         *,
         device: int | None = None,
+        dest_ready: bool = False,
     ) -> list[Lease | None]:
         """Copy each entry found into ``dest`` at its offset and return once the copies are
-        complete: :meth:`start_into`, then wait and finish. Returns per key its lease (ended
-        by the time this returns), or None for a miss."""
-        pending = self.start_into(keys, owner, dest, offsets, device=device)
+        complete: :meth:`start_into` (``dest_ready`` as there), then wait and finish.
+        Returns per key its lease (ended by the time this returns), or None for a miss."""
+        pending = self.start_into(keys, owner, dest, offsets, device=device, dest_ready=dest_ready)
         try:
             pending.wait()
         finally:
@@ -258,6 +259,7 @@ class DeviceSide:
         *,
         device: int | None = None,
         fill_misses: bool = True,
+        dest_ready: bool = False,
     ) -> PendingInto:
         """Lease the entries found and queue their copies into ``dest`` at their offsets,
         from device pool ``device`` where they are resident there (and loaded), else from
@@ -268,6 +270,9 @@ class DeviceSide:
                 this process's own); ``offsets``: one byte offset per key.
             device: the pool on ``dest``'s GPU, if there is one (None: host copies only).
             fill_misses: fetch misses from the shared tier first (False: the caller did).
+            dest_ready: nothing in this process writes ``dest`` on its current stream (a
+                client's buffer, ordered by the client's event), so the copies follow
+                nothing; by default they follow the work queued on it so far.
         Raises:
             InvalidArgument: a bad ``dest``, an offset count that is not one per key, or a
                 slot that does not fit or overlaps another (checked before any copy; no
@@ -284,7 +289,7 @@ class DeviceSide:
             entries = self._pin(keys, owner)
             leases = self._store.lease(entries, owner, self._store.clock() + ttl)
             try:
-                stream = self._tier.queue_into(leases, dest, offsets, device)
+                stream = self._tier.queue_into(leases, dest, offsets, device, dest_ready=dest_ready)
                 event = self._tier.copier.record(stream)
             except BaseException:
                 self._store.release([x.lease_id for x in leases if x is not None])

@@ -67,8 +67,11 @@ class FakeEvent:
     def __init__(self, waits: list[bytes], handle: bytes, fired: Callable[[], bool]) -> None:
         self.waits, self.handle, self._fired = waits, handle, fired
 
-    def synchronize(self) -> None:
+    def synchronize(self) -> None:  # blocks until fired, as a CUDA event does (5 s at most)
         self.waits.append(self.handle)
+        give_up = time.monotonic() + 5
+        while not self._fired() and time.monotonic() < give_up:
+            time.sleep(0.001)
 
     def query(self) -> bool:  # the daemon polls first: fired at once unless told otherwise
         self.waits.append(self.handle)
@@ -776,9 +779,10 @@ def into_paths(monkeypatch, service: DataPlane) -> list[str]:  # type: ignore[no
 
 def test_get_into_runs_on_the_loop_once_nothing_can_block(dev_server: Server, monkeypatch) -> None:
     """The first GetInto of a session maps the buffer and opens the client's event in a
-    worker thread; later ones, with both open and the event fired, copy on the loop. An
-    event that has not fired sends the call back to a thread, which waits for it. Either
-    way the bytes land at their slots and no lease outlives the call."""
+    worker thread; later ones, with both open, copy on the loop. An event that has not
+    fired yet is polled there, and the copies start only once it has fired. A new event
+    (not open yet) sends the call back to a thread. Either way the bytes land at their
+    slots and no lease outlives the call."""
     from embcache.clients.core.targets import uds_path
 
     engine, service, fake = dev_server
@@ -803,8 +807,20 @@ def test_get_into_runs_on_the_loop_once_nothing_can_block(dev_server: Server, mo
             request.destination.buffer.CopyFrom(dest)
             return session.call(10, get_into=request)
 
-        for unfired in (False, False, True, False):
-            fake.unfired = {event} if unfired else set()
+        fired_at_start: list[bool] = []  # per call: had the client's event fired?
+        start_into = engine.device.start_into
+
+        def watched(*args, **kwargs):  # type: ignore[no-untyped-def]
+            fired_at_start.append(dest.event_handle not in fake.unfired)
+            return start_into(*args, **kwargs)
+
+        monkeypatch.setattr(engine.device, "start_into", watched)
+        for round_ in ("first", "fired", "unfired", "fired", "new event"):
+            fake.unfired = {dest.event_handle} if round_ == "unfired" else set()
+            if round_ == "unfired":  # the client's work on the buffer ends 50 ms later
+                threading.Timer(0.05, fake.unfired.clear).start()
+            if round_ == "new event":
+                dest.event_handle = os.urandom(64)
             got = into.into_results(call([0, 0, 3 * PAGE]).get_into)
             assert [r.found for r in got] == [True, False, True]
             for r in got:
@@ -812,8 +828,9 @@ def test_get_into_runs_on_the_loop_once_nothing_can_block(dev_server: Server, mo
                     lo = 64 + r.offset
                     assert torch.equal(buf[lo : lo + r.nbytes], data[r.key])
             assert engine.stats().leases_active == 1  # only the warm-up lease
-        assert paths == ["thread", "loop", "thread", "loop"]
-        assert len(fake.opened) == 1 and fake.event_opens == [event]
+        assert paths == ["thread", "loop", "loop", "loop", "thread"]
+        assert fired_at_start == [True] * 5  # never copied before the client's work ended
+        assert len(fake.opened) == 1 and fake.event_opens == [event, dest.event_handle]
         # a bad slot found on the loop: typed error, nothing copied, no lease left
         fake.unfired = set()
         bad = call([0, 0, 100])  # a's slot overlaps b's

@@ -500,3 +500,45 @@ def test_the_client_spins_or_sleeps_for_its_results(server, spin_us: int) -> Non
         with client.get("k") as (t,):  # a new session
             assert torch.equal(t, torch.arange(5))
         assert client._session is not session
+
+
+@pytest.mark.parametrize("spin_us", [0, 300])
+def test_a_call_expected_to_take_long_spins_longer(server, monkeypatch, spin_us: int) -> None:
+    """A call whose copies take long (a GetInto into a large buffer, a device put) adds their
+    expected time to the spin of a session that spins; a session that does not spin (0, or
+    TCP) still sleeps at once."""
+    from embcache.clients.core import session_calls as sc
+
+    engine, _ = server
+    engine.put("k", torch.arange(5))
+    session = UdsSession(lane_of(server), None, "spin", 10, spin_s=spin_us / 1e6)
+    spins: list[float] = []
+    spin_recv = session._spin_recv
+
+    def watched(spin_s: float) -> bytes | None:
+        spins.append(spin_s)
+        return spin_recv(spin_s)
+
+    monkeypatch.setattr(session, "_spin_recv", watched)
+
+    def into(nbytes: int) -> pb.GetIntoRequest:  # a buffer the daemon cannot open: CPU mode
+        buf = pb.CudaIpcTensor(gpu_uuid="GPU-x", ipc_handle=b"h" * 64, alloc_size=nbytes,
+                               dtype="uint8", shape=[nbytes])  # fmt: skip
+        return pb.GetIntoRequest(keys=["k"], destination=pb.DeviceBuffer(buffer=buf))
+
+    try:
+        for nbytes, expect in ((0, 0.0), (4 * MiB, 4 * MiB / 10e9), (1 << 40, 2e-3)):
+            request = {"get_into": into(nbytes)}
+            assert sc.expected_work_s(request) == pytest.approx(expect)
+            spins.clear()
+            result = session.call(10, **request)
+            assert result.HasField("error")  # answered (refused: no CUDA here)
+            base = spin_us / 1e6
+            assert spins[:1] == ([pytest.approx(base + expect)] if base else [])
+    finally:
+        session.close()
+    fp = pb.PutFromDeviceBatchRequest(
+        items=[pb.PutFromDeviceRequest(tensor=pb.CudaIpcTensor(dtype="bfloat16", shape=[8, 4]))]
+    )
+    assert sc.expected_work_s({"put_from_device_batch": fp}) == pytest.approx(64 / 10e9)
+    assert sc.expected_work_s({"get": pb.GetRequest(keys=["k"])}) == 0.0

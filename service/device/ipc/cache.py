@@ -259,13 +259,13 @@ class IpcCache:
             opened = self._open.get(bytes(handle))
             return opened is not None and not opened.doomed and opened.device == device
 
-    def fired(self, owner: str, handle: bytes, device: int) -> bool:
-        """Whether ``owner``'s event ``handle`` is open already and has fired (never blocks,
-        never opens anything: False means the caller should wait in a thread instead)."""
+    def opened_event(self, owner: str, handle: bytes, device: int) -> ClientEvent | None:
+        """``owner``'s event ``handle`` if it is open already (never opens anything, so never
+        blocks: None means the caller should open it in a worker thread)."""
         key = (owner, bytes(handle), device)
         with self._lock:
             event = self._events.get(key)
-        return event is not None and ClientEvent(self, key, event).fired()
+        return None if event is None else ClientEvent(self, key, event)
 
     def wait_event(self, owner: str, handle: bytes, device: int) -> None:
         """Block until the client's event ``handle`` (on GPU ``device``) has fired.

@@ -30,7 +30,7 @@ from embcache.service.engine import CacheEngine
 from embcache.service.host import admission
 from embcache.service.host.leases import Lease
 from embcache.service.transport import device_get
-from embcache.service.transport.device_get import Housekeeping, in_thread
+from embcache.service.transport.device_get import Housekeeping, in_thread, poll_until
 from embcache.service.transport.handlers import device_puts as grpc_device_puts
 from embcache.service.transport.handlers.ipc_tensors import (
     IpcTensor,
@@ -212,9 +212,10 @@ class DevicePlane:
             raise InvalidArgument("offset outside the destination", destination=dest.nbytes)
         pool_index = self._pool_index(buf.gpu_uuid)
         slots = offsets or self._pack(keys)
+        leases = None
         if self._into_on_loop(owner, dest):
             leases = await self._into_now(keys, owner, dest, slots, pool_index)
-        else:
+        if leases is None:
             leases = await in_thread(
                 lambda: self._into_waiting(keys, owner, dest, slots, pool_index)
             )
@@ -230,14 +231,16 @@ class DevicePlane:
 
     def _into_on_loop(self, owner: str, dest: IpcTensor) -> bool:
         """Whether a GetInto can run on the event loop: nothing to fetch from the shared
-        tier, the destination is mapped already and the client's event (if any) is open and
-        has fired. Otherwise something may block (opening a handle, waiting for the
-        client's GPU work, the network), and the call runs in a worker thread."""
+        tier, the destination is mapped already and the client's event (if any) is open.
+        Otherwise something may block (opening a handle or an event, the network), and the
+        call runs in a worker thread."""
         if self.engine.fetches_misses or dest.nbytes == 0:
             return False
         if not self.ipc.mapped(dest.handle, dest.device):
             return False
-        return dest.event is None or self.ipc.fired(owner, dest.event, dest.device)
+        return (
+            dest.event is None or self.ipc.opened_event(owner, dest.event, dest.device) is not None
+        )
 
     async def _into_now(
         self,
@@ -246,13 +249,23 @@ class DevicePlane:
         dest: IpcTensor,
         slots: list[int],
         pool_index: int | None,
-    ) -> list[Lease | None]:
-        """GetInto on the loop: queue the copies, then wait for them without blocking the
-        loop (``wait_copies``), with no thread hand-off before the copies start. The leases
-        end once the copies are complete."""
+    ) -> list[Lease | None] | None:
+        """GetInto on the loop: wait for the client's event (polled, as a put's is), queue
+        the copies, then wait for them without blocking the loop (``wait_copies``), with no
+        thread hand-off before the copies start. The leases end once the copies are
+        complete. None when the destination's mapping closed while the event was awaited
+        (mapping it again may block: the caller goes to a thread)."""
+        if dest.event is not None:
+            event = self.ipc.opened_event(owner, dest.event, dest.device)
+            if event is None:  # forgotten meanwhile (it failed, or the session ended)
+                return None
+            await poll_until(event.fired, event.wait)
+            if not self.ipc.mapped(dest.handle, dest.device):
+                return None
         with self._destination(owner, dest) as flat:
+            # dest_ready: the client's event has fired; nothing here writes its buffer.
             pending = self.engine.device.start_into(
-                keys, owner, flat, slots, device=pool_index, fill_misses=False
+                keys, owner, flat, slots, device=pool_index, fill_misses=False, dest_ready=True
             )
             try:
                 await device_get.wait_copies(pending)
@@ -277,7 +290,9 @@ class DevicePlane:
             self.ipc.wait_event(owner, dest.event, dest.device)
         with self._destination(owner, dest) as flat:
             device = pool_index if dest.nbytes else None  # an empty buffer: nothing to copy
-            return self.engine.device.get_into(keys, owner, flat, slots, device=device)
+            return self.engine.device.get_into(
+                keys, owner, flat, slots, device=device, dest_ready=True
+            )
 
     @contextlib.contextmanager
     def _destination(self, owner: str, dest: IpcTensor) -> Iterator[torch.Tensor]:

@@ -170,6 +170,50 @@ def test_get_into_from_host_and_device(engine: CacheEngine) -> None:
     assert torch.equal(dest2[3:1003], a)
 
 
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    sizes=st.lists(st.integers(1, 3 * PAGE + 9), min_size=1, max_size=5),
+    resident=st.lists(st.booleans(), min_size=5, max_size=5),
+    align=st.sampled_from([1, 2, 4, 8, 16, 48]),
+    base=st.integers(0, 40),
+)
+def test_get_into_fragmented_entries_at_any_alignment(
+    engine: CacheEngine, sizes: list[int], resident: list[bool], align: int, base: int
+) -> None:
+    """Entries whose host pages are scattered, some resident in the device pool, copied
+    into slots of any alignment: every byte lands in its slot and nothing else changes."""
+    for i in range(12):  # scatter the free pages: fill, then free every other entry
+        engine.put(f"pad{i}", blob(PAGE, 100 + i))
+    engine.evict([f"pad{i}" for i in range(0, 12, 2)])
+    keys = [f"k{i}" for i in range(len(sizes))]
+    data = {k: blob(n, i) for i, (k, n) in enumerate(zip(keys, sizes, strict=True))}
+    for k, t in data.items():
+        engine.put(k, t)
+    warm = [k for k, r in zip(keys, resident, strict=False) if r]
+    if warm:
+        got, _ = engine.device.get(warm, "warm")
+        engine.release(r.lease.lease_id for r in got if r is not None)
+    offsets, pos = [], base
+    for n in sizes:
+        offsets.append(pos)
+        pos = -(-(pos + n + 1) // align) * align  # a gap of at least one byte
+    dest = torch.full((pos + 7,), 0xA5, dtype=torch.uint8)
+    before = engine.stats().bytes_copied
+    out = engine.device.get_into(keys, "dec", dest, offsets, device=0)
+    assert all(x is not None for x in out)
+    expect = torch.full_like(dest, 0xA5)
+    for k, off in zip(keys, offsets, strict=True):
+        expect[off : off + data[k].numel()] = data[k]
+    assert torch.equal(dest, expect)
+    after = engine.stats().bytes_copied
+    moved = sum(after[d] - before[d] for d in ("h2d", "d2d"))
+    assert moved == sum(sizes)
+    assert engine.stats().leases_active == 0
+    engine.evict([*keys, *(f"pad{i}" for i in range(1, 12, 2))])
+
+
 @pytest.mark.parametrize(
     ("offsets", "size"), [([0, 500], 4096), ([0], 999), ([-1], 4096), ([0, 0, 0], 4096)]
 )
