@@ -7,6 +7,7 @@ after its caller gave up (deadline) hands out leases nobody holds: they are rele
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -84,7 +85,4 @@ def expected_work_s(request: Mapping[str, Any]) -> float:
 
 def _tensor_bytes(t: pb.CudaIpcTensor) -> int:
     dtype = lookup(t.dtype)
-    n = dtype.itemsize if dtype is not None else 0
-    for d in t.shape:
-        n *= d
-    return max(n, 0)
+    return dtype.itemsize * math.prod(t.shape) if dtype is not None else 0

@@ -16,7 +16,7 @@ import torch
 from embcache.errors import InvalidArgument
 from embcache.service.device.copier import Copier
 from embcache.service.device.copy_plan import entry_columns, row_bytes_for, truncate_runs
-from embcache.service.device.loads import ROW
+from embcache.service.device.loads import ROW, host_columns
 from embcache.service.device.pool import DevicePool
 from embcache.service.host.entries import Entry
 from embcache.service.host.leases import Lease
@@ -121,9 +121,7 @@ def _copy_from_host(
     cols = []
     for entry, off in items:
         if row == ROW:  # the usual case: the entry's columns, planned when it was committed
-            if entry.host_cols is None:
-                entry.host_cols = entry_columns(entry.runs, host.page_bytes, entry.nbytes, ROW)
-            c = entry.host_cols
+            c = host_columns(entry, host.page_bytes)
         else:
             c = entry_columns(entry.runs, host.page_bytes, entry.nbytes, row)
         cols.append((c[0], c[2] + off // row, c[1]))

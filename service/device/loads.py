@@ -4,6 +4,7 @@ Called by :class:`~embcache.service.device.tier.DeviceTier` under the engine loc
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from embcache import kernels
@@ -109,16 +110,21 @@ def _queue_copies(
         copy_between_pools(pools[src_index], pool, items)
 
 
+def host_columns(entry: Entry, page_bytes: int) -> np.ndarray:
+    """``entry``'s host page runs as :func:`~.copy_plan.entry_columns` in ``ROW``-byte rows,
+    made once and kept with the entry (its runs never change): at commit when the daemon has
+    a device pool (``DeviceTier.prepare``), else at the first copy that needs them."""
+    if entry.host_cols is None:
+        entry.host_cols = entry_columns(entry.runs, page_bytes, entry.nbytes, ROW)
+    return entry.host_cols
+
+
 def _copy_from_host(copier: Copier, pool: DevicePool, batch: list[tuple[Entry, Residency]]) -> None:
     """One copy of a plan made here (``kernels.transfer_planned``, without
     ``transfer_ranges``' checks): host page runs against the residencies' device page runs,
     each entry padded to 16-byte rows."""
     host = copier.host
-    cols = []
-    for entry, _ in batch:
-        if entry.host_cols is None:  # planned at commit already, unless a get raced it
-            entry.host_cols = entry_columns(entry.runs, host.page_bytes, entry.nbytes, ROW)
-        cols.append(entry.host_cols)
+    cols = [host_columns(entry, host.page_bytes) for entry, _ in batch]
     so, do, ln = plan_entries(
         cols,
         [r.runs for _, r in batch],

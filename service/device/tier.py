@@ -23,7 +23,6 @@ from embcache.errors import DeviceUnavailable, PoolExhausted
 from embcache.service.config import DeviceConfig
 from embcache.service.device import loads
 from embcache.service.device.copier import Copier, CopyObserver
-from embcache.service.device.copy_plan import entry_columns
 from embcache.service.device.into import queue_into
 from embcache.service.device.pending_get import DeviceLease, PendingGet, Placement
 from embcache.service.device.pool import DevicePool, Residency
@@ -108,10 +107,8 @@ class DeviceTier:
     def prepare(self, entry: Entry) -> None:
         """Plan a new entry's host side for later copies to a device (its host runs never
         change), so a first get does not pay for it."""
-        if self.pools and entry.nbytes and entry.host_cols is None:
-            entry.host_cols = entry_columns(
-                entry.runs, self.host.page_bytes, entry.nbytes, loads.ROW
-            )
+        if self.pools and entry.nbytes:
+            loads.host_columns(entry, self.host.page_bytes)
 
     def drop(self, entry: Entry) -> None:
         """Forget ``entry``'s copies (it is being evicted; nobody holds it)."""
