@@ -1,6 +1,6 @@
 """Small calls stamp by stamp across both processes: an empty session call, a 64 KiB host
-get as copies after the result, a 64 KiB put and a put_many of 16, and on a GPU a resident
-4 MiB device hit and a 4 MiB get_into.
+get as copies (served from the read table: no call), a 64 KiB put and a put_many of 16, and
+on a GPU a resident 4 MiB device hit, a 4 MiB get_into and a 4 MiB put from the device.
 
 The daemon runs with ``time.perf_counter`` stamps around the steps of a session-socket call
 (the frame's arrival, the call's start, the handlers, the engine's steps, the reply's
@@ -44,8 +44,9 @@ import functools, json, signal, sys, time
 from embcache.service.cli.app import app
 from embcache.service.engine import device_side
 from embcache.service.engine.device_into import PendingInto
+from embcache.service.engine.device_puts import PendingPut
 from embcache.service.transport import device_get
-from embcache.service.transport.handlers import device
+from embcache.service.transport.handlers import device, device_puts
 from embcache.service.transport.session import calls, host_puts, inline_gets
 from embcache.service.transport.uds import server
 
@@ -88,6 +89,14 @@ around(inline_gets, "inline_get", "daemon: inline_get begins", "daemon: inline_g
 around(server._Connection, "_send_bytes", None, "daemon: reply and bytes written", True)
 around(host_puts.SessionPuts, "put", "daemon: put begins", "daemon: put ends")
 around(host_puts.SessionPuts, "put_batch", "daemon: put_batch begins", "daemon: put_batch ends")
+around(device.DevicePlane, "put_from_device", "daemon: device put starts",
+       "daemon: device put returns", True)
+around(device_puts, "_checked", None, "daemon: device put checked")
+around(device_puts, "poll_until", None, "daemon: client event fired", True)
+around(device_side.DeviceSide, "start_put_many", "daemon: start_put_many begins",
+       "daemon: put copies queued")
+around(device_puts, "wait_copies", None, "daemon: put copies done", True)
+around(PendingPut, "finish", None, "daemon: put committed")
 
 def dump(*_):
     with open(out, "w") as f:
@@ -197,8 +206,14 @@ def cases(client: EmbCacheClient, cuda: bool) -> dict[str, Callable[[], object]]
             (r,) = client.get_into(["large"], dest)
             assert r.found
 
+        source = torch.randn(MiB, device="cuda")  # 4 MiB
+
+        def put_from_device() -> None:
+            client.put(f"d{next(counter)}", source)
+
         out["device hit 4 MiB (owned copy)"] = hit
         out["get_into 4 MiB"] = get_into
+        out["put from device 4 MiB"] = put_from_device
     return out
 
 

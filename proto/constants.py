@@ -15,6 +15,9 @@ ERROR_TYPE_KEY = "embcache-error"  # trailing metadata: the error's type name
 UDS_SUFFIX = ".lane"  # it listens at the gRPC socket's path plus this
 
 SLOT_ALIGN = 16  # GetInto packs entries at offsets that are multiples of this
+# A host get's entries sent as copies after its result, at most this many bytes per reply
+# (the rest are views); a same-node client copying from the read table keeps to it too.
+INLINE_TOTAL = 1 << 20
 
 # REST headers of the bytes routes
 DTYPE_HEADER = "X-Embcache-Dtype"

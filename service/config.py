@@ -120,6 +120,12 @@ class Settings(BaseSettings):
     socket_mode: str = Field(
         "0660", description="Permissions (octal) of the gRPC and fd Unix sockets."
     )
+    read_table: bool = Field(
+        True,
+        description="Publish READY entries in a read-only table beside the segment, so "
+        "clients on the node that map the pool copy small entries out of it with no call "
+        "(docs/same_node_reads.md); off: every get is a call.",
+    )
     # Entries and leases
     max_key_bytes: int = Field(1024, ge=1, le=65536, description="Longest key, in UTF-8 bytes.")
     lease_ttl_s: float = Field(

@@ -193,6 +193,10 @@ class AsyncEmbCacheClient(AsyncHostPuts):
             leased = await self._get_device(names, device, ttl_s, zero_copy)
             if leased is not None:
                 return leased
+        if self._copy_gets_up_to and self._pool_local is not False:
+            copies = await self._table_copies(names)  # no call: read where the daemon wrote
+            if copies is not None:
+                return await self._placed(AsyncLeasedTensors(copies, [], self.release), device)
         if self._pool_local is False and not await self._inline_gets():
             tensors = [await self._fetch_tensor(k) for k in names]
             return await self._placed(AsyncLeasedTensors(tensors, [], self.release), device)

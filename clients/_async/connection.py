@@ -42,6 +42,7 @@ from embcache.clients.core.views import BATCH, ViewLeases
 from embcache.clients.device.device_replies import sync_devices
 from embcache.clients.device.host_replies import Decoded
 from embcache.clients.device.pools import process_device_pools
+from embcache.clients.device.read_table import process_read_tables
 from embcache.clients.device.shm import process_pool_maps
 from embcache.errors import EmbCacheError
 from embcache.proto.constants import SESSION_KEY
@@ -125,6 +126,7 @@ class AsyncConnection:
         self._session_lock = Lock()
         self._closed = False
         self._maps = process_pool_maps()
+        self._tables = process_read_tables()
         self._pool_local: bool | None = None  # whether this process maps the host pool
         self._device_pools = process_device_pools()
         self._no_device = HostFallbacks()  # GPUs served through the host for now
@@ -331,6 +333,24 @@ class AsyncConnection:
     async def _shut(self) -> None:
         await self._drop_session()
         await self._channel.close()
+
+    # -- same-node reads (device/read_table.py) --------------------------------------------
+    async def _table_copies(self, names: list[str]) -> list[Any] | None:
+        """Copies of every key's entry out of the daemon's read table, with no call (the hits
+        are posted to the daemon, which counts them), or None where any one is not readable
+        so, or the session is gone: ask the daemon then."""
+        session = await self._open_session()
+        table = self._tables.get(session.read_table)
+        if table is None:
+            return None
+        copies = table.read_all(names, self._copy_gets_up_to)
+        if copies is None:
+            return None
+        try:  # sent now, not with the next call: the daemon's stats and LRU see it at once
+            await session.post(now=True, touch=pb.TouchRequest(keys=names))
+        except SessionLost:
+            return None  # the daemon went: the call path finds out and says so
+        return copies
 
     # -- leases of views (core/views.py) ---------------------------------------------------
     def _lease_lifetime(self, ttl_s: float | None) -> float:

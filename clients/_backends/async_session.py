@@ -42,6 +42,7 @@ class AsyncCalls(abc.ABC):
         self.serves_bytes_out = False  # get_bytes, its bytes raw after the result (sockets)
         self.serves_get_into = False  # get_into as a session call
         self.serves_inline_gets = False  # host gets with small entries copied after the result
+        self.read_table: pb.ReadTableInfo | None = None  # where same-node gets may copy from
         self.lease_ttl_s = 0.0  # the daemon's default lease lifetime (0: not said)
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[pb.SessionResult]] = {}
@@ -73,6 +74,7 @@ class AsyncCalls(abc.ABC):
         self.serves_bytes_out = opened.bytes_out
         self.serves_get_into = opened.get_into
         self.serves_inline_gets = opened.inline_gets
+        self.read_table = opened.read_table if opened.HasField("read_table") else None
         self.lease_ttl_s = opened.lease_ttl_s
         self._reader = asyncio.get_running_loop().create_task(self._drain())
 
@@ -136,9 +138,10 @@ class AsyncCalls(abc.ABC):
             self._waiting.pop(call_id, None)
             self._payloads.pop(call_id, None)
 
-    async def post(self, **request: Any) -> None:
+    async def post(self, now: bool = False, **request: Any) -> None:
         """Send a call without waiting for its result (a release: nothing to wait for);
-        the result is read and dropped. SessionLost if the session has ended."""
+        the result is read and dropped. SessionLost if the session has ended. (A stream
+        sends it at once: ``now`` is for the session socket, which holds posts back.)"""
         if not self.alive:
             raise SessionLost(f"{self.what} has ended")
         try:

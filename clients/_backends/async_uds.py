@@ -82,11 +82,17 @@ class AsyncUdsSession(AsyncCalls):
         except asyncio.IncompleteReadError:
             return None
 
-    async def post(self, **request: Any) -> None:
-        """Queue a release (call id 0: no result) for the next call's write (``sync_uds``)."""
+    async def post(self, now: bool = False, **request: Any) -> None:
+        """Queue a release (call id 0: no result) for the next call's write (``sync_uds``);
+        ``now``: write it (and any queued) at once."""
         if not self.alive:
             raise SessionLost(f"{self.what} has ended")
         self._posted.append(frame(pb.SessionRequest(call=pb.SessionCall(call_id=0, **request))))
+        if now:
+            data = b"".join(self._posted)
+            self._posted.clear()
+            self._writer.write(data)
+            await self._writer.drain()
 
     async def _send_call(self, call_id: int, request: dict[str, Any]) -> None:
         await self._send_frame(call_frame(call_id, request))

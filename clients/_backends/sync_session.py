@@ -49,6 +49,7 @@ class Session:
         self.serves_bytes_out = False  # never on a gRPC stream (its frames are messages)
         self.serves_get_into = False  # ... get_into in the session (opened.get_into)
         self.serves_inline_gets = False  # never on a gRPC stream (no raw bytes follow)
+        self.read_table: pb.ReadTableInfo | None = None  # where same-node gets may copy from
         self.lease_ttl_s = 0.0  # the daemon's default lease lifetime (0: not said)
         self.error: BaseException | None = None
         self.alive = True
@@ -90,6 +91,8 @@ class Session:
                     self.serves_host_puts = msg.opened.host_puts
                     self.serves_writable_puts = msg.opened.writable_puts
                     self.serves_get_into = msg.opened.get_into
+                    if msg.opened.HasField("read_table"):
+                        self.read_table = msg.opened.read_table
                     self.lease_ttl_s = msg.opened.lease_ttl_s
                     self._opened.set()
         except grpc.RpcError as err:
@@ -140,9 +143,10 @@ class Session:
             raise SessionLost()
         return waiter.result
 
-    def post(self, **request: Any) -> None:
+    def post(self, now: bool = False, **request: Any) -> None:
         """Send a call without waiting for its result (a release); the reader drops it.
-        SessionLost if the stream has ended."""
+        SessionLost if the stream has ended. (It is sent at once: ``now`` is for the
+        session socket.)"""
         if not self.alive:
             raise SessionLost("the Session stream has ended")
         self._queue.put(pb.SessionRequest(call=pb.SessionCall(call_id=0, **request)))

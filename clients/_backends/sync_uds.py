@@ -106,6 +106,7 @@ class UdsSession:
         self.serves_bytes_out = False  # get_bytes, its bytes raw after the result
         self.serves_get_into = False  # get_into as a session call
         self.serves_inline_gets = False  # host gets with small entries copied after the result
+        self.read_table: pb.ReadTableInfo | None = None  # where same-node gets may copy from
         self.lease_ttl_s = 0.0  # the daemon's default lease lifetime (0: not said)
         try:
             hello = pb.SessionHello(client_name=name, pid=os.getpid(), auth_token=token or "")
@@ -132,6 +133,8 @@ class UdsSession:
         self.serves_bytes_out = first.opened.bytes_out
         self.serves_get_into = first.opened.get_into
         self.serves_inline_gets = first.opened.inline_gets
+        if first.opened.HasField("read_table"):
+            self.read_table = first.opened.read_table
         self.lease_ttl_s = first.opened.lease_ttl_s
 
     @classmethod
@@ -177,16 +180,23 @@ class UdsSession:
                 raise SessionLost("the session socket closed during the call")
         raise RpcFailed("deadline exceeded waiting for a session call", "DEADLINE_EXCEEDED")
 
-    def post(self, **request: Any) -> None:
+    def post(self, now: bool = False, **request: Any) -> None:
         """Queue a call whose result nobody waits for (a release: call id 0, which the daemon
         answers with nothing, older daemons with a result the next reader drops). It goes out
         in one write with the next call, so post only before a call of one's own; a close
-        sends it first. SessionLost if closed."""
+        sends it first. ``now``: write it (and any queued) at once. SessionLost if closed."""
         if not self._alive:
             raise SessionLost("the session socket has closed")
         data = frame(pb.SessionRequest(call=pb.SessionCall(call_id=0, **request)))
         with self._send_lock:
             self._posted.append(data)
+            if now:
+                out = b"".join(self._posted)
+                self._posted.clear()
+                try:
+                    self._sock.sendall(out)
+                except OSError as exc:
+                    raise SessionLost(f"the session socket failed: {exc}") from exc
 
     def _wait(self, waiter: _Waiter, deadline: float, spin_s: float | None = None) -> None:
         """Until ``waiter`` has its result, the socket closes or the deadline passes: wait

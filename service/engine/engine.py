@@ -36,6 +36,7 @@ from embcache.service.engine.hooks import (
     build_host_pool,
     build_tier,
     cuda_wanted,
+    open_read_table,
 )
 from embcache.service.engine.puts import CopyIn, Runs
 from embcache.service.engine.quarantine import QuarantineSide
@@ -45,6 +46,7 @@ from embcache.service.host.entries import Entry
 from embcache.service.host.host_pool import HostPool, SegmentInfo
 from embcache.service.host.leases import Lease, LeaseCaps
 from embcache.service.host.put_writer import FillTarget, PutHandle
+from embcache.service.host.read_table import ReadTable
 from embcache.service.host.restart import Adopted, Verifier, WarmStart
 from embcache.service.host.store import EvictResults, HostStore, raise_for_evict
 from embcache.service.host.verify import entry_crc
@@ -95,6 +97,8 @@ class CacheEngine:
             caps=LeaseCaps(settings.max_leases_per_owner, settings.leased_bytes_limit),
             max_entries=settings.entry_limit,
         )
+        if settings.read_table:  # before a warm restart's entries come in: they publish
+            self._store.reads = open_read_table(pool, settings)
         self.verifier: Verifier | None = None  # checks adopted entries' bytes (restart.py)
         if settings.warm_restart:
             try:
@@ -267,6 +271,18 @@ class CacheEngine:
         """True when gets may wait on the shared tier for local misses."""
         return self._shared.hooks is not None
 
+    def touch(self, keys: Sequence[str]) -> int:
+        """Count hits that same-node clients served from the read table and mark those
+        entries just used (``docs/same_node_reads.md``); returns how many are still here."""
+        with self._lock:
+            return self._store.touch(keys, self._clock())
+
+    @property
+    def read_table(self) -> ReadTable | None:
+        """The read table same-node clients copy entries from (None: off, or it could not
+        be made)."""
+        return self._store.reads
+
     def release(self, lease_ids: Iterable[int], owner: str | None = None) -> int:
         """End leases (with ``owner``: its own only; others skipped); returns how many."""
         with self._lock:
@@ -406,6 +422,8 @@ class CacheEngine:
         """Refuse new puts and gets; in-flight puts may still commit."""
         with self._lock:
             self._draining = True
+            if self._store.reads is not None:
+                self._store.reads.shut()  # clients' gets are calls again: refused while draining
 
     def _check_open(self) -> None:
         if self._closed:
@@ -428,6 +446,8 @@ class CacheEngine:
         keep = keep_segment and index is not None and index.active
         if index is not None:
             index.close() if keep else index.remove()
+        if self._store.reads is not None:
+            self._store.reads.remove()
         self._tier.close()
         self._store.pool.close(unlink=not keep)
 

@@ -15,6 +15,7 @@ from embcache.service.device.pool import DevicePool
 from embcache.service.device.tier import DeviceTier
 from embcache.service.host.host_pool import SHM_DIR, HostPool, unique_host_pool
 from embcache.service.host.pool_index import index_path
+from embcache.service.host.read_table import ReadTable, buckets_for
 from embcache.service.host.restart import WarmStart, find_stale
 
 log = logging.getLogger("embcache.service.engine")
@@ -187,3 +188,18 @@ def build_host_pool(settings: Settings, uses_cuda: bool, warm: WarmStart | None 
             index_path(pool.path).unlink(missing_ok=True)
         return pool
     return unique_host_pool(settings.shm_prefix, size, page, register_cuda=uses_cuda, mode=mode)
+
+
+def open_read_table(pool: HostPool, settings: Settings) -> ReadTable | None:
+    """The read table beside ``pool``'s segment, readable as the segment is; None (gets are
+    calls, as with ``read_table`` off) when it cannot be made, which is logged."""
+    try:
+        return ReadTable.create(
+            pool.path,
+            num_buckets=buckets_for(settings.entry_limit),
+            page_bytes=pool.page_bytes,
+            mode=int(settings.shm_mode, 8),
+        )
+    except OSError as exc:
+        log.warning("no read table beside %s (gets stay calls): %s", pool.name, exc)
+        return None

@@ -42,6 +42,7 @@ class EngineStats:
     leases_quarantined: int = 0  # holds kept after a forced end (host/quarantine.py)
     quarantined_bytes: int = 0
     restart: dict[str, int] = field(default_factory=dict)  # what a warm restart adopted
+    read_table: dict[str, int] = field(default_factory=dict)  # same-node reads (read_table.py)
 
     @property
     def hit_rate(self) -> float:
@@ -111,6 +112,11 @@ def engine_stats(host: HostCounts, tier: DeviceTier, *, draining: bool) -> Engin
         leases_quarantined=host.quarantined,
         quarantined_bytes=host.quarantined_bytes,
         restart=restart_counts(c),
+        read_table={
+            "entries": host.table_entries,
+            "skipped": host.table_skipped,
+            "reads": c.get("table_reads", 0),
+        },
     )
 
 

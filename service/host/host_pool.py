@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")
 _NAME_TRIES = 8  # fresh random names tried before giving up
 _FRESH_S = 5.0  # a segment younger than this may be a starting daemon's: never removed
-INDEX_SUFFIXES = (".index", ".index.tmp")  # pool_index.py's files beside a segment
+# Files beside a segment: pool_index.py's warm-restart index, read_table.py's table.
+INDEX_SUFFIXES = (".index", ".index.tmp", ".reads")
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
 

@@ -24,6 +24,7 @@ from embcache.service.host.leases import Lease, LeaseCaps, LeaseTable
 from embcache.service.host.pool_index import PoolIndex
 from embcache.service.host.prealloc import PutPrealloc
 from embcache.service.host.quarantine import Held, ProcessRef, Quarantine
+from embcache.service.host.read_table import ReadTable
 from embcache.service.host.stats import run_bucket
 from embcache.service.host.store_views import HostCounts, StoreViews
 from embcache.service.host.verify import entry_crc
@@ -69,6 +70,7 @@ class HostStore(StoreViews):
         self.caps = caps
         self.max_entries = max_entries if max_entries is not None else pool.num_pages + 1024
         self.index: PoolIndex | None = None  # the warm-restart index (restart.py sets it)
+        self.reads: ReadTable | None = None  # where same-node clients copy entries from
 
     # -- pages ---------------------------------------------------------------------------
     def pages_for(self, nbytes: int) -> int:
@@ -156,6 +158,8 @@ class HostStore(StoreViews):
         entry.last_access = now
         self.entries.add_ready(entry)
         self._runs_hist[run_bucket(len(entry.runs))] += 1
+        if self.reads is not None and not entry.unverified:  # adopted ones once checked
+            self.reads.publish(entry)
 
     def lookup(self, key: str) -> Entry | None:
         """The READY entry of ``key``; one adopted at a warm restart is checked against its
@@ -172,6 +176,8 @@ class HostStore(StoreViews):
         ok = entry_crc(self.pool, entry) == entry.crc32
         if not ok:
             self.drop_corrupt(entry)
+        elif self.reads is not None and entry.state is EntryState.READY:
+            self.reads.publish(entry)
         return ok
 
     def drop_corrupt(self, entry: Entry) -> None:
@@ -179,6 +185,7 @@ class HostStore(StoreViews):
         now, or once the views still held on them are gone."""
         if self.index is not None:
             self.index.delete(entry.key)
+        self._withdraw(entry)
         self._runs_hist[run_bucket(len(entry.runs))] -= 1
         self.counters["adopt_dropped_checksum"] += 1
         self.counters["adopt_dropped_checksum_bytes"] += entry.nbytes
@@ -187,6 +194,24 @@ class HostStore(StoreViews):
             return
         self.entries.remove(entry)
         self.alloc.free(entry.runs)
+
+    def _withdraw(self, entry: Entry) -> None:
+        if self.reads is not None:
+            self.reads.withdraw(entry.key)
+
+    def touch(self, keys: Sequence[str], now: float) -> int:
+        """Count hits that clients served themselves from the read table, and move those
+        entries to the most-recently-used end; returns how many are still here."""
+        found = 0
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is not None:  # gone since (or never here: a client's mistake)
+                found += 1
+                self.entries.touch(entry)
+                entry.last_access = now
+        self.counters["hits"] += found
+        self.counters["table_reads"] += found
+        return found
 
     def _release_hold(self, entry: Entry) -> None:
         """Drop a quarantine hold's reference; the last one frees a DROPPED entry's pages."""
@@ -362,6 +387,7 @@ class HostStore(StoreViews):
         self._on_evict(entry)
         if self.index is not None:
             self.index.delete(entry.key)  # before the pages can be reused
+        self._withdraw(entry)  # the same: no reader may copy them once they are free
         self.entries.remove(entry)
         self.alloc.free(entry.runs)
         self._runs_hist[run_bucket(len(entry.runs))] -= 1
@@ -381,6 +407,8 @@ class HostStore(StoreViews):
         """The engine is closing: end every lease and forget every reservation. The index
         is let go first: the holds in it stay for the next daemon (views may outlive us)."""
         self.index = None
+        if self.reads is not None:
+            self.reads.shut()  # before any lease ends: no page may be reused under a reader
         for lease_id in self.leases.all_ids():
             self.end_lease(lease_id)
         for held in self.quarantine.clear():

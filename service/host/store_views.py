@@ -17,6 +17,7 @@ from embcache.service.host.entries import Entry, EntryTable
 from embcache.service.host.leases import LeaseTable
 from embcache.service.host.prealloc import PutPrealloc
 from embcache.service.host.quarantine import Quarantine
+from embcache.service.host.read_table import ReadTable
 from embcache.service.host.stats import PoolStats
 
 PAGE_FREE, PAGE_FILLING, PAGE_READY, PAGE_LEASED = 0, 1, 2, 3
@@ -39,6 +40,8 @@ class HostCounts:
     prealloc_bytes: int
     quarantined: int = 0  # holds kept after a forced end (quarantine.py)
     quarantined_bytes: int = 0
+    table_entries: int = 0  # entries in the read table (read_table.py)
+    table_skipped: int = 0  # entries that did not fit it
 
 
 class StoreViews:
@@ -46,6 +49,7 @@ class StoreViews:
 
     page_bytes: int
     alloc: PageRunAllocator
+    reads: ReadTable | None
     prealloc: PutPrealloc
     entries: EntryTable
     leases: LeaseTable
@@ -98,6 +102,8 @@ class StoreViews:
             prealloc_bytes=prealloc * page,
             quarantined=len(self.quarantine),
             quarantined_bytes=self.quarantine.nbytes,
+            table_entries=len(self.reads) if self.reads is not None else 0,
+            table_skipped=self.reads.skipped if self.reads is not None else 0,
         )
 
     def page_states(self) -> np.ndarray:

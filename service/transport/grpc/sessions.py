@@ -16,6 +16,7 @@ from embcache.errors import InvalidArgument
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
+from embcache.service.host.read_table import ReadTable
 from embcache.service.transport.accounting import RpcMetrics
 from embcache.service.transport.grpc.busy_poll import BusyPoll
 from embcache.service.transport.grpc.errors import rpc
@@ -137,6 +138,7 @@ class SessionRpcs:
             inline_get=functools.partial(
                 inline_get, self.engine, alive=self.sessions.alive, render=self._checked_reply
             ),
+            touch=self.engine.touch if self.engine.read_table is not None else None,
         )
         record.in_flight = lambda: calls.in_flight
         opened = pb.SessionOpened(
@@ -150,6 +152,7 @@ class SessionRpcs:
             bytes_out=calls.serves_bytes,
             get_into=True,
             inline_gets=calls.serves_inline_gets,
+            read_table=read_table_info(self.engine.read_table, self.host_pool),
         )
         return OpenSession(calls, opened, self._end_session, record)
 
@@ -164,3 +167,13 @@ class SessionRpcs:
 
 def version() -> str:
     return build_info.version()
+
+
+def read_table_info(table: ReadTable | None, pool: pb.PoolHandle) -> pb.ReadTableInfo | None:
+    """Where a client on the node finds the read table (None: none, or it is shut)."""
+    if table is None or table.closed:
+        return None
+    st_dev, st_ino, size = table.identity()
+    return pb.ReadTableInfo(
+        name=table.path.name, size=size, st_dev=st_dev, st_ino=st_ino, pool=pool
+    )

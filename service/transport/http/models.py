@@ -48,6 +48,16 @@ class PoolStatsModel(_OpenModel):
     )
 
 
+class ReadTableModel(_Model):
+    """The read table same-node clients copy small entries from without a call."""
+
+    entries: int = Field(default=0, description="READY entries readable from the table.")
+    skipped: int = Field(
+        default=0, description="Entries left out of it (bucket full, too many runs or dims)."
+    )
+    reads: int = Field(default=0, description="Hits clients served from it, as they reported.")
+
+
 class RestartModel(_Model):
     """A warm restart's figures: all zero after a cold start."""
 
@@ -116,6 +126,10 @@ class StatsResponse(_OpenModel):
     restart: RestartModel = Field(
         default_factory=lambda: RestartModel(),
         description="What this daemon adopted at a warm restart (docs/restart.md).",
+    )
+    read_table: ReadTableModel = Field(
+        default_factory=lambda: ReadTableModel(),
+        description="Same-node clients' reads without a call (docs/same_node_reads.md).",
     )
 
 

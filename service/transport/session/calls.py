@@ -70,8 +70,10 @@ NAMES = {  # a call's name in the metrics, as its RPC's
     "put_abort": "PutAbort",
     "get_bytes": "GetBytes",
     "get_into": "GetInto",
+    "touch": "Touch",
 }
 Send = Callable[[pb.SessionResponse], Awaitable[None]]
+MAX_TOUCH_KEYS = 4096  # keys one touch may count (a client posts one per get)
 
 
 class SessionCalls:
@@ -98,6 +100,7 @@ class SessionCalls:
         send_bytes: SendBytes | None = None,
         get_into: GetIntoHandler | None = None,
         inline_get: InlineGet | None = None,
+        touch: Callable[[list[str]], int] | None = None,
     ) -> None:
         self.owner = owner
         self.quota_owner = quota_owner or owner
@@ -118,6 +121,7 @@ class SessionCalls:
         self._send_bytes = send_bytes  # None: the transport cannot send raw bytes (gRPC)
         self._get_into = get_into
         self._inline_get = inline_get
+        self._touch = touch  # hits served from the read table (None: no table)
 
     @property
     def serves_bytes(self) -> bool:
@@ -132,11 +136,16 @@ class SessionCalls:
     def start(self, call: pb.SessionCall) -> None:
         """Run ``call`` as a task; its result is sent when it finishes. A posted release
         (call id 0: no result) runs at once instead, without a task: it only updates the
-        lease table, and it rides in front of the client's next call."""
+        lease table, and it rides in front of the client's next call; so does a posted
+        touch (it only counts hits)."""
         if self._on_call is not None:
             self._on_call()
-        if call.call_id == 0 and call.WhichOneof("request") == "release":
+        kind = call.WhichOneof("request")
+        if call.call_id == 0 and kind == "release":
             self._posted_release(call.release)
+            return
+        if call.call_id == 0 and kind == "touch":
+            self._posted_touch(call.touch)
             return
         task = asyncio.get_running_loop().create_task(self._run(call))
         self._tasks.add(task)
@@ -205,6 +214,8 @@ class SessionCalls:
                 request = call.put_from_device_batch
                 batch = await self._put_batch(request, self.owner, self.quota_owner)
                 result.put_from_device_batch.CopyFrom(batch)
+            elif kind == "touch" and self._touch is not None:
+                result.touch.touched = self._touch(_touch_keys(call.touch))
             elif kind is not None and kind.startswith("put") and self.host_puts is not None:
                 await self._host_put(kind, call, result)
             else:
@@ -333,16 +344,28 @@ class SessionCalls:
             raise InvalidArgument("unknown put call", kind=kind)
 
     def _posted_release(self, request: pb.ReleaseRequest) -> None:
+        self._posted("release", lambda: self._release(request, self.owner))
+
+    def _posted_touch(self, request: pb.TouchRequest) -> None:
+        def touch() -> None:
+            if self._touch is None:
+                raise InvalidArgument("touch needs the daemon's read table (none here)")
+            self._touch(_touch_keys(request))
+
+        self._posted("touch", touch)
+
+    def _posted(self, kind: str, run: Callable[[], object]) -> None:
+        """Run a posted call (no result): its failure is logged only, nobody waits for it."""
         start = time.perf_counter()
         code = "OK"
         try:
-            self._release(request, self.owner)
-        except EmbCacheError as err:  # nobody waits for the answer: logged only
+            run()
+        except EmbCacheError as err:
             code = status_for(err).grpc_code
-            log.info("Session.release (posted) -> %s: %s", code, err.describe())
+            log.info("Session.%s (posted) -> %s: %s", kind, code, err.describe())
         if self._metrics is not None:
             elapsed = time.perf_counter() - start
-            self._metrics.observe_rpc(self._transport, "Session.Release", code, elapsed)
+            self._metrics.observe_rpc(self._transport, f"Session.{NAMES[kind]}", code, elapsed)
 
     def _give_back(self, result: pb.SessionResult) -> None:
         """Release the leases a result would have handed out."""
@@ -357,6 +380,15 @@ def _fail(result: pb.SessionResult, err: EmbCacheError) -> str:
         pb.CallError(code=code, message=err.describe(), error_type=type(err).__name__)
     )
     return code
+
+
+def _touch_keys(request: pb.TouchRequest) -> list[str]:
+    """The keys of a touch, checked as a get's are (at most ``MAX_TOUCH_KEYS``)."""
+    if len(request.keys) > MAX_TOUCH_KEYS:
+        raise InvalidArgument(
+            "too many keys in one touch", keys=len(request.keys), limit=MAX_TOUCH_KEYS
+        )
+    return list(request.keys)
 
 
 def _lease_ids(reply: pb.GetResponse) -> list[int]:

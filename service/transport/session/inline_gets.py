@@ -21,12 +21,12 @@ import time
 from collections.abc import Callable, Sequence
 
 from embcache.errors import UnknownSession
+from embcache.proto.constants import INLINE_TOTAL
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.engine import CacheEngine
 from embcache.service.host.leases import Lease
 from embcache.service.transport.session.bytes_out import DRAIN_S, BytesReply, view_of
 
-INLINE_TOTAL = 1 << 20  # bytes sent as copies per reply, at most
 ALIGN = 16  # each copy's offset in the raw bytes is a multiple of this
 
 # (keys, leases) -> the reply locating the leased entries; raises ReplyTooLarge when too large

@@ -1,0 +1,189 @@
+"""The daemon's side of the read table: same-node clients copy entries without a call.
+
+A small host get through the session socket costs a few hundred microseconds, almost all
+of it the call (docs/facts.md, "Small calls stamp by stamp"), while the copy itself takes a
+few. Clients on the node map the host pool already; this table tells them where a READY
+entry's bytes are, so a get of a small entry as a copy is a lookup and a memcpy in the
+client's own process (``proto/read_table.py`` for the bytes, ``docs/same_node_reads.md``).
+
+The host store keeps it in step (``store.py``): an entry is published once it is READY
+and its bytes are trusted (a warm restart's adopted entries once their CRC32 passed), and
+withdrawn before its pages can be reused: eviction, a corrupt entry's drop, the daemon's
+drain or close. Only the daemon writes, under the engine's lock; every change of a slot is
+bracketed by its sequence number (odd while it changes), which is what lets a reader check
+its copy afterwards. No reader holds anything: a client that dies mid-copy leaves nothing
+behind, and nothing a client does can change the file (it maps it read-only).
+
+A starting daemon marks an older table at the same path closed before it replaces it, so
+the clients of a daemon whose segment is adopted (warm restart) stop using their mapping
+before any page of it is reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+from pathlib import Path
+
+from embcache.proto import read_table as rt
+from embcache.service.host.entries import Entry
+
+log = logging.getLogger(__name__)
+
+MAX_BUCKETS = 1 << 17  # 1M slots, 256 MiB of address space at most (a sparse file)
+
+
+def table_path(segment: Path) -> Path:
+    """The read table of the host pool segment at ``segment``."""
+    return segment.with_name(segment.name + rt.SUFFIX)
+
+
+def buckets_for(max_entries: int) -> int:
+    """Buckets for a table that fits ``max_entries`` with room to spare (half full on
+    average, so a full bucket is rare: an entry that finds one is only not published)."""
+    want = max(1, -(-2 * max_entries // rt.WAYS))
+    return min(MAX_BUCKETS, 1 << (want - 1).bit_length())
+
+
+class ReadTable:
+    """The read table of one host pool (module docstring). Build it with :meth:`create`."""
+
+    def __init__(self, path: Path, fd: int, mm: mmap.mmap, num_buckets: int) -> None:
+        self.path = path
+        self.num_buckets = num_buckets
+        self._fd = fd
+        self._mm = mm
+        self._view = memoryview(mm)
+        self._slot_of: dict[str, int] = {}  # key -> offset of its slot
+        self._free_ways = [rt.WAYS] * num_buckets  # per bucket, ways not in use
+        self.skipped = 0  # entries not published (bucket full, too many runs or dims)
+        self.closed = False
+
+    @classmethod
+    def create(
+        cls, segment: Path, *, num_buckets: int, page_bytes: int, mode: int = 0o600
+    ) -> ReadTable:
+        """A new, empty table beside ``segment`` (any older one there is marked closed and
+        replaced: its clients fall back to calls before any page is reused)."""
+        path = table_path(segment)
+        close_stale(path)
+        size = rt.file_bytes(num_buckets)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+        try:
+            os.fchmod(fd, mode)  # the umask may have narrowed it: readers match the segment
+            os.ftruncate(fd, size)  # sparse: only written slots take memory
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        rt.HEADER.pack_into(
+            mm, 0, rt.MAGIC, rt.VERSION, rt.SLOT_BYTES, rt.WAYS, rt.MAX_DIMS, rt.MAX_RUNS, 0,
+            num_buckets, page_bytes, 0,
+        )  # fmt: skip
+        return cls(path, fd, mm, num_buckets)
+
+    def identity(self) -> tuple[int, int, int]:
+        """``(st_dev, st_ino, size)`` of the file, for clients to check what they map."""
+        st = os.fstat(self._fd)
+        return st.st_dev, st.st_ino, st.st_size
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def publish(self, entry: Entry) -> bool:
+        """Make a READY entry readable from the table; False (and counted in ``skipped``)
+        when it does not fit: its bucket is full, or it has too many runs or dimensions."""
+        if self.closed:
+            return False
+        assert entry.key not in self._slot_of, f"{entry.key!r} published twice"
+        code = rt.CODE_OF.get(entry.dtype.name)
+        if len(entry.runs) > rt.MAX_RUNS or len(entry.shape) > rt.MAX_DIMS or code is None:
+            self.skipped += 1
+            return False
+        key_digest = rt.digest(entry.key)
+        bucket = rt.bucket_of(key_digest, self.num_buckets)
+        if not self._free_ways[bucket]:
+            self.skipped += 1
+            return False
+        base = rt.slot_offset(bucket, 0)
+        for way in range(rt.WAYS):
+            at = base + way * rt.SLOT_BYTES
+            if not self._view[at + rt.DIGEST_AT + 16 + 8]:  # the slot's ``live`` byte
+                break
+        else:  # pragma: no cover - the free count says otherwise
+            raise AssertionError(f"bucket {bucket} has no free way")
+        shape = (*entry.shape, *(0,) * (rt.MAX_DIMS - len(entry.shape)))
+        runs = [x for run in entry.runs for x in run]
+        runs += [0] * (2 * rt.MAX_RUNS - len(runs))
+        seq = self._begin(at)
+        body = (key_digest, entry.nbytes, 1, code, len(entry.shape), len(entry.runs))
+        rt.BODY.pack_into(self._view, at + rt.SEQ.size, *body, *shape, *runs)
+        self._end(at, seq)
+        self._slot_of[entry.key] = at
+        self._free_ways[bucket] -= 1
+        return True
+
+    def withdraw(self, key: str) -> bool:
+        """Take ``key`` out of the table (before its pages can be reused); False if it was
+        not in it. A reader copying it meanwhile sees the slot's sequence change."""
+        at = self._slot_of.pop(key, None)
+        if at is None:
+            return False
+        seq = self._begin(at)
+        self._view[at + rt.SEQ.size : at + rt.SLOT_BYTES] = bytes(rt.SLOT_BYTES - rt.SEQ.size)
+        self._end(at, seq)
+        self._free_ways[(at - rt.HEADER_BYTES) // (rt.SLOT_BYTES * rt.WAYS)] += 1
+        return True
+
+    def _begin(self, at: int) -> int:
+        """Mark the slot at ``at`` as changing (its sequence odd); returns the old value."""
+        (seq,) = rt.SEQ.unpack_from(self._view, at)
+        rt.SEQ.pack_into(self._view, at, seq + 1)
+        return int(seq)
+
+    def _end(self, at: int, seq: int) -> None:
+        rt.SEQ.pack_into(self._view, at, seq + 2)
+
+    def shut(self) -> None:
+        """Tell readers to stop using the table (the daemon drains or closes): every key is
+        asked of the daemon from now on. Idempotent."""
+        if not self.closed:
+            self.closed = True
+            rt.SEQ.pack_into(self._view, rt.CLOSED_AT, 1)
+            for at in self._slot_of.values():  # copies in progress see the change too
+                self._end(at, self._begin(at))
+            self._slot_of.clear()
+
+    def remove(self) -> None:
+        """Shut the table and remove its file (the daemon is closing). Idempotent."""
+        self.shut()
+        if self._fd < 0:
+            return
+        with contextlib.suppress(OSError):
+            if os.fstat(self._fd).st_ino == self.path.stat().st_ino:
+                self.path.unlink()  # ours still, not a newer daemon's
+        self._view.release()
+        self._mm.close()
+        os.close(self._fd)
+        self._fd = -1
+
+
+def close_stale(path: Path) -> None:
+    """Mark an existing table at ``path`` closed (its readers fall back to calls) and
+    remove it; nothing when there is none or it is not a table."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return
+    try:
+        if os.fstat(fd).st_size >= rt.HEADER_BYTES:
+            with mmap.mmap(fd, rt.HEADER_BYTES, flags=mmap.MAP_SHARED) as mm:
+                if mm[: len(rt.MAGIC)] == rt.MAGIC:
+                    rt.SEQ.pack_into(mm, rt.CLOSED_AT, 1)
+                    log.info("closed the read table %s left by an earlier daemon", path.name)
+    finally:
+        os.close(fd)
+    path.unlink(missing_ok=True)
