@@ -416,3 +416,43 @@ def test_asyncio_client_puts_inline_and_reserved(server_factory) -> None:
         asyncio.run(main())
         lane = calls_of(server)
         assert {"Session.Put", "Session.PutBatch", "Session.PutReserve"} <= set(lane)
+
+
+def test_inline_puts_and_releases_are_answered_without_a_task(
+    server_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the session socket a put with its bytes inline, a release and a failing put are
+    answered inside the read of their frame (no task), with the same results and errors,
+    and a refused put leaves nothing behind."""
+    from embcache.service.transport.session import calls
+
+    tasked: list[str] = []
+    real_run = calls.SessionCalls._run
+
+    async def recording(self: calls.SessionCalls, call: pb.SessionCall) -> None:
+        tasked.append(call.WhichOneof("request") or "")
+        await real_run(self, call)
+
+    monkeypatch.setattr(calls.SessionCalls, "_run", recording)
+    with server_factory(host_pool_bytes=8 << 20) as (engine, thread):
+        target = f"unix:{thread.service.socket_path}"
+        with EmbCacheClient(target, timeout=10) as client:
+            x = torch.randn(16384)  # 64 KiB: inline
+            assert client.put("a", x) is True
+            assert client.put("a", x) is False  # idempotent, as ever
+            with pytest.raises(MetadataConflict):
+                client.put("a", torch.randn(8))
+            assert client.put_many({"b": torch.ones(4), "c": torch.zeros(3)}) == [True, True]
+            session = client._open_session()
+            result = session.call(10, release=pb.ReleaseRequest(lease_ids=[12345]))
+            assert result.release.released == 0
+            with client.get(["a", "b"]) as (a, b):  # a get still runs as a task
+                assert torch.equal(a, x) and torch.equal(b, torch.ones(4))
+        assert "put" not in tasked and "put_batch" not in tasked and "release" not in tasked
+        assert "get" in tasked
+        stats = engine.stats()
+        assert stats.entries_filling == 0 and stats.entries_ready == 3
+        metrics = thread.service.servicer.metrics.by_transport
+        assert ("lane", "Session.Put", "OK") in metrics
+        assert ("lane", "Session.Put", "FAILED_PRECONDITION") in metrics  # the conflict
+        assert ("lane", "Session.PutBatch", "OK") in metrics

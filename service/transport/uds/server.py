@@ -34,6 +34,7 @@ import hmac
 import logging
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
@@ -237,6 +238,7 @@ class _Connection(asyncio.Protocol):
                     self._send, "lane", self.peer, self._send_bytes
                 )
                 self.session.calls.on_room = self._on_room
+                self.session.calls.send_now = self._send_now
                 if self.session.record is not None:  # an operator's drop (from any thread)
                     loop = asyncio.get_running_loop()
                     self.session.record.end = functools.partial(
@@ -250,6 +252,14 @@ class _Connection(asyncio.Protocol):
             self._drop("empty message")
         else:
             self.session.handle(msg, self._peer())
+
+    def _send_now(self, produce: Callable[[], pb.SessionResponse]) -> bool:
+        """Write ``produce()`` now if the client reads its results (the gate is open); False,
+        nothing produced, if not (``SessionCalls.send_now``)."""
+        if not self._writable.is_open or self.transport is None or self.transport.is_closing():
+            return False
+        self._write(produce())
+        return True
 
     async def _send(self, msg: pb.SessionResponse) -> None:
         """A call's result (SessionCalls); waits while the client is not reading."""
