@@ -193,8 +193,10 @@ class AsyncEmbCacheClient(AsyncHostPuts):
             leased = await self._get_device(names, device, ttl_s, zero_copy)
             if leased is not None:
                 return leased
-        if self._copy_gets_up_to and self._pool_local is not False:
-            copies = await self._table_copies(names)  # no call: read where the daemon wrote
+        if self._copy_gets_up_to and self._pool_local is not False and ttl_s is None:
+            # No call: read where the daemon wrote (a lifetime asked for is the daemon's to
+            # check, so such a get is a call).
+            copies = await self._table_copies(names)
             if copies is not None:
                 return await self._placed(AsyncLeasedTensors(copies, [], self.release), device)
         if self._pool_local is False and not await self._inline_gets():

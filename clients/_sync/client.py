@@ -195,8 +195,10 @@ class EmbCacheClient(HostPuts):
             leased = self._get_device(names, device, ttl_s, zero_copy)
             if leased is not None:
                 return leased
-        if self._copy_gets_up_to and self._pool_local is not False:
-            copies = self._table_copies(names)  # no call: read where the daemon wrote
+        if self._copy_gets_up_to and self._pool_local is not False and ttl_s is None:
+            # No call: read where the daemon wrote (a lifetime asked for is the daemon's to
+            # check, so such a get is a call).
+            copies = self._table_copies(names)
             if copies is not None:
                 return self._placed(LeasedTensors(copies, [], self.release), device)
         if self._pool_local is False and not self._inline_gets():

@@ -224,3 +224,18 @@ def test_touches_are_counted_only_for_cached_keys_and_bounded(server_factory) ->
             with c.get("a") as (g,):  # the session goes on
                 assert g is not None
             assert engine.stats().hits == 3
+
+
+def test_a_get_with_a_bad_lifetime_is_refused_as_before(server_factory) -> None:
+    """A lease lifetime is the daemon's to check: a get that names one is a call."""
+    from embcache.errors import InvalidArgument
+
+    with server_factory(host_pool_bytes=8 * MiB) as (_, thread):
+        c = EmbCacheClient(unix_target(thread), timeout=10, copy_gets_up_to=256 * KiB)
+        with c:
+            c.put("a", torch.ones(8))
+            with pytest.raises(InvalidArgument):
+                c.get("a", ttl_s=-1.0)
+            with c.get("a", ttl_s=5.0) as (g,):
+                assert g is not None and torch.equal(g, torch.ones(8))
+            wait_for(lambda: gets(thread) >= 1)
