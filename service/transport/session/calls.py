@@ -11,10 +11,11 @@ Calls run as tasks, so a slow one (a shared-tier fill) does not hold up the next
 go back as they finish, tagged with the client's call id. Calls whose handlers never wait
 (inline puts, releases, touches: ``AT_ONCE``) are answered at once instead, inside the read
 of their frame, where the transport can write the result now (the session socket whose
-client reads): a task and a loop iteration cost about a third of an empty call. At most ``max_calls`` run at once:
-at the bound the transport stops reading the session's requests (:meth:`SessionCalls.room`,
-``on_room``) until one finishes, so a client that pipelines calls without reading their
-results holds a bounded number of tasks and leases, and tearing it down costs O(bound).
+client reads): a task and a loop iteration cost about a third of an empty call. At most
+``max_calls`` run at once: at the bound the transport stops reading the session's requests
+(:meth:`SessionCalls.room`, ``on_room``) until one finishes, so a client that pipelines
+calls without reading their results holds a bounded number of tasks and leases, and
+tearing it down costs O(bound).
 When the stream ends, the session is closed first, then its running calls are cancelled
 and its leases dropped, without awaiting anything (a second cancellation of the stream's
 handler must not skip the drop); everything a call waits on leaves in O(1) when cancelled
