@@ -30,7 +30,7 @@ KILL_ROUNDS = 20
 def spec(tmp_path: Path) -> Iterator[dm.DaemonSpec]:
     s = dm.DaemonSpec(tmp_path, pool="32MiB", warm_restart=True, drain_grace_s=1.0)
     yield s
-    for suffix in ("", ".index", ".index.tmp"):  # whatever the last daemon left
+    for suffix in ("", ".index", ".index.tmp", ".reads"):  # whatever the last daemon left
         dm.SHM_DIR.joinpath(s.shm_name + suffix).unlink(missing_ok=True)
 
 

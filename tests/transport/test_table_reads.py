@@ -169,10 +169,11 @@ def test_a_draining_daemon_refuses_gets_the_table_would_have_served(server_facto
                 c.get("a")
 
 
-def test_a_killed_daemon_is_reported_not_served_from_its_table() -> None:
+def test_a_killed_daemon_is_reported_not_served_from_its_table(shm_name: str) -> None:
     with tempfile.TemporaryDirectory(prefix="ecr-") as d:
         sock = str(Path(d) / "s.sock")
-        daemon = DaemonProcess(["--grpc-socket", sock, "--host-pool-bytes", str(8 * MiB)])
+        flags = ["--grpc-socket", sock, "--host-pool-bytes", str(8 * MiB), "--shm-name", shm_name]
+        daemon = DaemonProcess(flags)
         try:
             c = EmbCacheClient(daemon.unix_target, timeout=2, retries=0, copy_gets_up_to=1 * MiB)
             c.put("a", torch.ones(8))
@@ -185,6 +186,8 @@ def test_a_killed_daemon_is_reported_not_served_from_its_table() -> None:
             c.close()
         finally:
             daemon.stop()
+            for suffix in ("", ".reads"):  # what a killed daemon leaves
+                Path("/dev/shm", shm_name + suffix).unlink(missing_ok=True)
 
 
 def test_the_async_client_reads_the_table_too(server_factory) -> None:

@@ -191,7 +191,7 @@ def discard(daemon: Daemon) -> None:
     (its segment name and socket path are unique to this run)."""
     reap(daemon.proc)
     daemon.spec_shm_path().unlink(missing_ok=True)
-    for suffix in (".index", ".index.tmp"):  # a warm-restart daemon's index beside it
+    for suffix in (".index", ".index.tmp", ".reads"):  # the files beside it
         SHM_DIR.joinpath(daemon.spec.shm_name + suffix).unlink(missing_ok=True)
     with contextlib.suppress(OSError):
         if daemon.socket_path.is_socket():

@@ -540,7 +540,7 @@ class FaultRun:
             try:
                 self.record("restart_daemon", self._restart_one(spec, rep))
             finally:
-                for suffix in ("", ".index", ".index.tmp"):
+                for suffix in ("", ".index", ".index.tmp", ".reads"):
                     dm.SHM_DIR.joinpath(spec.shm_name + suffix).unlink(missing_ok=True)
 
     def _restart_one(self, spec: dm.DaemonSpec, rep: int) -> Outcome:

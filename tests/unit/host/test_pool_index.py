@@ -112,7 +112,7 @@ def test_allocator_with_used_runs_frees_the_rest() -> None:
 @pytest.fixture
 def settings(shm_name: str) -> Iterator[Settings]:
     yield Settings(host_pool_bytes=4 << 20, page_bytes=4096, shm_name=shm_name, device="cpu")
-    for suffix in ("", ".index", ".index.tmp"):
+    for suffix in ("", ".index", ".index.tmp", ".reads"):
         (SHM_DIR / (shm_name + suffix)).unlink(missing_ok=True)
 
 
