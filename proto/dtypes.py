@@ -14,6 +14,7 @@ class DType:
     torch_dtype: torch.dtype
 
 
+# Append only: the read table (read_table.py) numbers the dtypes in this order.
 _ALL = [
     DType("bfloat16", 2, torch.bfloat16),
     DType("float16", 2, torch.float16),

@@ -22,6 +22,8 @@ from __future__ import annotations
 import hashlib
 import struct
 
+from embcache.proto.dtypes import DTYPES
+
 MAGIC = b"EMBCRTB\x00"
 VERSION = 1
 SUFFIX = ".reads"  # the table's file: the host pool segment's name plus this
@@ -38,23 +40,12 @@ SEQ = struct.Struct("<Q")  # a slot's first word
 # (MAX_DIMS int64, unused ones 0), runs (MAX_RUNS pairs of first page and page count).
 BODY = struct.Struct(f"<16sQBBBB4x{MAX_DIMS}q{2 * MAX_RUNS}I")
 DIGEST_AT = SEQ.size  # where a slot's digest starts
+LIVE_AT = DIGEST_AT + 16 + 8  # the slot's ``live`` byte (after the digest and nbytes)
 assert HEADER.size <= HEADER_BYTES and SEQ.size + BODY.size <= SLOT_BYTES
 
-# The element types by code (a code is its index plus one; 0 is none). Append only.
-DTYPE_CODES = (
-    "bfloat16",
-    "float16",
-    "float32",
-    "float64",
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "int8",
-    "uint8",
-    "int16",
-    "int32",
-    "int64",
-    "bool",
-)
+# The element types by code: a code is the dtype's index in ``proto.dtypes`` plus one (0 is
+# none); that list is append-only for this reason.
+DTYPE_CODES = tuple(DTYPES)
 CODE_OF = {name: i + 1 for i, name in enumerate(DTYPE_CODES)}
 
 

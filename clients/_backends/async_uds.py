@@ -87,12 +87,11 @@ class AsyncUdsSession(AsyncCalls):
         ``now``: write it (and any queued) at once."""
         if not self.alive:
             raise SessionLost(f"{self.what} has ended")
-        self._posted.append(frame(pb.SessionRequest(call=pb.SessionCall(call_id=0, **request))))
+        data = frame(pb.SessionRequest(call=pb.SessionCall(call_id=0, **request)))
         if now:
-            data = b"".join(self._posted)
-            self._posted.clear()
-            self._writer.write(data)
-            await self._writer.drain()
+            await self._send_frame(data)  # with whatever was posted before it, in one write
+        else:
+            self._posted.append(data)
 
     async def _send_call(self, call_id: int, request: dict[str, Any]) -> None:
         await self._send_frame(call_frame(call_id, request))

@@ -188,15 +188,14 @@ class UdsSession:
         if not self._alive:
             raise SessionLost("the session socket has closed")
         data = frame(pb.SessionRequest(call=pb.SessionCall(call_id=0, **request)))
-        with self._send_lock:
-            self._posted.append(data)
-            if now:
-                out = b"".join(self._posted)
-                self._posted.clear()
-                try:
-                    self._sock.sendall(out)
-                except OSError as exc:
-                    raise SessionLost(f"the session socket failed: {exc}") from exc
+        if not now:
+            with self._send_lock:
+                self._posted.append(data)
+            return
+        try:
+            self._send_frame(data)  # with whatever was posted before it, in one write
+        except OSError as exc:
+            raise SessionLost(f"the session socket failed: {exc}") from exc
 
     def _wait(self, waiter: _Waiter, deadline: float, spin_s: float | None = None) -> None:
         """Until ``waiter`` has its result, the socket closes or the deadline passes: wait

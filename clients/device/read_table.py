@@ -64,18 +64,19 @@ class ReadTable:
             return None
         slot = base + at - rt.DIGEST_AT
         (seq,) = rt.SEQ.unpack_from(view, slot)
-        if seq & 1 or rt.SEQ.unpack_from(view, rt.CLOSED_AT)[0]:
-            return None  # being rewritten, or the table is shut
+        if seq & 1:
+            return None  # being rewritten
         fields = rt.BODY.unpack_from(view, slot + rt.SEQ.size)
         found, nbytes, live, code, ndim, nruns = fields[:6]
         if found != key_digest or not live or nbytes > limit or not 0 < code < len(_TORCH):
             return None
         out = self._copy(fields[6 + rt.MAX_DIMS :], nruns, nbytes)
-        # Unchanged since before the copy: the daemon neither rewrote nor withdrew it.
+        # Unchanged since before the copy, in a table still open: the daemon neither
+        # rewrote nor withdrew the entry meanwhile.
         if out is None or rt.SEQ.unpack_from(view, slot)[0] != seq:
             return None
         if rt.SEQ.unpack_from(view, rt.CLOSED_AT)[0]:
-            return None
+            return None  # shut (draining, closed, or replaced by a new daemon)
         dtype = _TORCH[code]
         assert dtype is not None
         return out.view(dtype).view(fields[6 : 6 + ndim])

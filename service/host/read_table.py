@@ -57,7 +57,9 @@ class ReadTable:
         self._mm = mm
         self._view = memoryview(mm)
         self._slot_of: dict[str, int] = {}  # key -> offset of its slot
-        self._free_ways = [rt.WAYS] * num_buckets  # per bucket, ways not in use
+        st = os.fstat(fd)
+        # (st_dev, st_ino, size) of the file, for clients to check what they map
+        self.identity = (st.st_dev, st.st_ino, st.st_size)
         self.skipped = 0  # entries not published (bucket full, too many runs or dims)
         self.closed = False
 
@@ -85,11 +87,6 @@ class ReadTable:
         )  # fmt: skip
         return cls(path, fd, mm, num_buckets)
 
-    def identity(self) -> tuple[int, int, int]:
-        """``(st_dev, st_ino, size)`` of the file, for clients to check what they map."""
-        st = os.fstat(self._fd)
-        return st.st_dev, st.st_ino, st.st_size
-
     def __len__(self) -> int:
         return len(self._slot_of)
 
@@ -104,17 +101,12 @@ class ReadTable:
             self.skipped += 1
             return False
         key_digest = rt.digest(entry.key)
-        bucket = rt.bucket_of(key_digest, self.num_buckets)
-        if not self._free_ways[bucket]:
+        base = rt.slot_offset(rt.bucket_of(key_digest, self.num_buckets), 0)
+        free = (base + w * rt.SLOT_BYTES for w in range(rt.WAYS))
+        at = next((a for a in free if not self._view[a + rt.LIVE_AT]), None)
+        if at is None:  # the bucket is full
             self.skipped += 1
             return False
-        base = rt.slot_offset(bucket, 0)
-        for way in range(rt.WAYS):
-            at = base + way * rt.SLOT_BYTES
-            if not self._view[at + rt.DIGEST_AT + 16 + 8]:  # the slot's ``live`` byte
-                break
-        else:  # pragma: no cover - the free count says otherwise
-            raise AssertionError(f"bucket {bucket} has no free way")
         shape = (*entry.shape, *(0,) * (rt.MAX_DIMS - len(entry.shape)))
         runs = [x for run in entry.runs for x in run]
         runs += [0] * (2 * rt.MAX_RUNS - len(runs))
@@ -123,7 +115,6 @@ class ReadTable:
         rt.BODY.pack_into(self._view, at + rt.SEQ.size, *body, *shape, *runs)
         self._end(at, seq)
         self._slot_of[entry.key] = at
-        self._free_ways[bucket] -= 1
         return True
 
     def withdraw(self, key: str) -> bool:
@@ -135,7 +126,6 @@ class ReadTable:
         seq = self._begin(at)
         self._view[at + rt.SEQ.size : at + rt.SLOT_BYTES] = bytes(rt.SLOT_BYTES - rt.SEQ.size)
         self._end(at, seq)
-        self._free_ways[(at - rt.HEADER_BYTES) // (rt.SLOT_BYTES * rt.WAYS)] += 1
         return True
 
     def _begin(self, at: int) -> int:

@@ -407,8 +407,6 @@ class HostStore(StoreViews):
         """The engine is closing: end every lease and forget every reservation. The index
         is let go first: the holds in it stay for the next daemon (views may outlive us)."""
         self.index = None
-        if self.reads is not None:
-            self.reads.shut()  # before any lease ends: no page may be reused under a reader
         for lease_id in self.leases.all_ids():
             self.end_lease(lease_id)
         for held in self.quarantine.clear():

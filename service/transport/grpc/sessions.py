@@ -173,7 +173,7 @@ def read_table_info(table: ReadTable | None, pool: pb.PoolHandle) -> pb.ReadTabl
     """Where a client on the node finds the read table (None: none, or it is shut)."""
     if table is None or table.closed:
         return None
-    st_dev, st_ino, size = table.identity()
+    st_dev, st_ino, size = table.identity
     return pb.ReadTableInfo(
         name=table.path.name, size=size, st_dev=st_dev, st_ino=st_ino, pool=pool
     )

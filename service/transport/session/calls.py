@@ -168,9 +168,7 @@ class SessionCalls:
         task and no loop iteration in between; False, nothing run, when the connection
         cannot take the result now (the call then runs as a task, which waits for room)."""
         assert self.send_now is not None
-        if (kind.startswith("put") and self.host_puts is None) or (
-            kind == "touch" and self._touch is None
-        ):
+        if not self._serves_at_once(kind):
             return False  # not served here: the task path answers so
 
         def produce() -> pb.SessionResponse:
@@ -178,17 +176,7 @@ class SessionCalls:
             response = pb.SessionResponse()
             result = response.result
             result.call_id = call.call_id
-            code = "OK"
-            try:
-                self._fill_at_once(kind, call, result)
-            except EmbCacheError as err:
-                code = _fail(result, err)
-                log.info("Session.%s -> %s: %s", kind, code, err.describe())
-            except Exception:
-                code = "INTERNAL"
-                log.exception("Session.%s failed unexpectedly", kind)
-                error = pb.CallError(code=code, message=f"internal error in {kind}")
-                result.error.CopyFrom(error)
+            code = self._outcome(kind, lambda: self._fill_at_once(kind, call, result), result)
             if self._metrics is not None:
                 name, elapsed = f"Session.{NAMES[kind]}", time.perf_counter() - start
                 self._metrics.observe_rpc(self._transport, name, code, elapsed)
@@ -196,7 +184,13 @@ class SessionCalls:
 
         return self.send_now(produce)
 
+    def _serves_at_once(self, kind: str) -> bool:
+        if kind in ("put", "put_batch"):
+            return self.host_puts is not None
+        return kind == "release" or (kind == "touch" and self._touch is not None)
+
     def _fill_at_once(self, kind: str, call: pb.SessionCall, result: pb.SessionResult) -> None:
+        """Fill ``result`` for a call of ``AT_ONCE`` that ``_serves_at_once``."""
         puts = self.host_puts
         if kind == "put":
             assert puts is not None
@@ -209,6 +203,26 @@ class SessionCalls:
         else:
             assert self._touch is not None
             result.touch.touched = self._touch(_touch_keys(call.touch))
+
+    @staticmethod
+    def _outcome(kind: str, run: Callable[[], object], result: pb.SessionResult | None) -> str:
+        """Run ``run()`` (which never waits) and return its status code; a failure is logged
+        and, with a ``result``, made that result's error (None: a posted call's, which
+        nobody reads)."""
+        try:
+            run()
+        except EmbCacheError as err:
+            code = status_for(err).grpc_code if result is None else _fail(result, err)
+            log.info("Session.%s -> %s: %s", kind, code, err.describe())
+            return code
+        except Exception:
+            if result is None:
+                raise
+            log.exception("Session.%s failed unexpectedly", kind)
+            error = pb.CallError(code="INTERNAL", message=f"internal error in {kind}")
+            result.error.CopyFrom(error)
+            return "INTERNAL"
+        return "OK"
 
     @property
     def in_flight(self) -> int:
@@ -262,8 +276,8 @@ class SessionCalls:
         try:
             if kind == "get":
                 result.get.CopyFrom(await self._get(call.get, self.owner))
-            elif kind == "release":
-                result.release.CopyFrom(self._release(call.release, self.owner))
+            elif kind in AT_ONCE and self._serves_at_once(kind):
+                self._fill_at_once(kind, call, result)
             elif kind == "put_from_device" and self._put is not None:
                 reply = await self._put(call.put_from_device, self.owner, self.quota_owner)
                 result.put_from_device.CopyFrom(reply)
@@ -273,8 +287,6 @@ class SessionCalls:
                 request = call.put_from_device_batch
                 batch = await self._put_batch(request, self.owner, self.quota_owner)
                 result.put_from_device_batch.CopyFrom(batch)
-            elif kind == "touch" and self._touch is not None:
-                result.touch.touched = self._touch(_touch_keys(call.touch))
             elif kind is not None and kind.startswith("put") and self.host_puts is not None:
                 await self._host_put(kind, call, result)
             else:
@@ -386,14 +398,10 @@ class SessionCalls:
                 self._metrics.observe_rpc(self._transport, name, code, elapsed)
 
     async def _host_put(self, kind: str, call: pb.SessionCall, result: pb.SessionResult) -> None:
-        """A host put call (``host_puts.py``): inline, batch, or a reservation's steps."""
+        """A reservation's step (``host_puts.py``; inline puts are ``_fill_at_once``'s)."""
         puts = self.host_puts
         assert puts is not None
-        if kind == "put":
-            result.put.CopyFrom(puts.put(call.put))
-        elif kind == "put_batch":
-            result.put_batch.CopyFrom(puts.put_batch(call.put_batch))
-        elif kind == "put_reserve":
+        if kind == "put_reserve":
             result.put_reserve.CopyFrom(puts.reserve(call.put_reserve))
         elif kind == "put_commit":
             result.put_commit.CopyFrom(await puts.commit(call.put_commit))
@@ -416,12 +424,7 @@ class SessionCalls:
     def _posted(self, kind: str, run: Callable[[], object]) -> None:
         """Run a posted call (no result): its failure is logged only, nobody waits for it."""
         start = time.perf_counter()
-        code = "OK"
-        try:
-            run()
-        except EmbCacheError as err:
-            code = status_for(err).grpc_code
-            log.info("Session.%s (posted) -> %s: %s", kind, code, err.describe())
+        code = self._outcome(f"{kind} (posted)", run, None)
         if self._metrics is not None:
             elapsed = time.perf_counter() - start
             self._metrics.observe_rpc(self._transport, f"Session.{NAMES[kind]}", code, elapsed)

@@ -31,12 +31,26 @@ PAGE = 4096
 pytestmark = pytest.mark.skipif(not client_table.ORDERED_STORES, reason="x86-64 only")
 
 
+def make_engine(shm_name: str, **extra: int) -> CacheEngine:
+    return CacheEngine(
+        Settings(
+            host_pool_bytes=256 * PAGE,
+            page_bytes=PAGE,
+            shm_name=shm_name,
+            warm_restart=False,
+            **extra,
+        )
+    )
+
+
+def four_entry_engine(shm_name: str) -> CacheEngine:
+    """At most four entries: a table of one bucket (``rt.WAYS`` slots)."""
+    return make_engine(shm_name, max_entries=4)
+
+
 @pytest.fixture
 def engine(shm_name: str) -> Iterator[CacheEngine]:
-    settings = Settings(
-        host_pool_bytes=256 * PAGE, page_bytes=PAGE, shm_name=shm_name, warm_restart=False
-    )
-    with CacheEngine(settings) as eng:
+    with make_engine(shm_name) as eng:
         yield eng
 
 
@@ -160,11 +174,7 @@ def test_a_slot_being_rewritten_is_not_read(engine: CacheEngine) -> None:
 
 
 def test_an_entry_evicted_for_room_is_withdrawn(shm_name: str) -> None:
-    settings = Settings(
-        host_pool_bytes=256 * PAGE, page_bytes=PAGE, shm_name=shm_name, warm_restart=False,
-        max_entries=4,
-    )  # fmt: skip
-    with CacheEngine(settings) as engine:
+    with four_entry_engine(shm_name) as engine:
         for i in range(5):  # the fifth evicts the least recently used (max_entries)
             engine.put(f"k{i}", torch.full((3,), float(i)))
         table = reader(engine)
@@ -175,11 +185,7 @@ def test_an_entry_evicted_for_room_is_withdrawn(shm_name: str) -> None:
 
 
 def test_a_full_bucket_leaves_the_entry_to_the_daemon(shm_name: str) -> None:
-    settings = Settings(
-        host_pool_bytes=256 * PAGE, page_bytes=PAGE, shm_name=shm_name, warm_restart=False,
-        max_entries=4,
-    )  # fmt: skip
-    with CacheEngine(settings) as engine:
+    with four_entry_engine(shm_name) as engine:
         live = engine.read_table
         assert live is not None and live.num_buckets == 1  # WAYS slots in all
         engine.host_store.max_entries = 1000  # more entries than the table was sized for
