@@ -160,6 +160,11 @@ def test_unknown_route_and_method_use_the_error_shape(client: httpx.Client) -> N
     assert resp.status_code == 404 and resp.json()["code"] == "NOT_FOUND"
     resp = client.put("/v1/stats")
     assert resp.status_code == 405 and set(resp.json()) == {"error", "code", "message", "details"}
+    # A trailing slash is another path: the error shape, not an empty redirect (found by the
+    # fuzzer: DELETE /v1/sessions/ with an empty session id).
+    for method, path in (("DELETE", "/v1/sessions/"), ("GET", "/v1/stats/")):
+        resp = client.request(method, path)
+        assert resp.status_code == 404 and resp.json()["code"] == "NOT_FOUND", (method, path)
 
 
 def test_openapi_and_docs(client: httpx.Client) -> None:

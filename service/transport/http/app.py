@@ -133,6 +133,9 @@ def create_app(
         lifespan=_lifespan,
         docs_url=None,  # docs.py serves /docs from the package, not from a CDN
         redoc_url=None,
+        # An API answers a path it does not serve with its error shape (404), not with an
+        # empty 307 to the path without its trailing slash (``DELETE /v1/sessions/``).
+        redirect_slashes=False,
     )
     app.state.engine = engine
     app.state.settings = settings
