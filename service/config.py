@@ -161,6 +161,31 @@ class Settings(BaseSettings):
         1024**2, ge=1024, description="Largest JSON body of a REST control route (413 past "
         "it); PUT data bodies stream into pages and are bounded by the entry size.",
     )  # fmt: skip
+    session_hello_timeout_s: float = Field(
+        5.0, gt=0, le=600, description="A session-socket connection (Unix or TCP) that has not "
+        "sent an accepted hello (with the token, when the daemon has one) this long after it "
+        "connected is closed.",
+    )  # fmt: skip
+    session_hello_max_bytes: ByteSize = Field(
+        4096, ge=256, le=1024**2, description="Largest message the session socket reads from a "
+        "connection before its hello is accepted; a larger one closes the connection before "
+        "it is buffered.",
+    )  # fmt: skip
+    max_session_connections: int = Field(
+        1024, ge=1, le=1_000_000, description="Most connections the session socket keeps open "
+        "(Unix and TCP together, authenticated or not; never more than half the process's "
+        "open-file limit); past it new ones are refused and closed, open ones are untouched.",
+    )  # fmt: skip
+    touch_window_s: float = Field(
+        1.0, ge=0, le=3600, description="A session's posted touches (hits it served from the "
+        "read table) count each key at most once per window of this many seconds, as a hit "
+        "and as a move to the LRU's recent end (0: every time).",
+    )  # fmt: skip
+    max_touch_keys_per_s: int = Field(
+        65536, ge=1, description="Keys one session may report in touches per second (a burst "
+        "of one second's worth); a touch past it is dropped whole and counted "
+        "(embcache_touches_dropped_total), and the session goes on.",
+    )  # fmt: skip
     max_quarantine_bytes_per_owner: ByteSize = Field(
         0,
         description="Pages one client process may keep held by views of leases that ended by "

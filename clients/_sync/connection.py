@@ -45,7 +45,7 @@ from embcache.clients.device.host_replies import Decoded
 from embcache.clients.device.pools import process_device_pools
 from embcache.clients.device.read_table import process_read_tables
 from embcache.clients.device.shm import process_pool_maps
-from embcache.errors import EmbCacheError
+from embcache.errors import EmbCacheError, QuotaExceeded
 from embcache.proto.constants import SESSION_KEY
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
@@ -177,6 +177,9 @@ class Connection:
             if tcp:  # unreachable (a firewall, another network): gRPC from now on
                 self._tcp_lane = False
             log.debug("no session socket at %s (%s): this session uses gRPC", address, err)
+            return None
+        except QuotaExceeded as err:  # the socket is at its connection cap: gRPC this time
+            log.info("session socket at %s is full (%s): this session uses gRPC", address, err)
             return None
 
     def _tcp_lane_address(self, metadata: Any, timeout: float) -> Address | None:

@@ -2,6 +2,7 @@
 
 from embcache.service.engine.engine import CacheEngine, SharedTierFactory
 from embcache.service.engine.hooks import SharedTierHooks, cuda_wanted, default_device_pools
+from embcache.service.engine.reads import TouchWindow
 from embcache.service.host.store import (
     SHARED_TIER_OWNER,
     EvictOutcome,
@@ -16,6 +17,7 @@ __all__ = [
     "EvictResults",
     "SharedTierFactory",
     "SharedTierHooks",
+    "TouchWindow",
     "cuda_wanted",
     "default_device_pools",
     "raise_for_evict",

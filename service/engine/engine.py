@@ -40,6 +40,7 @@ from embcache.service.engine.hooks import (
 )
 from embcache.service.engine.puts import CopyIn, Runs
 from embcache.service.engine.quarantine import QuarantineSide
+from embcache.service.engine.reads import TouchWindow
 from embcache.service.engine.stats import EngineStats, EntryInfo, engine_stats
 from embcache.service.host import admission
 from embcache.service.host.entries import Entry
@@ -271,11 +272,17 @@ class CacheEngine:
         """True when gets may wait on the shared tier for local misses."""
         return self._shared.hooks is not None
 
-    def touch(self, keys: Sequence[str]) -> int:
+    def touch(self, keys: Sequence[str], window: TouchWindow | None = None) -> int:
         """Count hits that same-node clients served from the read table and mark those
-        entries just used (``docs/same_node_reads.md``); returns how many are still here."""
+        entries just used (``docs/same_node_reads.md``); returns how many are still here.
+        ``window``: the session's, so that it counts each key once a window (reads.py)."""
         with self._lock:
-            return self._store.touch(keys, self._clock())
+            now = self._clock()
+            if window is None:
+                return self._store.touch(keys, now)
+            cached = [k for k in keys if self._store.entries.get(k) is not None]
+            self._store.touch(window.fresh(cached, now), now)
+            return len(cached)
 
     @property
     def read_table(self) -> ReadTable | None:
@@ -306,6 +313,13 @@ class CacheEngine:
     def drop_owner(self, owner: str) -> int:
         """End every lease of ``owner`` by force (``quarantine.end_owner``); how many ended."""
         return self.quarantine.end_owner(owner)
+
+    def lease_owners(self, prefixes: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+        """``(leases, leased bytes)`` of every owner named with one of ``prefixes`` that holds
+        leases (operators list the callers without a session this way)."""
+        with self._lock:
+            table = self._store.leases
+            return {owner: table.usage(owner) for owner in table.owners_named(prefixes)}
 
     def lease_usage(self, owner: str) -> tuple[int, int]:
         """``(leases, bytes of the distinct entries leased)`` that ``owner`` holds."""

@@ -1,8 +1,9 @@
-"""Reading a leased entry's bytes out of the host pool: as a tensor, or in chunks."""
+"""Reading a leased entry's bytes out of the host pool: as a tensor, or in chunks; and the
+window that keeps one session's reported table reads (touches) from counting a key twice."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 import torch
@@ -63,3 +64,38 @@ def iter_bytes(
             yield data
             pos += take
         base += run_len
+
+
+class TouchWindow:
+    """The keys one session's touches counted as hits in the current window.
+
+    A touch is a client's word that it read keys out of the read table; nothing checks it.
+    So a session counts each key at most once per window of ``window_s`` seconds, as a hit
+    and as a move to the LRU's recent end: repeating a touch cannot inflate the hit counters
+    or keep an entry at the recent end by itself more than once a window. Only keys still
+    cached are remembered, and by their hash (a collision only leaves a hit uncounted), so
+    what a window holds is bounded by the cache's entries, whatever the client sends.
+    ``window_s`` 0: every touch counts. Used under the engine's lock.
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._started = float("-inf")
+        self._seen: set[int] = set()
+
+    def fresh(self, keys: Iterable[str], now: float) -> list[str]:
+        """Those of ``keys`` (cached ones) not counted yet in this window, each once; they
+        count as of now."""
+        if self.window_s <= 0:
+            return list(keys)
+        if now - self._started >= self.window_s:
+            self._seen.clear()
+            self._started = now
+        seen = self._seen
+        out = []
+        for key in keys:
+            h = hash(key)
+            if h not in seen:
+                seen.add(h)
+                out.append(key)
+        return out

@@ -167,6 +167,11 @@ class LeaseTable:
         """How many owners hold a lease."""
         return len(self._by_owner)
 
+    def owners_named(self, prefixes: tuple[str, ...]) -> list[str]:
+        """The owners holding leases whose names start with one of ``prefixes`` (callers
+        without a session, say); O(owners)."""
+        return [owner for owner in self._by_owner if owner.startswith(prefixes)]
+
     def usage(self, owner: str) -> tuple[int, int]:
         """``(leases, bytes of the distinct entries leased)`` of ``owner``."""
         return len(self._by_owner.get(owner, ())), self._held_bytes.get(owner, 0)

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -272,6 +272,20 @@ class Metrics:
             buckets=BANDWIDTH_BUCKETS,
             registry=self.registry,
         )
+        self.session_refusals = Counter(
+            f"{PREFIX}_session_socket_refusals",
+            "Session-socket connections refused or closed before their session opened, by "
+            "listener (unix, tcp) and reason (connections: over max_session_connections; "
+            "hello_timeout; hello_too_large; unauthenticated; bad_hello).",
+            ["listener", "reason"],
+            registry=self.registry,
+        )
+        self.touches_dropped = Counter(
+            f"{PREFIX}_touches_dropped",
+            "Touches (read-table hits a session reports) dropped because the session sent "
+            "more keys than max_touch_keys_per_s.",
+            registry=self.registry,
+        )
         if engine is not None:
             self.watch_engine(engine)
 
@@ -287,6 +301,14 @@ class Metrics:
     def observe_rpc(self, transport: str, method: str, code: str, seconds: float) -> None:
         """One finished call. ``method`` is a route template or RPC name, never a key."""
         self.rpc_duration.labels(transport, method, str(code)).observe(max(seconds, 0.0))
+
+    def observe_refusal(self, listener: str, reason: str) -> None:
+        """A session-socket connection refused or closed before its session opened."""
+        self.session_refusals.labels(listener, reason).inc()
+
+    def observe_dropped_touch(self) -> None:
+        """A session's touch dropped by its rate limit."""
+        self.touches_dropped.inc()
 
     def observe_copy(self, direction: str, nbytes: int, seconds: float) -> None:
         """One finished copy of ``nbytes`` in ``direction`` that took ``seconds``."""

@@ -28,6 +28,7 @@ from embcache.service.transport.accounting import RpcMetrics
 from embcache.service.transport.grpc.server import GrpcService, start_grpc
 from embcache.service.transport.grpc.servicer import EmbeddingCacheServicer
 from embcache.service.transport.sockets import prepare_socket_path, unlink_socket
+from embcache.service.transport.uds.admission import Admission
 from embcache.service.transport.uds.server import UdsServer, uds_path
 
 log = logging.getLogger("embcache.transport")
@@ -83,7 +84,7 @@ async def start_data_plane(
     uds = None
     if unix or tcp:
         path = uds_path(Path(settings.grpc_socket)) if settings.grpc_socket and unix else None
-        uds = UdsServer(servicer, path, settings.auth_token)
+        uds = UdsServer(servicer, path, settings.auth_token, Admission.of(settings, metrics))
     try:
         if uds is not None and uds.path is not None:
             prepare_socket_path(uds.path)

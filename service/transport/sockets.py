@@ -1,5 +1,5 @@
 """Unix socket files of the daemon's listeners: replacing a stale one, removing one; and
-who is at the other end of a connection (``SO_PEERCRED``)."""
+who is at the other end of a connection (``SO_PEERCRED``); TCP keepalive on one."""
 
 from __future__ import annotations
 
@@ -59,3 +59,19 @@ def peer_credentials(sock: socket.socket | None) -> tuple[int, int, int] | None:
         return None
     pid, uid, gid = _UCRED.unpack(raw)
     return pid, uid, gid
+
+
+# A TCP peer that stops answering is dropped after about KEEPIDLE + KEEPCNT * KEEPINTVL s.
+KEEPIDLE_S, KEEPINTVL_S, KEEPCNT = 30, 10, 3
+
+
+def keepalive(sock: socket.socket) -> None:
+    """TCP keepalive on an accepted connection, where the platform has the options."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", KEEPIDLE_S), ("TCP_KEEPINTVL", KEEPINTVL_S),
+                            ("TCP_KEEPCNT", KEEPCNT)):  # fmt: skip
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    except OSError as err:
+        log.debug("session socket: no TCP keepalive: %s", err)

@@ -21,15 +21,24 @@ KiB, MiB = 1 << 10, 1 << 20
 
 
 class CountingMetrics:
-    """Records ``(method, code)`` of every finished call, and ``(transport, method, code)``."""
+    """Records ``(method, code)`` of every finished call, and ``(transport, method, code)``;
+    the session socket's refusals and the dropped touches."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
         self.by_transport: list[tuple[str, str, str]] = []
+        self.refusals: list[tuple[str, str]] = []  # (listener, reason) of the session socket
+        self.dropped_touches = 0
 
     def observe_rpc(self, transport: str, method: str, code: str, seconds: float) -> None:
         self.calls.append((method, code))
         self.by_transport.append((transport, method, code))
+
+    def observe_refusal(self, listener: str, reason: str) -> None:
+        self.refusals.append((listener, reason))
+
+    def observe_dropped_touch(self) -> None:
+        self.dropped_touches += 1
 
 
 @contextlib.contextmanager

@@ -45,6 +45,12 @@ class FakeMetrics:
         assert seconds >= 0
         self.calls.append((transport, method, code))
 
+    def observe_refusal(self, listener: str, reason: str) -> None:
+        self.calls.append((listener, "refusal", reason))
+
+    def observe_dropped_touch(self) -> None:
+        self.calls.append(("lane", "touch", "dropped"))
+
 
 @pytest.fixture
 def sock_dir() -> Iterator[Path]:

@@ -44,7 +44,8 @@ def wait_for(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untype
 
 
 def test_a_hit_is_a_copy_read_without_a_call_and_counted(server_factory) -> None:
-    with server_factory(host_pool_bytes=8 * MiB) as (engine, thread):
+    # Window 0: every read counts (by default a session counts a key once a second).
+    with server_factory(host_pool_bytes=8 * MiB, touch_window_s=0) as (engine, thread):
         x = torch.randn(128, 256, dtype=torch.float16)  # 64 KiB
         with EmbCacheClient(unix_target(thread), timeout=10, copy_gets_up_to=256 * KiB) as c:
             c.put("a", x)
@@ -208,9 +209,9 @@ def test_the_async_client_reads_the_table_too(server_factory) -> None:
 
 
 def test_touches_are_counted_only_for_cached_keys_and_bounded(server_factory) -> None:
-    """A hostile client posting touches cannot count hits for keys that are not cached, and
-    an oversized touch is refused without ending its session."""
-    with server_factory(host_pool_bytes=8 * MiB) as (engine, thread):
+    """A hostile client posting touches cannot count hits for keys that are not cached, nor a
+    key twice in one window, and an oversized touch is refused without ending its session."""
+    with server_factory(host_pool_bytes=8 * MiB, touch_window_s=600) as (engine, thread):
         c = EmbCacheClient(unix_target(thread), timeout=10)
         with c:
             c.put("a", torch.ones(8))
@@ -219,14 +220,15 @@ def test_touches_are_counted_only_for_cached_keys_and_bounded(server_factory) ->
             wait_for(lambda: engine.stats().read_table["reads"] == 1)
             assert engine.stats().hits == 1
             result = session.call(10, touch=pb.TouchRequest(keys=["a", "nope"]))
-            assert result.touch.touched == 1
+            assert result.touch.touched == 1  # still cached; not a hit again this window
+            assert engine.stats().hits == 1
             result = session.call(10, touch=pb.TouchRequest(keys=["x"] * 5000))
             assert result.WhichOneof("outcome") == "error"
             assert result.error.code == "INVALID_ARGUMENT"
             session.post(now=True, touch=pb.TouchRequest(keys=["y"] * 5000))  # logged only
             with c.get("a") as (g,):  # the session goes on
                 assert g is not None
-            assert engine.stats().hits == 3
+            assert engine.stats().hits == 2  # the touch, and the get
 
 
 def test_a_get_with_a_bad_lifetime_is_refused_as_before(server_factory) -> None:

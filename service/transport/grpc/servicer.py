@@ -69,7 +69,7 @@ class EmbeddingCacheServicer(SessionRpcs, pb_grpc.EmbeddingCacheServicer):
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
-        self.sessions = SessionRegistry()
+        self.sessions = SessionRegistry(token=bool(settings.auth_token))
         self.admin = SessionAdmin(self.sessions, engine)  # operators: list and drop sessions
         self.host_pool = pool_handle_of(LocationRenderer(engine, settings).host_pool())
         self.device = DevicePlane(engine, settings, ipc)
@@ -129,7 +129,7 @@ class EmbeddingCacheServicer(SessionRpcs, pb_grpc.EmbeddingCacheServicer):
         return await self.device.put_from_device_batch(request, owner, self._quota_owner(context))
 
     def _quota_owner(self, context: grpc.aio.ServicerContext) -> str:
-        return self.sessions.quota_owner_for(context, bool(self.settings.auth_token))
+        return self.sessions.quota_owner_for(context)
 
     # -- gets ----------------------------------------------------------------------------
     @rpc("Get")

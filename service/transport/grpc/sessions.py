@@ -34,6 +34,7 @@ from embcache.service.transport.session.host_puts import SessionPuts, may_write_
 from embcache.service.transport.session.inline_gets import Render, inline_get
 from embcache.service.transport.session.open import OpenSession
 from embcache.service.transport.session.registry import PeerCreds, SessionRegistry
+from embcache.service.transport.session.touches import SessionTouches
 from embcache.service.transport.session.waiters import FifoLock
 
 # Initial metadata of the Session stream and of Stats: which daemon build answers. The
@@ -138,7 +139,7 @@ class SessionRpcs:
             inline_get=functools.partial(
                 inline_get, self.engine, alive=self.sessions.alive, render=self._checked_reply
             ),
-            touch=self.engine.touch if self.engine.read_table is not None else None,
+            touch=self._touches() if self.engine.read_table is not None else None,
         )
         record.in_flight = lambda: calls.in_flight
         opened = pb.SessionOpened(
@@ -155,6 +156,16 @@ class SessionRpcs:
             read_table=read_table_info(self.engine.read_table, self.host_pool),
         )
         return OpenSession(calls, opened, self._end_session, record)
+
+    def _touches(self) -> SessionTouches:
+        """A new session's touch handler: its budget and window (``session/touches.py``)."""
+        metrics = self.metrics
+        return SessionTouches(
+            self.engine.touch,
+            self.settings.max_touch_keys_per_s,
+            self.settings.touch_window_s,
+            on_drop=metrics.observe_dropped_touch if metrics is not None else None,
+        )
 
     def _end_session(self, session_id: str) -> int:
         """A session ended: forget its id, drop its leases and the client allocations

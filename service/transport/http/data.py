@@ -62,7 +62,7 @@ from embcache.service.transport.http.ranges import RangeNotSatisfiable, parse_ra
 from embcache.service.transport.http.routes import BEARER
 from embcache.service.transport.idle import idle_limited
 from embcache.service.transport.render import LocationRenderer
-from embcache.service.transport.session.registry import tcp_client
+from embcache.service.transport.session.registry import REST_PREFIX, tcp_client
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ router = APIRouter(prefix="/v1", responses=ERRORS, dependencies=[BEARER], route_
 
 def rest_owner(request: Request) -> str:
     """Owner of the leases taken over REST: one per client address."""
-    return f"rest:{_address(request)}"
+    return REST_PREFIX + _address(request)
 
 
 def quota_owner(request: Request) -> str:

@@ -1,5 +1,6 @@
 """``GET /v1/sessions`` and ``DELETE /v1/sessions/{id}``: the sessions open on the data
-plane, and dropping one (``session/admin.py``). Token-protected like every ``/v1`` route."""
+plane and the clients holding leases without one, and dropping one (``session/admin.py``).
+Token-protected like every ``/v1`` route."""
 
 from __future__ import annotations
 
@@ -11,8 +12,14 @@ from embcache.service.transport.session.admin import SessionAdmin, SessionView
 
 
 class SessionModel(BaseModel):
-    session_id: str
-    transport: str = Field(description="grpc (a Session stream) or lane (the session socket).")
+    session_id: str = Field(
+        description="The session's id, or anon:<client> / rest:<address> for a client's leases "
+        "taken without a session."
+    )
+    transport: str = Field(
+        description="grpc (a Session stream, or gRPC calls without one), lane (the session "
+        "socket) or rest."
+    )
     client_name: str = Field(description="What the client's hello said.")
     pid: int | None = Field(
         description="The client's pid: the kernel's on the session socket, else its hello's."
@@ -22,6 +29,11 @@ class SessionModel(BaseModel):
     leased_bytes: int = Field(description="Bytes of the distinct entries its leases hold.")
     calls_in_flight: int
     age_s: float
+    anonymous: bool = Field(
+        False,
+        description="A client's leases taken without a session (anon:<client> over gRPC, "
+        "rest:<address> over REST): dropping it ends them; it has no stream to close.",
+    )
 
 
 class SessionList(BaseModel):

@@ -5,6 +5,11 @@
 gets ``UnknownSession``, and a call that was taking leases gives them back), its leases end
 through :func:`end_session_leases`, and its stream or connection is closed, so the client
 sees its session end and opens a new one. Every call here is safe from any thread.
+
+Leases taken without a session are listed too, one row per client that holds some
+(``anon:<client>`` over gRPC, ``rest:<address>`` over REST; ``anonymous`` set), so that every
+lease has an owner an operator can see; dropping such a row ends that client's leases (it
+has no stream to close, and its next call takes new ones).
 """
 
 from __future__ import annotations
@@ -15,8 +20,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from embcache.errors import NotFound, UnknownSession
+from embcache.service.device.ipc.cache import ANON_PREFIX
 from embcache.service.engine import CacheEngine
-from embcache.service.transport.session.registry import SessionRecord, SessionRegistry
+from embcache.service.transport.session.registry import (
+    REST_PREFIX,
+    SessionRecord,
+    SessionRegistry,
+)
+
+ANONYMOUS = (ANON_PREFIX, REST_PREFIX)  # owners of leases taken without a session
 
 
 def dropped_error(session_id: str) -> UnknownSession:
@@ -74,6 +86,7 @@ class SessionView:
     leased_bytes: int  # bytes of the distinct entries its leases hold
     calls_in_flight: int
     age_s: float
+    anonymous: bool = False  # a client's leases taken without a session (no stream to end)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -87,13 +100,23 @@ class SessionAdmin:
         self._engine = engine
 
     def views(self) -> list[SessionView]:
-        """Every open session, oldest first."""
-        return [self._view(r) for r in self._registry.records()]
+        """Every open session, oldest first, then the clients holding leases without one."""
+        anonymous = self._engine.lease_owners(ANONYMOUS)
+        return [self._view(r) for r in self._registry.records()] + [
+            _anonymous_view(owner, usage) for owner, usage in sorted(anonymous.items())
+        ]
 
     def drop(self, session_id: str) -> tuple[SessionView, int]:
-        """End session ``session_id``: ``(what it was, how many leases ended)``.
-        NotFound when no such session is open."""
+        """End session ``session_id``, or the leases of the client without a session it
+        names: ``(what it was, how many leases ended)``. NotFound when no such session is
+        open and no such client holds a lease."""
         record = self._registry.get(session_id)
+        if record is None and session_id.startswith(ANONYMOUS):
+            usage = self._engine.lease_usage(session_id)
+            if usage[0]:
+                return _anonymous_view(session_id, usage), end_session_leases(
+                    self._engine, session_id
+                )
         if record is None:
             raise NotFound("no such session", session=session_id)
         view = self._view(record)
@@ -116,3 +139,20 @@ class SessionAdmin:
             calls_in_flight=record.in_flight(),
             age_s=round(time.monotonic() - record.opened_at, 3),
         )
+
+
+def _anonymous_view(owner: str, usage: tuple[int, int]) -> SessionView:
+    """The row of a client holding leases without a session (``anon:unix``, say)."""
+    prefix = ANON_PREFIX if owner.startswith(ANON_PREFIX) else REST_PREFIX
+    return SessionView(
+        session_id=owner,
+        transport="grpc" if prefix == ANON_PREFIX else "rest",
+        client_name=owner[len(prefix) :],
+        pid=None,
+        uid=None,
+        leases=usage[0],
+        leased_bytes=usage[1],
+        calls_in_flight=0,
+        age_s=0.0,
+        anonymous=True,
+    )

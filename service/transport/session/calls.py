@@ -34,7 +34,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from embcache.errors import EmbCacheError, InvalidArgument, ReplyTooLarge
+from embcache.errors import EmbCacheError, InvalidArgument, QuotaExceeded, ReplyTooLarge
 from embcache.proto.constants import MAX_MESSAGE_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.transport.accounting import RpcMetrics
@@ -106,7 +106,7 @@ class SessionCalls:
         send_bytes: SendBytes | None = None,
         get_into: GetIntoHandler | None = None,
         inline_get: InlineGet | None = None,
-        touch: Callable[[list[str]], int] | None = None,
+        touch: Callable[[list[str]], int | None] | None = None,
     ) -> None:
         self.owner = owner
         self.quota_owner = quota_owner or owner
@@ -131,7 +131,9 @@ class SessionCalls:
         self._send_bytes = send_bytes  # None: the transport cannot send raw bytes (gRPC)
         self._get_into = get_into
         self._inline_get = inline_get
-        self._touch = touch  # hits served from the read table (None: no table)
+        # Hits served from the read table (None: no table); it says None for a touch it
+        # dropped over the session's budget (``touches.py``).
+        self._touch = touch
 
     @property
     def serves_bytes(self) -> bool:
@@ -202,7 +204,10 @@ class SessionCalls:
             result.release.CopyFrom(self._release(call.release, self.owner))
         else:
             assert self._touch is not None
-            result.touch.touched = self._touch(_touch_keys(call.touch))
+            touched = self._touch(_touch_keys(call.touch))
+            if touched is None:
+                raise QuotaExceeded("touches over this session's budget (max_touch_keys_per_s)")
+            result.touch.touched = touched
 
     @staticmethod
     def _outcome(kind: str, run: Callable[[], object], result: pb.SessionResult | None) -> str:
@@ -417,7 +422,7 @@ class SessionCalls:
         def touch() -> None:
             if self._touch is None:
                 raise InvalidArgument("touch needs the daemon's read table (none here)")
-            self._touch(_touch_keys(request))
+            self._touch(_touch_keys(request))  # over the budget: dropped and counted there
 
         self._posted("touch", touch)
 

@@ -7,12 +7,17 @@ every lease of the owner. A call naming a session that is not open here (the dae
 restarted, or the stream already ended) fails with FAILED_PRECONDITION and error type
 ``UnknownSession``; the client opens a new one.
 
-Leases belong to the session, else to ``anon:<peer>``. The in-flight put quota follows the
-real client instead (:func:`quota_owner_for`): a session's client (on the session socket the
-peer's credentials, ``SO_PEERCRED``, so one process's sessions share one quota; on a gRPC
-stream the session), else on the gRPC Unix socket one shared ``unix`` (gRPC exposes no
-peer credentials), else on TCP the token: every client of the one shared token is ``token``
-(without a token, ``tcp:<address>``).
+Leases belong to the session. A call without a session has no end that could release
+them, so its leases belong to its client, ``anon:<client>`` (:func:`client_of`), never to its
+connection: a client that opens more channels gets no more lease caps, and operators see
+and end those leases by that name (``session/admin.py``). The client is the one the in-flight
+put quota follows too: on the gRPC Unix socket one shared ``unix`` (gRPC exposes no peer
+credentials), on TCP the token (every client of the one shared token is ``token``), without
+a token ``tcp:<address>``, the peer's address without its port.
+
+The in-flight put quota of a call in a session (:meth:`SessionRegistry.quota_owner_for`)
+follows the session's client: on the session socket the peer's credentials
+(``SO_PEERCRED``), so one process's sessions share one quota; on a gRPC stream the session.
 """
 
 from __future__ import annotations
@@ -22,12 +27,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 from embcache.errors import UnknownSession
 from embcache.proto.constants import SESSION_KEY
 from embcache.service.device.ipc.cache import ANON_PREFIX
 
 _PREFIX = "session:"
+REST_PREFIX = "rest:"  # owner of leases taken over REST: ``rest:<client address>``
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +71,12 @@ class SessionRecord:
 
 
 class SessionRegistry:
-    """The sessions open on this daemon (both transports share it)."""
+    """The sessions open on this daemon (both transports share it). ``token``: the daemon
+    has an auth token (its callers without a session are one client, ``token``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, token: bool = False) -> None:
         self._live: dict[str, SessionRecord] = {}
+        self.token = token
 
     def __len__(self) -> int:
         return len(self._live)
@@ -106,20 +115,39 @@ class SessionRegistry:
         return None
 
     def owner_for(self, context: Any) -> str:
-        """The lease owner of a call: its session, or ``anon:<peer>`` without one."""
+        """The lease owner of a call: its session, or ``anon:<client>`` without one."""
         record = self._named(context)
-        return record.session_id if record is not None else f"{ANON_PREFIX}{context.peer()}"
+        if record is not None:
+            return record.session_id
+        return ANON_PREFIX + client_of(str(context.peer()), self.token)
 
-    def quota_owner_for(self, context: Any, token: bool) -> str:
+    def quota_owner_for(self, context: Any, token: bool | None = None) -> str:
         """Whose in-flight quota a call counts against (module docstring); ``token``: the
-        daemon has an auth token."""
+        daemon has an auth token (None: the registry's word)."""
         record = self._named(context)
         if record is not None:
             return record.quota_owner
-        peer = str(context.peer())
-        if peer.startswith("unix"):
-            return "unix"
-        return tcp_client(peer.split(":", 1)[-1].rsplit(":", 1)[0], token)
+        return client_of(str(context.peer()), self.token if token is None else token)
+
+
+def client_of(peer: str, token: bool) -> str:
+    """The client behind a gRPC peer (``context.peer()``) without a session: ``unix`` on
+    the Unix socket, else :func:`tcp_client` of its address without the port."""
+    if peer.startswith("unix"):
+        return "unix"
+    return tcp_client(peer_address(peer), token)
+
+
+def peer_address(peer: str) -> str:
+    """The address of a gRPC TCP peer, without scheme, port or brackets (``ipv4:1.2.3.4:5``,
+    ``ipv6:[::1]:5`` or its URL-quoted form); an IPv4-mapped IPv6 address as IPv4, so one
+    client is one name whichever way the listener saw it."""
+    rest = unquote(peer.split(":", 1)[-1])
+    address = rest.rsplit(":", 1)[0] if ":" in rest else rest
+    address = address.strip("[]")
+    if address.lower().startswith("::ffff:") and "." in address:
+        address = address[len("::ffff:") :]
+    return address
 
 
 def tcp_client(address: str, token: bool) -> str:

@@ -11,10 +11,12 @@ client closes it or dies; the kernel closes its sockets), the session ends and i
 are released at once, with no keepalive needed.
 
 It runs on the gRPC server's event loop, listens where the gRPC Unix socket is (``PATH`` ->
-``PATH.lane``, same permissions) and checks the daemon's auth token in the hello. A message
-that cannot be decoded or is larger than a gRPC message closes the connection (which ends the
-session and drops whatever it held). The kernel tells who connected (``SO_PEERCRED``): the
-session's in-flight quota follows that process, and operators see its pid and uid.
+``PATH.lane``, same permissions) and checks the daemon's auth token in the hello. Until the
+hello is accepted a connection is bounded (``admission.py``: a cap on connections, a hello
+deadline, a small first message). A message that cannot be decoded or is larger than a gRPC
+message closes the connection (which ends the session and drops whatever it held). The
+kernel tells who connected (``SO_PEERCRED``): the session's in-flight quota follows that
+process, and operators see its pid and uid.
 
 Reading stops while the client does not read its results (the transport's writes back up)
 and while the session has ``max_session_calls`` calls in flight; the messages already
@@ -32,14 +34,13 @@ import asyncio
 import functools
 import hmac
 import logging
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
-from embcache.errors import EmbCacheError, Unauthenticated
+from embcache.errors import EmbCacheError, QuotaExceeded, Unauthenticated
 from embcache.proto.constants import MAX_MESSAGE_BYTES, UDS_SUFFIX
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.framing import FRAME_HEADER as HEADER
@@ -49,12 +50,12 @@ from embcache.service.transport.session.calls import Produce
 from embcache.service.transport.session.open import OpenSession, SessionHost
 from embcache.service.transport.session.registry import PeerCreds
 from embcache.service.transport.session.waiters import Gate
-from embcache.service.transport.sockets import peer_credentials
+from embcache.service.transport.sockets import keepalive, peer_credentials
 from embcache.service.transport.status import status_for
+from embcache.service.transport.uds import admission
+from embcache.service.transport.uds.admission import Admission
 
 log = logging.getLogger("embcache.uds")
-# A TCP peer that stops answering is dropped after about KEEPIDLE + KEEPCNT * KEEPINTVL s.
-KEEPIDLE_S, KEEPINTVL_S, KEEPCNT = 30, 10, 3
 SMALL_WRITE = 256 << 10  # a result and raw bytes up to this size go out in one write
 
 
@@ -66,10 +67,18 @@ def uds_path(grpc_socket: Path) -> Path:
 class UdsServer:
     """The session socket's listener and its open connections."""
 
-    def __init__(self, host: SessionHost, path: Path | None, token: str | None) -> None:
+    def __init__(
+        self,
+        host: SessionHost,
+        path: Path | None,
+        token: str | None,
+        limits: Admission | None = None,
+    ) -> None:
         self.host = host  # opens the sessions (the gRPC servicer: same registry and calls)
         self.path = path
         self._token = token.encode() if token else None
+        # The bounds before a hello is accepted (the settings' defaults when not given).
+        self.limits = limits or Admission(1024, 5.0, 4096, host.metrics)
         self._server: asyncio.AbstractServer | None = None
         self._tcp: asyncio.AbstractServer | None = None
         self._conns: set[_Connection] = set()  # open ones (each a session)
@@ -125,6 +134,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.session: OpenSession | None = None
         self.peer: PeerCreds | None = None
+        self._hello_timer: asyncio.TimerHandle | None = None  # closes it if no hello in time
         self._buf = bytearray()
         self._writable = Gate()  # shut while the client does not read (writes back up)
         self._sending: set[BytesReply] = set()  # replies whose views may still be buffered
@@ -138,12 +148,22 @@ class _Connection(asyncio.Protocol):
         creds = peer_credentials(sock)
         self.peer = PeerCreds(*creds) if creds is not None else None
         if self.tcp and sock is not None:
-            _keepalive(sock)
+            keepalive(sock)
         # Paused as soon as anything waits in the buffer, resumed once it is empty: a
         # client that does not read is held back at once, and resume_writing tells when a
         # get_bytes reply's views have all been sent.
         transport.set_write_buffer_limits(high=0, low=0)
+        limits = self.server.limits
+        if self.server.connections >= limits.max_connections:
+            self._refuse_early(
+                admission.CONNECTIONS,
+                QuotaExceeded("too many session-socket connections; use gRPC",
+                              limit=limits.max_connections),
+            )  # fmt: skip
+            return
         self.server.track(self)
+        loop = asyncio.get_running_loop()
+        self._hello_timer = loop.call_later(limits.hello_timeout_s, self._hello_overdue)
 
     def data_received(self, data: bytes) -> None:
         self._buf += data
@@ -158,6 +178,10 @@ class _Connection(asyncio.Protocol):
                 self._update_reading()
                 break
             (size,) = HEADER.unpack_from(buf, at)
+            if self.session is None and size > self.server.limits.hello_max_bytes:
+                limit = self.server.limits.hello_max_bytes
+                self._refuse_early(admission.HELLO_TOO_LARGE, f"{size} bytes (limit {limit})")
+                return
             if size > MAX_MESSAGE_BYTES:
                 self._drop(f"message of {size} bytes (limit {MAX_MESSAGE_BYTES})")
                 return
@@ -221,6 +245,7 @@ class _Connection(asyncio.Protocol):
         for reply in sending:
             reply.release()
         self.server.forget(self)
+        self._stop_hello_timer()
         self._writable.open()  # waiting writers find the connection closed
         if self.session is not None:
             self.session.end()  # cancels its calls, releases its leases
@@ -230,10 +255,12 @@ class _Connection(asyncio.Protocol):
         kind = msg.WhichOneof("kind")
         if self.session is None:
             if kind != "hello":
-                self._drop("the first message must be a hello")
+                self._refuse_early(admission.BAD_HELLO, "the first message must be a hello")
             elif not self.server.authorized(msg.hello):
-                self._refuse(Unauthenticated("missing or invalid auth token"))
+                why = Unauthenticated("missing or invalid auth token")
+                self._refuse_early(admission.UNAUTHENTICATED, why)
             else:
+                self._stop_hello_timer()
                 self.session = self.server.host.open_session(
                     self._send, "lane", self.peer, self._send_bytes
                 )
@@ -317,6 +344,31 @@ class _Connection(asyncio.Protocol):
         self._write(pb.SessionResponse(result=pb.SessionResult(call_id=0, error=error)))
         self.close()
 
+    @property
+    def _listener(self) -> str:
+        return "tcp" if self.tcp else "unix"
+
+    def _refuse_early(self, reason: str, why: EmbCacheError | str) -> None:
+        """Close a connection whose session has not opened, counted by ``reason``: ``why``
+        an error is answered first (a client that reads learns why), a string is logged."""
+        self.server.limits.refused(self._listener, reason, str(why))
+        self._stop_hello_timer()
+        if isinstance(why, EmbCacheError):
+            self._refuse(why)
+        else:
+            self._drop(why)
+
+    def _hello_overdue(self) -> None:
+        self._hello_timer = None
+        if self.session is None and self.transport is not None:
+            limit = self.server.limits.hello_timeout_s
+            self._refuse_early(admission.HELLO_TIMEOUT, f"no hello within {limit} s")
+
+    def _stop_hello_timer(self) -> None:
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+            self._hello_timer = None
+
     def _drop(self, reason: str) -> None:
         log.info("session socket: closing a connection: %s", reason)
         self._count("INVALID_ARGUMENT")
@@ -343,15 +395,3 @@ class _Connection(asyncio.Protocol):
         if self.tcp and self.transport is not None:
             return f"lane-tcp:{self.transport.get_extra_info('peername')}"
         return f"lane:{self.server.path}"
-
-
-def _keepalive(sock: socket.socket) -> None:
-    """TCP keepalive on an accepted connection, where the platform has the options."""
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for name, value in (("TCP_KEEPIDLE", KEEPIDLE_S), ("TCP_KEEPINTVL", KEEPINTVL_S),
-                            ("TCP_KEEPCNT", KEEPCNT)):  # fmt: skip
-            if hasattr(socket, name):
-                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-    except OSError as err:
-        log.debug("session socket: no TCP keepalive: %s", err)

@@ -1,0 +1,67 @@
+"""One session's touches: the hits it served itself from the read table, as it reports them.
+
+A touch costs the daemon a lookup per key under the engine's lock, and nothing checks what
+it claims, so each session's touches are bounded twice:
+
+- **a budget in keys** (``max_touch_keys_per_s``, a token bucket that holds one second's
+  worth): a touch that does not fit is dropped whole, counted
+  (``embcache_touches_dropped_total``; logged once per session), and the session goes on. A
+  touch sent as a call with an id is answered ``QuotaExceeded`` instead.
+- **a window per key** (``touch_window_s``, ``engine.reads.TouchWindow``): each key counts as
+  a hit, and moves to the LRU's recent end, at most once per window.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from embcache.service.engine import TouchWindow
+
+log = logging.getLogger("embcache.session")
+
+Touch = Callable[[list[str], TouchWindow], int]  # engine.touch
+
+
+class SessionTouches:
+    """The touch handler of one session (module docstring): ``touches(keys)`` returns how
+    many keys are still cached, or None when the touch was dropped over the budget."""
+
+    def __init__(
+        self,
+        touch: Touch,
+        keys_per_s: int,
+        window_s: float,
+        on_drop: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._touch = touch
+        self._rate = float(keys_per_s)
+        self._tokens = self._rate
+        self._clock = clock
+        self._at = clock()
+        self._window = TouchWindow(window_s)
+        self._on_drop = on_drop
+        self.dropped = 0  # touches dropped over the budget
+
+    def __call__(self, keys: list[str]) -> int | None:
+        now = self._clock()
+        self._tokens = min(self._rate, self._tokens + (now - self._at) * self._rate)
+        self._at = now
+        cost = max(1, len(keys))  # an empty touch still costs a message's handling
+        if cost > self._tokens:
+            self._drop(len(keys))
+            return None
+        self._tokens -= cost
+        return self._touch(keys, self._window)
+
+    def _drop(self, nkeys: int) -> None:
+        if not self.dropped:
+            log.info(
+                "a session sends touches faster than %d keys/s: dropping the excess "
+                "(first: %d keys)", int(self._rate), nkeys,
+            )  # fmt: skip
+        self.dropped += 1
+        if self._on_drop is not None:
+            self._on_drop()

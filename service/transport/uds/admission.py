@@ -1,0 +1,71 @@
+"""What the session socket lets a connection do before its session opens.
+
+Anyone who can reach the session socket (its Unix socket's group, or the TCP port) can
+connect, and until its hello is accepted the daemon knows nothing of it: no token checked, no
+process it answers for. So a connection costs the daemon as little as possible until then:
+
+- **a cap on connections** (``max_session_connections``, never more than half the process's
+  open-file limit): past it a new connection is answered ``QuotaExceeded`` and closed, so idle
+  connections can neither take every file descriptor (gRPC and HTTP need some to accept) nor
+  grow without bound. Open connections are never closed to make room.
+- **a hello deadline** (``session_hello_timeout_s``): a connection whose hello has not been
+  accepted by then is closed.
+- **a small first message** (``session_hello_max_bytes``): a frame larger than a hello can
+  be closes the connection as soon as its length is read, before its bytes are buffered
+  (after the hello, frames up to a gRPC message are read as before).
+
+Each refusal is logged and counted by listener and reason (``embcache_session_socket_
+refusals_total``); the client of a refused connection falls back to a gRPC Session stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+from dataclasses import dataclass
+
+from embcache.service.config import Settings
+from embcache.service.transport.accounting import RpcMetrics
+
+log = logging.getLogger("embcache.uds")
+
+# Reasons a connection is refused before its session opens (the metric's label).
+CONNECTIONS = "connections"
+HELLO_TIMEOUT = "hello_timeout"
+HELLO_TOO_LARGE = "hello_too_large"
+UNAUTHENTICATED = "unauthenticated"
+BAD_HELLO = "bad_hello"
+
+
+def fd_share(limit: int) -> int:
+    """``limit``, but at most half the process's open-file limit (the rest stays for the
+    gRPC and HTTP listeners, the pools and the logs)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return limit
+    return max(1, min(limit, soft // 2))
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The bounds on connections whose session has not opened (module docstring)."""
+
+    max_connections: int
+    hello_timeout_s: float
+    hello_max_bytes: int
+    metrics: RpcMetrics | None = None
+
+    @classmethod
+    def of(cls, settings: Settings, metrics: RpcMetrics | None = None) -> Admission:
+        return cls(
+            max_connections=fd_share(settings.max_session_connections),
+            hello_timeout_s=settings.session_hello_timeout_s,
+            hello_max_bytes=settings.session_hello_max_bytes,
+            metrics=metrics,
+        )
+
+    def refused(self, listener: str, reason: str, detail: str) -> None:
+        """Log and count one connection refused before its session opened."""
+        log.info("session socket (%s): refused a connection (%s): %s", listener, reason, detail)
+        if self.metrics is not None:
+            self.metrics.observe_refusal(listener, reason)
