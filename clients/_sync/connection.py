@@ -145,13 +145,45 @@ class Connection:
         with self._session_lock:
             if self._closed:
                 raise RpcFailed("client is closed", "CANCELLED")
-            if self._session is None or not self._session.alive:
-                if self._session is not None:
-                    self._session.close()  # ended: let go of its socket or reader
-                    self._session = None
-                # A retry (UNAVAILABLE: a restarting daemon) looks for the session socket again.
+            return self._live_session(retry=True)
+
+    def _live_session(self, *, retry: bool) -> Session | UdsSession:
+        """Lock held: the session, or a new one if it ended (``retry``: with the retries of
+        a call, else one short try); the releases that waited for a session go out first
+        on a new one."""
+        if self._session is None or not self._session.alive:
+            if self._session is not None:
+                self._session.close()  # ended: let go of its socket or reader
+                self._session = None
+            if retry:  # a retry (UNAVAILABLE: a restarting daemon) looks for the socket again
                 self._session = self._call(self._uds_or_stream, tend=False)
-            return self._session
+            else:
+                wait_s = min(self.timeout, TCP_CONNECT_S)
+                self._session = self._uds_or_stream(self._auth, wait_s)
+            self._post_unsent(self._session)
+        return self._session
+
+    def _post_unsent(self, session: Session | UdsSession) -> None:
+        """Send on ``session`` the releases that found no live session (``core/views.py``):
+        the daemon ends the holds it kept for this process's views (its quarantine) when
+        they come from a session of the same process, and no one else's."""
+        ids = self._views.take_unsent()
+        if not ids or not serves(session, "release"):
+            return  # (an old daemon: it kept no such holds)
+        try:
+            for i in range(0, len(ids), BATCH):
+                session.post(now=True, release=pb.ReleaseRequest(lease_ids=ids[i : i + BATCH]))
+        except SessionLost:
+            self._views.keep_unsent(ids)  # the next session, then
+
+    def _send_unsent(self) -> None:
+        """The pump's part: releases wait and no session lives, so open one for them (one
+        short try; again at the pump's next round if the daemon is away)."""
+        try:
+            with self._session_lock:
+                self._live_session(retry=False)
+        except (EmbCacheError, grpc.RpcError, OSError, TimeoutError) as exc:
+            log.debug("no session for the releases of views that are gone yet: %s", exc)
 
     def _uds_or_stream(self, metadata: Any, timeout: float) -> Session | UdsSession:
         """A session on the daemon's session socket if it has one, else a gRPC Session stream."""
@@ -307,7 +339,14 @@ class Connection:
         # In the session while it lives (also after close(), until the views are gone): the
         # daemon releases only the caller's own leases.
         sid = session.session_id if session is not None and session.alive else None
-        metadata = ((SESSION_KEY, sid),) if sid else ()
+        if not sid:
+            # No live session: these leases ended with theirs. Those the daemon still holds
+            # for this process's views end only through a session of this process: the
+            # next one takes them (opened by the pump if nothing else opens one).
+            self._views.keep_unsent(lease_ids)
+            self._pump.poke()
+            return 0
+        metadata = ((SESSION_KEY, sid),)
 
         reply = self._call(
             lambda md, to: self._stub.Release(request, timeout=to, metadata=(*md, *metadata)),
@@ -325,6 +364,8 @@ class Connection:
         self._pump.stop()  # no round runs from here on
         self._closed = True
         self._release_gone()
+        if self._views.unsent and not len(self._views):
+            self._send_unsent()
         if len(self._views):
             log.debug("the session ends once %d views are gone", len(self._views))
             self._pump = Pump(self._tend_views, "embcache-views-closing")
@@ -400,12 +441,16 @@ class Connection:
         """One round of the pump: release the leases whose views are gone, renew the others
         before their TTL; returns the seconds until the next round (None: nothing held)."""
         released = self._release_gone()
+        if self._views.unsent:
+            self._send_unsent()
         if self._closed and not len(self._views):  # close() waited for the last view
             self._shut()
             return -1.0  # the pump ends
         for ttl_s, ids in self._views.due():
             self._renew_views(ids, ttl_s)
         later = self._views.next_round()
+        if self._views.unsent:  # no session could be opened for them: try again
+            return min(later or LINGER_S, LINGER_S)
         if later is None and released:
             # Releases came in (copies' leases, which _release_later queues without a
             # wake): look again in a second instead of sleeping until the next poke, so

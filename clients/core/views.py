@@ -11,6 +11,12 @@ went. Until then the client renews the lease before its TTL; afterwards it relea
 batched, before its next call or from its pump (one background task or thread per client,
 started with the first view; ``_async/connection.py``).
 
+A release that finds no live session is not sent without one: the leases ended with their
+session, and those the daemon still holds for this process's views (its quarantine, after a
+forced end) may be ended only by this process, which a call without a session does not
+prove. Such ids wait here (:meth:`ViewLeases.keep_unsent`) and go out on the client's next
+session, which the connection opens for them if nothing else does.
+
 Finalizers run wherever the last reference is dropped, in any thread and inside the garbage
 collector, so they only append a lease id to a deque; everything else happens in ordinary
 calls, under this table's lock (never taken by a finalizer).
@@ -56,6 +62,7 @@ class ViewLeases:
         self._held: dict[int, _Held] = {}
         self._gone: collections.deque[int] = collections.deque()  # finalizers append here
         self._ready: list[tuple[int, Any]] = []  # (lease id, device): views and block gone
+        self._unsent: list[int] = []  # releases that found no live session (module docstring)
 
     def __len__(self) -> int:
         return len(self._held)
@@ -82,6 +89,22 @@ class ViewLeases:
     def pending(self) -> bool:
         """A hint, without the lock: there may be leases to release now."""
         return bool(self._gone) or bool(self._ready)
+
+    def keep_unsent(self, lease_ids: Sequence[int]) -> None:
+        """Releases that found no live session: for the next session (module docstring)."""
+        with self._lock:
+            self._unsent.extend(lease_ids)
+
+    def take_unsent(self) -> list[int]:
+        """The releases waiting for a session (they are the caller's to send now)."""
+        with self._lock:
+            out, self._unsent = self._unsent, []
+        return out
+
+    @property
+    def unsent(self) -> bool:
+        """A hint, without the lock: releases wait for a session."""
+        return bool(self._unsent)
 
     def end_block(self, lease_ids: Sequence[int]) -> tuple[list[int], int]:
         """The block of ``lease_ids`` ends (it still holds the anchors: it lets go of them
