@@ -50,8 +50,9 @@ for line in sys.stdin:
             say(event="ended", error=None)
         except EmbCacheError as exc:
             say(event="ended", error=type(exc).__name__)
-    elif cmd == "call":  # any call: it opens a new session
-        say(event="called", exists=client.exists(["nothing"]))
+    elif cmd == "call":  # a get: it opens a new session
+        with client.get(["nothing"]) as got:
+            say(event="called", found=got[0] is not None)
     elif cmd == "read":
         say(event="read", value=float(views[0][0]))
     elif cmd == "drop":
