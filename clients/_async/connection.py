@@ -133,6 +133,8 @@ class AsyncConnection:
         self._caps = Capabilities()  # what the daemon turned out not to support
         self._views = ViewLeases()  # leases held until their block ends and views are gone
         self._pump = Pump(self._tend_views, "embcache-views")
+        self._unsent_retry_at = 0.0  # releases waiting for a session: not tried before this
+        self._unsent_failures = 0
 
     # -- the session -----------------------------------------------------------------------
     async def _session_id(self) -> str:
@@ -179,12 +181,17 @@ class AsyncConnection:
 
     async def _send_unsent(self) -> None:
         """The pump's part: releases wait and no session lives, so open one for them (one
-        short try; again at the pump's next round if the daemon is away)."""
+        short try; if the daemon is away, again after a backoff of up to a minute)."""
+        if time.monotonic() < self._unsent_retry_at:
+            return
         try:
             async with self._session_lock:
                 await self._live_session(retry=False)
+            self._unsent_failures = 0
         except (EmbCacheError, grpc.RpcError, OSError, TimeoutError) as exc:
             log.debug("no session for the releases of views that are gone yet: %s", exc)
+            self._unsent_retry_at = time.monotonic() + min(2.0**self._unsent_failures, 60.0)
+            self._unsent_failures += 1
 
     async def _uds_or_stream(self, metadata: Any, timeout: float) -> AsyncSession | AsyncUdsSession:
         """A session on the daemon's session socket if it has one, else a gRPC Session stream."""

@@ -134,6 +134,8 @@ class Connection:
         self._caps = Capabilities()  # what the daemon turned out not to support
         self._views = ViewLeases()  # leases held until their block ends and views are gone
         self._pump = Pump(self._tend_views, "embcache-views")
+        self._unsent_retry_at = 0.0  # releases waiting for a session: not tried before this
+        self._unsent_failures = 0
 
     # -- the session -----------------------------------------------------------------------
     def _session_id(self) -> str:
@@ -178,12 +180,17 @@ class Connection:
 
     def _send_unsent(self) -> None:
         """The pump's part: releases wait and no session lives, so open one for them (one
-        short try; again at the pump's next round if the daemon is away)."""
+        short try; if the daemon is away, again after a backoff of up to a minute)."""
+        if time.monotonic() < self._unsent_retry_at:
+            return
         try:
             with self._session_lock:
                 self._live_session(retry=False)
+            self._unsent_failures = 0
         except (EmbCacheError, grpc.RpcError, OSError, TimeoutError) as exc:
             log.debug("no session for the releases of views that are gone yet: %s", exc)
+            self._unsent_retry_at = time.monotonic() + min(2.0**self._unsent_failures, 60.0)
+            self._unsent_failures += 1
 
     def _uds_or_stream(self, metadata: Any, timeout: float) -> Session | UdsSession:
         """A session on the daemon's session socket if it has one, else a gRPC Session stream."""

@@ -72,13 +72,12 @@ class UdsServer:
         host: SessionHost,
         path: Path | None,
         token: str | None,
-        limits: Admission | None = None,
+        limits: Admission,
     ) -> None:
         self.host = host  # opens the sessions (the gRPC servicer: same registry and calls)
         self.path = path
         self._token = token.encode() if token else None
-        # The bounds before a hello is accepted (the settings' defaults when not given).
-        self.limits = limits or Admission(1024, 5.0, 4096, host.metrics)
+        self.limits = limits  # the bounds before a hello is accepted
         self._server: asyncio.AbstractServer | None = None
         self._tcp: asyncio.AbstractServer | None = None
         self._conns: set[_Connection] = set()  # open ones (each a session)
