@@ -168,8 +168,8 @@ class Settings(BaseSettings):
     )  # fmt: skip
     session_hello_max_bytes: ByteSize = Field(
         4096, ge=256, le=1024**2, description="Largest message the session socket reads from a "
-        "connection before its hello is accepted; a larger one closes the connection before "
-        "it is buffered.",
+        "connection before its hello is accepted (at least the auth token's length plus 1 KiB); "
+        "a larger one closes the connection before it is buffered.",
     )  # fmt: skip
     max_session_connections: int = Field(
         1024, ge=1, le=1_000_000, description="Most connections the session socket keeps open "

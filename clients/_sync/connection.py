@@ -117,7 +117,8 @@ class Connection:
         self.retries = retries
         self._auth = auth_metadata(token)
         self._token = token
-        self._client_name = client_name
+        # The daemon keeps 256 characters, and reads a first message of a few KiB only.
+        self._client_name = client_name[:256]
         self._uds = uds_path(target) if session_lane else None
         self._spin_s = max(spin_us, 0) / 1e6
         secure = tls or root_certificates is not None or private_key is not None

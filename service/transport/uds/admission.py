@@ -10,9 +10,10 @@ process it answers for. So a connection costs the daemon as little as possible u
   grow without bound. Open connections are never closed to make room.
 - **a hello deadline** (``session_hello_timeout_s``): a connection whose hello has not been
   accepted by then is closed.
-- **a small first message** (``session_hello_max_bytes``): a frame larger than a hello can
-  be closes the connection as soon as its length is read, before its bytes are buffered
-  (after the hello, frames up to a gRPC message are read as before).
+- **a small first message** (``session_hello_max_bytes``, at least the token's length plus
+  1 KiB): a frame larger than a hello can be closes the connection as soon as its length is
+  read, before its bytes are buffered (after the hello, frames up to a gRPC message are read
+  as before; the client sends at most 256 characters of its name).
 
 Each refusal is logged and counted by listener and reason (``embcache_session_socket_
 refusals_total``); the client of a refused connection falls back to a gRPC Session stream.
@@ -60,7 +61,10 @@ class Admission:
         return cls(
             max_connections=fd_share(settings.max_session_connections),
             hello_timeout_s=settings.session_hello_timeout_s,
-            hello_max_bytes=settings.session_hello_max_bytes,
+            # A hello carries the token: a long token still fits, with room for the rest.
+            hello_max_bytes=max(
+                settings.session_hello_max_bytes, len(settings.auth_token or "") + 1024
+            ),
             metrics=metrics,
         )
 
