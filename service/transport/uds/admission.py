@@ -15,15 +15,17 @@ process it answers for. So a connection costs the daemon as little as possible u
   read, before its bytes are buffered (after the hello, frames up to a gRPC message are read
   as before; the client sends at most 256 characters of its name).
 
-Each refusal is logged and counted by listener and reason (``embcache_session_socket_
-refusals_total``); the client of a refused connection falls back to a gRPC Session stream.
+Each refusal is counted by listener and reason (``embcache_session_socket_refusals_total``)
+and logged, the first of each reason at info level and the rest at debug level (a flood of
+connections must not flood the log too); the client of a refused connection falls back to a
+gRPC Session stream.
 """
 
 from __future__ import annotations
 
 import logging
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from embcache.service.config import Settings
 from embcache.service.transport.accounting import RpcMetrics
@@ -47,7 +49,7 @@ def fd_share(limit: int) -> int:
     return max(1, min(limit, soft // 2))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Admission:
     """The bounds on connections whose session has not opened (module docstring)."""
 
@@ -55,6 +57,7 @@ class Admission:
     hello_timeout_s: float
     hello_max_bytes: int
     metrics: RpcMetrics | None = None
+    _logged: set[str] = field(default_factory=set)  # reasons already logged at info level
 
     @classmethod
     def of(cls, settings: Settings, metrics: RpcMetrics | None = None) -> Admission:
@@ -70,6 +73,10 @@ class Admission:
 
     def refused(self, listener: str, reason: str, detail: str) -> None:
         """Log and count one connection refused before its session opened."""
-        log.info("session socket (%s): refused a connection (%s): %s", listener, reason, detail)
+        level = logging.DEBUG if reason in self._logged else logging.INFO
+        self._logged.add(reason)
+        msg = "session socket (%s): refused a connection (%s): %s%s"
+        more = "" if level == logging.DEBUG else " (more of these are logged at debug level)"
+        log.log(level, msg, listener, reason, detail, more)
         if self.metrics is not None:
             self.metrics.observe_refusal(listener, reason)

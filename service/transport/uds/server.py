@@ -334,10 +334,12 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self.transport.write(frame(msg))
 
-    def _refuse(self, err: EmbCacheError) -> None:
-        """Answer ``err`` as a failed call (code from the one error table) and close."""
+    def _refuse(self, err: EmbCacheError, quiet: bool = False) -> None:
+        """Answer ``err`` as a failed call (code from the one error table) and close
+        (``quiet``: logged by the caller)."""
         code = status_for(err).grpc_code
-        log.info("session socket: refused a session: %s", err)
+        if not quiet:
+            log.info("session socket: refused a session: %s", err)
         self._count(code)
         error = pb.CallError(code=code, message=err.describe(), error_type=type(err).__name__)
         self._write(pb.SessionResponse(result=pb.SessionResult(call_id=0, error=error)))
@@ -353,9 +355,9 @@ class _Connection(asyncio.Protocol):
         self.server.limits.refused(self._listener, reason, str(why))
         self._stop_hello_timer()
         if isinstance(why, EmbCacheError):
-            self._refuse(why)
+            self._refuse(why, quiet=True)
         else:
-            self._drop(why)
+            self._drop(why, quiet=True)
 
     def _hello_overdue(self) -> None:
         self._hello_timer = None
@@ -368,8 +370,9 @@ class _Connection(asyncio.Protocol):
             self._hello_timer.cancel()
             self._hello_timer = None
 
-    def _drop(self, reason: str) -> None:
-        log.info("session socket: closing a connection: %s", reason)
+    def _drop(self, reason: str, quiet: bool = False) -> None:
+        if not quiet:
+            log.info("session socket: closing a connection: %s", reason)
         self._count("INVALID_ARGUMENT")
         assert self.transport is not None
         self.transport.abort()
