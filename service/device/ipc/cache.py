@@ -4,7 +4,7 @@
 the allocation holding it. Opening a handle costs more than a whole cached get (docs/facts.md,
 "CUDA IPC between processes on one node") and CUDA maps one handle at most once per process,
 so mappings are cached by handle bytes and
-shared by every owner (session, or ``anon:<peer>``) that used them. A mapping is closed when
+shared by every owner (session, or ``anon:<client>``) that used them. A mapping is closed when
 the last owner that used it ends (``drop_owner``) or when the cache is over its bound and the
 mapping is the least recently used one; never while a copy is using it (``in_use``).
 
@@ -276,7 +276,7 @@ class IpcCache:
         """The client's event ``handle`` on GPU ``device``, to poll or wait on.
 
         A session's events are opened once and kept until the session ends. A caller without
-        a session (``anon:<peer>``, which many processes may share) gets its event opened
+        a session (``anon:<client>``, which many processes may share) gets its event opened
         each time: nothing would tell the daemon that the process behind a cached event died
         and another one now sends the same handle bytes."""
         key = (owner, bytes(handle), device)
