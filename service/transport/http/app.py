@@ -19,6 +19,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from embcache import build_info
 from embcache.errors import EmbCacheError
 from embcache.service.config import Settings
 from embcache.service.observability.metrics import Metrics
@@ -29,6 +30,7 @@ from embcache.service.transport.http import health as http_health
 from embcache.service.transport.http import prefetch as http_prefetch
 from embcache.service.transport.http import routes as http_routes
 from embcache.service.transport.http import sessions as http_sessions
+from embcache.service.transport.http.hosts import HostPolicy
 from embcache.service.transport.http.middleware import OperatorMiddleware
 from embcache.service.transport.http.poolmap import History
 from embcache.service.transport.render import LocationRenderer
@@ -129,7 +131,9 @@ def create_app(
     app = FastAPI(
         title="embcache",
         summary="Operator and data API of the embcache embedding-cache daemon.",
-        version="1",
+        description="Routes under `/v1` are version 1 of the API; `info.version` is the "
+        "daemon's package version (also in `GET /v1/stats`).",
+        version=build_info.version(),
         lifespan=_lifespan,
         docs_url=None,  # docs.py serves /docs from the package, not from a CDN
         redoc_url=None,
@@ -174,5 +178,7 @@ def create_app(
         return FileResponse(f"{static}/index.html", headers={"Cache-Control": "no-cache"})
 
     app.mount("/static", StaticFiles(directory=static), name="static")
-    app.add_middleware(OperatorMiddleware, metrics=metrics, token=settings.auth_token)
+    app.add_middleware(
+        OperatorMiddleware, metrics=metrics, token=settings.auth_token, hosts=HostPolicy(settings)
+    )
     return app
