@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from embcache import build_info
 from embcache.errors import EmbCacheError
 from embcache.service.config import Settings
-from embcache.service.observability.metrics import Metrics
+from embcache.service.observability.metrics import RPC_BUCKETS, Metrics
 from embcache.service.transport.device_get import Housekeeping
 from embcache.service.transport.http import data as http_data
 from embcache.service.transport.http import docs as http_docs
@@ -32,7 +32,7 @@ from embcache.service.transport.http import routes as http_routes
 from embcache.service.transport.http import sessions as http_sessions
 from embcache.service.transport.http.hosts import HostPolicy
 from embcache.service.transport.http.middleware import OperatorMiddleware
-from embcache.service.transport.http.poolmap import History
+from embcache.service.transport.http.poolmap import Counters, History
 from embcache.service.transport.render import LocationRenderer
 from embcache.service.transport.session.admin import SessionAdmin
 from embcache.service.transport.session.registry import SessionRegistry
@@ -150,11 +150,18 @@ def create_app(
         sessions if sessions is not None else SessionAdmin(SessionRegistry(), engine)
     )
 
-    def read_counters() -> tuple[int, int, dict[str, float]]:
+    def read_counters() -> Counters:
         stats = engine.stats()
-        return stats.hits, stats.misses, metrics.copied_bytes(stats)
+        return Counters(
+            hits=stats.hits,
+            misses=stats.misses,
+            copied=metrics.copied_bytes(stats),
+            host_in=stats.put_bytes,
+            host_out=getattr(stats, "hit_bytes", 0),
+            operations=metrics.operation_buckets(),
+        )
 
-    app.state.history = History(read_counters)
+    app.state.history = History(read_counters, latency_bounds_s=RPC_BUCKETS)
 
     app.add_exception_handler(EmbCacheError, _on_engine_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
