@@ -155,6 +155,7 @@ class EngineCollector(Collector):
             counter("evicted_bytes", "Bytes freed by evictions."),
             counter("puts", "Puts by outcome.", ["outcome"]),
             counter("put_bytes", "Bytes committed by puts."),
+            counter("hit_bytes", "Bytes of the entries hits handed out (host bytes out)."),
             counter("leases_expired", "Leases ended by their TTL."),
             counter("copy_bytes", "Bytes copied, by direction.", ["direction"]),
             gauge("restart_adopted_entries", "Entries adopted at a warm restart."),
@@ -203,6 +204,7 @@ class EngineCollector(Collector):
         add("puts", ["committed"], s.puts_committed)
         add("puts", ["aborted"], s.puts_aborted)
         add("put_bytes", [], s.put_bytes)
+        add("hit_bytes", [], s.hit_bytes)
         add("leases_expired", [], s.leases_expired)
         for direction, nbytes in sorted(self._metrics.copied_bytes(s).items()):
             add("copy_bytes", [direction], nbytes)

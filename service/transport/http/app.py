@@ -185,7 +185,7 @@ def create_app(
         return FileResponse(f"{static}/index.html", headers={"Cache-Control": "no-cache"})
 
     app.mount("/static", StaticFiles(directory=static), name="static")
-    app.add_middleware(
-        OperatorMiddleware, metrics=metrics, token=settings.auth_token, hosts=HostPolicy(settings)
-    )
+    hosts = HostPolicy(settings)
+    log.debug("HTTP answers Host %s with its port, and its arrival address", hosts.names())
+    app.add_middleware(OperatorMiddleware, metrics=metrics, token=settings.auth_token, hosts=hosts)
     return app
