@@ -220,6 +220,11 @@ class Settings(BaseSettings):
         "and headers), counted from when it opens or its last response ends; then it is "
         "closed (with 408 when part of a head came).",
     )  # fmt: skip
+    http_max_head_bytes: ByteSize = Field(
+        64 * 1024, ge=1024, le=16 * 1024**2,
+        description="Largest request head (request line and headers) the HTTP plane reads; "
+        "past it the connection is answered 431 and closed.",
+    )  # fmt: skip
     http_keepalive_timeout_s: float = Field(
         5.0, gt=0, le=3600,
         description="Seconds an idle keep-alive HTTP connection stays open after a response.",

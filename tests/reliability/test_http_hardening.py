@@ -240,3 +240,26 @@ def test_allowed_hosts_and_origins_settings(shm_name: str) -> None:
             Settings(http_allowed_hosts=bad)
     with pytest.raises(ValidationError, match="http_allowed_origins"):
         Settings(http_allowed_origins="dash.internal")
+
+
+def test_endless_request_head_is_refused(guarded: tuple[str, CacheEngine]) -> None:
+    """Headers sent fast and without end: refused at the head bound (64 KiB), not buffered."""
+    port = _port(guarded[0])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(f"GET /livez HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n".encode())
+        sent = 0
+        line = b"X-Filler: " + b"a" * 1000 + b"\r\n"
+        try:
+            while sent < 4 * 1024 * 1024:  # 4 MiB: a server without the bound takes it all
+                sock.sendall(line)
+                sent += len(line)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        try:
+            got = _read_until_closed(sock, 5)
+        except ConnectionResetError:
+            got = b""
+    assert sent < 4 * 1024 * 1024 or got.startswith(b"HTTP/1.1 431 "), (sent, got[:200])
+    if got:
+        assert got.startswith(b"HTTP/1.1 431 "), got[:200]
+        assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"] == "InvalidArgument"

@@ -10,6 +10,9 @@ spreads the bytes. Past it the connection is closed, with a 408 in the API's err
 part of a head had arrived. A request whose head is complete is never timed by it: its body
 has the put's own idle timeout, and a slow handler is the app's business.
 
+A head larger than ``http_max_head_bytes`` is answered 431 and the connection closed:
+httptools itself keeps every header line it is sent, without a bound.
+
 At ``http_max_concurrency`` open connections (or requests in progress) a new request is
 answered 503 in the API's error shape at once, as uvicorn's ``limit_concurrency`` would
 answer it in plain text.
@@ -24,7 +27,7 @@ from typing import Any, ClassVar
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from embcache.errors import IdleTimeout
+from embcache.errors import EmbCacheError, IdleTimeout, InvalidArgument
 from embcache.service.config import Settings
 from embcache.service.transport.status import error_body
 
@@ -68,6 +71,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     :func:`guarded_protocol`, which sets the two class attributes."""
 
     header_timeout_s: ClassVar[float] = 5.0
+    max_head_bytes: ClassVar[int] = 64 * 1024
     max_concurrency: ClassVar[int | None] = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -87,6 +91,18 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._awaiting_head():
             self._head_bytes += len(data)
         super().data_received(data)
+        # Still no complete head after all of it: every byte so far was head. httptools
+        # keeps every header line it is sent, so an endless head would grow without bound.
+        if self._head_bytes > self.max_head_bytes and self._awaiting_head():
+            self._refuse_head(
+                431,
+                "Request Header Fields Too Large",
+                InvalidArgument(
+                    f"the request head is larger than {self.max_head_bytes} bytes",
+                    max_head_bytes=self.max_head_bytes,
+                ),
+            )
+            return
         self._watch_head()
 
     def on_headers_complete(self) -> None:
@@ -128,13 +144,21 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._head_timer = None
         if self.transport.is_closing() or not self._awaiting_head():
             return
-        if self._head_bytes:
-            err = IdleTimeout(
-                f"the request head did not arrive within {self.header_timeout_s:g} s",
-                timeout_s=self.header_timeout_s,
-            )
-            self.transport.write(_error_bytes(408, "Request Timeout", error_body(err)))
-        self.transport.close()
+        if not self._head_bytes:
+            self.transport.close()  # an idle connection: nothing to answer
+            return
+        err = IdleTimeout(
+            f"the request head did not arrive within {self.header_timeout_s:g} s",
+            timeout_s=self.header_timeout_s,
+        )
+        self._refuse_head(408, "Request Timeout", err)
+
+    def _refuse_head(self, status: int, reason: str, err: EmbCacheError) -> None:
+        """Answer a head that will not be served, in the error shape, and close."""
+        self._cancel_head_timer()
+        if not self.transport.is_closing():
+            self.transport.write(_error_bytes(status, reason, error_body(err)))
+            self.transport.close()
 
 
 def guarded_protocol(settings: Settings) -> type[GuardedHttpProtocol]:
@@ -144,6 +168,7 @@ def guarded_protocol(settings: Settings) -> type[GuardedHttpProtocol]:
         (GuardedHttpProtocol,),
         {
             "header_timeout_s": settings.http_header_timeout_s,
+            "max_head_bytes": settings.http_max_head_bytes,
             "max_concurrency": settings.http_max_concurrency,
         },
     )
