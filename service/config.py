@@ -30,6 +30,12 @@ log = logging.getLogger("embcache.config")
 
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 SHM_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")  # a file name under /dev/shm
+# An HTTP Host (a DNS name, an IPv4 address or a bracketed IPv6 one, and an optional port),
+# and an origin (http or https, then such a Host).
+_HOST_PORT = re.compile(
+    r"(?:[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,252})|\[[0-9A-Fa-f:.]+\])(?::\d{1,5})?"
+)
+_ORIGIN = re.compile(r"https?://" + _HOST_PORT.pattern)
 
 
 def is_loopback(host: str) -> bool:
@@ -219,6 +225,40 @@ class Settings(BaseSettings):
     )  # fmt: skip
     http_host: str = Field("127.0.0.1", description="HTTP bind address.")
     http_port: int = Field(7471, ge=0, le=65535, description="HTTP port (0 = pick a free one).")
+    http_allowed_hosts: str = Field(
+        "",
+        description="Comma-separated Host names the HTTP plane answers besides its own "
+        "(localhost, 127.0.0.1, [::1], the bind address and the address a request arrived "
+        "on, each with the daemon's port; with a non-loopback bind also the machine's host "
+        "name). NAME allows any port, NAME:PORT that port (a tunnel, a proxy); '*' turns the "
+        "check off. Other Hosts get 403: a DNS-rebinding page is refused (docs/operators.md).",
+    )
+    http_allowed_origins: str = Field(
+        "",
+        description="Comma-separated origins (scheme://host[:port]) besides the daemon's own "
+        "that may send POST, PUT, PATCH and DELETE from a browser; '*' allows any (not "
+        "advised). Other Origin headers get 403.",
+    )
+    http_header_timeout_s: float = Field(
+        5.0, gt=0, le=300,
+        description="Seconds a connection has to send a complete request head (request line "
+        "and headers), counted from when it opens or its last response ends; then it is "
+        "closed (with 408 when part of a head came).",
+    )  # fmt: skip
+    http_max_head_bytes: ByteSize = Field(
+        64 * 1024, ge=1024, le=16 * 1024**2,
+        description="Largest request head (request line and headers) the HTTP plane reads; "
+        "past it the connection is answered 431 and closed.",
+    )  # fmt: skip
+    http_keepalive_timeout_s: float = Field(
+        5.0, gt=0, le=3600,
+        description="Seconds an idle keep-alive HTTP connection stays open after a response.",
+    )  # fmt: skip
+    http_max_concurrency: int = Field(
+        1024, ge=1,
+        description="Open HTTP connections (or requests in progress) beyond which a new "
+        "request is answered 503 Unavailable at once.",
+    )  # fmt: skip
     auth_token: str | None = Field(
         None, description="Shared secret required on gRPC metadata and HTTP headers."
     )
@@ -307,6 +347,18 @@ class Settings(BaseSettings):
         if v and (v != v.strip() or not v.isprintable() or " " in v):
             raise ValueError("holds spaces or control characters (a newline from a file?)")
         return v
+
+    @field_validator("http_allowed_hosts", "http_allowed_origins")
+    @classmethod
+    def _http_names(cls, v: str, info: Any) -> str:
+        # A typo here locks operators out (or lets pages in): refuse it at start-up.
+        form = _ORIGIN if info.field_name == "http_allowed_origins" else _HOST_PORT
+        entries = [x.strip() for x in v.split(",") if x.strip()]
+        bad = [x for x in entries if x != "*" and not form.fullmatch(x)]
+        if bad:
+            shape = "scheme://host[:port]" if form is _ORIGIN else "NAME or NAME:PORT"
+            raise ValueError(f"{', '.join(bad)}: each entry is {shape} or '*'")
+        return ",".join(entries)
 
     @field_validator("gpus")
     @classmethod

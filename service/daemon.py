@@ -90,6 +90,7 @@ class Daemon:
         from embcache.service.observability.metrics import Metrics
         from embcache.service.shared_tier import SharedTierConfig, shared_tier_hooks
         from embcache.service.transport.http.app import create_app
+        from embcache.service.transport.http.listener import uvicorn_config
         from embcache.service.transport.serving import start_data_plane
 
         s = self.settings
@@ -120,8 +121,9 @@ class Daemon:
                 "grpc_port": grpc_service.ports[0] if grpc_service.ports else None,
                 "grpc_socket": str(grpc_service.socket_path) if grpc_service.socket_path else None,
             }
-            config = uvicorn.Config(
+            config = uvicorn_config(  # with the header timeout and the concurrency bound
                 app,
+                s,
                 log_level=s.log_level,
                 log_config=None,  # uvicorn's lines go through our handler (service/logs.py)
                 access_log=False,

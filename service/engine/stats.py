@@ -43,6 +43,7 @@ class EngineStats:
     quarantined_bytes: int = 0
     restart: dict[str, int] = field(default_factory=dict)  # what a warm restart adopted
     read_table: dict[str, int] = field(default_factory=dict)  # same-node reads (read_table.py)
+    hit_bytes: int = 0  # bytes of the entries hits handed out (host bytes out)
 
     @property
     def hit_rate(self) -> float:
@@ -99,6 +100,7 @@ def engine_stats(host: HostCounts, tier: DeviceTier, *, draining: bool) -> Engin
         puts_committed=c.get("puts_committed", 0),
         puts_aborted=c.get("puts_aborted", 0),
         put_bytes=c.get("put_bytes", 0),
+        hit_bytes=c.get("hit_bytes", 0),
         leases_active=host.leases_active,
         leases_expired=c.get("leases_expired", 0),
         lease_owners=host.lease_owners,

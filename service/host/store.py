@@ -207,6 +207,7 @@ class HostStore(StoreViews):
             entry = self.entries.get(key)
             if entry is not None:  # gone since (or never here: a client's mistake)
                 found += 1
+                self.counters["hit_bytes"] += entry.nbytes
                 self.entries.touch(entry)
                 entry.last_access = now
         self.counters["hits"] += found
@@ -241,6 +242,7 @@ class HostStore(StoreViews):
                 self.counters["misses"] += counted
                 continue
             self.counters["hits"] += counted
+            self.counters["hit_bytes"] += entry.nbytes if counted else 0
             self.entries.acquire(entry)
             entry.last_access = now
         return out

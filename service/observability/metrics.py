@@ -10,6 +10,7 @@ ever appear in labels.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Iterator
 from typing import Any, Protocol
@@ -63,6 +64,29 @@ BANDWIDTH_BUCKETS = tuple(
         80,
     )
 )
+
+
+# The calls that move or look up entries (puts, gets, reads, releases, evictions), as the
+# pool-map page counts operations: not the page's own polling, probes or listings, and not
+# a session stream's lifetime (its calls count one by one).
+_OPERATIONS = frozenset(
+    {"put", "putfromdevice", "putfromdevicebatch", "putbatch", "putreserve", "putcommit",
+     "putabort", "get", "getinto", "getbytes", "release", "renew", "exists", "evict",
+     "prefetch"}
+)  # fmt: skip
+_HTTP_OPERATIONS = frozenset(
+    {"PUT /v1/entries/{key:path}", "GET /v1/entries/{key:path}/data",
+     "DELETE /v1/entries/{key:path}", "POST /v1/get", "POST /v1/release", "POST /v1/renew",
+     "POST /v1/evict", "POST /v1/prefetch"}
+)  # fmt: skip
+
+
+def is_operation(transport: str, method: str) -> bool:
+    """Whether a finished call is a data operation (see ``_OPERATIONS``)."""
+    if transport == "http":
+        return method in _HTTP_OPERATIONS
+    name = method.rsplit(".", 1)[-1].replace("_", "").lower()  # "Session.get", "PutFromDevice"
+    return name in _OPERATIONS
 
 
 class _StatsSource(Protocol):
@@ -131,6 +155,7 @@ class EngineCollector(Collector):
             counter("evicted_bytes", "Bytes freed by evictions."),
             counter("puts", "Puts by outcome.", ["outcome"]),
             counter("put_bytes", "Bytes committed by puts."),
+            counter("hit_bytes", "Bytes of the entries hits handed out (host bytes out)."),
             counter("leases_expired", "Leases ended by their TTL."),
             counter("copy_bytes", "Bytes copied, by direction.", ["direction"]),
             gauge("restart_adopted_entries", "Entries adopted at a warm restart."),
@@ -179,6 +204,7 @@ class EngineCollector(Collector):
         add("puts", ["committed"], s.puts_committed)
         add("puts", ["aborted"], s.puts_aborted)
         add("put_bytes", [], s.put_bytes)
+        add("hit_bytes", [], s.hit_bytes)
         add("leases_expired", [], s.leases_expired)
         for direction, nbytes in sorted(self._metrics.copied_bytes(s).items()):
             add("copy_bytes", [direction], nbytes)
@@ -258,6 +284,7 @@ class Metrics:
         ).labels(build_info.version(), build_info.git_commit()).set(1)
         self._lock = threading.Lock()
         self._observed_copy: dict[str, float] = {}
+        self._operations = [0] * (len(RPC_BUCKETS) + 1)
         self.rpc_duration = Histogram(
             f"{PREFIX}_rpc_duration_seconds",
             "Time to serve one RPC or HTTP request, by transport, method and result code.",
@@ -301,6 +328,17 @@ class Metrics:
     def observe_rpc(self, transport: str, method: str, code: str, seconds: float) -> None:
         """One finished call. ``method`` is a route template or RPC name, never a key."""
         self.rpc_duration.labels(transport, method, str(code)).observe(max(seconds, 0.0))
+        if is_operation(transport, method):
+            slot = bisect.bisect_left(RPC_BUCKETS, seconds)  # le: the first bound >= seconds
+            with self._lock:
+                self._operations[slot] += 1
+
+    def operation_buckets(self) -> tuple[int, ...]:
+        """Cumulative calls of the data operations (:func:`is_operation`) per latency bucket
+        of ``RPC_BUCKETS`` (one more for +Inf); the pool-map page turns them into rates and
+        quantiles."""
+        with self._lock:
+            return tuple(self._operations)
 
     def observe_refusal(self, listener: str, reason: str) -> None:
         """A session-socket connection refused or closed before its session opened."""

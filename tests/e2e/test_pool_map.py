@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from pagekit import CHROMIUM, DevTools, launch
@@ -124,3 +126,114 @@ def test_pool_map_page(browser: DevTools, site: tuple[str, CacheEngine], tmp_pat
     assert shot.startswith(b"\x89PNG") and len(shot) > 10_000
     # The one refused request is the lookup of the absent key (a 404, logged by Chromium).
     assert [e for e in browser.errors() if "404" not in e] == []
+
+
+@pytest.fixture
+def busy_site(shm_name: str) -> Iterator[tuple[str, CacheEngine]]:
+    """A CPU-mode daemon's app (no device pool) with one fragmented entry to search for."""
+    settings = Settings(host_pool_bytes="64MiB", page_bytes="64KiB", shm_name=shm_name,
+                        device="cpu")  # fmt: skip
+    with CacheEngine(settings) as engine:
+        pad = torch.ones(3 * 64 * 1024, dtype=torch.uint8)
+        for i in range(1024 // 3):  # the whole pool in 3-page entries
+            engine.put(f"pad/{i}", pad)
+        engine.evict(["pad/1", "pad/3"])  # holes the next entry is split across
+        engine.put("video/clip-0042.mp4#frames", torch.ones(5 * 64 * 1024, dtype=torch.uint8))
+        engine.evict([f"pad/{i}" for i in range(12, 1024 // 3)])  # room for the load
+        with serve_in_thread(create_app(engine, settings, Metrics(engine))) as url:
+            yield url, engine
+
+
+def _load(url: str, stop: threading.Event, done: list[int], max_pairs: int = 2000) -> None:
+    """Put + read pairs of new 1 MiB entries over REST until ``stop`` (or ``max_pairs``);
+    each pair also deletes the entry of 16 pairs before, so the pool stays half free."""
+    body = os.urandom(1024 * 1024)
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for i in range(max_pairs):
+            if stop.is_set():
+                return
+            key = f"load/{i}"
+            put = client.put(f"/v1/entries/{key}?dtype=uint8&shape={len(body)}", content=body)
+            assert put.status_code == 201, put.text
+            got = client.get(f"/v1/entries/{key}/data")
+            assert got.status_code == 200 and got.content == body
+            if i >= 16:
+                assert client.delete(f"/v1/entries/load/{i - 16}").status_code == 200
+            done[0] += 1
+
+
+def test_pool_map_shows_cpu_load_and_highlights_a_key(
+    browser: DevTools, busy_site: tuple[str, CacheEngine], tmp_path: Path
+) -> None:
+    url, engine = busy_site
+    stop, done = threading.Event(), [0]
+    loader = threading.Thread(target=_load, args=(url, stop, done), daemon=True)
+    browser.call("Page.navigate", url=url + "/")
+    loader.start()
+    try:
+        # Host bytes and operations are non-zero under load although no device copy happens.
+        io = browser.wait_for(
+            "(() => { const t = document.getElementById('host-io').textContent;"
+            " return /[1-9]/.test(t) && t; })()",
+            timeout=30,
+        )
+        assert io.endswith("/s") and not io.startswith("0 B"), io
+        foot = browser.evaluate("document.getElementById('host-io-foot').textContent")
+        assert re.fullmatch(r"in [1-9][\d.]* \S+/s · out [1-9][\d.]* \S+/s", foot), foot
+        ops = browser.wait_for(
+            "(() => { const t = document.getElementById('ops').textContent;"
+            " return Number(t.replace(/,/g, '')) > 0 && t; })()"
+        )
+        latency = browser.wait_for(
+            "(() => { const t = document.getElementById('ops-foot').textContent;"
+            " return t.startsWith('p50') && t; })()"
+        )
+        assert re.fullmatch(r"p50 [\d.]+ (µs|ms|s) · p99 [\d.]+ (µs|ms|s)", latency), latency
+        bw = browser.evaluate("document.getElementById('bw-foot').textContent")
+        assert bw == "no device copies", bw  # CPU mode: the copy card says so, not "idle"
+
+        # Search a key: its pages are outlined on the host grid, and only while it is found.
+        key = "video/clip-0042.mp4#frames"
+        info = engine.entry_info(key)
+        assert info is not None
+        runs = info.page_runs
+        assert len(runs) > 1  # split across holes: several runs to outline
+        browser.evaluate(f"document.getElementById('search-key').value = {key!r}")
+        browser.evaluate("document.getElementById('search').requestSubmit()")
+        cells = browser.wait_for(
+            "Number(document.getElementById('grid-host').dataset.foundCells) || 0"
+        )
+        per = httpx.get(f"{url}/v1/pool-map").json()["host"]["pages_per_cell"]
+        expect = {p // per for first, n in runs for p in range(first, first + n)}
+        assert cells == len(expect), (cells, runs)
+        assert _found_pixels(browser) > 0
+        legend = browser.evaluate("document.getElementById('legend-host').textContent")
+        assert "searched key" in legend
+        time.sleep(1.5)  # the next refreshes keep the outline
+        assert browser.evaluate("document.getElementById('grid-host').dataset.foundCells") == str(
+            cells
+        )
+        browser.screenshot(tmp_path / "poolmap_cpu_load.png")
+        if out_dir := os.environ.get("EMBCACHE_SCREENSHOT_DIR"):
+            shutil.copy(tmp_path / "poolmap_cpu_load.png", Path(out_dir) / "poolmap_cpu_load.png")
+        browser.evaluate("document.getElementById('search-clear').click()")
+        browser.wait_for("document.getElementById('grid-host').dataset.foundCells === '0'")
+        assert _found_pixels(browser) == 0
+    finally:
+        stop.set()
+        loader.join(timeout=60)
+    assert not loader.is_alive() and done[0] > 0, ops
+    assert [e for e in browser.errors() if "404" not in e] == []
+
+
+def _found_pixels(browser: DevTools) -> int:
+    """Pixels of the host grid painted in the searched key's outline colour."""
+    return browser.evaluate(
+        "(() => { const c = document.getElementById('grid-host');"
+        " const want = getComputedStyle(document.documentElement).getPropertyValue('--found')"
+        "   .trim().match(/[0-9a-f]{2}/gi).map((h) => parseInt(h, 16));"
+        " const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; let n = 0;"
+        " for (let i = 0; i < d.length; i += 4)"
+        "   if (d[i] === want[0] && d[i + 1] === want[1] && d[i + 2] === want[2]) n++;"
+        " return n; })()"
+    )

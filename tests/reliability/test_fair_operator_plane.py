@@ -48,7 +48,7 @@ def _raw_post(d: dm.Daemon, path: str, head: str, body: bytes) -> bytes:
     """POST ``body`` from a thread and return the status line and headers the daemon
     answered (it may answer before reading the body, and close)."""
     with socket.create_connection(("127.0.0.1", d.ready["http_port"]), timeout=30) as sock:
-        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: t\r\n{head}\r\n".encode())
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{head}\r\n".encode())
 
         def upload() -> None:
             with contextlib.suppress(OSError):  # refused: the daemon closed its end

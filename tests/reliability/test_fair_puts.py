@@ -76,7 +76,7 @@ def test_a_rest_put_that_stops_sending_is_aborted(daemon: dm.Daemon) -> None:
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         head = (
             "PUT /v1/entries/stall/rest?dtype=uint8&shape=4194304 HTTP/1.1\r\n"
-            "Host: t\r\nContent-Length: 4194304\r\n\r\n"
+            "Host: 127.0.0.1\r\nContent-Length: 4194304\r\n\r\n"
         )
         sock.sendall(head.encode() + b"\0" * 1000)
         assert dm.wait_for(lambda: filling(daemon) > 0, 5) is not None

@@ -253,7 +253,7 @@ def test_reader_that_leaves_early_gives_its_lease_back(shm_name: str) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             sock.settimeout(10)
             sock.connect(("127.0.0.1", port))
-            sock.sendall(b"GET /v1/entries/big/data HTTP/1.1\r\nHost: t\r\n\r\n")
+            sock.sendall(b"GET /v1/entries/big/data HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             assert sock.recv(4096).startswith(b"HTTP/1.1 200")
             assert engine.stats().leases_active == 1  # the stream is still being sent
             sock.close()  # the reader leaves mid-body

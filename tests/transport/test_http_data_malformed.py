@@ -142,7 +142,7 @@ def test_crc_right_is_accepted(served: Served) -> None:
 def raw_put(port: int, key: str, length: int, extra: str = "") -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     head = (
-        f"PUT /v1/entries/{key} HTTP/1.1\r\nHost: t\r\nContent-Length: {length}\r\n"
+        f"PUT /v1/entries/{key} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {length}\r\n"
         f"X-Embcache-Dtype: float32\r\nX-Embcache-Shape: {length // 4}\r\n{extra}\r\n"
     )
     sock.sendall(head.encode())

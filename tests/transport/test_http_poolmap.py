@@ -7,7 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embcache.service.transport.http.poolmap import HOST_STATES, History, downsample
+from embcache.service.observability.metrics import Metrics, is_operation
+from embcache.service.transport.http.poolmap import (
+    HOST_STATES,
+    Counters,
+    History,
+    bucket_quantile,
+    downsample,
+)
 
 
 def test_downsample_identity_when_small() -> None:
@@ -76,3 +83,52 @@ def test_history_rates() -> None:
     assert len(hist.series().t) == 3  # the window keeps 6 s: 4 samples, 3 intervals
     with pytest.raises(ValueError):
         History(read, interval_s=0)
+
+
+def test_history_host_bytes_operations_and_latency() -> None:
+    bounds = (0.001, 0.01, 0.1)
+    now = [0.0]
+    state = {"in": 0, "out": 0, "ops": (0, 0, 0, 0)}
+
+    def read() -> Counters:
+        return Counters(1, 0, {}, host_in=state["in"], host_out=state["out"],
+                        operations=state["ops"])  # fmt: skip
+
+    hist = History(read, interval_s=2, window_s=10, latency_bounds_s=bounds,
+                   clock=lambda: now[0], wall_clock=lambda: now[0])  # fmt: skip
+    hist.sample()
+    # 100 operations in 2 s: 90 under 1 ms, 9 under 10 ms, 1 under 100 ms.
+    state.update({"in": 4_000_000, "out": 8_000_000, "ops": (90, 9, 1, 0)})
+    now[0] += 2
+    hist.sample()
+    now[0] += 2
+    hist.sample()  # an idle interval
+    series = hist.series()
+    assert series.host_in == [2_000_000.0, 0.0] and series.host_out == [4_000_000.0, 0.0]
+    assert series.ops == [50.0, 0.0]
+    assert series.p50_s[0] == pytest.approx(0.001 * 50 / 90, abs=1e-6)  # rounded to 1 us
+    assert series.p99_s[0] == pytest.approx(0.01)
+    assert series.p50_s[1] is None and series.p99_s[1] is None
+
+
+def test_bucket_quantile_edges() -> None:
+    assert bucket_quantile(0.5, (1.0, 2.0), (0, 0, 0)) is None
+    assert bucket_quantile(0.99, (1.0, 2.0), (0, 0, 5)) == 2.0  # the open top bucket
+    assert bucket_quantile(0.5, (1.0, 2.0), (0, 4, 0)) == pytest.approx(1.5)
+
+
+def test_operations_are_data_calls_only() -> None:
+    for transport, method in (("grpc", "Put"), ("grpc", "GetBytes"), ("lane", "Session.get"),
+                              ("grpc", "Session.put_reserve"), ("http", "POST /v1/get"),
+                              ("http", "PUT /v1/entries/{key:path}")):  # fmt: skip
+        assert is_operation(transport, method), (transport, method)
+    for transport, method in (("grpc", "Session"), ("grpc", "Stats"), ("grpc", "Lanes"),
+                              ("http", "GET /v1/pool-map"), ("http", "GET /v1/entries"),
+                              ("http", "GET /livez"), ("http", "unmatched")):  # fmt: skip
+        assert not is_operation(transport, method), (transport, method)
+    metrics = Metrics()
+    metrics.observe_rpc("http", "POST /v1/get", "200", 0.0004)
+    metrics.observe_rpc("http", "GET /v1/pool-map", "200", 0.0004)
+    metrics.observe_rpc("grpc", "Get", "OK", 100.0)
+    buckets = metrics.operation_buckets()
+    assert sum(buckets) == 2 and buckets[2] == 1 and buckets[-1] == 1  # 0.5 ms bucket, +Inf

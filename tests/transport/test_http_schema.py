@@ -3,17 +3,22 @@ tests/e2e/test_openapi_schemathesis.py)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import httpx
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from embcache import build_info
+from embcache.errors import InvalidArgument
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
 from embcache.service.observability.metrics import Metrics
 from embcache.service.transport.http.app import create_app
+from embcache.service.transport.http.put_params import SHAPE_PATTERN, parse_shape
 from embcache.service.transport.http.testing import serve_in_thread
 
 PAGE = 4096
@@ -114,3 +119,58 @@ def test_stats_and_pool_map_carry_the_build(http: httpx.Client) -> None:
         body = http.get(route).json()
         assert body["version"] == build_info.version(), route
         assert body["commit"] == build_info.git_commit(), route
+
+
+def test_schema_requires_the_token_it_is_served_with(http: httpx.Client, schema: dict) -> None:
+    assert schema["components"]["securitySchemes"]
+    for path, operations in schema["paths"].items():
+        for method, op in operations.items():
+            probe = path in ("/livez", "/readyz")
+            assert ("security" in op) is not probe, (method, path)
+            assert ("401" in op["responses"]) is not probe, (method, path)
+            assert "403" in op["responses"], (method, path)  # Host / Origin refused
+
+
+def test_schema_without_a_token_asks_for_none(shm_name: str) -> None:
+    settings = Settings(host_pool_bytes=64 * PAGE, page_bytes=PAGE, shm_name=shm_name,
+                        device="cpu")  # fmt: skip
+    with (
+        CacheEngine(settings) as engine,
+        serve_in_thread(create_app(engine, settings, Metrics(engine))) as url,
+    ):
+        schema = httpx.get(f"{url}/openapi.json").json()
+        # What the schema promises holds: no token is needed.
+        assert httpx.get(f"{url}/v1/stats").status_code == 200
+    assert "securitySchemes" not in schema.get("components", {})
+    for path, operations in schema["paths"].items():
+        for method, op in operations.items():
+            assert "security" not in op and "401" not in op["responses"], (method, path)
+
+
+def test_info_version_is_the_package_version(schema: dict) -> None:
+    assert schema["info"]["version"] == build_info.version()
+    assert "/v1" in schema["info"]["description"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=" \t[],0123456789x-\x0b", max_size=40))
+def test_shape_pattern_is_what_the_server_reads(text: str) -> None:
+    """The schema's shape pattern and the server's parser accept exactly the same strings."""
+    try:
+        parse_shape(text)
+        accepted = True
+    except InvalidArgument:
+        accepted = False
+    assert bool(re.fullmatch(SHAPE_PATTERN, text)) is accepted, repr(text)
+
+
+def test_shape_pattern_bounds_dims_and_digits(http: httpx.Client, schema: dict) -> None:
+    params = schema["paths"]["/v1/entries/{key}"]["put"]["parameters"]
+    shapes = [p for p in params if p["name"] in ("X-Embcache-Shape", "shape")]
+    assert [p["schema"]["pattern"] for p in shapes] == [SHAPE_PATTERN] * 2
+    # A dim is at most 19 digits (int64's width): 64 zeros are refused by both.
+    assert not re.fullmatch(SHAPE_PATTERN, "0" * 64)
+    reply = http.put(f"/v1/entries/z?dtype=uint8&shape={'0' * 64}", content=b"")
+    assert reply.status_code == 400
+    # Zero-byte entries are valid.
+    assert http.put("/v1/entries/z?dtype=uint8&shape=0,4", content=b"").status_code == 201

@@ -19,9 +19,10 @@ from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from embcache import build_info
 from embcache.errors import EmbCacheError
 from embcache.service.config import Settings
-from embcache.service.observability.metrics import Metrics
+from embcache.service.observability.metrics import RPC_BUCKETS, Metrics
 from embcache.service.transport.device_get import Housekeeping
 from embcache.service.transport.http import data as http_data
 from embcache.service.transport.http import docs as http_docs
@@ -29,8 +30,9 @@ from embcache.service.transport.http import health as http_health
 from embcache.service.transport.http import prefetch as http_prefetch
 from embcache.service.transport.http import routes as http_routes
 from embcache.service.transport.http import sessions as http_sessions
+from embcache.service.transport.http.hosts import HostPolicy
 from embcache.service.transport.http.middleware import OperatorMiddleware
-from embcache.service.transport.http.poolmap import History
+from embcache.service.transport.http.poolmap import Counters, History
 from embcache.service.transport.render import LocationRenderer
 from embcache.service.transport.session.admin import SessionAdmin
 from embcache.service.transport.session.registry import SessionRegistry
@@ -129,7 +131,9 @@ def create_app(
     app = FastAPI(
         title="embcache",
         summary="Operator and data API of the embcache embedding-cache daemon.",
-        version="1",
+        description="Routes under `/v1` are version 1 of the API; `info.version` is the "
+        "daemon's package version (also in `GET /v1/stats`).",
+        version=build_info.version(),
         lifespan=_lifespan,
         docs_url=None,  # docs.py serves /docs from the package, not from a CDN
         redoc_url=None,
@@ -146,11 +150,18 @@ def create_app(
         sessions if sessions is not None else SessionAdmin(SessionRegistry(), engine)
     )
 
-    def read_counters() -> tuple[int, int, dict[str, float]]:
+    def read_counters() -> Counters:
         stats = engine.stats()
-        return stats.hits, stats.misses, metrics.copied_bytes(stats)
+        return Counters(
+            hits=stats.hits,
+            misses=stats.misses,
+            copied=metrics.copied_bytes(stats),
+            host_in=stats.put_bytes,
+            host_out=getattr(stats, "hit_bytes", 0),
+            operations=metrics.operation_buckets(),
+        )
 
-    app.state.history = History(read_counters)
+    app.state.history = History(read_counters, latency_bounds_s=RPC_BUCKETS)
 
     app.add_exception_handler(EmbCacheError, _on_engine_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
@@ -174,5 +185,7 @@ def create_app(
         return FileResponse(f"{static}/index.html", headers={"Cache-Control": "no-cache"})
 
     app.mount("/static", StaticFiles(directory=static), name="static")
-    app.add_middleware(OperatorMiddleware, metrics=metrics, token=settings.auth_token)
+    hosts = HostPolicy(settings)
+    log.debug("HTTP answers Host %s with its port, and its arrival address", hosts.names())
+    app.add_middleware(OperatorMiddleware, metrics=metrics, token=settings.auth_token, hosts=hosts)
     return app

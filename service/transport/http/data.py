@@ -57,7 +57,12 @@ from embcache.service.transport.http.data_models import (
     render_batch,
 )
 from embcache.service.transport.http.models import ErrorBody
-from embcache.service.transport.http.put_params import one_of, parse_checksum, parse_shape
+from embcache.service.transport.http.put_params import (
+    SHAPE_PATTERN,
+    one_of,
+    parse_checksum,
+    parse_shape,
+)
 from embcache.service.transport.http.ranges import RangeNotSatisfiable, parse_range
 from embcache.service.transport.http.routes import BEARER
 from embcache.service.transport.idle import idle_limited
@@ -104,6 +109,8 @@ def _content_length(request: Request) -> int | None:
 
 # Every dtype name a put accepts (the wire names and their aliases), for the schema.
 _DTYPE: dict[str, Any] = {"enum": sorted(dtypes.names())}
+# The shape as parse_shape reads it (not enforced by FastAPI: parse_shape answers 400).
+_SHAPE: dict[str, Any] = {"pattern": SHAPE_PATTERN}
 # A CRC32 as parse_checksum reads it: decimal up to 4294967295, or 0x and 1-8 hex digits.
 _CRC32 = (
     r"^(0[xX][0-9a-fA-F]{1,8}|[0-9]{1,9}|[0-3][0-9]{9}|4[01][0-9]{8}|42[0-8][0-9]{7}"
@@ -171,7 +178,12 @@ async def put_entry(
         Header(alias=DTYPE_HEADER, description="dtype, e.g. bfloat16.", json_schema_extra=_DTYPE),
     ] = None,
     x_shape: Annotated[
-        str | None, Header(alias=SHAPE_HEADER, description="Comma-separated dims: 3,4.")
+        str | None,
+        Header(
+            alias=SHAPE_HEADER,
+            description="Comma-separated dims: 3,4 (at most 8, each 0 or more).",
+            json_schema_extra=_SHAPE,
+        ),
     ] = None,
     x_checksum: Annotated[
         str | None,
@@ -184,7 +196,10 @@ async def put_entry(
     dtype: Annotated[
         str | None, Query(description="Or X-Embcache-Dtype.", json_schema_extra=_DTYPE)
     ] = None,
-    shape: Annotated[str | None, Query(max_length=256, description="Or X-Embcache-Shape.")] = None,
+    shape: Annotated[
+        str | None,
+        Query(max_length=256, description="Or X-Embcache-Shape.", json_schema_extra=_SHAPE),
+    ] = None,
     checksum: Annotated[
         str | None, Query(pattern=_CRC32, description="Or X-Embcache-Checksum.")
     ] = None,

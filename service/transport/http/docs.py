@@ -4,7 +4,11 @@ beyond the models.
 ``/docs`` is FastAPI's Swagger UI page with its script, stylesheet and icon served from
 ``/docs/assets/`` out of the ``swagger-ui-bundle-v2`` package (Swagger UI's own release
 files, Apache-2.0), so the page renders where no CDN can be reached. The schema gets the
-bounds that come from this daemon's settings (``ttl_s`` at most ``max_lease_ttl_s``).
+bounds that come from this daemon's settings (``ttl_s`` at most ``max_lease_ttl_s``) and
+its auth as it is: with a token, every route but the probes and the page requires the bearer
+scheme and documents 401; without one, no route lists a security requirement or a 401 (a
+client that follows the schema sends no token, and the daemon takes it). Every route
+documents the 403 of a Host or Origin the daemon does not serve (hosts.py).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from fastapi.staticfiles import StaticFiles
 from swagger_ui_bundle import swagger_ui_path
 
 from embcache.service.config import Settings
+from embcache.service.transport.http.middleware import is_public
 
 ASSETS = "/docs/assets"
 _TTL_MODELS = ("GetRequest", "RenewRequest")  # bodies whose ttl_s the settings bound
@@ -67,8 +72,10 @@ def bound_schema(app: FastAPI, settings: Settings) -> None:
                 title=app.title,
                 version=app.version,
                 summary=app.summary,
+                description=app.description,
                 routes=app.routes,
             )
+            _auth_as_configured(schema, settings.auth_token is not None)
             models = schema.get("components", {}).get("schemas", {})
             for name in _TTL_MODELS:
                 ttl = models.get(name, {}).get("properties", {}).get("ttl_s", {})
@@ -79,3 +86,34 @@ def bound_schema(app: FastAPI, settings: Settings) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+_ERROR_REF = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+_UNAUTHORIZED = {
+    "description": "A token is set and was not given, or is wrong.",
+    "content": _ERROR_REF,
+}
+_MISDIRECTED = {
+    "description": "The Host is not a name this daemon serves, or a write came from a page "
+    "of another origin (docs/operators.md, Security).",
+    "content": _ERROR_REF,
+}
+
+
+def _auth_as_configured(schema: dict[str, Any], token: bool) -> None:
+    """Security requirements and 401s as this daemon applies them (module docstring)."""
+    schemes = schema.get("components", {}).get("securitySchemes", {})
+    for path, operations in schema.get("paths", {}).items():
+        for method, operation in operations.items():
+            if method not in _METHODS:
+                continue
+            responses = operation.setdefault("responses", {})
+            responses.setdefault("403", _MISDIRECTED)
+            if token and not is_public(path) and schemes:
+                operation["security"] = [{name: []} for name in schemes]
+                responses.setdefault("401", _UNAUTHORIZED)
+            else:
+                operation.pop("security", None)
+                responses.pop("401", None)
+    if not token:
+        schema.get("components", {}).pop("securitySchemes", None)

@@ -1,4 +1,5 @@
-"""ASGI middleware of the operator plane: bearer-token auth and request latency.
+"""ASGI middleware of the operator plane: Host and Origin checks (hosts.py), bearer-token
+auth and request latency.
 
 Latency is labelled by the route template (``GET /v1/entries/{key:path}``), never by the
 raw path, so keys cannot reach metric labels; paths that match no route share one label.
@@ -16,8 +17,9 @@ from urllib.parse import unquote_to_bytes
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from embcache.errors import EmbCacheError, InvalidArgument, Unauthenticated
+from embcache.errors import EmbCacheError, InvalidArgument, PermissionDenied, Unauthenticated
 from embcache.service.observability.metrics import Metrics
+from embcache.service.transport.http.hosts import WRITE_METHODS, HostPolicy
 from embcache.service.transport.status import error_body
 
 # Reachable without a token. Probes must work for kubelets without secrets; the page,
@@ -57,12 +59,41 @@ def route_label(scope: Scope) -> str:
 
 
 class OperatorMiddleware:
-    """Checks the bearer token (when the daemon has one) and times every HTTP request."""
+    """Refuses Hosts and Origins the daemon does not serve, checks the bearer token (when the
+    daemon has one) and times every HTTP request."""
 
-    def __init__(self, app: ASGIApp, *, metrics: Metrics, token: str | None) -> None:
+    def __init__(
+        self, app: ASGIApp, *, metrics: Metrics, token: str | None, hosts: HostPolicy | None
+    ) -> None:
         self.app = app
         self.metrics = metrics
         self._token = token.encode() if token else None
+        self._hosts = hosts
+
+    def _misdirected(self, scope: Scope) -> EmbCacheError | None:
+        """PermissionDenied for a Host we do not serve, or a write from a foreign Origin."""
+        if self._hosts is None:
+            return None
+        hosts = [v for n, v in scope.get("headers", ()) if n == b"host"]
+        origins = [v for n, v in scope.get("headers", ()) if n == b"origin"]
+        scheme = str(scope.get("scheme", "http"))
+        host = hosts[0].decode("latin-1") if len(hosts) == 1 else None
+        if len(hosts) > 1 or not self._hosts.host_allowed(host, scheme, scope.get("server")):
+            shown = b", ".join(hosts).decode("latin-1")[:300]
+            return PermissionDenied(
+                f"Host {shown!r} is not a name this daemon serves (DNS rebinding?); an "
+                "operator can allow it with --http-allowed-hosts",
+                host=shown,
+            )
+        if scope.get("method") in WRITE_METHODS and origins:
+            origin = origins[0].decode("latin-1")[:300]
+            if len(origins) > 1 or not self._hosts.origin_allowed(origin, host, scheme):
+                return PermissionDenied(
+                    f"Origin {origin!r} may not change this daemon's state (a page of "
+                    "another site?); an operator can allow it with --http-allowed-origins",
+                    origin=origin,
+                )
+        return None
 
     def _authorized(self, scope: Scope) -> bool:
         if self._token is None or is_public(scope.get("path", "")):
@@ -88,7 +119,9 @@ class OperatorMiddleware:
             await send(message)
 
         try:
-            if not self._authorized(scope):
+            if (refused := self._misdirected(scope)) is not None:
+                await _answer(send_wrapper, 403, refused)
+            elif not self._authorized(scope):
                 await _unauthorized(send_wrapper)
             elif not _utf8_path(scope):
                 # The server decodes such bytes to U+FFFD, so %FF and %FE would name the

@@ -291,6 +291,15 @@ class PoolMapHistory(_Model):
     t: list[float] = Field(description="Unix time at the end of each interval.")
     hit_rate: list[float | None] = Field(description="Per interval; null when nothing was read.")
     bandwidth: dict[str, list[float]] = Field(description="Bytes per second per copy direction.")
+    host_in: list[float] = Field(description="Bytes per second stored by puts.")
+    host_out: list[float] = Field(description="Bytes per second of entries handed out by hits.")
+    ops: list[float] = Field(
+        description="Data operations (puts, gets, reads, releases, ...) per second."
+    )
+    p50_s: list[float | None] = Field(
+        description="Median latency of those operations, seconds (null: none finished)."
+    )
+    p99_s: list[float | None] = Field(description="99th percentile latency, seconds.")
 
 
 class PoolMapResponse(_Model):

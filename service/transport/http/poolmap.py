@@ -13,7 +13,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -71,14 +71,24 @@ def downsample(states: np.ndarray, names: Sequence[str], max_cells: int) -> Down
 
 
 @dataclass(frozen=True, slots=True)
+class Counters:
+    """Cumulative counters as the history reads them."""
+
+    hits: int
+    misses: int
+    copied: dict[str, float]  # bytes per copy direction (device copies)
+    host_in: int = 0  # bytes of committed puts
+    host_out: int = 0  # bytes of the entries hits handed out
+    operations: tuple[int, ...] = ()  # data calls per latency bucket (``latency_bounds_s``)
+
+
+@dataclass(frozen=True, slots=True)
 class Sample:
     """Cumulative counters at one moment."""
 
     t: float  # monotonic seconds
     wall: float  # unix seconds, for the page's time axis
-    hits: int
-    misses: int
-    copied: dict[str, float]  # cumulative bytes per direction
+    counters: Counters
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +98,31 @@ class Series:
     t: list[float]  # unix seconds at the end of each interval
     hit_rate: list[float | None]  # None: no lookups in that interval
     bandwidth: dict[str, list[float]]  # bytes per second per direction
+    host_in: list[float] = field(default_factory=list)  # bytes per second put
+    host_out: list[float] = field(default_factory=list)  # bytes per second handed out by hits
+    ops: list[float] = field(default_factory=list)  # data operations per second
+    p50_s: list[float | None] = field(default_factory=list)  # None: no operation finished
+    p99_s: list[float | None] = field(default_factory=list)
+
+
+def bucket_quantile(q: float, bounds: Sequence[float], counts: Sequence[int]) -> float | None:
+    """The ``q`` quantile of observations counted per bucket (``counts[i]``: values in
+    (bounds[i-1], bounds[i]]; the last count is above every bound), interpolated linearly
+    inside its bucket as Prometheus' ``histogram_quantile`` does; None without any. A value
+    in the open top bucket is reported as the highest bound."""
+    total = sum(counts)
+    if total <= 0:
+        return None
+    rank = q * total
+    seen = 0.0
+    for i, n in enumerate(counts):
+        if n > 0 and seen + n >= rank:
+            if i >= len(bounds):
+                return bounds[-1]
+            low = bounds[i - 1] if i else 0.0
+            return low + (bounds[i] - low) * (rank - seen) / n
+        seen += n
+    return bounds[-1]
 
 
 class History:
@@ -95,10 +130,11 @@ class History:
 
     def __init__(
         self,
-        read: Callable[[], tuple[int, int, dict[str, float]]],
+        read: Callable[[], Counters | tuple[int, int, dict[str, float]]],
         *,
         interval_s: float = 2.0,
         window_s: float = 300.0,
+        latency_bounds_s: Sequence[float] = (),
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
@@ -107,16 +143,16 @@ class History:
         self._read = read
         self.interval_s = interval_s
         self.window_s = window_s
+        self._bounds = tuple(latency_bounds_s)
         self._clock = clock
         self._wall = wall_clock
         self._samples: deque[Sample] = deque(maxlen=int(window_s / interval_s) + 1)
 
     def sample(self) -> None:
         """Read the counters now (the oldest sample beyond the window goes)."""
-        hits, misses, copied = self._read()
-        self._samples.append(
-            Sample(self._clock(), self._wall(), int(hits), int(misses), dict(copied))
-        )
+        raw = self._read()
+        counters = raw if isinstance(raw, Counters) else Counters(*raw)
+        self._samples.append(Sample(self._clock(), self._wall(), counters))
 
     def maybe_sample(self) -> None:
         """Sample if the newest sample is at least one interval old (or there is none)."""
@@ -124,20 +160,32 @@ class History:
             self.sample()
 
     def series(self) -> Series:
-        """Hit rate and bandwidth per interval between the samples held."""
+        """Hit rate, bandwidth, host bytes, operations and their latency per interval
+        between the samples held."""
         samples = list(self._samples)
-        directions = sorted({d for s in samples for d in s.copied})
+        directions = sorted({d for s in samples for d in s.counters.copied})
         out = Series(t=[], hit_rate=[], bandwidth={d: [] for d in directions})
-        for prev, cur in itertools.pairwise(samples):
-            dt = cur.t - prev.t
+        for prev_s, cur_s in itertools.pairwise(samples):
+            dt = cur_s.t - prev_s.t
             if dt <= 0:
                 continue
+            prev, cur = prev_s.counters, cur_s.counters
             lookups = (cur.hits - prev.hits) + (cur.misses - prev.misses)
-            out.t.append(round(cur.wall, 3))
+            out.t.append(round(cur_s.wall, 3))
             out.hit_rate.append(
                 None if lookups <= 0 else round((cur.hits - prev.hits) / lookups, 4)
             )
             for d in directions:
                 delta = cur.copied.get(d, 0.0) - prev.copied.get(d, 0.0)
                 out.bandwidth[d].append(round(max(delta, 0.0) / dt, 1))
+            out.host_in.append(round(max(cur.host_in - prev.host_in, 0) / dt, 1))
+            out.host_out.append(round(max(cur.host_out - prev.host_out, 0) / dt, 1))
+            done = [
+                max(c - p, 0)
+                for c, p in itertools.zip_longest(cur.operations, prev.operations, fillvalue=0)
+            ]
+            out.ops.append(round(sum(done) / dt, 2))
+            for q, column in ((0.5, out.p50_s), (0.99, out.p99_s)):
+                value = bucket_quantile(q, self._bounds, done) if self._bounds else None
+                column.append(None if value is None else round(value, 6))
         return out

@@ -225,5 +225,10 @@ def pool_map(
             t=series.t,
             hit_rate=series.hit_rate,
             bandwidth=series.bandwidth,
+            host_in=series.host_in,
+            host_out=series.host_out,
+            ops=series.ops,
+            p50_s=series.p50_s,
+            p99_s=series.p99_s,
         ),
     )

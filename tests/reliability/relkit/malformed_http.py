@@ -193,14 +193,14 @@ raw_kind(
     "http",
     "http400",
     st.sampled_from([b"abc", b"-1", b"1,2", b"0x10"]).map(
-        lambda v: b"POST /v1/evict HTTP/1.1\r\nHost: x\r\nContent-Length: " + v + b"\r\n\r\n"
+        lambda v: b"POST /v1/evict HTTP/1.1\r\nHost: [::1]\r\nContent-Length: " + v + b"\r\n\r\n"
     ),
 )
 raw_kind(
     "raw/http/chunked_garbage",
     "http",
     "http400",
-    st.just(b"POST /v1/evict HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"),
+    st.just(b"POST /v1/evict HTTP/1.1\r\nHost: [::1]\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"),
 )
 raw_kind("raw/http/http2_preface", "http", "http400", st.just(H2_PREFACE))
 raw_kind("raw/http/tls_client_hello", "http", "http400", st.just(TLS_HELLO))
@@ -216,9 +216,9 @@ raw_kind(
     "closed_or_h2",
     st.sampled_from(
         [
-            b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"GET / HTTP/1.1\r\nHost: [::1]\r\n\r\n",
             b"POST /embcache.v1.EmbeddingCache/Stats HTTP/1.1\r\n"
-            b"Host: x\r\nContent-Length: 0\r\n\r\n",
+            b"Host: [::1]\r\nContent-Length: 0\r\n\r\n",
         ]
     ),
 )

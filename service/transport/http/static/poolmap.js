@@ -12,6 +12,7 @@
     ready: cssVar("--ready"),
     leased: cssVar("--leased"),
     resident: cssVar("--resident"),
+    found: cssVar("--found"),
   };
 
   let token = takeToken();
@@ -19,6 +20,8 @@
   let inFlight = false;
   let polls = 0;
   let lastMap = null;
+  // The searched entry's host page runs ([first, count] pairs), outlined on the host grid.
+  let found = null;
 
   function cssVar(name) {
     return getComputedStyle(document.documentElement).getPropertyValue(name).trim() || "#888";
@@ -62,6 +65,13 @@
     return (i === 0 ? v.toFixed(0) : v.toFixed(v < 10 ? 2 : 1)) + " " + units[i];
   }
   function fmtRate(bps) { return fmtBytes(bps) + "/s"; }
+  function fmtOps(n) { return n >= 100 ? fmtInt(Math.round(n)) : Number(n).toFixed(1); }
+  function fmtLatency(s) {
+    if (s === null || s === undefined) return "–";
+    if (s < 1e-3) return (s * 1e6).toFixed(0) + " µs";
+    if (s < 1) return (s * 1e3).toFixed(s < 0.01 ? 2 : 1) + " ms";
+    return s.toFixed(2) + " s";
+  }
   function fmtPct(x) { return x === null || x === undefined ? "–" : (100 * x).toFixed(1) + "%"; }
   function fmtInt(n) { return Number(n || 0).toLocaleString("en-US"); }
   function fmtAge(seconds) {
@@ -106,6 +116,31 @@
       const x = offX + (i % cols) * cell;
       const y = Math.floor(i / cols) * cell;
       ctx.fillRect(x, y, cell - gap, cell - gap);
+    }
+    if (canvas.id === "grid-host") outlineFound(ctx, canvas, pool, cols, cell, offX, dpr);
+  }
+
+  // Outline every cell that holds a page of the searched entry, so its runs (and the holes
+  // between them) stand out; the canvas says how many cells it outlined (data-found-cells).
+  function outlineFound(ctx, canvas, pool, cols, cell, offX, dpr) {
+    const per = pool.pages_per_cell || 1;
+    const cells = new Set();
+    for (const [first, count] of found || []) {
+      const last = Math.min(first + count, pool.num_pages) - 1;
+      for (let c = Math.floor(first / per); c <= Math.floor(last / per); c += 1) cells.add(c);
+    }
+    canvas.dataset.foundCells = String(cells.size);
+    if (!cells.size) return;
+    const width = Math.max(1, Math.min(3 * dpr, Math.floor(cell / 3)));
+    ctx.fillStyle = COLORS.found;
+    for (const i of cells) {
+      const x = offX + (i % cols) * cell;
+      const y = Math.floor(i / cols) * cell;
+      if (cell <= 3 * width) { ctx.fillRect(x, y, cell, cell); continue; }
+      ctx.fillRect(x, y, cell, width);
+      ctx.fillRect(x, y + cell - width, cell, width);
+      ctx.fillRect(x, y, width, cell);
+      ctx.fillRect(x + cell - width, y, width, cell);
     }
   }
 
@@ -183,6 +218,13 @@
       `${fmtInt(pool.num_pages)} pages of ${fmtBytes(pool.page_bytes)}${per}`);
     drawGrid(document.getElementById("grid-" + kind), pool);
     drawLegend("legend-" + kind, pool);
+    if (kind === "host" && found && found.length) {
+      const li = document.createElement("li");
+      const sw = document.createElement("span");
+      sw.className = "swatch swatch-found";
+      li.append(sw, "searched key");
+      document.getElementById("legend-host").append(li);
+    }
   }
 
   function renderCards(map) {
@@ -224,6 +266,23 @@
     setText("build", `embcache ${map.version} · commit ${map.commit}`);
     drawSpark(document.getElementById("spark-hit"), hist.hit_rate, COLORS.ready, 1);
 
+    // Host bytes and operations: what clients moved through the daemon, device or not.
+    const lastOf = (xs) => (xs && xs.length ? xs[xs.length - 1] : null);
+    const io = hist.t.map((_, i) => (hist.host_in[i] || 0) + (hist.host_out[i] || 0));
+    setText("host-io", fmtRate(lastOf(io) || 0));
+    setText("host-io-label", `in + out · ${interval}`);
+    setText("host-io-foot",
+      `in ${fmtRate(lastOf(hist.host_in) || 0)} · out ${fmtRate(lastOf(hist.host_out) || 0)}`);
+    drawSpark(document.getElementById("spark-io"), io, COLORS.filling, 0);
+    const ops = lastOf(hist.ops);
+    setText("ops", ops === null ? "–" : fmtOps(ops));
+    setText("ops-label", `per s · ${interval}`);
+    const p50 = lastOf(hist.p50_s);
+    const p99 = lastOf(hist.p99_s);
+    setText("ops-foot", p50 === null || p50 === undefined ? "no operations"
+      : `p50 ${fmtLatency(p50)} · p99 ${fmtLatency(p99)}`);
+    drawSpark(document.getElementById("spark-ops"), hist.ops, COLORS.leased, 0);
+
     const dirs = Object.keys(hist.bandwidth);
     const total = hist.t.map((_, i) => dirs.reduce((acc, d) => acc + (hist.bandwidth[d][i] || 0), 0));
     setText("bandwidth", fmtRate(total.length ? total[total.length - 1] : 0));
@@ -234,7 +293,8 @@
       .filter((x) => x[1] > 0)
       .sort((a, b) => b[1] - a[1])
       .map((x) => x[0]);
-    const foot = busy.length ? `${busy.join(" · ")} · peak ${fmtRate(peak)}` : "idle";
+    const foot = busy.length ? `${busy.join(" · ")} · peak ${fmtRate(peak)}`
+      : "no device copies";
     setText("bw-foot", foot);
     drawSpark(document.getElementById("spark-bw"), total, COLORS.resident, 0);
   }
@@ -351,7 +411,8 @@
     const key = document.getElementById("search-key").value;
     const out = document.getElementById("search-result");
     out.hidden = false;
-    if (!key) { out.textContent = "Type a key to look it up."; return; }
+    found = null;
+    if (!key) { out.textContent = "Type a key to look it up."; redrawHost(); return; }
     const path = "v1/entries/" + key.split("/").map(encodeURIComponent).join("/");
     try {
       const e = await api(path);
@@ -361,11 +422,26 @@
         `${fmtBytes(e.nbytes)} in ${fmtInt(e.num_runs)} page runs, on ${where}, ${leases}, ` +
         `idle ${fmtAge(e.idle_s)}`;
       out.dataset.found = "1";
+      found = e.page_runs.map((r) => [r.first_page, r.num_pages]);
+      if (found.length) out.textContent += " · its pages are outlined on the host grid";
+      document.getElementById("search-clear").hidden = false;
     } catch (err) {
       out.dataset.found = "0";
       out.textContent = String(err.message).startsWith("404") ? `No entry ${key}.`
         : "Lookup failed: " + err.message;
     }
+    redrawHost();
+  });
+
+  function redrawHost() {
+    if (lastMap) renderPool("host", lastMap.host);
+  }
+
+  document.getElementById("search-clear").addEventListener("click", (ev) => {
+    found = null;
+    ev.target.hidden = true;
+    document.getElementById("search-result").hidden = true;
+    redrawHost();
   });
 
   document.getElementById("pause").addEventListener("click", (ev) => {
