@@ -80,6 +80,18 @@ class RestartModel(_Model):
     dropped_invalid_entries: int = Field(
         default=0, description="Index records dropped because their page runs were not valid."
     )
+    dropped_refused_entries: int = Field(
+        default=0, description="Index records dropped because a put would refuse them (key, "
+        "dtype, shape or size), or because they did not decode.",
+    )  # fmt: skip
+    untrusted_index: int = Field(
+        default=0, description="Index files refused because another uid owns them or others "
+        "may write them (the start was cold).",
+    )  # fmt: skip
+    write_holds: int = Field(
+        default=0, description="Reservations of the old daemon that a client process still "
+        "running may be writing: their pages stay out of reuse until it exits.",
+    )  # fmt: skip
     layout_replaced: int = Field(default=0, description="1 when an old segment was replaced.")
 
 
