@@ -141,14 +141,14 @@ class WarmStart:
         counters["adopted_bytes"] += adopted.nbytes
         counters["adopt_dropped_invalid"] += adopted.dropped_invalid
         counters["adopt_dropped_refused"] += adopted.dropped_refused
-        counters["adopt_untrusted_index"] += self.untrusted
         counters["adopt_write_holds"] += adopted.write_holds
         counters["adopt_dropped_layout"] += adopted.dropped_layout
         counters["adopt_dropped_layout_bytes"] += adopted.dropped_layout_bytes
         counters["adopt_layout_replaced"] += adopted.layout_replaced
         header = rec.Header(rec.LAYOUT_VERSION, pool.page_bytes, pool.num_pages, inode, generation)
         store.index = PoolIndex.create(index_path(pool.path), header, found)
-        counters["adopt_untrusted_index"] += store.index.refused
+        # 1 when a file at the index's names was refused: not read, written or replaced
+        counters["adopt_untrusted_index"] += bool(self.untrusted or store.index.refused)
         return adopted
 
 

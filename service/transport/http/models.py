@@ -85,8 +85,9 @@ class RestartModel(_Model):
         "dtype, shape or size), or because they did not decode.",
     )  # fmt: skip
     untrusted_index: int = Field(
-        default=0, description="Index files refused because another uid owns them or others "
-        "may write them (the start was cold).",
+        default=0, description="1 when a file at the index's names was refused (another uid "
+        "owns it, others may write it, or it is a symlink): not read, written or replaced; the "
+        "start was cold, and no index is kept while another user's file holds the name.",
     )  # fmt: skip
     write_holds: int = Field(
         default=0, description="Reservations of the old daemon that a client process still "
