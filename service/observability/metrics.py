@@ -122,7 +122,11 @@ class EngineCollector(Collector):
                 "Host pool bytes set aside for puts from a device (counted as free).",
             ),
             gauge("leases_active", "Leases currently held."),
-            gauge("quarantined_bytes", "Pages held for views of leases that ended by force."),
+            gauge(
+                "quarantined_bytes",
+                "Pages held for live processes: views of leases that ended by force, and "
+                "reserved pages a client may still be writing.",
+            ),
             gauge("lease_owners", "Distinct owners holding leases."),
             gauge("draining", "1 while the daemon drains for shutdown."),
             counter("hits", "Keys found by get."),

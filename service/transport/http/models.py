@@ -135,7 +135,11 @@ class StatsResponse(_OpenModel):
         description="Leases that ended by force while their owner's process may still read "
         "the pages through views: their pages stay out of reuse until it exits or drops them.",
     )
-    quarantined_bytes: int = Field(0, description="Pages those quarantined leases hold, in bytes.")
+    quarantined_bytes: int = Field(
+        0,
+        description="Pages those quarantined leases hold, and reserved pages a live client "
+        "may still be writing (held until it is done or exits), in bytes.",
+    )
     restart: RestartModel = Field(
         default_factory=lambda: RestartModel(),
         description="What this daemon adopted at a warm restart (docs/restart.md).",
