@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from embcache.errors import Draining, InvalidArgument, LeaseExpired
+from embcache.errors import Draining, InvalidArgument, LeaseExpired, PermissionDenied
 from embcache.proto.dtypes import from_torch
 from embcache.service.config import Settings
 from embcache.service.device.copier import CopyObserver
@@ -170,7 +170,8 @@ class CacheEngine:
             The handle that fills, commits or aborts the reservation (for a key that exists
             with the same metadata, one that only checks the bytes).
         Raises:
-            InvalidArgument, EntryTooLarge, MetadataConflict, QuotaExceeded, PoolExhausted.
+            InvalidArgument, EntryTooLarge, MetadataConflict, QuotaExceeded, PoolExhausted;
+            PermissionDenied for a ``writer`` whose process the engine does not know.
         """
         key = admission.check_key(key, self.settings)
         meta = admission.check_meta(dtype, shape, nbytes, self.settings)
@@ -178,8 +179,16 @@ class CacheEngine:
         quota = self.settings.inflight_limit
         with self._lock:
             self._check_open()
-            process = self._store.processes.get(writer[0]) if writer is not None else None
-            filler = (process, writer[1]) if process is not None and writer is not None else None
+            filler = None
+            if writer is not None:
+                process = self._store.processes.get(writer[0])
+                if process is None:  # its pages could not be kept from reuse: refused
+                    raise PermissionDenied(
+                        "the daemon cannot see this process (no pid for it here), so it may "
+                        "not fill pages itself: put the bytes inline or streamed",
+                        owner=writer[0],
+                    )
+                filler = (process, writer[1])
             found = puts.reserve(
                 self._store, key, meta, crc, owner,
                 quota=quota, now=self._clock(), copy_in=copy_in, pages=pages, writer=filler,

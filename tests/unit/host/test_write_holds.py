@@ -154,3 +154,13 @@ def test_write_records_round_trip_and_a_whole_unusable_record_is_skipped(tmp_pat
     assert sorted(found.writes) == [5, 8] and not found.torn
     assert found.writes[5].runs == ((1, 2), (9, 1)) and found.writes[5].pid == os.getpid()
     assert len(found.skipped) == 2
+
+
+def test_a_writer_whose_process_is_unknown_is_refused_before_any_page(settings: Settings) -> None:
+    from embcache.errors import PermissionDenied
+
+    with CacheEngine(settings) as engine:
+        total = free_bytes(engine)
+        with pytest.raises(PermissionDenied):
+            reserve(engine, "a", owner="nobody-bound")
+        assert free_bytes(engine) == total and engine.stats().entries_filling == 0
