@@ -232,13 +232,12 @@ class PoolIndex:
 
     def _refuse(self, exc: OSError) -> None:
         """The index cannot be written safely: stop keeping one (the next start is cold)."""
-        if isinstance(exc, UntrustedFile):
+        if isinstance(exc, UntrustedFile):  # another user's file is left as it is
             log.error("warm-restart index %s: %s; no index is kept", self.path.name, exc)
             self.refused += 1
-            self._close_fd()
-            return  # the name is another user's: left as it is
-        log.exception("cannot write the warm-restart index %s: removing it", self.path)
-        self.remove()
+        else:
+            log.exception("cannot write the warm-restart index %s: removing it", self.path)
+        self.remove()  # ours, no longer kept up to date: it would lie to the next start
 
     def _close_fd(self) -> None:
         if self._fd is not None:

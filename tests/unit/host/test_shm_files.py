@@ -71,3 +71,17 @@ def test_a_symlink_is_never_followed_on_read(tmp_path: Path) -> None:
     assert read_trusted(target) == b"ours"
     with pytest.raises(FileNotFoundError):
         read_trusted(tmp_path / "missing")
+
+
+def test_a_tmp_planted_while_running_stops_the_index_and_removes_it(tmp_path: Path) -> None:
+    from embcache.service.host import index_records as rec
+    from embcache.service.host.pool_index import PoolIndex
+
+    path = tmp_path / "x.index"
+    index = PoolIndex.create(path, rec.Header(rec.LAYOUT_VERSION, 4096, 256, 7, 3))
+    assert index.active and path.exists()
+    tmp = planted(tmp_path / "x.index.tmp")
+    index._rewrite()  # a compaction: the temporary's name is another user's now
+    assert not index.active and index.refused == 1
+    assert not path.exists()  # no stale index left to lie to the next start
+    assert tmp.read_bytes() == b"planted" and tmp.stat().st_uid == OTHER
