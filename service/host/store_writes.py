@@ -9,6 +9,7 @@ engine's lock is held around every call).
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 
 from embcache.service.host.allocator import PageRunAllocator
@@ -16,6 +17,8 @@ from embcache.service.host.entries import Entry
 from embcache.service.host.pool_index import PoolIndex
 from embcache.service.host.quarantine import ProcessRef
 from embcache.service.host.write_holds import WriteHolds, Written
+
+log = logging.getLogger(__name__)
 
 
 class StoreWrites:
@@ -50,6 +53,11 @@ class StoreWrites:
                 self.index.unwrite(put_id)
             return False
         self.written.add(Written(put_id, process, entry.runs, owner, entry.nbytes, token))
+        log.info(
+            "put of %r ended while pid %d may still write its pages: %d bytes held until it "
+            "is done or exits",
+            entry.key[:64], process.pid, entry.nbytes,
+        )  # fmt: skip
         self.inflight[owner] += entry.nbytes
         self.counters["puts_write_held"] += 1
         self.counters["write_held_bytes"] += entry.nbytes
