@@ -10,7 +10,9 @@ the daemon says so (``SessionOpened.host_puts`` / ``writable_puts``):
 - a larger one is written once, straight into pages the daemon reserved for this session
   (``put_reserve``), through a writable mapping of the host pool (``device/shm_write.py``;
   only served to a process of the daemon's uid), then committed with its CRC32
-  (``put_commit``; ``put_abort`` if the copy fails).
+  (``put_commit``; ``put_abort`` if the copy fails). A reservation that ended without this
+  process (a lost session, an idle timeout) keeps its pages out of reuse while this process
+  may write them; a ``put_abort`` of its id, once the copy stopped, gives them back.
 
 Anything else (an older daemon, a gRPC session, a pool this process cannot map for
 writing) streams the bytes in 1 MiB chunks, as before. Every path is idempotent and retried.
@@ -18,6 +20,7 @@ writing) streams the bytes in 1 MiB chunks, as before. Every path is idempotent 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +29,7 @@ from embcache.clients.core.errors import from_call_error
 from embcache.clients.core.payload import Payload, payload_of
 from embcache.clients.core.session_calls import SessionLost, serves
 from embcache.clients.device.shm_write import process_writable_maps
-from embcache.errors import PermissionDenied
+from embcache.errors import EmbCacheError, NotFound, PermissionDenied
 from embcache.proto.constants import CHUNK_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.framing import InlinePuts
@@ -72,12 +75,14 @@ class AsyncHostPuts(AsyncStatelessCalls):
         the pool (the client streams from now on). A session lost on the way takes its
         reservation with it: the put starts again on a new session."""
         attempt = 0
+        ended: list[int] = []  # reservations whose session was lost after this process wrote
         while True:
             session = await self._open_session()
             if not serves(session, "put_reserve"):
                 return None
+            await self._done_with(session, ended)
             try:
-                return await self._fill_reserved(session, key, payload, checksum)
+                return await self._fill_reserved(session, key, payload, checksum, ended)
             except PermissionDenied:
                 self._caps.writable_puts = False
                 return None
@@ -87,7 +92,7 @@ class AsyncHostPuts(AsyncStatelessCalls):
                 attempt += 1
 
     async def _fill_reserved(
-        self, session: Any, key: str, payload: Payload, checksum: bool
+        self, session: Any, key: str, payload: Payload, checksum: bool, ended: list[int]
     ) -> bool | None:
         header = payload.header(key, checksum=False)
         reserved = await self._one(session, "put_reserve", pb.PutReserveRequest(header=header))
@@ -99,15 +104,32 @@ class AsyncHostPuts(AsyncStatelessCalls):
             self._caps.writable_puts = False
             await self._one(session, "put_abort", pb.PutAbortRequest(reservation_id=rid))
             return None
+        ended.append(rid)  # until the daemon hears that this process stopped writing
         try:
             crc = pool.write_runs(reserved.runs, payload.data, checksum=checksum)
         except BaseException:
             await self._one(session, "put_abort", pb.PutAbortRequest(reservation_id=rid))
+            ended.remove(rid)
             raise
         commit = pb.PutCommitRequest(reservation_id=rid)
         if crc is not None:
             commit.checksum = crc
-        return bool((await self._one(session, "put_commit", commit)).created)
+        try:
+            reply = await self._one(session, "put_commit", commit)
+        except NotFound:  # it ended meanwhile (idle too long): its pages wait for our word
+            await self._done_with(session, ended)
+            raise
+        ended.remove(rid)
+        return bool(reply.created)
+
+    async def _done_with(self, session: Any, ended: list[int]) -> None:
+        """Tell the daemon this process stopped writing the pages of reservations that
+        ended without it (a lost session, an idle timeout): it keeps such pages out of
+        reuse until then, or until this process exits. Best effort."""
+        while ended:
+            rid = ended.pop()
+            with contextlib.suppress(EmbCacheError, SessionLost):
+                await self._one(session, "put_abort", pb.PutAbortRequest(reservation_id=rid))
 
     async def _one(self, session: Any, kind: str, request: Any) -> Any:
         """One call on ``session``: its reply, or its typed error raised."""

@@ -12,7 +12,9 @@ the daemon says so (``SessionOpened.host_puts`` / ``writable_puts``):
 - a larger one is written once, straight into pages the daemon reserved for this session
   (``put_reserve``), through a writable mapping of the host pool (``device/shm_write.py``;
   only served to a process of the daemon's uid), then committed with its CRC32
-  (``put_commit``; ``put_abort`` if the copy fails).
+  (``put_commit``; ``put_abort`` if the copy fails). A reservation that ended without this
+  process (a lost session, an idle timeout) keeps its pages out of reuse while this process
+  may write them; a ``put_abort`` of its id, once the copy stopped, gives them back.
 
 Anything else (an older daemon, a gRPC session, a pool this process cannot map for
 writing) streams the bytes in 1 MiB chunks, as before. Every path is idempotent and retried.
@@ -20,6 +22,7 @@ writing) streams the bytes in 1 MiB chunks, as before. Every path is idempotent 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,7 +31,7 @@ from embcache.clients.core.errors import from_call_error
 from embcache.clients.core.payload import Payload, payload_of
 from embcache.clients.core.session_calls import SessionLost, serves
 from embcache.clients.device.shm_write import process_writable_maps
-from embcache.errors import PermissionDenied
+from embcache.errors import EmbCacheError, NotFound, PermissionDenied
 from embcache.proto.constants import CHUNK_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.framing import InlinePuts
@@ -74,12 +77,14 @@ class HostPuts(StatelessCalls):
         the pool (the client streams from now on). A session lost on the way takes its
         reservation with it: the put starts again on a new session."""
         attempt = 0
+        ended: list[int] = []  # reservations whose session was lost after this process wrote
         while True:
             session = self._open_session()
             if not serves(session, "put_reserve"):
                 return None
+            self._done_with(session, ended)
             try:
-                return self._fill_reserved(session, key, payload, checksum)
+                return self._fill_reserved(session, key, payload, checksum, ended)
             except PermissionDenied:
                 self._caps.writable_puts = False
                 return None
@@ -89,7 +94,7 @@ class HostPuts(StatelessCalls):
                 attempt += 1
 
     def _fill_reserved(
-        self, session: Any, key: str, payload: Payload, checksum: bool
+        self, session: Any, key: str, payload: Payload, checksum: bool, ended: list[int]
     ) -> bool | None:
         header = payload.header(key, checksum=False)
         reserved = self._one(session, "put_reserve", pb.PutReserveRequest(header=header))
@@ -101,15 +106,32 @@ class HostPuts(StatelessCalls):
             self._caps.writable_puts = False
             self._one(session, "put_abort", pb.PutAbortRequest(reservation_id=rid))
             return None
+        ended.append(rid)  # until the daemon hears that this process stopped writing
         try:
             crc = pool.write_runs(reserved.runs, payload.data, checksum=checksum)
         except BaseException:
             self._one(session, "put_abort", pb.PutAbortRequest(reservation_id=rid))
+            ended.remove(rid)
             raise
         commit = pb.PutCommitRequest(reservation_id=rid)
         if crc is not None:
             commit.checksum = crc
-        return bool((self._one(session, "put_commit", commit)).created)
+        try:
+            reply = self._one(session, "put_commit", commit)
+        except NotFound:  # it ended meanwhile (idle too long): its pages wait for our word
+            self._done_with(session, ended)
+            raise
+        ended.remove(rid)
+        return bool(reply.created)
+
+    def _done_with(self, session: Any, ended: list[int]) -> None:
+        """Tell the daemon this process stopped writing the pages of reservations that
+        ended without it (a lost session, an idle timeout): it keeps such pages out of
+        reuse until then, or until this process exits. Best effort."""
+        while ended:
+            rid = ended.pop()
+            with contextlib.suppress(EmbCacheError, SessionLost):
+                self._one(session, "put_abort", pb.PutAbortRequest(reservation_id=rid))
 
     def _one(self, session: Any, kind: str, request: Any) -> Any:
         """One call on ``session``: its reply, or its typed error raised."""

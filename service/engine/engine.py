@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from embcache.errors import Draining, InvalidArgument, LeaseExpired
+from embcache.errors import Draining, InvalidArgument, LeaseExpired, PermissionDenied
 from embcache.proto.dtypes import from_torch
 from embcache.service.config import Settings
 from embcache.service.device.copier import CopyObserver
@@ -83,7 +83,7 @@ class CacheEngine:
         self._closed = False
         self.adopted = Adopted()  # what a warm restart adopted and dropped
         self._uses_cuda = cuda_wanted(settings)
-        warm = WarmStart(settings.host_pool_bytes, settings.page_bytes)
+        warm = WarmStart(settings)
         pool = build_host_pool(settings, self._uses_cuda, warm if settings.warm_restart else None)
         try:
             self._tier = build_tier(settings, pool, device_pools, copy_observer)
@@ -156,17 +156,23 @@ class CacheEngine:
         owner: str = "local",
         copy_in: CopyIn | None = None,
         pages: Runs | None = None,
+        writer: tuple[str, int] | None = None,
     ) -> PutHandle:
         """Validate a put, then reserve pages for it (evicting LRU entries if need be).
 
         Args:
             key, dtype, shape: the entry; ``nbytes`` and ``checksum`` (CRC32) are checked.
             owner: whose in-flight quota it counts against; copy_in, pages: see puts.py.
+            writer: ``(owner, id)``: the owner (a session) whose process fills the pages
+                itself through its own mapping (a reserved put), and the id its client
+                knows the reservation by: the pages are kept out of reuse until that
+                process is done or gone (``host/store_writes.py``).
         Returns:
             The handle that fills, commits or aborts the reservation (for a key that exists
             with the same metadata, one that only checks the bytes).
         Raises:
-            InvalidArgument, EntryTooLarge, MetadataConflict, QuotaExceeded, PoolExhausted.
+            InvalidArgument, EntryTooLarge, MetadataConflict, QuotaExceeded, PoolExhausted;
+            PermissionDenied for a ``writer`` whose process the engine does not know.
         """
         key = admission.check_key(key, self.settings)
         meta = admission.check_meta(dtype, shape, nbytes, self.settings)
@@ -174,9 +180,19 @@ class CacheEngine:
         quota = self.settings.inflight_limit
         with self._lock:
             self._check_open()
+            filler = None
+            if writer is not None:
+                process = self._store.processes.get(writer[0])
+                if process is None:  # its pages could not be kept from reuse: refused
+                    raise PermissionDenied(
+                        "the daemon cannot see this process (no pid for it here), so it may "
+                        "not fill pages itself: put the bytes inline or streamed",
+                        owner=writer[0],
+                    )
+                filler = (process, writer[1])
             found = puts.reserve(
                 self._store, key, meta, crc, owner,
-                quota=quota, now=self._clock(), copy_in=copy_in, pages=pages,
+                quota=quota, now=self._clock(), copy_in=copy_in, pages=pages, writer=filler,
             )  # fmt: skip
         if isinstance(found, Entry):
             return PutHandle(None, found, (), crc)
@@ -184,7 +200,7 @@ class CacheEngine:
         target = FillTarget(
             self._store.pool.array,
             lambda: self._commit_fill(put_id, entry),
-            lambda: self._abort_fill(put_id),
+            lambda stopped: self._abort_fill(put_id, stopped),
             lambda: self._closed,
         )
         written = meta.nbytes if copy_in is not None or pages is not None else 0
@@ -216,9 +232,17 @@ class CacheEngine:
         """CRC32 of a filled reservation's bytes (its one writer is done with them)."""
         return entry_crc(self._store.pool, entry)
 
-    def _abort_fill(self, put_id: int) -> None:
+    def writer_done(self, owner: str, token: int) -> bool:
+        """The process of ``owner`` (a session) stopped writing the pages of a reservation
+        it knows by ``token`` that ended without it (``host/store_writes.py``): they go
+        back now. False when that process holds none by that id."""
         with self._lock:
-            puts.abort(self._store, put_id)
+            process = self._store.processes.get(owner)
+            return process is not None and self._store.writer_done(process, token)
+
+    def _abort_fill(self, put_id: int, writer_stopped: bool) -> None:
+        with self._lock:
+            puts.abort(self._store, put_id, writer_stopped=writer_stopped)
 
     def prealloc_copy(self, key: str, nbytes: int, copy_in: CopyIn) -> Runs | None:
         """Returns the prealloc's pages for a put of ``nbytes`` with ``copy_in(byte_runs)``

@@ -17,6 +17,7 @@ from embcache.service.host.host_pool import SHM_DIR, HostPool, unique_host_pool
 from embcache.service.host.pool_index import index_path
 from embcache.service.host.read_table import ReadTable, buckets_for
 from embcache.service.host.restart import WarmStart, find_stale
+from embcache.service.host.shm_files import UntrustedFile, clear_own
 
 log = logging.getLogger("embcache.service.engine")
 
@@ -185,7 +186,10 @@ def build_host_pool(settings: Settings, uses_cuda: bool, warm: WarmStart | None 
         keep = warm.keep(SHM_DIR / name) if warm is not None else None
         pool = HostPool(name, size, page, register_cuda=uses_cuda, mode=mode, keep=keep)
         if keep is None:  # ours now (locked), and cold: an old index would lie
-            index_path(pool.path).unlink(missing_ok=True)
+            try:
+                clear_own(index_path(pool.path))
+            except UntrustedFile as exc:  # another user's: left alone, never read
+                log.error("warm-restart index beside %s: %s", pool.name, exc)
         return pool
     return unique_host_pool(settings.shm_prefix, size, page, register_cuda=uses_cuda, mode=mode)
 

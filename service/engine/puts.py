@@ -22,6 +22,7 @@ from embcache.errors import Draining, MetadataConflict, PoolExhausted, QuotaExce
 from embcache.proto.dtypes import DType
 from embcache.service.host.admission import EntryMeta
 from embcache.service.host.entries import Entry, EntryState
+from embcache.service.host.quarantine import ProcessRef
 from embcache.service.host.store import HostStore
 
 Runs = tuple[tuple[int, int], ...]
@@ -39,6 +40,7 @@ def reserve(
     now: float,
     copy_in: CopyIn | None,
     pages: Runs | None,
+    writer: tuple[ProcessRef, int] | None = None,
 ) -> Entry | tuple[Entry, int, Runs]:
     """Reserve pages for a new entry (evicting LRU entries if need be) and record it as
     FILLING: ``(entry, put id, byte runs)``; or the READY entry of that key, when its
@@ -47,6 +49,9 @@ def reserve(
     ``copy_in(byte_runs)`` queues the copy of every byte as soon as the pages are reserved,
     before the entry is recorded (if it raises, the pages go back at once). ``pages``: runs
     from the prealloc that are being copied into already; the entry adopts them.
+    ``writer``: the client process that fills the pages itself, through its own mapping,
+    and the id it knows the reservation by (``host/store_writes.py``: the pages stay out of
+    reuse until it is done or gone).
 
     Raises QuotaExceeded (``owner`` has more than ``quota`` bytes in open puts) and
     PoolExhausted (no room, or ``max_entries`` reached, even after evicting every unleased
@@ -92,7 +97,10 @@ def reserve(
             raise
     state = EntryState.FILLING
     entry = Entry(key, meta.dtype, meta.shape, meta.nbytes, tuple(runs), state, crc, 0, now)
-    return entry, store.open_fill(entry, owner), byte_runs
+    put_id = store.open_fill(entry, owner)
+    if writer is not None:
+        store.open_writer(put_id, *writer, entry)
+    return entry, put_id, byte_runs
 
 
 def commit(store: HostStore, put_id: int, now: float) -> tuple[Entry, str] | None:
@@ -103,6 +111,7 @@ def commit(store: HostStore, put_id: int, now: float) -> tuple[Entry, str] | Non
     if found is None:
         raise Draining("engine closed before the put committed")
     entry, owner = found
+    store.close_writer(put_id, entry, owner, stopped=True)  # its writer finished: it commits
     existing = store.entries.get(entry.key)
     if existing is not None:
         store.alloc.free(entry.runs)
@@ -112,12 +121,16 @@ def commit(store: HostStore, put_id: int, now: float) -> tuple[Entry, str] | Non
     return entry, owner
 
 
-def abort(store: HostStore, put_id: int) -> None:
-    """Give a reservation's pages back; nothing of it becomes visible."""
+def abort(store: HostStore, put_id: int, *, writer_stopped: bool = True) -> None:
+    """End a reservation; nothing of it becomes visible. Its pages go back, unless a client
+    fills them itself and may still be writing (``writer_stopped`` False and its process
+    runs): then they are held until it has exited (``host/store_writes.py``)."""
     found = store.close_fill(put_id)
     if found is None:
         return  # already dropped by close()
-    store.discard(found[0])
+    entry, owner = found
+    if not store.close_writer(put_id, entry, owner, stopped=writer_stopped):
+        store.discard(entry)
     store.counters["puts_aborted"] += 1
 
 

@@ -51,15 +51,16 @@ class QuarantineSide:
             return self._store.end_owner(owner)
 
     def reap(self) -> int:
-        """Free what processes that have exited held (the daemon's reaper calls this);
-        returns how many holds ended."""
+        """Free what processes that have exited held, for their views and for their writes
+        (the daemon's reaper calls this); returns how many holds ended."""
         with self._lock:
-            processes = self._store.quarantine.processes()
+            processes = {*self._store.quarantine.processes(), *self._store.written.processes()}
         gone = [p for p in processes if not p.alive()]  # reads /proc: outside the lock
         if not gone:
             return 0
         with self._lock:
-            return sum(self._store.free_quarantine(p) for p in gone)
+            store = self._store
+            return sum(store.free_quarantine(p) + store.free_written(p) for p in gone)
 
     def check(self, owner: str) -> None:
         """Caller holds the lock: refuse a get of an owner whose process keeps more than

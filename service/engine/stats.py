@@ -135,6 +135,9 @@ def restart_counts(c: dict[str, int]) -> dict[str, int]:
         "dropped_layout_entries": c.get("adopt_dropped_layout", 0),
         "dropped_layout_bytes": c.get("adopt_dropped_layout_bytes", 0),
         "dropped_invalid_entries": c.get("adopt_dropped_invalid", 0),
+        "dropped_refused_entries": c.get("adopt_dropped_refused", 0),
+        "untrusted_index": c.get("adopt_untrusted_index", 0),
+        "write_holds": c.get("adopt_write_holds", 0),
         "layout_replaced": c.get("adopt_layout_replaced", 0),
     }
 

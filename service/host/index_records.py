@@ -11,6 +11,13 @@ never written) fails its length or its CRC and ends the replay there. Payloads:
 - ``HOLD``: a lease whose owner's process may read the entry's pages through a view: the
   hold's id, the pid and its start time, the key.
 - ``UNHOLD``: that hold ended (the views are gone, or the process exited).
+- ``WRITE``: pages a client process may still write through its own writable mapping (a
+  reservation it fills itself, or one that ended while that process still ran): an id, the
+  pid and its start time, the page runs. Written before the client is told the runs.
+- ``UNWRITE``: that process is done with those pages (it committed or aborted, or exited).
+
+A framed record whose CRC32 passes but which this daemon cannot use (an unknown dtype, a
+key that is not UTF-8) is whole, not torn: the replay skips it (``Skipped``) and goes on.
 
 Everything is little-endian. ``LAYOUT_VERSION`` changes whenever any of this does; a
 daemon never adopts an index of another version (it starts cold and says so).
@@ -26,17 +33,18 @@ from embcache.proto.checksum import crc32
 from embcache.proto.dtypes import DType, lookup
 
 MAGIC = b"EMBCIDX\x00"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: WRITE and UNWRITE records
 # magic, version, page_bytes, num_pages, segment inode, generation, then the header's CRC32
 _HEADER = struct.Struct("<8sIQQQQ")
 HEADER_BYTES = _HEADER.size + 4
 _FRAME = struct.Struct("<II")  # payload length, CRC32 of the payload
 MAX_RECORD = 1 << 20  # longer than any record can be: a torn length, not a record
 
-ADD, DEL, HOLD, UNHOLD = 1, 2, 3, 4
+ADD, DEL, HOLD, UNHOLD, WRITE, UNWRITE = 1, 2, 3, 4, 5, 6
 _ADD = struct.Struct("<BIIQB")  # type, generation, crc32, nbytes, len(dtype name)
 _HOLD = struct.Struct("<BQIQ")  # type, hold id, pid, start time
-_UNHOLD = struct.Struct("<BQ")
+_UNHOLD = struct.Struct("<BQ")  # also UNWRITE
+_WRITE = struct.Struct("<BQIQI")  # type, id, pid, start time, number of runs
 
 
 class IndexFormatError(ValueError):
@@ -100,6 +108,24 @@ class HoldRecord:
     key: str
 
 
+@dataclass(frozen=True, slots=True)
+class WriteRecord:
+    """Pages the process ``pid`` started at ``start`` may still write (``runs``)."""
+
+    write_id: int
+    pid: int
+    start: int
+    runs: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """A whole record this daemon cannot use (``reason``); ``key`` when one could be read."""
+
+    reason: str
+    key: str | None = None
+
+
 def _key(key: str) -> bytes:
     raw = key.encode()
     return struct.pack("<H", len(raw)) + raw
@@ -131,7 +157,18 @@ def encode_unhold(hold_id: int) -> bytes:
     return frame(_UNHOLD.pack(UNHOLD, hold_id))
 
 
-Record = AddRecord | HoldRecord | tuple[int, str | int]  # (DEL, key) or (UNHOLD, id)
+def encode_write(rec: WriteRecord) -> bytes:
+    flat = [x for run in rec.runs for x in run]
+    head = _WRITE.pack(WRITE, rec.write_id, rec.pid, rec.start, len(rec.runs))
+    return frame(head + struct.pack(f"<{len(flat)}I", *flat))
+
+
+def encode_unwrite(write_id: int) -> bytes:
+    return frame(_UNHOLD.pack(UNWRITE, write_id))
+
+
+# (DEL, key), (UNHOLD, id) or (UNWRITE, id)
+Record = AddRecord | HoldRecord | WriteRecord | Skipped | tuple[int, str | int]
 
 
 def _decode(p: bytes) -> Record:
@@ -139,9 +176,8 @@ def _decode(p: bytes) -> Record:
     if kind == ADD:
         _, gen, crc, nbytes, nlen = _ADD.unpack_from(p)
         at = _ADD.size
-        dtype = lookup(p[at : at + nlen].decode())
-        if dtype is None:
-            raise ValueError("unknown dtype")
+        name = p[at : at + nlen].decode()
+        dtype = lookup(name)
         at += nlen
         ndim = p[at]
         shape = struct.unpack_from(f"<{ndim}Q", p, at + 1)
@@ -150,15 +186,24 @@ def _decode(p: bytes) -> Record:
         flat = struct.unpack_from(f"<{2 * nruns}I", p, at + 4)
         at += 4 + 8 * nruns
         runs = tuple(zip(flat[::2], flat[1::2], strict=True))
-        return AddRecord(_read_key(p, at), dtype, tuple(shape), nbytes, runs, crc, gen)
+        key = _read_key(p, at)
+        if dtype is None:  # whole, but not a dtype this daemon knows: skipped, not torn
+            return Skipped(f"unknown dtype {name!r}", key)
+        return AddRecord(key, dtype, tuple(shape), nbytes, runs, crc, gen)
     if kind == DEL:
         return (DEL, _read_key(p, 1))
     if kind == HOLD:
         _, hold_id, pid, start = _HOLD.unpack_from(p)
         return HoldRecord(hold_id, pid, start, _read_key(p, _HOLD.size))
-    if kind == UNHOLD:
-        return (UNHOLD, _UNHOLD.unpack_from(p)[1])
-    raise ValueError(f"unknown record type {kind}")
+    if kind in (UNHOLD, UNWRITE):
+        return (kind, _UNHOLD.unpack_from(p)[1])
+    if kind == WRITE:
+        _, write_id, pid, start, nruns = _WRITE.unpack_from(p)
+        if _WRITE.size + 8 * nruns != len(p):
+            raise ValueError("record length does not match its runs")
+        flat = struct.unpack_from(f"<{2 * nruns}I", p, _WRITE.size)
+        return WriteRecord(write_id, pid, start, tuple(zip(flat[::2], flat[1::2], strict=True)))
+    return Skipped(f"unknown record type {kind}")
 
 
 def _read_key(p: bytes, at: int) -> str:
@@ -170,7 +215,8 @@ def _read_key(p: bytes, at: int) -> str:
 
 def records(data: bytes, offset: int = HEADER_BYTES) -> Iterator[tuple[Record, int]]:
     """Each whole record from ``offset`` on, with the offset just past it. Stops at the
-    first torn one (short, too long, bad CRC, or undecodable): a crash's tail."""
+    first torn one (short, too long, or bad CRC): a crash's tail. A whole one (its CRC
+    passes) that does not decode comes as :class:`Skipped`, and the replay goes on."""
     view = memoryview(data)
     while offset + _FRAME.size <= len(data):
         length, crc = _FRAME.unpack_from(data, offset)
@@ -182,7 +228,7 @@ def records(data: bytes, offset: int = HEADER_BYTES) -> Iterator[tuple[Record, i
             return
         try:
             rec = _decode(payload)
-        except (ValueError, struct.error, UnicodeDecodeError):
-            return
+        except (ValueError, struct.error, UnicodeDecodeError, IndexError) as exc:
+            rec = Skipped(f"undecodable record ({exc})")
         offset = start + length
         yield rec, offset

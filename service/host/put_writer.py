@@ -3,6 +3,13 @@
 A handle owns its FILLING reservation, so chunk copies run without the engine lock; the
 handle's own lock only orders a copy against a concurrent abort (a dropped client, a
 closing engine), so an aborted reservation is never written after its pages are freed.
+A reservation that a client fills itself, through its own mapping, is another matter: the
+daemon cannot stop that copy, so an abort that does not come from that client (after its
+copy) keeps the pages out of reuse while it runs (``host/store_writes.py``).
+
+Where a put declares a CRC32, it is computed over the pages, after each piece of them is
+written (in cache), or over all of them once a copy by someone else is done: what is
+checked is what will be served, not the bytes as they arrived.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ class FillTarget:
 
     pool: np.ndarray  # the host pool (uint8)
     commit: Callable[[], bool]
-    abort: Callable[[], None]
+    abort: Callable[[bool], None]  # the argument: whoever fills the pages has stopped
     closed: Callable[[], bool]
 
 
@@ -70,6 +77,9 @@ class PutHandle:
         self._run_off = 0  # offset inside that run
         self.written = written  # all of it when begin_put's copy_in queued the copy
         self.done = False
+        # A client filling the pages itself said it stopped writing (its commit or abort);
+        # until then an abort keeps its pages out of reuse (store_writes.py).
+        self._writer_stopped = False
 
     @property
     def key(self) -> str:
@@ -108,12 +118,12 @@ class PutHandle:
                     nbytes=self.nbytes,
                     received=self.written + n,
                 )
-            if self._checksum is not None:
-                self._crc = crc32(chunk.data, self._crc)
             if self._target is not None:
                 if self._target.closed():
                     raise Draining("engine closed during the put", key=self.key)
-                self._copy_in(chunk)
+                self._copy_in(chunk)  # the CRC32 over the pages, as each piece lands
+            elif self._checksum is not None:  # stored already: the bytes checked, dropped
+                self._crc = crc32(chunk.data, self._crc)
             self.written += n
 
     def _copy_in(self, chunk: np.ndarray) -> None:
@@ -126,6 +136,8 @@ class PutHandle:
             take = min(length - self._run_off, n - pos)
             start = off + self._run_off
             pool[start : start + take] = chunk[pos : pos + take]
+            if self._checksum is not None:  # what the pages hold now, while in cache
+                self._crc = crc32(pool[start : start + take].data, self._crc)
             pos += take
             self._run_off += take
             if self._run_off == length:
@@ -178,8 +190,10 @@ class PutHandle:
         """Every byte was written into :attr:`byte_runs` by someone else (a client with the
         daemon's uid, through its writable mapping of the segment: a reserved put of the
         session socket). Marks them written and, with ``checksum`` (CRC32), computes the
-        pages' CRC32 for :meth:`verify` and :meth:`commit` to check."""
+        pages' CRC32 for :meth:`verify` and :meth:`commit` to check. The writer said it is
+        done: an abort from here on gives the pages back at once."""
         with self._lock:
+            self._writer_stopped = True
             if self.done:
                 raise LeaseExpired("put is no longer in progress", key=self.key)
             if self._target is None:
@@ -233,9 +247,12 @@ class PutHandle:
             return False
         return self._target.commit()
 
-    def abort(self) -> None:
-        """Drop the reservation; nothing becomes visible. Idempotent."""
+    def abort(self, *, writer_stopped: bool = False) -> None:
+        """Drop the reservation; nothing becomes visible. Idempotent. ``writer_stopped``:
+        the client that fills the pages itself asked for it, after its copy (its pages go
+        back at once; otherwise they wait for that client to exit)."""
         with self._lock:
+            self._writer_stopped |= writer_stopped
             if self.done:
                 return
             self.done = True
@@ -243,7 +260,7 @@ class PutHandle:
 
     def _discard(self) -> None:
         if self._target is not None:
-            self._target.abort()
+            self._target.abort(self._writer_stopped)
 
     def __enter__(self) -> PutHandle:
         return self

@@ -16,7 +16,9 @@ behind, and nothing a client does can change the file (it maps it read-only).
 
 A starting daemon marks an older table at the same path closed before it replaces it, so
 the clients of a daemon whose segment is adopted (warm restart) stop using their mapping
-before any page of it is reused.
+before any page of it is reused. Only a table of the daemon's own uid is touched so: a file
+another local user put at the name first is refused (no table: gets stay calls), and the
+new table is created exclusively, never through a symlink (``shm_files.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 
 from embcache.proto import read_table as rt
 from embcache.service.host.entries import Entry
+from embcache.service.host.shm_files import UntrustedFile, clear_own, create_exclusive
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +75,9 @@ class ReadTable:
         path = table_path(segment)
         close_stale(path)
         size = rt.file_bytes(num_buckets)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+        # Readable as the segment is (clients map it read-only); only the daemon writes it.
+        fd = create_exclusive(path, mode & ~0o022, os.O_RDWR)
         try:
-            os.fchmod(fd, mode)  # the umask may have narrowed it: readers match the segment
             os.ftruncate(fd, size)  # sparse: only written slots take memory
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         except BaseException:
@@ -163,13 +166,21 @@ class ReadTable:
 
 def close_stale(path: Path) -> None:
     """Mark an existing table at ``path`` closed (its readers fall back to calls) and
-    remove it; nothing when there is none or it is not a table."""
+    remove it; nothing when there is none. One this uid does not own is refused
+    (UntrustedFile: neither written nor removed); a symlink of ours is only removed."""
+    clear_own(path, remove=False)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return
+    except OSError:  # a symlink of ours (ELOOP), say: nothing to mark, only the name goes
+        path.unlink(missing_ok=True)
+        return
     try:
-        if os.fstat(fd).st_size >= rt.HEADER_BYTES:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():  # put there after the check above
+            raise UntrustedFile(f"{path.name} belongs to uid {st.st_uid}: refused")
+        if st.st_size >= rt.HEADER_BYTES:
             with mmap.mmap(fd, rt.HEADER_BYTES, flags=mmap.MAP_SHARED) as mm:
                 if mm[: len(rt.MAGIC)] == rt.MAGIC:
                     rt.SEQ.pack_into(mm, rt.CLOSED_AT, 1)

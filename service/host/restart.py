@@ -6,12 +6,17 @@ size, number of pages and the segment's inode) or must be replaced, and why. Onc
 store exists, :meth:`WarmStart.attach` adopts what the index holds and opens a fresh index
 (its generation bumped; a torn tail dropped) for the store to keep up to date.
 
-Adoption trusts nothing it cannot check: a record whose runs leave the pool or overlap an
-earlier record's is dropped; every adopted entry is checked against its CRC32 before it is
-first served (``HostStore.lookup``) and by :class:`Verifier`, a background pass at ISA-L
-speed. Leases do not survive, but a hold of a process that still runs (it may read the
-pages through views) keeps its entry's pages out of reuse until that process exits
-(``quarantine.py``; the daemon's reaper frees them).
+Adoption trusts nothing it cannot check. An index this uid does not own, or that others may
+write, is not read at all (``shm_files.py``: the start is cold, logged and counted). A
+record a put would refuse (``admission.py``'s checks of the key, dtype, shape and size, run
+as for a put) or that cannot be decoded is dropped, counted and logged, and the replay goes
+on with the next one; a record whose runs leave the pool or overlap an earlier record's is
+dropped; every adopted entry is checked against its CRC32 before it is first served
+(``HostStore.lookup``) and by :class:`Verifier`, a background pass at ISA-L speed. Leases
+do not survive, but a hold of a process that still runs (it may read the pages through
+views) keeps its entry's pages out of reuse until that process exits (``quarantine.py``;
+the daemon's reaper frees them); so do the pages a client process that still runs may be
+writing through its own mapping (a reservation of the dead daemon: ``write_holds.py``).
 """
 
 from __future__ import annotations
@@ -25,17 +30,23 @@ from pathlib import Path
 
 import numpy as np
 
+from embcache.errors import EmbCacheError
+from embcache.service.config import Settings
+from embcache.service.host import admission
 from embcache.service.host import index_records as rec
 from embcache.service.host.allocator import PageRunAllocator, Run
 from embcache.service.host.entries import Entry, EntryState
 from embcache.service.host.host_pool import INDEX_SUFFIXES, unheld_segment
 from embcache.service.host.pool_index import PoolIndex, Replayed, index_path, replay
 from embcache.service.host.quarantine import Held, ProcessRef
+from embcache.service.host.shm_files import UntrustedFile
 from embcache.service.host.store import HostStore
+from embcache.service.host.write_holds import Written
 
 log = logging.getLogger(__name__)
 
 _VERIFY_SLICE = 64 << 20  # bytes checked per hold of the engine lock by the background pass
+_LOGGED = 8  # dropped records logged one by one at a start (then one line for the rest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +56,9 @@ class Adopted:
     entries: int = 0
     nbytes: int = 0
     dropped_invalid: int = 0  # records whose runs left the pool or overlapped another
+    dropped_refused: int = 0  # records a put would refuse, or that did not decode
     holds: int = 0  # holds kept for processes that still run
+    write_holds: int = 0  # reservations a process that still runs may be writing
     layout_replaced: bool = False
     dropped_layout: int = 0  # entries of a segment replaced for its layout (when known)
     dropped_layout_bytes: int = 0
@@ -55,10 +68,12 @@ class WarmStart:
     """One start's warm-restart decisions (module docstring), for a pool of ``nbytes`` in
     pages of ``page_bytes``."""
 
-    def __init__(self, nbytes: int, page_bytes: int) -> None:
-        self.nbytes = nbytes
-        self.page_bytes = page_bytes
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.nbytes = settings.host_pool_bytes
+        self.page_bytes = settings.page_bytes
         self.replayed: Replayed | None = None
+        self.untrusted = 0  # indexes refused: not this uid's, or writable by others
         self.reason: str | None = None  # why the segment was replaced, if it was
         self._dropped = (0, 0)  # entries, bytes of a replaced segment's index (if readable)
 
@@ -78,6 +93,10 @@ class WarmStart:
             found = replay(path)
         except FileNotFoundError:
             return "no warm-restart index beside it (a daemon with --warm-restart off?)"
+        except UntrustedFile as exc:  # never read: another user could have written it
+            self.untrusted += 1
+            log.error("warm restart: refusing the index beside %s: %s", path.name, exc)
+            return f"its index is not this daemon's own ({exc})"
         except (OSError, rec.IndexFormatError) as exc:
             return f"its index is unreadable ({exc})"
         h = found.header
@@ -101,12 +120,13 @@ class WarmStart:
         generation = 0
         if pool.adopted and self.replayed is not None:
             found = self.replayed
-            adopted = adopt(store, found, now)
+            adopted = adopt(store, found, now, self.settings)
             generation = found.header.generation + 1
             log.info(
-                "warm restart: adopted %d entries (%d bytes), %d holds of live processes; "
-                "%d records dropped as invalid%s",
-                adopted.entries, adopted.nbytes, adopted.holds, adopted.dropped_invalid,
+                "warm restart: adopted %d entries (%d bytes), %d holds and %d writes of live "
+                "processes; %d records dropped as invalid, %d refused as a put would%s",
+                adopted.entries, adopted.nbytes, adopted.holds, adopted.write_holds,
+                adopted.dropped_invalid, adopted.dropped_refused,
                 " (a torn tail dropped)" if found.torn else "",
             )  # fmt: skip
         else:
@@ -120,21 +140,28 @@ class WarmStart:
         counters["adopted_entries"] += adopted.entries
         counters["adopted_bytes"] += adopted.nbytes
         counters["adopt_dropped_invalid"] += adopted.dropped_invalid
+        counters["adopt_dropped_refused"] += adopted.dropped_refused
+        counters["adopt_write_holds"] += adopted.write_holds
         counters["adopt_dropped_layout"] += adopted.dropped_layout
         counters["adopt_dropped_layout_bytes"] += adopted.dropped_layout_bytes
         counters["adopt_layout_replaced"] += adopted.layout_replaced
         header = rec.Header(rec.LAYOUT_VERSION, pool.page_bytes, pool.num_pages, inode, generation)
         store.index = PoolIndex.create(index_path(pool.path), header, found)
+        # 1 when a file at the index's names was refused: not read, written or replaced
+        counters["adopt_untrusted_index"] += bool(self.untrusted or store.index.refused)
         return adopted
 
 
-def adopt(store: HostStore, found: Replayed, now: float) -> Adopted:
+def adopt(store: HostStore, found: Replayed, now: float, settings: Settings) -> Adopted:
     """Make each valid record of ``found`` a READY entry (unverified: checked before it is
-    served), give the allocator the rest of the pool, and quarantine the holds of processes
-    that still run. Drops from ``found`` what it did not adopt (the new index keeps the rest)."""
+    served), keep the pages that live client processes may still write out of reuse, give
+    the allocator the rest of the pool, and quarantine the holds of processes that still
+    run. Drops from ``found`` what it did not adopt (the new index keeps the rest)."""
     pages = store.pool.num_pages
-    invalid = _drop_invalid(found, pages, store.page_bytes)
-    used: list[Run] = []
+    refused = _drop_refused(found, settings)
+    writing = _live_writes(found, pages)
+    invalid = _drop_invalid(found, pages, store.page_bytes, writing)
+    used: list[Run] = [run for w in found.writes.values() for run in w.runs]
     entries: dict[str, Entry] = {}
     for key, a in found.adds.items():
         used.extend(a.runs)
@@ -154,14 +181,59 @@ def adopt(store: HostStore, found: Replayed, now: float) -> Adopted:
         store.entries.acquire(held)
         store.quarantine.add(Held(hold_id, held, process, held.num_pages * store.page_bytes))
         holds += 1
+    for w in found.writes.values():  # out of reuse until the process exits (the reaper)
+        process = ProcessRef(w.pid, w.start)
+        store.written.add(Written(w.write_id, process, w.runs, None, 0))
     nbytes = sum(e.nbytes for e in entries.values())
-    return Adopted(len(entries), nbytes, invalid, holds)
+    return Adopted(len(entries), nbytes, invalid, refused, holds, len(found.writes))
 
 
-def _drop_invalid(found: Replayed, pages: int, page_bytes: int) -> int:
+def _drop_refused(found: Replayed, settings: Settings) -> int:
+    """Drop the ADD records a put of the same key, dtype and shape would refuse (the put's
+    own checks: ``admission.check_key`` and ``check_meta``, nbytes included), and count
+    those that did not decode (already left out by the replay); returns how many. Each is
+    logged (the first few in full)."""
+    dropped = list(found.skipped)
+    for key, a in list(found.adds.items()):
+        try:
+            admission.check_key(key, settings)
+            admission.check_meta(a.dtype.name, a.shape, a.nbytes, settings)
+        except EmbCacheError as exc:
+            del found.adds[key]
+            found.raw.pop(key, None)
+            dropped.append(rec.Skipped(str(exc), key))
+    for i, skipped in enumerate(dropped):
+        if i < _LOGGED:
+            key = "?" if skipped.key is None else repr(skipped.key[:64])
+            log.warning("warm restart: index record of key %s dropped: %s", key, skipped.reason)
+    if len(dropped) > _LOGGED:
+        log.warning("warm restart: %d more index records dropped", len(dropped) - _LOGGED)
+    return len(dropped)
+
+
+def _live_writes(found: Replayed, pages: int) -> np.ndarray:
+    """Keep the WRITE records of processes that still run (they may be copying into those
+    pages through their own mapping) whose runs lie in the pool and overlap no other's;
+    drop the rest. Returns the pages they hold (a bool per page)."""
+    writing = np.zeros(pages, dtype=bool)
+    for write_id, w in list(found.writes.items()):
+        inside = all(n > 0 and s >= 0 and s + n <= pages for s, n in w.runs)
+        clash = not inside or any(writing[s : s + n].any() for s, n in w.runs)
+        if clash or not ProcessRef(w.pid, w.start).alive():
+            del found.writes[write_id]
+            continue
+        for s, n in w.runs:
+            writing[s : s + n] = True
+    return writing
+
+
+def _drop_invalid(found: Replayed, pages: int, page_bytes: int, writing: np.ndarray) -> int:
     """Drop the records whose runs leave the pool, do not hold their bytes, or overlap an
-    earlier record's; returns how many. All runs are checked at once (sorted, with numpy);
-    only when that finds a fault are the records checked one by one, in index order."""
+    earlier record's or pages a live process may be writing (``writing``); returns how
+    many. All runs are checked at once (sorted, with numpy); only when that finds a fault
+    are the records checked one by one, in index order."""
+    if writing.any():
+        return _drop_invalid_slow(found, pages, page_bytes, writing)
     runs = [(s, n) for a in found.adds.values() for s, n in a.runs]
     sizes_ok = all(
         sum(n for _, n in a.runs) == -(-a.nbytes // page_bytes) for a in found.adds.values()
@@ -176,7 +248,11 @@ def _drop_invalid(found: Replayed, pages: int, page_bytes: int) -> int:
             return 0  # the usual case: every record is valid
     elif sizes_ok:
         return 0
-    taken = np.zeros(pages, dtype=bool)
+    return _drop_invalid_slow(found, pages, page_bytes, writing)
+
+
+def _drop_invalid_slow(found: Replayed, pages: int, page_bytes: int, taken: np.ndarray) -> int:
+    taken = taken.copy()
     invalid = 0
     for key, a in list(found.adds.items()):
         ok = sum(n for _, n in a.runs) == -(-a.nbytes // page_bytes) and all(

@@ -1,9 +1,10 @@
 """The host store: every table about the host page pool, kept in step.
 
 One object owns the page allocator, the pages set aside for puts from a device (the
-prealloc), the READY entries and their LRU, the FILLING reservations, the leases and the
+prealloc), the READY entries and their LRU, the FILLING reservations, the leases, the pages
+held for client processes that may still write them (``store_writes.py``) and the
 counters. Keeping them together is what lets each operation update all of them at once: a
-page is free, or held by exactly one reservation, entry or the prealloc.
+page is free, or held by exactly one reservation, entry, writer hold or the prealloc.
 
 Nothing here locks: the engine holds its one lock around every call. Shortfalls (no room,
 an owner over its quota) come back as ``None`` or ``False`` for the engine to turn into
@@ -27,13 +28,15 @@ from embcache.service.host.quarantine import Held, ProcessRef, Quarantine
 from embcache.service.host.read_table import ReadTable
 from embcache.service.host.stats import run_bucket
 from embcache.service.host.store_views import HostCounts, StoreViews
+from embcache.service.host.store_writes import StoreWrites
 from embcache.service.host.verify import entry_crc
+from embcache.service.host.write_holds import WriteHolds
 
 SHARED_TIER_OWNER = "shared-tier"  # owner of the shared tier's own leases and fills
 __all__ = ["EvictOutcome", "EvictResults", "HostCounts", "HostStore", "raise_for_evict"]
 
 
-class HostStore(StoreViews):
+class HostStore(StoreViews, StoreWrites):
     """Pages, entries, reservations and leases of the host pool (module docstring).
 
     ``on_evict(entry)`` runs before an entry's pages are freed (the engine drops its device
@@ -61,6 +64,8 @@ class HostStore(StoreViews):
         self.quarantine = Quarantine()  # holds of leases that ended by force (quarantine.py)
         self.processes: dict[str, ProcessRef] = {}  # owner -> its process, where known
         self._filling: dict[int, tuple[Entry, str]] = {}  # put id -> (entry, owner)
+        self._writers: dict[int, tuple[ProcessRef, int]] = {}  # put id -> its client filler
+        self.written = WriteHolds()  # pages such a client may still write (store_writes.py)
         self._put_ids = itertools.count(1)
         self.inflight: Counter[str] = Counter()  # owner -> bytes in its open puts
         self._runs_hist: Counter[str] = Counter()  # READY entries by number of page runs
@@ -128,6 +133,8 @@ class HostStore(StoreViews):
     def open_fill(self, entry: Entry, owner: str) -> int:
         """Record a FILLING reservation (invisible to readers); returns its put id."""
         put_id = next(self._put_ids)
+        while put_id in self.written:  # an adopted writer hold keeps its id
+            put_id = next(self._put_ids)
         self._filling[put_id] = (entry, owner)
         self.inflight[owner] += entry.nbytes
         return put_id
@@ -415,4 +422,5 @@ class HostStore(StoreViews):
             self._release_hold(held.entry)
         self.processes.clear()
         self._filling.clear()
+        self.drop_writers()
         self.inflight.clear()

@@ -19,6 +19,7 @@ from embcache.service.host.prealloc import PutPrealloc
 from embcache.service.host.quarantine import Quarantine
 from embcache.service.host.read_table import ReadTable
 from embcache.service.host.stats import PoolStats
+from embcache.service.host.write_holds import WriteHolds
 
 PAGE_FREE, PAGE_FILLING, PAGE_READY, PAGE_LEASED = 0, 1, 2, 3
 
@@ -54,6 +55,7 @@ class StoreViews:
     entries: EntryTable
     leases: LeaseTable
     quarantine: Quarantine
+    written: WriteHolds
     counters: Counter[str]
     max_entries: int
     _filling: dict[int, tuple[Entry, str]]
@@ -101,7 +103,8 @@ class StoreViews:
             counters=dict(self.counters),
             prealloc_bytes=prealloc * page,
             quarantined=len(self.quarantine),
-            quarantined_bytes=self.quarantine.nbytes,
+            # pages kept out of reuse for live processes: their views, and their writes
+            quarantined_bytes=self.quarantine.nbytes + self.written.pages * page,
             table_entries=len(self.reads) if self.reads is not None else 0,
             table_skipped=self.reads.skipped if self.reads is not None else 0,
         )

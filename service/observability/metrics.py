@@ -146,7 +146,11 @@ class EngineCollector(Collector):
                 "Host pool bytes set aside for puts from a device (counted as free).",
             ),
             gauge("leases_active", "Leases currently held."),
-            gauge("quarantined_bytes", "Pages held for views of leases that ended by force."),
+            gauge(
+                "quarantined_bytes",
+                "Pages held for live processes: views of leases that ended by force, and "
+                "reserved pages a client may still be writing.",
+            ),
             gauge("lease_owners", "Distinct owners holding leases."),
             gauge("draining", "1 while the daemon drains for shutdown."),
             counter("hits", "Keys found by get."),
@@ -163,7 +167,8 @@ class EngineCollector(Collector):
             gauge("restart_unverified_entries", "Adopted entries not checked yet."),
             gauge(
                 "restart_dropped_entries",
-                "Entries a warm restart dropped, by reason (checksum, layout, invalid).",
+                "Entries a warm restart dropped, by reason (checksum, layout, invalid, refused:"
+                " a record a put would refuse).",
                 ["reason"],
             ),
             gauge("restart_dropped_bytes", "Bytes a warm restart dropped.", ["reason"]),
@@ -212,7 +217,7 @@ class EngineCollector(Collector):
         add("restart_adopted_entries", [], r.get("adopted_entries", 0))
         add("restart_adopted_bytes", [], r.get("adopted_bytes", 0))
         add("restart_unverified_entries", [], r.get("unverified_entries", 0))
-        for reason in ("checksum", "layout", "invalid"):
+        for reason in ("checksum", "layout", "invalid", "refused"):
             add("restart_dropped_entries", [reason], r.get(f"dropped_{reason}_entries", 0))
         for reason in ("checksum", "layout"):
             add("restart_dropped_bytes", [reason], r.get(f"dropped_{reason}_bytes", 0))

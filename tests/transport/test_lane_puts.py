@@ -268,9 +268,18 @@ def test_an_idle_reservation_is_aborted(server_factory, wait_until) -> None:
             data = bytes(200 * KiB)
             rid = raw.call(put_reserve=pb.PutReserveRequest(header=header("i", data)))
             assert server[0].stats().entries_filling == 1
-            assert wait_until(lambda: no_fill_left(server[0]))
-            commit = pb.PutCommitRequest(reservation_id=rid.put_reserve.reservation_id)
+            assert wait_until(lambda: server[0].stats().entries_filling == 0)
+            # This process may still be copying into those pages: they stay out of reuse
+            # until it says it is done with them (its abort of the id) or exits.
+            stats = server[0].stats()
+            assert stats.reserved_filling_bytes == 0
+            assert stats.host.free_pages < stats.host.total_pages
+            reservation_id = rid.put_reserve.reservation_id
+            commit = pb.PutCommitRequest(reservation_id=reservation_id)
             assert raw.call(put_commit=commit).error.error_type == "NotFound"
+            abort = pb.PutAbortRequest(reservation_id=reservation_id)
+            assert raw.call(put_abort=abort).put_abort.aborted is False
+            assert no_fill_left(server[0])
         finally:
             raw.close()
 

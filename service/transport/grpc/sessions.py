@@ -132,6 +132,7 @@ class SessionRpcs:
                 record.quota_owner,
                 writable=transport == "lane" and may_write_segment(peer, os.geteuid()),
                 idle_s=self.settings.put_idle_timeout_s,
+                writer=session_id if peer is not None else None,
             ),
             read_bytes=functools.partial(read_bytes, self.engine),
             send_bytes=send_bytes,

@@ -80,6 +80,19 @@ class RestartModel(_Model):
     dropped_invalid_entries: int = Field(
         default=0, description="Index records dropped because their page runs were not valid."
     )
+    dropped_refused_entries: int = Field(
+        default=0, description="Index records dropped because a put would refuse them (key, "
+        "dtype, shape or size), or because they did not decode.",
+    )  # fmt: skip
+    untrusted_index: int = Field(
+        default=0, description="1 when a file at the index's names was refused (another uid "
+        "owns it, others may write it, or it is a symlink): not read, written or replaced; the "
+        "start was cold, and no index is kept while another user's file holds the name.",
+    )  # fmt: skip
+    write_holds: int = Field(
+        default=0, description="Reservations of the old daemon that a client process still "
+        "running may be writing: their pages stay out of reuse until it exits.",
+    )  # fmt: skip
     layout_replaced: int = Field(default=0, description="1 when an old segment was replaced.")
 
 
@@ -122,7 +135,11 @@ class StatsResponse(_OpenModel):
         description="Leases that ended by force while their owner's process may still read "
         "the pages through views: their pages stay out of reuse until it exits or drops them.",
     )
-    quarantined_bytes: int = Field(0, description="Pages those quarantined leases hold, in bytes.")
+    quarantined_bytes: int = Field(
+        0,
+        description="Pages those quarantined leases hold, and reserved pages a live client "
+        "may still be writing (held until it is done or exits), in bytes.",
+    )
     restart: RestartModel = Field(
         default_factory=lambda: RestartModel(),
         description="What this daemon adopted at a warm restart (docs/restart.md).",

@@ -14,9 +14,12 @@ are one call each:
   host pool's segment, and the commit (checking a CRC32 when one is given) makes the entry
   READY. Only a peer with the daemon's uid is served these (:func:`may_write_segment`): such
   a process could open the segment for writing anyway, so the daemon grants nothing it could
-  not take; the daemon never hands a writable descriptor to anyone. A reservation ends, its
-  pages freed, on abort, when its session ends (a crashed client included), and after
-  ``put_idle_timeout_s`` without its commit.
+  not take; the daemon never hands a writable descriptor to anyone. A reservation ends on
+  its commit or abort, when its session ends (a crashed client or an operator's drop
+  included), and after ``put_idle_timeout_s`` without its commit. Its pages go back at once
+  only when the client said it is done writing them (its commit or its abort) or its process
+  has exited; otherwise the client may still be copying, and they stay out of reuse until
+  its process exits (``host/store_writes.py``), counted against its in-flight quota.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ class SessionPuts:
 
     ``quota_owner``: whose in-flight quota the reserved bytes count against; ``writable``:
     whether this session's peer may fill reserved pages itself; ``idle_s``: how long a
-    reservation waits for its commit."""
+    reservation waits for its commit; ``writer``: the owner (the session) whose process the
+    engine knows (``engine.quarantine.bind``), the one that fills reserved pages."""
 
     def __init__(
         self,
@@ -66,12 +70,14 @@ class SessionPuts:
         *,
         writable: bool,
         idle_s: float,
+        writer: str | None = None,
     ) -> None:
         self.engine = engine
         self.host_pool = host_pool
         self.quota_owner = quota_owner
         self.writable = writable
         self.idle_s = idle_s
+        self.writer = writer
         self._open: dict[int, _Reservation] = {}
         self._closed = False
 
@@ -116,7 +122,7 @@ class SessionPuts:
         ]
         return pb.PutFromDeviceBatchResponse(results=results)
 
-    def _begin(self, head: pb.PutHeader) -> PutHandle:
+    def _begin(self, head: pb.PutHeader, writer: tuple[str, int] | None = None) -> PutHandle:
         if self._closed:
             raise NotFound("the session has ended")
         return self.engine.begin_put(
@@ -126,6 +132,7 @@ class SessionPuts:
             nbytes=head.nbytes if head.HasField("nbytes") else None,
             checksum=head.checksum if head.HasField("checksum") else None,
             owner=self.quota_owner,
+            writer=writer,
         )
 
     # -- reserved pages ----------------------------------------------------------------------
@@ -137,12 +144,12 @@ class SessionPuts:
         head = pb.PutHeader()
         head.CopyFrom(request.header)
         head.ClearField("checksum")  # checked at the commit, over the pages
-        handle = self._begin(head)
-        if handle.exists_already:
-            return pb.PutReserveResponse(reservation_id=0, nbytes=handle.nbytes)
         rid = secrets.randbits(63) or 1
         while rid in self._open:
             rid = secrets.randbits(63) or 1
+        handle = self._begin(head, writer=None if self.writer is None else (self.writer, rid))
+        if handle.exists_already:
+            return pb.PutReserveResponse(reservation_id=0, nbytes=handle.nbytes)
         timer = None
         if self.idle_s > 0:
             timer = asyncio.get_running_loop().call_later(self.idle_s, self._expire, rid)
@@ -167,11 +174,16 @@ class SessionPuts:
         return pb.PutResponse(created=created, nbytes=handle.nbytes)
 
     def abort(self, request: pb.PutAbortRequest) -> pb.PutAbortResponse:
-        """Give a reservation's pages back; false when it had ended already."""
+        """Give a reservation's pages back (the client asks after its copy stopped: they
+        are free at once); false when it had ended already. The pages of one that ended
+        without the client (its session dropped, its idle timeout) and are held for it go
+        back now too, when this session's process is the one that holds them."""
         found = self._open.pop(request.reservation_id, None)
         if found is None:
+            if self.writer is not None and request.reservation_id:
+                self.engine.writer_done(self.writer, request.reservation_id)
             return pb.PutAbortResponse(aborted=False)
-        self._end(found)
+        self._end(found, writer_stopped=True)
         return pb.PutAbortResponse(aborted=True)
 
     def _take(self, rid: int) -> _Reservation:
@@ -193,13 +205,14 @@ class SessionPuts:
             self._end(found)
 
     @staticmethod
-    def _end(found: _Reservation) -> None:
+    def _end(found: _Reservation, *, writer_stopped: bool = False) -> None:
         if found.timer is not None:
             found.timer.cancel()
-        found.handle.abort()
+        found.handle.abort(writer_stopped=writer_stopped)
 
     def close(self) -> None:
-        """The session ended: abort every reservation (pages freed) and refuse new puts."""
+        """The session ended: abort every reservation and refuse new puts. The pages of each
+        go back once the client's process is gone (it may be copying still)."""
         self._closed = True
         open_now, self._open = self._open, {}
         for found in open_now.values():
