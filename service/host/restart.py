@@ -32,6 +32,7 @@ from embcache.service.host.host_pool import INDEX_SUFFIXES, unheld_segment
 from embcache.service.host.pool_index import PoolIndex, Replayed, index_path, replay
 from embcache.service.host.quarantine import Held, ProcessRef
 from embcache.service.host.store import HostStore
+from embcache.service.text import plural
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +105,10 @@ class WarmStart:
             adopted = adopt(store, found, now)
             generation = found.header.generation + 1
             log.info(
-                "warm restart: adopted %d entries (%d bytes), %d holds of live processes; "
-                "%d records dropped as invalid%s",
-                adopted.entries, adopted.nbytes, adopted.holds, adopted.dropped_invalid,
+                "warm restart: adopted %s (%d bytes), %s of live processes; "
+                "%s dropped as invalid%s",
+                plural(adopted.entries, "entry"), adopted.nbytes, plural(adopted.holds, "hold"),
+                plural(adopted.dropped_invalid, "record"),
                 " (a torn tail dropped)" if found.torn else "",
             )  # fmt: skip
         else:

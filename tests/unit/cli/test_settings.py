@@ -7,7 +7,7 @@ import typer
 from typer.testing import CliRunner
 
 from embcache.service.cli import app
-from embcache.service.cli.settings import with_settings
+from embcache.service.cli.settings import PlainHelpCommand, with_settings
 from embcache.service.config import Settings
 
 
@@ -37,7 +37,7 @@ def test_renamed_settings_keep_their_old_names_for_one_release(
 
     probe = typer.Typer()
 
-    @probe.command()
+    @probe.command(cls=PlainHelpCommand)
     @with_settings
     def show(settings: Settings) -> None:
         seen.append(settings)
