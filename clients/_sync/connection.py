@@ -328,7 +328,7 @@ class Connection:
         self._closed = True
         self._release_gone()
         if len(self._views):
-            log.debug("the session ends once %d views are gone", len(self._views))
+            log.debug("the session ends once its views are gone (%d left)", len(self._views))
             self._pump = Pump(self._tend_views, "embcache-views-closing")
             self._pump.poke()
             return
@@ -464,7 +464,9 @@ class Connection:
                 lambda md, to: self._stub.Renew(request, timeout=to, metadata=metadata)
             )
         except EmbCacheError as exc:
-            log.info("renewing %d leases of live views failed: %s", len(lease_ids), exc)
+            log.info(
+                "renewing the leases of live views failed (%d of them): %s", len(lease_ids), exc
+            )
             self._views.retry_later(lease_ids, 1.0)
             return
         if reply.renewed >= len(set(lease_ids)):
