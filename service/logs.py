@@ -46,11 +46,17 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
-def configure(level: str, fmt: str = "text") -> None:
-    """Route every logger, uvicorn's included, through one stderr handler in ``fmt``."""
+def stderr_handler(fmt: str = "text") -> logging.Handler:
+    """A handler that writes records to stderr in ``fmt`` (text or json)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     handler.addFilter(_UvicornAsHttp())
+    return handler
+
+
+def configure(level: str, fmt: str = "text") -> None:
+    """Route every logger, uvicorn's included, through one stderr handler in ``fmt``."""
+    handler = stderr_handler(fmt)
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

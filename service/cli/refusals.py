@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from embcache.service import logs
 from embcache.service.cli.settings_help import env_var
 from embcache.service.config import Settings
 
@@ -115,7 +116,17 @@ def settings_refusals(exc: ValidationError, sources: SettingSources) -> list[str
     return out
 
 
-def refuse(reasons: list[str]) -> None:
-    """Log each reason as ``cannot start: ...`` on the ``embcache`` logger."""
+def refuse(reasons: list[str], fmt: str | None = None) -> None:
+    """Log each reason as ``cannot start: ...`` on the ``embcache`` logger; with ``fmt``
+    (before logging is configured: settings that failed validation), straight to stderr in
+    that format, whatever handlers the process has."""
+    if fmt is None:
+        for reason in reasons:
+            log.error("cannot start: %s", reason)
+        return
+    handler = logs.stderr_handler(fmt)
     for reason in reasons:
-        log.error("cannot start: %s", reason)
+        record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "cannot start: %s",
+                                (reason,), None)  # fmt: skip
+        handler.handle(record)
+    handler.flush()

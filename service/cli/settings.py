@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -23,7 +22,6 @@ from typer.core import TyperCommand
 if TYPE_CHECKING:
     from typer._click import Context, HelpFormatter
 
-from embcache.service import logs
 from embcache.service.cli.refusals import (
     SettingSources,
     flag_name,
@@ -60,9 +58,7 @@ def build_settings(overrides: dict[str, Any], sources: SettingSources | None = N
     try:
         return Settings(**given)
     except ValidationError as exc:
-        if not logging.getLogger().handlers:
-            logs.configure("info", _log_format(given))
-        refuse(settings_refusals(exc, sources))
+        refuse(settings_refusals(exc, sources), _log_format(given))
         raise typer.Exit(2) from None
 
 

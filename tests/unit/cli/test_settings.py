@@ -98,3 +98,19 @@ def test_help_types_and_defaults_are_the_models() -> None:
     flags = {n: format_default(n, f) for n, f in fields.items()}
     given = {n: v for n, v in flags.items() if v not in ("none", "empty")}
     assert Settings(**given) == Settings()
+
+
+def test_refusals_reach_stderr_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Invoked in-process (whatever handlers the process's logging has), a settings error is
+    one ``cannot start`` line per bad setting on stderr, naming flag or variable."""
+    monkeypatch.setenv("EMBCACHE_PAGE_BYTES", "1000")
+    result = CliRunner().invoke(app, ["serve", "--host-pool-bytes", "0"])
+    assert result.exit_code == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2, lines
+    assert any(
+        line.endswith("cannot start: --host-pool-bytes 0: must be positive") for line in lines
+    )
+    assert any("cannot start: EMBCACHE_PAGE_BYTES=1000 (--page-bytes): must be a power of two"
+               in line for line in lines)  # fmt: skip
+    assert "Value error" not in result.stderr and "pydantic" not in result.stderr
