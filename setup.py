@@ -49,7 +49,10 @@ _NOT_PACKAGES = {"tests", "bench", "scripts", "deploy", "docs", "build", "dist",
 
 
 def _packages() -> list[str]:
-    """``embcache`` and every folder below the root that has an ``__init__.py``."""
+    """``embcache``, every folder below the root that has an ``__init__.py``, and the data
+    folders inside those packages (``service/transport/http/static``): setuptools treats
+    any folder it ships as a package, and warns about each one not listed here. Their files
+    are declared in pyproject.toml's ``package-data``."""
     found = ["embcache"]
     for top in sorted(_HERE.iterdir()):
         if not top.is_dir() or top.is_symlink() or top.name in _NOT_PACKAGES:
@@ -57,9 +60,10 @@ def _packages() -> list[str]:
         if top.name.startswith("."):
             continue
         for folder, dirs, files in os.walk(top):  # links are not followed
-            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-            if "__init__.py" in files:
-                rel = Path(folder).relative_to(_HERE)
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not d.startswith("."))
+            rel = Path(folder).relative_to(_HERE)
+            parent_is_package = (Path(folder).parent / "__init__.py").is_file()
+            if "__init__.py" in files or (parent_is_package and files and rel.name.isidentifier()):
                 found.append(".".join(("embcache", *rel.parts)))
     return found
 

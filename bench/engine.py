@@ -1,7 +1,7 @@
 """Engine benchmark: small-entry op rates, 4 MiB fill bandwidth, metadata bytes per entry.
 
 Runs on the CPU (one core for the engine): `python bench/engine.py [--entries 1000000]`.
-Targets (issue 2): <= 20 us per get+release, >= 5 GB/s fill into shared memory,
+Targets: <= 20 us per get+release, >= 5 GB/s fill into shared memory,
 <= 512 B of metadata per entry at 1,000,000 entries. The baseline for the fill is a plain
 numpy copy of the same bytes into the same shared-memory pool, measured in the same run.
 """

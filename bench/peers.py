@@ -1,4 +1,4 @@
-"""embcache next to the stores users compare it with, measured in one run (issue 30).
+"""embcache next to the stores users compare it with, measured in one run.
 
     python3 bench/peers.py [--out-dir bench/results] [--quick] [--client-cpus 0]
                            [--daemon-cpus 1] [--no-netns]
@@ -16,7 +16,7 @@ A producer process puts and a consumer process gets, and the consumer checks eve
 (outside the timed calls): 64 KiB and 4 MiB payloads, one key per call and batches of 16.
 The floor is an in-process numpy copy of the same bytes. A get of embcache's zero-copy views
 is timed up to the end of its release (the views are only valid until then); every other get
-ends when the bytes are in the consumer. Each target of issue 30 is a ratio of two numbers of
+ends when the bytes are in the consumer. Each target is a ratio of two numbers of
 this run. With CUDA, the GPU part: safetensors loaded straight to the GPU, the torch CUDA-IPC
 handoff (reduce in the producer, rebuild and clone in the consumer) and one contiguous pinned
 copy-engine transfer, next to embcache's device gets and puts (timed until the tensors are

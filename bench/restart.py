@@ -1,4 +1,4 @@
-"""Warm restart benchmark (issue 31): process start to the ready line, cold against warm.
+"""Warm restart benchmark: process start to the ready line, cold against warm.
 
 For each pool size: start ``embcache serve`` on a fresh segment (cold: the pool is allocated
 and faulted in), fill it to ~90% with 4 MiB entries, SIGTERM, start it again with the same

@@ -6,7 +6,8 @@ load it by path before the package is installed.
 
 Each generated file starts with a digest line of the .proto sources; a file whose digest
 differs (or that is missing) is stale and is generated again. Generation writes to a temp
-folder and renames into place under a file lock, so concurrent processes never see half a file.
+folder and renames into place under a lock on the proto folder, so concurrent processes never see
+half a file.
 """
 
 from __future__ import annotations
@@ -58,16 +59,16 @@ def generate(root: Path = PROTO_ROOT, *, force: bool = False) -> list[Path]:
         return []
     import fcntl
 
-    lock_name = "embcache-protoc-" + hashlib.sha256(str(root).encode()).hexdigest()[:16]
-    lock_path = Path(tempfile.gettempdir()) / f"{lock_name}.lock"
-    with lock_path.open("a") as lock:
+    # The lock is the proto folder itself (flock works on a directory's descriptor): no
+    # lock file is left anywhere, in /tmp or in the tree.
+    lock = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not force and not is_stale(root):  # another process did it meanwhile
-                return []
-            return _run_protoc(root)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        if not force and not is_stale(root):  # another process did it meanwhile
+            return []
+        return _run_protoc(root)
+    finally:
+        os.close(lock)  # the flock goes with it
 
 
 def _run_protoc(root: Path) -> list[Path]:

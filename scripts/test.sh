@@ -7,13 +7,15 @@ set -euo pipefail
 export TRITON_INTERPRET=1   # Triton kernels run on CPU tensors; must be set before any @triton.jit
 # System packages some tests need (each test skips with a reason where one is missing):
 # chromium (pool-map page, /docs), redis-server (shared tier), libibverbs1 (Mooncake's
-# libraries), prometheus (its promtool checks the alert rules).
+# libraries), prometheus (its promtool checks the alert rules). As root with apt-get, the
+# script installs the missing ones itself, saying so first; otherwise their tests skip.
 need=()
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || need+=(libibverbs1)
 if [ ${#need[@]} -gt 0 ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
+    echo "scripts/test.sh: running as root, so installing system packages with apt-get: ${need[*]}" >&2
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" \
         >/dev/null) || echo "warning: could not install ${need[*]}; their tests will skip" >&2
 fi

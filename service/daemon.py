@@ -31,6 +31,7 @@ from embcache.service.engine import CacheEngine
 from embcache.service.malloc import tune_malloc
 from embcache.service.observability import mps
 from embcache.service.startup import check_unix_socket, preflight
+from embcache.service.text import plural
 
 log = logging.getLogger("embcache.daemon")
 
@@ -57,7 +58,7 @@ def _start_fd_server(engine: CacheEngine, settings: Settings) -> FdServer | None
         return None if pool is None else (pool.fd_token, pool.export_fd)
 
     path = settings.effective_ipc_socket
-    check_unix_socket(path, "--ipc-socket")
+    check_unix_socket(path, "ipc_socket")
     return FdServer(path, lookup, int(settings.socket_mode, 8))
 
 
@@ -124,7 +125,8 @@ class Daemon:
             config = uvicorn_config(  # with the header timeout and the concurrency bound
                 app,
                 s,
-                log_level=s.log_level,
+                # uvicorn sets its loggers' levels from this: its info lines only in debug.
+                log_level="debug" if s.log_level == "debug" else "warning",
                 log_config=None,  # uvicorn's lines go through our handler (service/logs.py)
                 access_log=False,
                 ssl_certfile=str(s.tls_cert) if s.tls_cert else None,
@@ -178,10 +180,10 @@ class Daemon:
             await asyncio.sleep(period)
             expired = engine.expire_leases()
             if expired:
-                log.info("expired %d leases", expired)
+                log.info("expired %s", plural(expired, "lease"))
             try:
                 if freed := engine.quarantine.reap():
-                    log.info("freed %d quarantined leases of exited processes", freed)
+                    log.info("freed %s of exited processes", plural(freed, "quarantined lease"))
                 engine.device.flush_due()  # page tables catch up once gets stop
             except Exception:  # never the end of the reaper: leases must still expire
                 log.exception("freeing quarantined pages or launching table updates failed")
@@ -208,6 +210,8 @@ class Daemon:
         }
         sys.stdout.write(json.dumps(ready) + "\n")  # the one ready event (stdout, for tools)
         sys.stdout.flush()
+        for line in listening_lines(self.settings, ready):
+            log.info("%s", line)
         if pools and pipe is None:
             log.warning(
                 "no MPS control daemon (CUDA_MPS_PIPE_DIRECTORY): decoders' kernels on these "
@@ -215,6 +219,35 @@ class Daemon:
                 "every --device-table-flush-s) and its copy kernel (runs under 128 KiB); run "
                 "both under MPS (docs/deploy.md, MPS)"
             )
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def listening_lines(settings: Settings, ready: dict[str, Any]) -> list[str]:
+    """One line per listener, for people (the ready line on stdout is for tools)."""
+    s = settings
+    lines = []
+    tls = " (TLS)" if s.tls_cert else ""
+    if ready.get("grpc_port"):
+        lines.append(f"gRPC listening on {_host_port(s.grpc_host, ready['grpc_port'])}{tls}")
+    if ready.get("grpc_socket"):
+        lines.append(f"gRPC listening on unix:{ready['grpc_socket']}")
+    if ready.get("session_lane"):
+        lines.append(f"session socket listening on unix:{ready['session_lane']}")
+    if ready.get("tcp_lane_port"):
+        where = _host_port(s.grpc_host, ready["tcp_lane_port"])
+        lines.append(f"session socket listening on TCP {where}")
+    if ready.get("ipc_socket"):
+        lines.append(f"device-pool fd socket listening on unix:{ready['ipc_socket']}")
+    url = f"{'https' if s.tls_cert else 'http'}://{_host_port(s.http_host, ready['http_port'])}"
+    lines.append(
+        f"HTTP listening on {url}/ (pool map at {url}/, API docs at {url}/docs, "
+        f"metrics at {url}/metrics)"
+    )
+    lines.append(f"host pool in shared memory /dev/shm/{ready['shm_name']}")
+    return lines
 
 
 def serve(settings: Settings) -> int:

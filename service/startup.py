@@ -26,30 +26,47 @@ MAX_UNIX_PATH = 107  # sun_path holds 108 bytes, the last one a NUL
 
 
 class StartupError(Exception):
-    """The daemon cannot start as configured; the message says what to change."""
+    """The daemon cannot start as configured; the message says what to change.
+
+    ``setting`` is the Settings field at fault and ``value`` its value (None when no single
+    setting is), so the CLI can say where the value came from (a flag or an env var);
+    ``str()`` reads ``--flag value: reason``."""
+
+    def __init__(self, reason: str, setting: str | None = None, value: object = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.setting = setting
+        self.value = value
+
+    def __str__(self) -> str:
+        if self.setting is None:
+            return self.reason
+        flag = "--" + self.setting.replace("_", "-")
+        shown = f"{flag} {self.value}" if self.value is not None else flag
+        return f"{shown}: {self.reason}"
 
 
 def preflight(settings: Settings) -> socket.socket:
     """Check what can be checked before the pool is allocated; returns the bound (not yet
     listening) HTTP socket. StartupError naming the setting at fault."""
     check_tls(settings)
-    for flag, path in unix_sockets(settings):
-        check_unix_socket(path, flag)
+    for setting, path in unix_sockets(settings):
+        check_unix_socket(path, setting)
     check_shm_room(settings)
-    check_tcp_port_free(settings.grpc_host, settings.grpc_port, "gRPC", "--grpc-port")
+    check_tcp_port_free(settings.grpc_host, settings.grpc_port, "gRPC", "grpc")
     return bind_http(settings)
 
 
 def unix_sockets(settings: Settings) -> list[tuple[str, Path]]:
-    """(flag, path) of each Unix socket the daemon will listen on that is known up front."""
+    """(setting, path) of each Unix socket the daemon will listen on that is known up front."""
     out = []
     if settings.grpc_socket is not None:
-        out.append(("--grpc-socket", settings.grpc_socket))
+        out.append(("grpc_socket", settings.grpc_socket))
         if settings.uds_sessions:  # the session socket beside it
-            out.append(("--grpc-socket", settings.grpc_socket.with_name(
+            out.append(("grpc_socket", settings.grpc_socket.with_name(
                 settings.grpc_socket.name + UDS_SUFFIX)))  # fmt: skip
     if settings.ipc_socket is not None:  # the fd socket, when set explicitly
-        out.append(("--ipc-socket", settings.ipc_socket))
+        out.append(("ipc_socket", settings.ipc_socket))
     return out
 
 
@@ -57,58 +74,64 @@ def check_tls(settings: Settings) -> None:
     cert, key = settings.tls_cert, settings.tls_key
     if cert is None or key is None:
         return
-    for flag, path in (("--tls-cert", cert), ("--tls-key", key)):
+    for field, path in (("tls_cert", cert), ("tls_key", key)):
         try:
             path.read_bytes()
         except FileNotFoundError:
-            raise StartupError(f"{flag} {path}: no such file") from None
+            raise StartupError("no such file", field, path) from None
         except IsADirectoryError:
-            raise StartupError(f"{flag} {path}: is a directory, not a PEM file") from None
+            raise StartupError("is a directory, not a PEM file", field, path) from None
         except PermissionError:
             raise StartupError(
-                f"{flag} {path}: not readable by this user (uid {os.getuid()})"
+                f"not readable by this user (uid {os.getuid()})", field, path
             ) from None
         except OSError as exc:
-            raise StartupError(f"{flag} {path}: cannot read it ({exc.strerror})") from None
+            raise StartupError(f"cannot read it ({exc.strerror})", field, path) from None
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         context.load_cert_chain(cert, key)
     except (ssl.SSLError, ValueError) as exc:
         reason = getattr(exc, "reason", None) or str(exc)
         raise StartupError(
-            f"--tls-cert {cert} / --tls-key {key}: not a PEM certificate and its private "
-            f"key ({reason})"
+            f"not a PEM certificate and its private key ({reason}), with --tls-key {key}",
+            "tls_cert",
+            cert,
         ) from None
 
 
-def check_unix_socket(path: Path, flag: str) -> None:
+def check_unix_socket(path: Path, setting: str) -> None:
     """A path a Unix socket can be bound at: short enough, in a directory this user can
-    write (made if missing), with no file or live socket there (a stale socket goes)."""
+    write (made if missing), with no file or live socket there (a stale socket goes).
+    ``setting``: the Settings field that places it (``grpc_socket``, ``ipc_socket``)."""
     size = len(os.fsencode(path))
     if size > MAX_UNIX_PATH:
         raise StartupError(
-            f"{flag} {path}: {size} bytes, longer than a Unix socket path may be "
-            f"({MAX_UNIX_PATH}); choose a shorter path"
+            f"{size} bytes, longer than a Unix socket path may be ({MAX_UNIX_PATH}); "
+            "choose a shorter path",
+            setting,
+            path,
         )
     try:
         prepare_socket_path(path)
     except FileExistsError:
         raise StartupError(
-            f"{flag} {path}: exists and is not a socket; remove it or choose another path"
+            "exists and is not a socket; remove it or choose another path", setting, path
         ) from None
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise StartupError(
-                f"{flag} {path}: another process listens there (a running daemon?); stop it "
-                "or choose another path"
+                "another process listens there (a running daemon?); stop it or choose another path",
+                setting,
+                path,
             ) from None
         raise StartupError(
-            f"{flag} {path}: cannot create its directory {path.parent} ({exc.strerror})"
+            f"cannot create its directory {path.parent} ({exc.strerror})", setting, path
         ) from None
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise StartupError(
-            f"{flag} {path}: its directory {path.parent} is not writable by this user "
-            f"(uid {os.getuid()})"
+            f"its directory {path.parent} is not writable by this user (uid {os.getuid()})",
+            setting,
+            path,
         )
 
 
@@ -126,7 +149,9 @@ def check_shm_room(settings: Settings) -> None:
         raise StartupError(
             f"no room for a {format_size(settings.host_pool_bytes)} host pool in {SHM_DIR} "
             f"({format_size(free)} free): lower --host-pool-bytes or enlarge {SHM_DIR} "
-            "(docker run --shm-size; a memory-backed emptyDir in Kubernetes)"
+            "(docker run --shm-size; a memory-backed emptyDir in Kubernetes)",
+            "host_pool_bytes",
+            settings.host_pool_bytes,
         )
 
 
@@ -134,8 +159,9 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
 
 
-def check_tcp_port_free(host: str, port: int, what: str, flag: str) -> None:
-    """Refuse a port another process listens on (a probe bind; port 0 is always free)."""
+def check_tcp_port_free(host: str, port: int, what: str, plane: str) -> None:
+    """Refuse a port another process listens on (a probe bind; port 0 is always free).
+    ``plane``: ``grpc`` or ``http``, whose ``<plane>_host``/``<plane>_port`` settings these are."""
     if port == 0:
         return
     probe = socket.socket(_family(host), socket.SOCK_STREAM)
@@ -143,7 +169,7 @@ def check_tcp_port_free(host: str, port: int, what: str, flag: str) -> None:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will
         probe.bind((host.strip("[]"), port))
     except OSError as exc:
-        raise StartupError(_bind_message(what, host, port, flag, exc)) from None
+        raise _bind_error(what, host, port, plane, exc) from None
     finally:
         probe.close()
 
@@ -159,21 +185,34 @@ def bind_http(settings: Settings) -> socket.socket:
         sock.bind((host.strip("[]"), settings.http_port))
     except OSError as exc:
         sock.close()
-        message = _bind_message("HTTP", host, settings.http_port, "--http-port", exc)
-        raise StartupError(message) from None
+        raise _bind_error("HTTP", host, settings.http_port, "http", exc) from None
     sock.setblocking(False)
     return sock
 
 
-def _bind_message(what: str, host: str, port: int, flag: str, exc: OSError) -> str:
-    host_flag = "--grpc-host" if flag == "--grpc-port" else "--http-host"
+def _bind_error(what: str, host: str, port: int, plane: str, exc: OSError) -> StartupError:
+    flag, host_flag = f"--{plane}-port", f"--{plane}-host"
     if exc.errno == errno.EADDRINUSE:
-        return (
+        return StartupError(
             f"{what} port {host}:{port} is in use by another process (a daemon running "
-            f"already?): stop it, or choose another {flag} (0 picks a free one)"
+            f"already?): stop it, or choose another {flag} (0 picks a free one)",
+            f"{plane}_port",
+            port,
         )
     if exc.errno == errno.EACCES:
-        return f"{what} port {host}:{port} needs privileges this user lacks: choose {flag} >= 1024"
+        return StartupError(
+            f"{what} port {host}:{port} needs privileges this user lacks: choose {flag} >= 1024",
+            f"{plane}_port",
+            port,
+        )
     if exc.errno == errno.EADDRNOTAVAIL:
-        return f"{what} address {host} is not one of this machine's: fix {host_flag}"
-    return f"cannot bind {what} to {host}:{port} ({exc.strerror or exc}): check {host_flag}/{flag}"
+        return StartupError(
+            f"{what} address {host} is not one of this machine's: fix {host_flag}",
+            f"{plane}_host",
+            host,
+        )
+    return StartupError(
+        f"cannot bind {what} to {host}:{port} ({exc.strerror or exc}): check {host_flag}/{flag}",
+        f"{plane}_port",
+        port,
+    )

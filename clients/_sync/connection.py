@@ -35,6 +35,7 @@ from embcache.clients._backends.sync_uds import Address, UdsSession
 from embcache.clients.core.capabilities import Capabilities, HostFallbacks
 from embcache.clients.core.channel import auth_metadata
 from embcache.clients.core.errors import RpcFailed, from_call_error, translate
+from embcache.clients.core.identity import default_client_name, default_token
 from embcache.clients.core.requests import renew_request
 from embcache.clients.core.retry import backoff_s, is_unknown_session, retry_step, should_retry
 from embcache.clients.core.session_calls import SessionLost, serves
@@ -72,7 +73,7 @@ class Connection:
         tls: bool = False,
         private_key: bytes | None = None,
         certificate_chain: bytes | None = None,
-        client_name: str = "",
+        client_name: str | None = None,
         options: Sequence[tuple[str, Any]] = (),
         session_lane: bool = True,
         spin_us: int = SPIN_US,
@@ -82,14 +83,17 @@ class Connection:
 
         Args:
             target: ``unix:/path``, a bare absolute path (a Unix socket), or ``host:port``.
-            token: the daemon's bearer token, when it has one.
+            token: the daemon's bearer token, when it has one (default: the
+                ``EMBCACHE_AUTH_TOKEN`` environment variable, as the CLI reads it; ``""``:
+                none).
             timeout: the deadline of every call, in seconds.
             retries: how many times a call is tried again while the daemon is UNAVAILABLE.
             root_certificates: PEM roots for TLS (implies ``tls``).
             tls: connect over TLS with the system's roots.
             private_key, certificate_chain: a client certificate (PEM), for a daemon that
                 verifies one (mTLS; implies ``tls``).
-            client_name: shown by the daemon for this client's session.
+            client_name: shown by the daemon for this client's session (default:
+                ``<program>:<pid>``, e.g. ``encode.py:12345``).
             options: extra gRPC channel options, after embcache's own.
             session_lane: use the daemon's session socket when it has one (False: always
                 a gRPC Session stream).
@@ -115,10 +119,11 @@ class Connection:
         self._copy_gets_up_to = max(0, int(copy_gets_up_to))
         self.timeout = timeout
         self.retries = retries
+        token = default_token(token)
         self._auth = auth_metadata(token)
         self._token = token
         # The daemon keeps 256 characters, and reads a first message of a few KiB only.
-        self._client_name = client_name[:256]
+        self._client_name = default_client_name(client_name)[:256]
         self._uds = uds_path(target) if session_lane else None
         self._spin_s = max(spin_us, 0) / 1e6
         secure = tls or root_certificates is not None or private_key is not None
@@ -375,7 +380,7 @@ class Connection:
         if self._views.unsent and not len(self._views):
             self._send_unsent()
         if len(self._views):
-            log.debug("the session ends once %d views are gone", len(self._views))
+            log.debug("the session ends once its views are gone (%d left)", len(self._views))
             self._pump = Pump(self._tend_views, "embcache-views-closing")
             self._pump.poke()
             return
@@ -515,7 +520,9 @@ class Connection:
                 lambda md, to: self._stub.Renew(request, timeout=to, metadata=metadata)
             )
         except EmbCacheError as exc:
-            log.info("renewing %d leases of live views failed: %s", len(lease_ids), exc)
+            log.info(
+                "renewing the leases of live views failed (%d of them): %s", len(lease_ids), exc
+            )
             self._views.retry_later(lease_ids, 1.0)
             return
         if reply.renewed >= len(set(lease_ids)):

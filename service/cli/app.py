@@ -1,11 +1,11 @@
 """The ``embcache`` command: ``serve`` here, the operator commands from ``cli/ops.py``."""
 
-import logging
 from typing import Annotated
 
 import typer
 
-from embcache.service.cli.settings import with_settings
+from embcache.service.cli.refusals import SettingSources, refuse
+from embcache.service.cli.settings import PlainHelpCommand, with_settings
 from embcache.service.config import Settings
 
 app = typer.Typer(
@@ -40,21 +40,31 @@ def _main(
     """GPU embedding cache for disaggregated multimodal serving."""
 
 
-@app.command()
+@app.command(cls=PlainHelpCommand, context_settings={"max_content_width": 100})
 @with_settings
-def serve(settings: Settings) -> None:
-    """Run the daemon (gRPC + HTTP) with the given settings; CPU mode without a GPU."""
+def serve(settings: Settings, sources: SettingSources) -> None:
+    """Run the daemon (gRPC + HTTP) with the given settings; CPU mode without a GPU.
+
+    Every setting is a flag or an EMBCACHE_<NAME> environment variable (a flag wins). Sizes
+    take units (4GiB, 256KiB); on|off settings also take true/false, 1/0, yes/no.
+    """
     from embcache.service.daemon import serve as run_daemon
     from embcache.service.host.host_pool import PoolInUseError
     from embcache.service.startup import StartupError
 
     try:
         code = run_daemon(settings)
-    except (StartupError, PoolInUseError, OSError) as exc:
+    except StartupError as exc:
+        reason = exc.reason
+        if exc.setting is not None:
+            reason = f"{sources.describe(exc.setting, exc.value)}: {exc.reason}"
+        refuse([reason])
+        raise typer.Exit(1) from None
+    except (PoolInUseError, OSError) as exc:
         message = str(exc)
         if isinstance(exc, OSError) and exc.filename is None and exc.strerror:
             message = exc.strerror  # without the "[Errno N]" prefix
-        logging.getLogger("embcache").error("cannot start: %s", message)
+        refuse([message])
         raise typer.Exit(1) from None
     raise typer.Exit(code)
 

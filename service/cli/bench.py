@@ -13,13 +13,23 @@ from urllib.parse import urlsplit
 import typer
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from embcache.service.cli.output import console, fail
+from embcache.service.cli.output import (
+    JsonOpt,
+    console,
+    fail,
+    print_json,
+    print_tsv,
+    to_terminal,
+)
 from embcache.service.cli.target import CaOpt, TargetOpt, TokenOpt, http_url
 
 
 def default_bench_dir() -> Path:
-    """``bench/`` beside the package root (present in a source checkout)."""
-    return Path(__file__).resolve().parent.parent / "bench"
+    """``bench/`` at the package root: the repository root is the package ``embcache``, so a
+    source checkout (and an editable install of it) has it; a wheel does not ship it."""
+    import embcache
+
+    return Path(embcache.__file__).resolve().parent / "bench"
 
 
 def find_benchmarks(bench_dir: Path, only: list[str] | None) -> list[Path]:
@@ -50,18 +60,38 @@ def bench(
     script_args: Annotated[
         list[str] | None, typer.Argument(help="After --: arguments for every script.")
     ] = None,
+    as_json: JsonOpt = False,
     target: TargetOpt = None,
     token: TokenOpt = None,
     ca_cert: CaOpt = None,
 ) -> None:
-    """Run the benchmarks in bench/ with progress bars and print their tables."""
+    """Run the benchmarks in bench/ with progress bars and print their tables (--json: one
+    document with each script's exit code, seconds and output)."""
     folder = bench_dir or default_bench_dir()
-    scripts = find_benchmarks(folder, only) if folder.is_dir() else []
+    if not folder.is_dir():
+        if bench_dir is None:
+            raise fail(
+                f"no bench/ folder at {folder}: the benchmarks ship with the source "
+                "repository, not with an installed package; run from a clone, or give "
+                "--bench-dir",
+                code=2,
+            )
+        raise fail(f"--bench-dir {folder}: no such folder", code=2)
+    scripts = find_benchmarks(folder, only)
     if not scripts:
-        raise fail(f"no benchmark scripts found in {folder}", code=2)
+        wanted = f" named {', '.join(only)}" if only else ""
+        raise fail(f"no benchmark scripts{wanted} in {folder}", code=2)
     if list_only:
-        for script in scripts:
-            console.print(script.stem)
+        if as_json:
+            print_json([p.stem for p in scripts])
+        elif to_terminal():
+            for script in scripts:
+                console.print(script.stem, highlight=False)
+        else:
+            print_tsv(("script",), [(p.stem,) for p in scripts])
+        return
+    if as_json:
+        _bench_json(scripts, script_args or [], _bench_env(target, token, ca_cert), timeout)
         return
     failed: list[str] = []
     columns = (
@@ -90,6 +120,21 @@ def bench(
         progress.update(overall, description="benchmarks done")
     if failed:
         raise fail(f"failed: {', '.join(failed)}")
+
+
+def _bench_json(scripts: list[Path], args: list[str], env: dict[str, str], timeout: float) -> None:
+    """Run every script without progress bars and print one JSON document of the results;
+    exit 1 when one failed."""
+    results = []
+    for script in scripts:
+        started = time.monotonic()
+        rc, out, err = _run_script([script, *args], env, timeout)
+        results.append({"script": script.stem, "exit_code": rc,
+                        "seconds": round(time.monotonic() - started, 3),
+                        "stdout": out, "stderr": err[-2000:] if rc else ""})  # fmt: skip
+    print_json({"results": results})
+    if any(r["exit_code"] != 0 for r in results):
+        raise typer.Exit(1)
 
 
 def _run_script(argv: list[Any], env: dict[str, str], timeout: float) -> tuple[int, str, str]:

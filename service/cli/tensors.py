@@ -9,7 +9,14 @@ from typing import Annotated, Any
 import typer
 
 from embcache.errors import EmbCacheError
-from embcache.service.cli.output import console, fail
+from embcache.service.cli.output import (
+    JsonOpt,
+    console,
+    fail,
+    print_json,
+    print_tsv,
+    to_terminal,
+)
 from embcache.service.cli.target import CaOpt, Daemon, TargetOpt, TokenOpt
 from embcache.service.sizes import format_size
 
@@ -95,6 +102,7 @@ def put(
     file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help=".npy/.safetensors")],
     key: Annotated[str, typer.Argument(help="Cache key.")],
     tensor: TensorOpt = None,
+    as_json: JsonOpt = False,
     target: TargetOpt = None,
     token: TokenOpt = None,
     ca_cert: CaOpt = None,
@@ -107,18 +115,14 @@ def put(
     daemon = Daemon.of(target, token, ca_cert)
     with _grpc_client(daemon) as client, _rpc_errors(f"put {key!r}"):
         created = client.put(key, value)
-    verb = "stored" if created else "already present:"
-    console.print(
-        f"{verb} {key} {str(value.dtype).removeprefix('torch.')} "
-        f"{list(value.shape)} ({format_size(value.numel() * value.element_size())})",
-        highlight=False,
-    )
+    _report(key, "stored" if created else "present", value, None, as_json)
 
 
 def get(
     key: Annotated[str, typer.Argument(help="Cache key.")],
     file: Annotated[Path, typer.Argument(dir_okay=False, help="Output .npy/.safetensors")],
     tensor: TensorOpt = None,
+    as_json: JsonOpt = False,
     target: TargetOpt = None,
     token: TokenOpt = None,
     ca_cert: CaOpt = None,
@@ -136,4 +140,23 @@ def get(
         save_tensor(value, file, tensor or "embedding")
     except (ValueError, OSError) as exc:
         raise fail(str(exc)) from None
-    console.print(f"wrote {file} {list(value.shape)}", highlight=False)
+    _report(key, "written", value, file, as_json)
+
+
+def _report(key: str, result: str, value: Any, file: Path | None, as_json: bool) -> None:
+    """What ``put`` or ``get`` did, in the form stdout asks for (``output.py``)."""
+    dtype = str(value.dtype).removeprefix("torch.")
+    nbytes = value.numel() * value.element_size()
+    doc = {"key": key, "result": result, "dtype": dtype, "shape": list(value.shape),
+           "nbytes": nbytes, "file": None if file is None else str(file)}  # fmt: skip
+    if as_json:
+        print_json(doc)
+    elif not to_terminal():
+        shape = "x".join(map(str, value.shape))
+        print_tsv(tuple(doc), [tuple({**doc, "shape": shape}.values())])
+    elif file is not None:
+        console.print(f"wrote {file} {dtype} {list(value.shape)}", highlight=False)
+    else:
+        verb = "stored" if result == "stored" else "already present:"
+        console.print(f"{verb} {key} {dtype} {list(value.shape)} ({format_size(nbytes)})",
+                      highlight=False)  # fmt: skip

@@ -5,9 +5,13 @@ The same segment serves both tiers of readers: CPU clients on the node map it by
 (``cudaHostRegister``, portable + mapped), so GPUs copy from it at link speed
 (docs/facts.md, "One shared-memory segment as the pinned host pool").
 
-An exclusive ``flock`` on the segment marks it as owned by a live daemon. A segment left by
-a daemon that died is recognised by a free lock and replaced at start; one whose lock is
-held belongs to a running daemon, and starting a second daemon on it fails.
+An exclusive ``flock`` on the segment marks it as owned by a live daemon, from the moment
+its name appears: a segment is created under a hidden name, locked, and only then linked
+to its own name, so no other daemon ever finds it unlocked while its owner lives. A
+segment whose lock is free was left behind (by a daemon that died, or kept by a clean stop
+for a warm restart) and is replaced or removed at start, whatever its age; one whose lock
+is held belongs to a running daemon, and starting a second daemon on it fails. No lock file
+is made: the segment is its own lock.
 
 A warm restart (``docs/restart.md``) passes ``keep``: a stale segment that ``keep`` accepts
 is adopted as it is (its bytes stay; ``adopted`` says so) instead of being replaced, and
@@ -24,7 +28,6 @@ import os
 import re
 import secrets
 import stat
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +42,6 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 _NAME_TRIES = 8  # fresh random names tried before giving up
-_FRESH_S = 5.0  # a segment younger than this may be a starting daemon's: never removed
 # Files beside a segment: pool_index.py's warm-restart index, read_table.py's table.
 INDEX_SUFFIXES = (".index", ".index.tmp", ".reads")
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
@@ -121,17 +123,15 @@ class HostPool:
 
     # -- segment life cycle --------------------------------------------------------------
     def _create_segment(self, exclusive: bool) -> int:
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
+        fd = _link_locked(self.path)
+        if fd is None:
             if exclusive:
-                raise
+                raise FileExistsError(errno.EEXIST, "segment exists", str(self.path))
             fd = self._reclaim_stale()
             if self.adopted:
                 os.fchmod(fd, self._mode)
                 return fd  # locked, sized and full of the old daemon's bytes
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.fchmod(fd, self._mode)  # explicit: the umask does not decide who may map it
             # fallocate reserves the tmpfs blocks now: a pool larger than /dev/shm fails
             # here with ENOSPC instead of with SIGBUS on first touch.
@@ -175,10 +175,16 @@ class HostPool:
                 reason,
             )
         else:
-            log.warning("replacing stale shared-memory segment %s left by a dead daemon", self.name)
-        os.unlink(self.path)
+            log.warning("replacing shared-memory segment %s: %s", self.name, left_by(self.path))
+        _unlink_segment(self.path)
         os.close(fd)
-        return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        new = _link_locked(self.path)
+        if new is None:  # another daemon took the name in between
+            raise PoolInUseError(
+                f"shared-memory segment {self.name!r} was just taken by another daemon: stop "
+                "it, or give this one another --shm-name (or --grpc-port)"
+            )
+        return new
 
     def _register_cuda(self) -> None:
         from embcache.kernels import register_host_memory
@@ -240,6 +246,40 @@ class HostPool:
         return page_byte_runs(runs, self.page_bytes, nbytes)
 
 
+def _link_locked(path: Path) -> int | None:
+    """A new, empty segment at ``path``, locked before its name exists (module docstring);
+    None when ``path`` exists. The hidden name never matches a ``<prefix>-*`` glob."""
+    hidden = path.with_name(f".{path.name}.{secrets.token_hex(4)}.new")
+    fd = os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new inode: nobody else holds it
+        os.link(hidden, path)  # atomic, and fails if the name exists
+    except FileExistsError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        hidden.unlink(missing_ok=True)
+    return fd
+
+
+def left_by(path: Path) -> str:
+    """Who left an unlocked segment: a clean stop keeps its warm-restart index beside it;
+    without one, its daemon died (or was killed) before removing it."""
+    if path.with_name(path.name + INDEX_SUFFIXES[0]).exists():
+        return "left with its index by a daemon that stopped (kept for a warm restart)"
+    return "left by a daemon that did not stop cleanly"
+
+
+def _unlink_segment(path: Path) -> None:
+    """Remove a segment and the files beside it (its index, its read table)."""
+    path.unlink(missing_ok=True)
+    for suffix in INDEX_SUFFIXES:
+        path.with_name(path.name + suffix).unlink(missing_ok=True)
+
+
 def _open_own(path: Path) -> int:
     """Open an existing segment for reclaiming; PoolInUseError if it is another user's (a
     name another local user took first is never adopted or replaced)."""
@@ -269,14 +309,13 @@ def unique_host_pool(prefix: str, nbytes: int, page_bytes: int, **options: Any) 
     raise PoolInUseError(f"no free shared-memory name with prefix {prefix!r}; try again")
 
 
-def unheld_segment(path: Path, min_age_s: float = 0.0) -> os.stat_result | None:
-    """``path``'s stat when it is a regular file of this user, at least ``min_age_s`` old,
-    that no live daemon holds (a daemon that died left its flock free); None otherwise."""
+def unheld_segment(path: Path) -> os.stat_result | None:
+    """``path``'s stat when it is a regular file of this user that no live daemon holds (a
+    daemon's flock is taken before its segment's name exists and goes only with it);
+    None otherwise."""
     try:
         st = path.lstat()
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-            return None
-        if time.time() - st.st_ctime < min_age_s:
             return None
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
@@ -291,18 +330,15 @@ def unheld_segment(path: Path, min_age_s: float = 0.0) -> os.stat_result | None:
 
 
 def remove_stale_segments(prefix: str) -> int:
-    """Remove ``<prefix>-*`` segments of this user that no live daemon holds (the flock of a
-    daemon that died is free); returns how many went."""
+    """Remove ``<prefix>-*`` segments of this user that no live daemon holds (their lock is
+    free: module docstring), with the files beside them; returns how many went."""
     removed = 0
     for path in sorted(SHM_DIR.glob(f"{prefix}-*")):
         if path.name.endswith(INDEX_SUFFIXES):
             continue  # a segment's warm-restart index, not a segment (removed with it)
-        # One younger than _FRESH_S may be a starting daemon's, not locked yet.
-        if unheld_segment(path, min_age_s=_FRESH_S) is None:
+        if unheld_segment(path) is None:
             continue
-        log.warning("removing stale shared-memory segment %s left by a dead daemon", path.name)
-        path.unlink(missing_ok=True)
-        for suffix in INDEX_SUFFIXES:
-            path.with_name(path.name + suffix).unlink(missing_ok=True)
+        log.warning("removing shared-memory segment %s, %s", path.name, left_by(path))
+        _unlink_segment(path)
         removed += 1
     return removed

@@ -42,6 +42,7 @@ from embcache.service.host.quarantine import Held, ProcessRef
 from embcache.service.host.shm_files import UntrustedFile
 from embcache.service.host.store import HostStore
 from embcache.service.host.write_holds import Written
+from embcache.service.text import plural
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +124,11 @@ class WarmStart:
             adopted = adopt(store, found, now, self.settings)
             generation = found.header.generation + 1
             log.info(
-                "warm restart: adopted %d entries (%d bytes), %d holds and %d writes of live "
-                "processes; %d records dropped as invalid, %d refused as a put would%s",
-                adopted.entries, adopted.nbytes, adopted.holds, adopted.write_holds,
-                adopted.dropped_invalid, adopted.dropped_refused,
+                "warm restart: adopted %s (%d bytes), %s and %s of live processes; "
+                "%s dropped as invalid, %s refused as a put would%s",
+                plural(adopted.entries, "entry"), adopted.nbytes, plural(adopted.holds, "hold"),
+                plural(adopted.write_holds, "write"), plural(adopted.dropped_invalid, "record"),
+                plural(adopted.dropped_refused, "record"),
                 " (a torn tail dropped)" if found.torn else "",
             )  # fmt: skip
         else:

@@ -91,7 +91,7 @@ async def start_data_plane(
             await uds.start()
         if uds is not None and tcp:
             servicer.tcp_lane_port = await uds.start_tcp(settings.grpc_host, settings.tcp_lane_port)
-            log.info("session socket on TCP at %s:%d", settings.grpc_host, servicer.tcp_lane_port)
+            log.debug("session socket on TCP at %s:%d", settings.grpc_host, servicer.tcp_lane_port)
         grpc_service = await start_grpc(engine, settings, metrics, servicer)
     except BaseException:
         if uds is not None:

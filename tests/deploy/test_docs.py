@@ -40,3 +40,82 @@ def test_the_daemonset_budget_it_quotes(
     probe = container["startupProbe"]
     quoted = f"{probe['failureThreshold']} x {probe['periodSeconds']} s"
     assert quoted in guide
+
+
+# -- what the repository says of itself: the product, not a machine or the history of the work
+_MACHINE_PATH = re.compile(
+    r"(?<![\w.-])/(?:"
+    r"home/[a-z_][\w.-]*/"  # a user's home
+    r"|root/(?!\.cache/pip\b)"  # root's home (a container build's pip cache mount is fine)
+    r"|work/"  # a workspace of some machine
+    r"|tmp/(?:pytest-of-|tmp[\w]{6,}|[\w.-]+-\d{3,}/)"  # a run's temporary folder
+    r"|[\w./-]*?/(?:site-packages|\.venv|\.pyenv)/"  # an installed environment
+    r")"
+)
+_HISTORY = re.compile(
+    r"\b(?:issues?\s+#?\d+|#\d{1,4}\b(?!\w)"  # issue numbers
+    r"|(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth"
+    r"|thirteenth|\d+(?:st|nd|rd|th))\s+session\b(?!\s+(?:of\s+)?(?:call|socket))"
+    r"|session\s+of\s+the\s+day|scratch\s+runs?|the\s+H200\s+host|rounds?\s+\d+\b)",
+    re.IGNORECASE,
+)
+_TEXT_SUFFIXES = {".md", ".py", ".log", ".txt", ".json", ".toml", ".yaml", ".yml", ".sh", ".cfg",
+                  ".ini", ".service", ".proto", ".html", ".js", ".css", ""}  # fmt: skip
+
+
+def _tracked(repo: Path) -> list[Path]:
+    import subprocess
+
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=repo, capture_output=True, timeout=60)
+    if out.returncode != 0:
+        pytest.skip("not a git checkout")
+    names = [n for n in out.stdout.decode().split("\0") if n]
+    return [repo / n for n in names if Path(n).suffix in _TEXT_SUFFIXES and (repo / n).is_file()]
+
+
+def test_no_tracked_file_names_a_machine_path(repo: Path) -> None:
+    found = []
+    for path in _tracked(repo):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            if match := _MACHINE_PATH.search(line):
+                found.append(f"{path.relative_to(repo)}:{number}: {match.group(0)}")
+    assert not found, "\n".join(found[:40])
+
+
+def test_the_docs_describe_the_product_not_the_history_of_the_work(repo: Path) -> None:
+    pages = [*sorted((repo / "docs").glob("*.md")), repo / "README.md", repo / "CHANGELOG.md"]
+    pages += sorted((repo / "bench").glob("*.py"))
+    found = []
+    for path in pages:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if match := _HISTORY.search(line):
+                found.append(f"{path.relative_to(repo)}:{number}: {match.group(0)}")
+    assert not found, "\n".join(found[:60])
+
+
+@pytest.mark.parametrize(
+    ("text", "bad"),
+    [("see issue 30", True), ("(issue #28)", True), ("the eleventh session", True),
+     ("Twelfth session (1a7dcfe)", True), ("a scratch run", True), ("on the H200 host", True),
+     ("a session-socket round trip", False), ("the first session call", False),
+     ("an H200 (commit 1a7dcfe)", False)],
+)  # fmt: skip
+def test_history_pattern(text: str, bad: bool) -> None:
+    assert bool(_HISTORY.search(text)) is bad
+
+
+@pytest.mark.parametrize(
+    ("text", "bad"),
+    [("/" "root/work/x.log", True), ("/" "home/alice/src", True), ("/" "work/wt/x", True),
+     ("/opt/torch/" ".venv/lib/python3.12/site-packages/torch", True),
+     ("/tmp/" "pytest-of-root/p0", True),
+     ("/opt/embcache/bin/python", False), ("/dev/shm/embcache-7470", False),
+     ("--mount=type=cache,target=/root/.cache/pip", False), ("/tmp/embcache-7470.fds", False)],
+)  # fmt: skip
+def test_machine_path_pattern(text: str, bad: bool) -> None:
+    # (the paths above are split in two so that this file does not name them itself)
+    assert bool(_MACHINE_PATH.search(text)) is bad

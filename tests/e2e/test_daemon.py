@@ -50,7 +50,7 @@ def test_notify_modes_and_drain(tmp_path: Path, start_daemon) -> None:  # type: 
 @pytest.mark.parametrize(
     ("flags", "field"),
     [
-        (["--grpc-host", "0.0.0.0"], "auth_token"),
+        (["--grpc-host", "0.0.0.0"], "--auth-token"),
         (["--shm-mode", "0777"], "--shm-mode"),
         (["--page-bytes", "1000"], "--page-bytes"),
     ],

@@ -51,5 +51,30 @@ def test_one_format_and_one_ready_event(fmt: str) -> None:
             loggers.add(line.split()[3].rstrip(":"))
             message = line[match.end() :]
         assert not message.startswith("ready"), line  # the event is on stdout only
-    assert any(name.startswith("uvicorn") for name in loggers), loggers
-    assert any(name.startswith("embcache") for name in loggers), loggers
+    assert all(name.startswith("embcache") for name in loggers), loggers  # uvicorn's too
+    ready = json.loads(stdout[0])
+    messages = [json.loads(line)["message"] if fmt == "json" else line for line in stderr]
+    text = "\n".join(messages)
+    # One line per listener, the HTTP one with its URL and the paths an operator opens.
+    http = f"http://127.0.0.1:{ready['http_port']}"
+    assert f"gRPC listening on 127.0.0.1:{ready['grpc_port']}" in text
+    assert f"session socket listening on TCP 127.0.0.1:{ready['tcp_lane_port']}" in text
+    assert f"HTTP listening on {http}/" in text
+    for path in ("/docs", "/metrics"):
+        assert f"{http}{path}" in text
+    assert sum("listening on" in m for m in messages) == 3, messages
+    # Nothing of uvicorn's start-up chatter, no packaging warnings.
+    assert "Waiting for application startup" not in text and "Started server process" not in text
+    assert "setuptools" not in text and "absent from the" not in text
+
+
+def test_unix_socket_listeners_are_announced() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="ecl-") as folder:
+        sock = f"{folder}/d.sock"
+        _, stderr = run_daemon("--grpc-socket", sock, "--tcp-lane", "off")
+        text = "\n".join(stderr)
+    assert f"gRPC listening on unix:{sock}" in text
+    assert f"session socket listening on unix:{sock}.lane" in text
+    assert "session socket listening on TCP" not in text

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import uuid
@@ -16,18 +17,27 @@ import pytest
 from embcache.service.daemon_process import serve_command
 from embcache.service.host.host_pool import SHM_DIR
 
+TEXT_REFUSAL = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ERROR embcache: cannot start: ")
 
-def refused(*flags: str, code: int = 1) -> str:
-    """Run ``embcache serve`` that must refuse to start; its one stderr line."""
+
+def refused(*flags: str, code: int = 1, env: dict[str, str] | None = None) -> str:
+    """Run ``embcache serve`` that must refuse to start; its one stderr line, in the one
+    format of every refusal, without pydantic's words."""
     name = f"embcache-refused-{uuid.uuid4().hex[:8]}"
     cmd = serve_command("--host-pool-bytes", "16MiB", "--shm-name", name, *flags)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBCACHE_")}
+    for var in env or {}:  # a setting given by the environment: no flag for it
+        flag = "--" + var.removeprefix("EMBCACHE_").lower().replace("_", "-")
+        while flag in cmd:
+            del cmd[cmd.index(flag) : cmd.index(flag) + 2]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("EMBCACHE_")}, **(env or {})}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == code, out.stderr
     assert len(lines) == 1, out.stderr
     assert "Traceback" not in out.stderr and "Event loop is closed" not in out.stderr
     assert not (SHM_DIR / name).exists(), "a refused start leaves no segment"
+    assert "Value error" not in out.stderr and "validation error" not in out.stderr
+    assert "--log-format" in flags or TEXT_REFUSAL.match(lines[0]), lines[0]
     return lines[0]
 
 
@@ -53,6 +63,43 @@ def test_busy_grpc_port(busy_port: int) -> None:
     assert f"gRPC port 127.0.0.1:{busy_port} is in use" in line and "--grpc-port" in line
 
 
+def test_busy_port_from_the_environment_names_the_variable(busy_port: int) -> None:
+    line = refused(env={"EMBCACHE_GRPC_PORT": str(busy_port)}, code=1)
+    assert f"cannot start: EMBCACHE_GRPC_PORT={busy_port} (--grpc-port): gRPC port" in line
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "expected"),
+    [
+        (["--host-pool-bytes", "0"], {}, "cannot start: --host-pool-bytes 0: must be positive"),
+        ([], {"EMBCACHE_PAGE_BYTES": "3000"},
+         "cannot start: EMBCACHE_PAGE_BYTES=3000 (--page-bytes): must be a power of two"),
+        (["--warm-restart", "maybe"], {}, "cannot start: --warm-restart maybe: must be on or off"),
+        (["--grpc-port", "x"], {}, "cannot start: --grpc-port x: must be a whole number"),
+        (["--ipc-mode", "tcp"], {}, "cannot start: --ipc-mode tcp: must be 'fd' or 'legacy'"),
+        ([], {"EMBCACHE_GRPC_HOST": "0.0.0.0"},
+         "cannot start: EMBCACHE_GRPC_HOST=0.0.0.0 (--grpc-host): non-loopback bind "
+         "(--grpc-host 0.0.0.0) needs --auth-token, or mTLS (--tls-cert, --tls-key and "
+         "--tls-client-ca)"),
+        (["--auth-token", "two words"], {},
+         "cannot start: --auth-token <hidden>: holds spaces"),
+    ],
+)  # fmt: skip
+def test_settings_refusals_name_the_flag_or_variable(
+    flags: list[str], env: dict[str, str], expected: str
+) -> None:
+    line = refused(*flags, env=env, code=2)
+    assert expected in line, line
+    assert "two words" not in line  # a token is never echoed
+
+
+def test_settings_refusal_in_json_log_format() -> None:
+    line = refused("--log-format", "json", "--host-pool-bytes", "-1", code=2)
+    record = json.loads(line)
+    assert record["level"] == "error" and record["logger"] == "embcache"
+    assert record["message"].startswith("cannot start: --host-pool-bytes -1: ")
+
+
 def test_busy_http_port(busy_port: int) -> None:
     line = refused("--http-port", str(busy_port))
     assert f"HTTP port 127.0.0.1:{busy_port} is in use" in line and "--http-port" in line
@@ -66,7 +113,8 @@ def test_foreign_address() -> None:
 def test_json_log_format_keeps_the_one_line(busy_port: int) -> None:
     line = refused("--grpc-port", str(busy_port), "--log-format", "json")
     record = json.loads(line)
-    assert record["level"] == "error" and record["message"].startswith("cannot start: gRPC port")
+    assert record["level"] == "error"
+    assert record["message"].startswith(f"cannot start: --grpc-port {busy_port}: gRPC port")
 
 
 def test_grpc_socket_paths(sock_dir: Path) -> None:

@@ -154,7 +154,6 @@ def test_stale_segments_of_dead_daemons_are_removed(monkeypatch: pytest.MonkeyPa
     prefix = f"embcache-rel-stale-{uuid.uuid4().hex[:8]}"
     stale, live = SHM_DIR / f"{prefix}-dead", HostPool(f"{prefix}-live", 1 << 20, 1 << 16)
     stale.write_bytes(b"\0" * 4096)  # nobody holds its lock: its daemon died
-    monkeypatch.setattr(host_pool, "_FRESH_S", 0.0)
     try:
         assert host_pool.remove_stale_segments(prefix) == 1
         assert not stale.exists() and live.path.exists()  # a live daemon's is kept

@@ -141,7 +141,7 @@ async def start_grpc(
         server, servicer, health_servicer, asyncio.get_running_loop(), ports, socket_path
     )
     await service.apply_serving(True)
-    log.info(
+    log.debug(  # the daemon says where every listener is, once all are up
         "gRPC listening on %s:%s%s",
         settings.grpc_host,
         ports[0],

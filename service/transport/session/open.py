@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.service.text import plural
 from embcache.service.transport.accounting import RpcMetrics
 from embcache.service.transport.session.calls import Send, SendBytes, SessionCalls
 from embcache.service.transport.session.registry import PeerCreds, SessionRecord
@@ -57,7 +58,10 @@ class OpenSession:
         self.calls.cancel()
         if dropped:
             log.info(
-                "session %s (%s) ended; released %d leases", self.session_id, self.hello, dropped
+                "session %s (%s) ended; released %s",
+                self.session_id,
+                self.hello,
+                plural(dropped, "lease"),
             )
 
 

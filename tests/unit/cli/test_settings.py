@@ -7,7 +7,7 @@ import typer
 from typer.testing import CliRunner
 
 from embcache.service.cli import app
-from embcache.service.cli.settings import with_settings
+from embcache.service.cli.settings import PlainHelpCommand, with_settings
 from embcache.service.config import Settings
 
 
@@ -37,7 +37,7 @@ def test_renamed_settings_keep_their_old_names_for_one_release(
 
     probe = typer.Typer()
 
-    @probe.command()
+    @probe.command(cls=PlainHelpCommand)
     @with_settings
     def show(settings: Settings) -> None:
         seen.append(settings)
@@ -47,3 +47,70 @@ def test_renamed_settings_keep_their_old_names_for_one_release(
     assert seen[0].uds_sessions is False and seen[0].page_bytes == 4096
     help_text = CliRunner().invoke(probe, ["--help"], env={"COLUMNS": "250"}).output
     assert "--uds-sessions" in help_text and "--session-lane" not in help_text  # hidden
+
+
+def _serve_help(columns: int) -> str:
+    """``embcache serve --help`` as a user's terminal of ``columns`` shows it (a subprocess)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COLUMNS": str(columns)}
+    cmd = [sys.executable, "-m", "embcache.service.cli", "serve", "--help"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, check=True)
+    return out.stdout
+
+
+@pytest.mark.parametrize("columns", [80, 200])
+def test_serve_help_shows_type_default_and_env_of_every_flag_uncut(columns: int) -> None:
+    from embcache.service.cli.settings_help import env_var, format_default, metavar
+
+    text = _serve_help(columns)
+    assert "…" not in text  # nothing cut short
+    assert all(len(line) <= max(columns, 100) for line in text.splitlines())
+    words = " ".join(text.split())
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        # each flag whole, followed by its type or unit
+        assert f" {flag} {metavar(name, field)} " in f" {words} ", name
+        # the flag's own help ends with its default and its env var
+        start = words.index(f"{flag} {metavar(name, field)}")
+        part = words[start : start + 2000]
+        assert f"default: {format_default(name, field)}" in part, name
+        assert f"env: {env_var(name)}]" in part, name
+
+
+def test_help_types_and_defaults_are_the_models() -> None:
+    from embcache.service.cli.settings_help import format_default, metavar, value_range
+
+    fields = Settings.model_fields
+    assert metavar("host_pool_bytes", fields["host_pool_bytes"]) == "SIZE"
+    assert format_default("host_pool_bytes", fields["host_pool_bytes"]) == "1GiB"
+    assert format_default("page_bytes", fields["page_bytes"]) == "256KiB"
+    assert metavar("warm_restart", fields["warm_restart"]) == "on|off"
+    assert format_default("warm_restart", fields["warm_restart"]) == "on"
+    assert metavar("lease_ttl_s", fields["lease_ttl_s"]) == "SECONDS"
+    assert metavar("ipc_mode", fields["ipc_mode"]) == "fd|legacy"
+    assert metavar("grpc_socket", fields["grpc_socket"]) == "PATH"
+    assert format_default("grpc_socket", fields["grpc_socket"]) == "none"
+    assert value_range(fields["grpc_port"]) == ">= 0, <= 65535"
+    # every value the help shows as a default is one the flag takes back
+    flags = {n: format_default(n, f) for n, f in fields.items()}
+    given = {n: v for n, v in flags.items() if v not in ("none", "empty")}
+    assert Settings(**given) == Settings()
+
+
+def test_refusals_reach_stderr_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Invoked in-process (whatever handlers the process's logging has), a settings error is
+    one ``cannot start`` line per bad setting on stderr, naming flag or variable."""
+    monkeypatch.setenv("EMBCACHE_PAGE_BYTES", "1000")
+    result = CliRunner().invoke(app, ["serve", "--host-pool-bytes", "0"])
+    assert result.exit_code == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2, lines
+    assert any(
+        line.endswith("cannot start: --host-pool-bytes 0: must be positive") for line in lines
+    )
+    assert any("cannot start: EMBCACHE_PAGE_BYTES=1000 (--page-bytes): must be a power of two"
+               in line for line in lines)  # fmt: skip
+    assert "Value error" not in result.stderr and "pydantic" not in result.stderr
