@@ -146,7 +146,13 @@ class EmbCacheECConnector(ECConnectorBase):
         tensor = encoder_cache[mm_hash]
         scopes = self._bound_meta().save_scopes.get(mm_hash) or ("",)
         for scope in scopes:  # once per cache salt of the requests that needed it
-            self._saver.add(self.key_for(mm_hash, scope or None), tensor)
+            try:
+                key = self.key_for(mm_hash, scope or None)
+            except InvalidArgument as exc:  # an identifier no key can hold: not saved
+                log.warning("embcache: not saving %r: %s", mm_hash[:80], exc)
+                self._add_counts({"save_failures": 1})
+                continue
+            self._saver.add(key, tensor)
 
     def _bound_meta(self) -> EmbCacheConnectorMetadata:
         meta = self._connector_metadata

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from embcache.clients import EmbCacheClient
+from embcache.integrations.vllm.closing import close_in_background
 from embcache.integrations.vllm.metadata import StageSpec, UseSpec
 
 log = logging.getLogger("embcache.integrations.vllm")
@@ -125,6 +126,11 @@ class Loader:
         self._queue.put(done)  # FIFO: set once every earlier staging is done
         return done.wait(timeout)
 
+    def _reconnect(self) -> None:
+        """Close the client after a failure: the next staging connects afresh."""
+        client, self._client = self._client, None
+        close_in_background(client, "loader")
+
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread (bounded), drop what is staged, close the client."""
         if self._thread is not None:
@@ -155,6 +161,7 @@ class Loader:
                 self._fetch(specs, device, results)
             except Exception as exc:  # a failed staging is a miss, never a crash
                 log.warning("embcache staging failed: %s: %s", type(exc).__name__, exc)
+                self._reconnect()
                 for spec in specs:
                     results.setdefault(spec.key, f"{type(exc).__name__}: {exc}")
             with self._lock:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from embcache.clients import EmbCacheClient
+from embcache.integrations.vllm.closing import close_in_background
 
 log = logging.getLogger("embcache.integrations.vllm")
 
@@ -281,6 +282,7 @@ class Lookups:
                     self._count("breaker_trips")
             log.warning("embcache %s failed: %s: %s", what, type(exc).__name__, exc)
             log.debug("embcache %s failure", what, exc_info=True)
+            self._close_client()  # the next call connects afresh (a restarted daemon)
             return None
         with self._cv:
             self.breaker.succeeded()
@@ -288,11 +290,7 @@ class Lookups:
 
     def _close_client(self) -> None:
         client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.close()
-            except Exception as exc:  # closing must not fail a shutdown
-                log.debug("embcache lookup client close: %s", exc)
+        close_in_background(client, "lookup")
 
     def _count(self, name: str, n: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + n

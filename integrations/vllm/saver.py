@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from embcache.clients import EmbCacheClient, RpcFailed
+from embcache.integrations.vllm.closing import close_in_background
 
 log = logging.getLogger("embcache.integrations.vllm")
 
@@ -102,6 +103,11 @@ class Saver:
             self._client.close()
             self._client = None
 
+    def _reconnect(self) -> None:
+        """Close the client after the daemon failed: the next batch connects afresh."""
+        client, self._client = self._client, None
+        close_in_background(client, "saver")
+
     def _run(self) -> None:
         while True:
             batch = self._queue.get()
@@ -138,6 +144,7 @@ class Saver:
                 except (RpcFailed, OSError) as one:  # the daemon is away: so are the rest
                     log.warning("embcache: %d save(s) lost: %s", len(batch) - index, one)
                     failed += len(batch) - index
+                    self._reconnect()
                     break
                 except Exception as one:  # this item (a bad key, no room): the next may fit
                     log.warning("embcache: save of %s failed: %s", item.key, one)

@@ -229,6 +229,13 @@ class Engine:
         if wait is not None:  # background stagings land before the next step here
             wait(30)
 
-    def run(self, limit: int = 50) -> None:
-        while self.waiting and self.steps < limit:
+    def run(self, limit_s: float = 60) -> None:
+        """Step until no request waits (a real engine keeps stepping while any does),
+        pausing a little between steps as a busy engine's forward passes would."""
+        import time
+
+        end = time.monotonic() + limit_s
+        while self.waiting and time.monotonic() < end:
             self.step()
+            if self.waiting:
+                time.sleep(0.005)
