@@ -8,6 +8,7 @@ vLLM's scheduler (``vllm_kit.Engine``), with real requests and scheduler outputs
 from __future__ import annotations
 
 import importlib.util
+import os
 import pickle
 import sys
 import uuid
@@ -330,3 +331,13 @@ def test_worker_output_without_embcache_meta(model: Any, extra: dict[str, Any]) 
     with pytest.raises(InvalidArgument, match="foreign"):
         sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=object()))  # type: ignore[arg-type]
     sched.shutdown()
+
+
+def test_runs_against_the_vllm_version_asked_for() -> None:
+    """test_vllm_versions.py runs this module against another vLLM: it must be that one."""
+    import vllm
+
+    expected = os.environ.get("EMBCACHE_VLLM_EXPECT")
+    assert vllm.__version__.startswith(("0.33.", "0.34."))
+    if expected:
+        assert vllm.__version__ == expected
