@@ -229,7 +229,7 @@ class Engine:
         if wait is not None:  # background stagings land before the next step here
             wait(30)
 
-    def run(self, limit_s: float = 60) -> None:
+    def run(self, limit_s: float = 60, pause_s: float = 0.005) -> None:
         """Step until no request waits (a real engine keeps stepping while any does),
         pausing a little between steps as a busy engine's forward passes would."""
         import time
@@ -237,5 +237,5 @@ class Engine:
         end = time.monotonic() + limit_s
         while self.waiting and time.monotonic() < end:
             self.step()
-            if self.waiting:
-                time.sleep(0.005)
+            if self.waiting and pause_s:
+                time.sleep(pause_s)
