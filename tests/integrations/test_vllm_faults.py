@@ -171,11 +171,19 @@ def test_daemon_dies_between_lookup_and_load_max_tokens_1(model: Any, own_daemon
     save(model, extra, truth)
     e = engine(model, extra, truth)
     e.add(kit.request("r1", [("img", 8), ("img2", 4)], max_tokens=1))
-    e.sched.ensure_cache_available(e.waiting[0], 0)  # the lookup
-    keys = [e.sched.key_for("img"), e.sched.key_for("img2")]
-    e.sched._scheduler.lookups.wait(keys, 30)
-    assert e.sched._scheduler.lookups.answer(keys[0]).found
-    own_daemon.kill()
+
+    def kill_once_a_load_is_scheduled(out: Any) -> None:
+        meta = out.ec_connector_metadata  # the workers' loads of this step
+        scheduled = getattr(meta, "loads", None) or getattr(meta, "stage", None)
+        if scheduled and own_daemon.proc.proc.poll() is None:
+            own_daemon.kill()
+
+    for _ in range(200):  # until the lookup has found the items and a load is scheduled
+        e.step(before_worker=kill_once_a_load_is_scheduled)
+        if own_daemon.proc.proc.poll() is not None or not e.waiting:
+            break
+        time.sleep(0.01)
+    assert own_daemon.proc.proc.poll() is not None, "no load was ever scheduled"
     e.run()
     assert e.done == {"r1": "ok"} and sorted(e.encoded) == ["img", "img2"]
     assert_read_truth(e, truth)
@@ -234,20 +242,23 @@ def test_unmappable_pool_is_a_plain_lookup(
 
 
 def test_any_lookup_failure_is_a_counted_miss(
-    model: Any, own_daemon: Daemon, caplog: pytest.LogCaptureFixture
+    model: Any,
+    own_daemon: Daemon,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Whatever the lookup raises (here a bug's StopIteration) is a miss, logged and
     counted, never an exception out of ensure_cache_available."""
     truth = {"x": embeds(3, 6)}
     extra = extra_for(own_daemon)
     e = engine(model, extra, truth)
-    lookups = e.sched._scheduler.lookups
-    client = lookups._client = lookups._connect()
 
     def broken(*a: Any, **k: Any) -> Any:
         raise StopIteration
 
-    client.pin = broken
+    for call in ("get", "pin", "exists"):  # whichever the lookup uses
+        if hasattr(EmbCacheClient, call):
+            monkeypatch.setattr(EmbCacheClient, call, broken)
     e.add(kit.request("r1", [("x", 3)]))
     with caplog.at_level(logging.WARNING, logger="embcache.integrations.vllm"):
         e.run()

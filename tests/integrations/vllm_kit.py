@@ -187,8 +187,9 @@ class Engine:
     def add(self, req: Any) -> None:
         self.waiting.append(req)
 
-    def step(self) -> None:
-        """One schedule, execute, update_from_output."""
+    def step(self, before_worker: Any = None) -> None:
+        """One schedule, execute, update_from_output; ``before_worker(scheduler_output)``
+        runs between the scheduler's step and the worker's (a fault to inject there)."""
         from vllm.v1.outputs import ECConnectorOutput
 
         self.steps += 1
@@ -205,6 +206,8 @@ class Engine:
                 sched.update_state_after_alloc(req, index)
             scheduled.append(req)
         out = scheduler_output(sched.build_connector_meta(scheduler_output(None)))
+        if before_worker is not None:
+            before_worker(out)
         with self.active.maybe_get_output(out) as output:
             for identifier in encode_now:  # the model runner's encoder
                 self.cache[identifier] = self.encode(identifier)
