@@ -98,6 +98,9 @@ class SchedulerSide:
         self._drop: set[str] = set()
         self._save_scopes: dict[str, set[str]] = {}
         self._unavailable: set[str] = set()
+        # request -> identifiers already scheduled for it (in vLLM's encoder cache from then
+        # on: a later chunk of the same request needs no lookup)
+        self._scheduled: dict[str, set[str]] = {}
         self._wait_left = settings.lookup_wait_ms / 1000
         self._warned_namespaces: set[str] = set()
         self._step_started = clock()
@@ -122,9 +125,12 @@ class SchedulerSide:
         announced = self._announced(request)
         keys: dict[str, str] = {}
         wanted: list[_Item] = []
+        scheduled = self._scheduled.get(request.request_id, ())
         for index, feature in enumerate(request.mm_features):
             position = feature.mm_position
             if position.offset + position.length <= num_computed_tokens:
+                continue
+            if feature.identifier in scheduled:
                 continue
             key = self.key(feature.identifier, scope)
             keys[feature.identifier] = key
@@ -255,6 +261,7 @@ class SchedulerSide:
         """Item ``index`` is scheduled: a staged one is used; one to encode on a producer
         is saved under the request's key scope."""
         identifier = request.mm_features[index].identifier
+        self._scheduled.setdefault(request.request_id, set()).add(identifier)
         scope = self.scope_of(request)
         item = self._items.get(self.key(identifier, scope))
         if self.is_consumer and item is not None and item.state in (STAGED, USED):
@@ -348,6 +355,7 @@ class SchedulerSide:
     def request_finished(self, request: Any) -> dict[str, Any] | None:
         """Forget the request; a producer announces what it saves (``ec_transfer_params``)."""
         rid = request.request_id
+        self._scheduled.pop(rid, None)
         for key, item in list(self._items.items()):
             item.requests.discard(rid)
             if not item.requests and item.state not in (USED,):

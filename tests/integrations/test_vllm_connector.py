@@ -341,3 +341,18 @@ def test_runs_against_the_vllm_version_asked_for() -> None:
     assert vllm.__version__.startswith(("0.33.", "0.34."))
     if expected:
         assert vllm.__version__ == expected
+
+
+def test_a_later_chunk_of_a_scheduled_item_needs_no_lookup(
+    model: Any, extra: dict[str, Any]
+) -> None:
+    """Once vLLM has scheduled an item for a request (encoded or loaded), the request's
+    next prefill chunk, still inside that item, is not deferred to look it up again."""
+    produce(model, extra, {"chunked": embeds(8, 11)})
+    sched = make(model, "ec_consumer", extra, ECConnectorRole.SCHEDULER)
+    req = kit.request("r-chunks", [("chunked", 8)], offset=4)
+    sched.update_state_after_alloc(req, 0)  # scheduled in an earlier step
+    assert sched.ensure_cache_available(req, 8)  # mid-item: nothing to wait for
+    sched.request_finished(req)
+    assert not sched.ensure_cache_available(kit.request("r-new", [("chunked", 8)]), 0)
+    sched.shutdown()
