@@ -94,7 +94,7 @@ class EmbCacheECConnector(ECConnectorBase):
             if self.is_producer and self._saves_on_this_rank(vllm_config):
                 self._saver = Saver(self._connect, self.settings.max_pending_saves)
             if self.is_consumer:
-                self._loader = Loader(self._connect)
+                self._loader = Loader(self._connect, self.settings.embcache_timeout_s)
         log.info(
             "embcache EC connector: role=%s producer=%s consumer=%s namespace=%s target=%s",
             role.name,

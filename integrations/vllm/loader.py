@@ -61,10 +61,12 @@ def mismatch(spec: StageSpec, dtype: str, shape: tuple[int, ...]) -> str | None:
 class Loader:
     """Stages items in the background and hands them to the encoder cache when used."""
 
-    def __init__(self, connect: Callable[[], EmbCacheClient]) -> None:
+    def __init__(self, connect: Callable[[], EmbCacheClient], wait_s: float = 30.0) -> None:
         self._connect = connect
+        self._wait_s = wait_s
         self._client: EmbCacheClient | None = None
         self._lock = threading.Lock()
+        self._landed = threading.Condition(self._lock)
         self._staged: dict[str, torch.Tensor] = {}
         self._in_flight: set[str] = set()
         self._dropped: set[str] = set()  # dropped while in flight: discard on arrival
@@ -86,6 +88,13 @@ class Loader:
                 self._staged.pop(key, None)
                 if key in self._in_flight:
                     self._dropped.add(key)
+            # Tensor-parallel ranks stage at their own pace and the scheduler hears of the
+            # first: a rank still fetching an item it is told to use finishes that first.
+            pending = [u.key for u in use if u.key in self._in_flight]
+            if pending:
+                self._landed.wait_for(
+                    lambda: not any(k in self._in_flight for k in pending), self._wait_s
+                )
             for spec in use:
                 tensor = self._staged.pop(spec.key, None)
                 if tensor is None:
@@ -178,6 +187,7 @@ class Loader:
                     else:
                         self._report.failed[spec.key] = got
                         self._report.count("stage_failures")
+                self._landed.notify_all()
 
     def _fetch(
         self, specs: list[StageSpec], device: torch.device, out: dict[str, torch.Tensor | str]

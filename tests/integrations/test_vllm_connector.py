@@ -356,3 +356,26 @@ def test_a_later_chunk_of_a_scheduled_item_needs_no_lookup(
     sched.request_finished(req)
     assert not sched.ensure_cache_available(kit.request("r-new", [("chunked", 8)]), 0)
     sched.shutdown()
+
+
+def test_a_rank_still_staging_finishes_before_use(model: Any, extra: dict[str, Any]) -> None:
+    """Tensor-parallel ranks stage at their own pace and the scheduler hears of the first:
+    a rank told to use an item it is still fetching waits for it rather than miss it."""
+    from embcache.integrations.vllm.metadata import StageSpec, UseSpec
+
+    item = embeds(3, 12)
+    produce(model, extra, {"tp-skew": item})
+    worker = make(model, "ec_consumer", extra, ECConnectorRole.WORKER)
+    key = worker.key_for("tp-skew")
+    cache: dict[str, torch.Tensor] = {}
+    for meta in (
+        EmbCacheConnectorMetadata(stage=[StageSpec(key, "bfloat16", (3, WIDTH))]),
+        EmbCacheConnectorMetadata(use=[UseSpec("tp-skew", key, ("r",))]),
+    ):
+        worker.bind_connector_metadata(meta)
+        worker.start_load_caches(cache)  # the use comes right after the staging started
+        worker.clear_connector_metadata()
+    assert torch.equal(cache["tp-skew"], item)
+    report = worker.build_connector_worker_meta()
+    assert report.used == {"tp-skew"} and not report.use_failed
+    worker.shutdown()
