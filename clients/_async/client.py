@@ -241,8 +241,8 @@ class AsyncEmbCacheClient(AsyncHostPuts):
 
         One host ``Get`` whose locations are not mapped nor fetched: it works the same
         whether or not this process can map the daemon's pool. The leases keep the entries
-        from eviction until :meth:`release` (``[p.lease_id for p in pins if p]``), their
-        lifetime, or the end of this client's session.
+        from eviction until :meth:`release` (``[p.lease_id for p in pins if p]``) or the
+        end of their lifetime (``ttl_s``); they are not renewed by the client.
 
         Args:
             keys: the keys to pin.
