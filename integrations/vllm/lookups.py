@@ -111,6 +111,7 @@ class Lookups:
         self._releases: list[int] = []
         self._renewals: list[int] = []
         self._answers: dict[str, Answer] = {}
+        self._unwanted: set[str] = set()  # forgotten while asked: dropped on arrival
         self._busy_since: float | None = None  # when the call now outstanding went out
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -122,6 +123,7 @@ class Lookups:
         breaker is open)."""
         self._check_hung()
         with self._cv:
+            self._unwanted.difference_update(keys)  # wanted again after all
             fresh = [k for k in keys if k not in self._asked_set and k not in self._answers]
             if not fresh:
                 return
@@ -156,8 +158,11 @@ class Lookups:
                 self._cv.wait(left)
 
     def forget(self, key: str) -> Answer | None:
-        """Drop the answer for ``key`` (the next ``ask`` looks it up again)."""
+        """Drop the answer for ``key`` (the next ``ask`` looks it up again); the answer of
+        a lookup still under way is dropped as it arrives, its lease released."""
         with self._cv:
+            if key in self._asked_set:
+                self._unwanted.add(key)
             return self._answers.pop(key, None)
 
     def release(self, lease_ids: Sequence[int]) -> None:
@@ -261,9 +266,12 @@ class Lookups:
             else:
                 answers = [Answer(bool(f)) for f in found]
         with self._cv:
-            if self._closed:  # nobody will read them: let the leases go
-                self._releases.extend(a.lease_id for a in answers if a.lease_id)
             for key, a in zip(keys, answers, strict=True):
+                if self._closed or key in self._unwanted:  # nobody will read it
+                    self._unwanted.discard(key)
+                    if a.lease_id:
+                        self._releases.append(a.lease_id)
+                    continue
                 self._answers[key] = a
             if any(a.error for a in answers):
                 self._count("lookup_errors", len(keys))

@@ -291,6 +291,7 @@ class SchedulerSide:
                 self.lookups.forget(key)
                 del self._items[key]
             elif item.state == USED and key in self._use:
+                self.lookups.forget(key)
                 del self._items[key]  # the worker moves it into vLLM's cache this step
             elif item.state in (STAGED, STAGE, STAGING) and (
                 now - item.touched > self.settings.defer_limit_s
