@@ -2,9 +2,12 @@
 one run on one GPU: per-item put and load of 4 MiB items, a batch of 16 x 4 MiB, and the
 stall a save adds to the forward stream.
 
-Both connectors run through vLLM's real ECConnectorModelRunnerMixin and scheduler-side
-hooks (tests/integrations/vllm_kit.py builds the configs). The embcache daemon is a child
-process on a Unix socket. ``python3 bench/vllm_connector.py --out-dir DIR``.
+Both connectors run through vLLM's V2 model runner's ``ActiveECConnector`` and the
+scheduler-side hooks in the order of vLLM's scheduler (tests/integrations/vllm_kit.py
+builds the configs and drives the steps; vLLM 0.33 and 0.34). A load is timed from the
+request's arrival to its items in the encoder cache, over as many engine steps as the
+connector takes (embcache: a lookup, a staging, the step that uses it). The embcache
+daemon is a child process on a Unix socket. ``python3 bench/vllm_connector.py --out-dir DIR``.
 """
 
 from __future__ import annotations
@@ -34,9 +37,6 @@ from vllm.distributed.ec_transfer import (  # noqa: E402
 )
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole  # noqa: E402
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory  # noqa: E402
-from vllm.v1.worker.ec_connector_model_runner_mixin import (  # noqa: E402
-    ECConnectorModelRunnerMixin as Mixin,
-)
 
 from embcache.service.daemon_process import DaemonProcess  # noqa: E402
 
@@ -51,21 +51,27 @@ def item(seed: int) -> torch.Tensor:
 
 class Side:
     """One connector kind, as one vLLM instance holds it: an ``ec_both`` worker connector
-    (vLLM's EC transfer state) and a scheduler-role connector, both kept for the whole run.
-    A fresh worker connects on its first call; ``first`` times that call apart."""
+    (vLLM's EC transfer state) and a scheduler-role connector, both kept for the whole run
+    and driven by one ``vllm_kit.Engine``. A fresh worker connects on its first call;
+    ``first`` times that call apart."""
 
     def __init__(self, name: str, model: Any, extra: dict[str, Any], connector: str) -> None:
         self.name, self.model, self.extra, self.connector = name, model, extra, connector
-        self.sched: Any = None
+        self.engine: Any = None
 
     def config(self, role: str) -> Any:
         return kit.vllm_config(self.model, role, self.extra, connector=self.connector)
 
     def __enter__(self) -> Side:
         ensure_ec_transfer_initialized(self.config("ec_both"))
-        self.sched = ECConnectorFactory.create_connector(
+        sched = ECConnectorFactory.create_connector(
             self.config("ec_both"), ECConnectorRole.SCHEDULER
         )
+
+        def encode(identifier: str) -> torch.Tensor:
+            raise AssertionError(f"{self.name}: {identifier} was encoded, not loaded")
+
+        self.engine = kit.Engine(sched, get_ec_transfer(), encode)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -73,71 +79,73 @@ class Side:
         if hasattr(conn, "wait_for_saves"):
             conn.wait_for_saves(120)
         ensure_ec_transfer_shutdown()
-        self.sched.shutdown()
+        self.engine.sched.shutdown()
 
     def empty_step(self) -> Any:
-        """A scheduler output with this connector's metadata of a step with no loads."""
-        return kit.scheduler_output(self.sched.build_connector_meta(kit.scheduler_output(None)))
+        """A scheduler output with this connector's metadata of a step with nothing new."""
+        meta = self.engine.sched.build_connector_meta(kit.scheduler_output(None))
+        return kit.scheduler_output(meta)
 
     def put(self, items: dict[str, torch.Tensor]) -> tuple[float, float]:
-        """(seconds until stored, seconds the save calls held the caller)."""
+        """(seconds until stored, seconds the step's save calls held the caller)."""
         conn = get_ec_transfer()
-        cache: dict[str, torch.Tensor] = {}
+        cache = self.engine.cache
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        held = 0.0
         out = self.empty_step()
-        with Mixin.maybe_get_ec_connector_output(out, cache):
-            for key, t in items.items():
-                cache[key] = t
-                h = time.perf_counter()
-                Mixin.maybe_save_ec_to_connector(cache, key)
-                held += time.perf_counter() - h
+        with self.engine.active.maybe_get_output(out):
+            cache.update(items)  # the encoder's outputs; saved as the block ends
+            h = time.perf_counter()
+        held = time.perf_counter() - h
         if hasattr(conn, "wait_for_saves"):
             assert conn.wait_for_saves(60)
-        return time.perf_counter() - t0, held
+        seconds = time.perf_counter() - t0
+        cache.clear()
+        return seconds, held
 
     def load(self, items: dict[str, torch.Tensor]) -> float:
-        """Seconds from the scheduler's step to the items on the GPU (bytes checked after)."""
-        req = kit.request(f"r-{time.time_ns()}", [(k, ROWS) for k in items])
+        """Seconds from the request's arrival to its items on the GPU (bytes checked after)."""
+        rid = f"r-{time.time_ns()}"
+        engine = self.engine
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = kit.scheduler_step(self.sched, req)
-        cache: dict[str, torch.Tensor] = {}
-        with Mixin.maybe_get_ec_connector_output(out, cache) as output:
-            pass
+        engine.add(kit.request(rid, [(k, ROWS) for k in items]))
+        engine.run(pause_s=0)
         # Under vLLM's CPU platform (scripts/gpu_integrations.sh says why) the example
         # connector's load_file lands on the CPU; the move to the GPU is what its
         # load_file(device="cuda") does on the CUDA platform, so it is timed here too.
-        for k, t in cache.items():
+        read = engine.read[rid]
+        for k, t in read.items():
             if not t.is_cuda:
-                cache[k] = t.to("cuda")
+                read[k] = t.to("cuda")
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
+        assert engine.done.get(rid) == "ok", f"{self.name}: {engine.done.get(rid)}"
         for k, t in items.items():
-            assert torch.equal(cache[k], t), f"{self.name}: {k} differs"
-        self.sched.update_connector_output(output)
+            assert torch.equal(read[k], t), f"{self.name}: {k} differs"
+        engine.cache.clear()
+        engine.read.clear()
         return seconds
 
 
 def stall(side: Side, n_kernels: int = 40) -> float:
     """Extra milliseconds a save per kernel adds to a stream of GEMMs (the forward pass),
-    through the worker connector in place."""
+    through the worker connector in place: V2 saves a step's new items as the step's
+    connector block ends, so each kernel is one step here."""
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     conn = get_ec_transfer()
+    cache = side.engine.cache
 
     def run(save: bool, tag: str) -> float:
-        cache: dict[str, torch.Tensor] = {}
-        out = side.empty_step()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with Mixin.maybe_get_ec_connector_output(out, cache):
-            for i in range(n_kernels):
+        for i in range(n_kernels):
+            with side.engine.active.maybe_get_output(side.empty_step()):
                 b = a @ a
                 if save:
                     cache[f"{tag}-{i}"] = b[:ROWS].contiguous()
-                    Mixin.maybe_save_ec_to_connector(cache, f"{tag}-{i}")
         torch.cuda.synchronize()
+        cache.clear()
         return time.perf_counter() - t0
 
     run(False, "warm")

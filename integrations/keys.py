@@ -67,3 +67,20 @@ def entry_key(engine: str, namespace: str, identifier: str) -> str:
             "identifier has NUL or is longer than 900 bytes", identifier=identifier[:80]
         )
     return f"{engine}/{namespace}/{identifier}"
+
+
+def salt_scope(salt: object) -> str | None:
+    """The key scope of a request's ``cache_salt`` (None: no salt, the shared scope).
+
+    Requests that carry a salt read and write only entries of their own salt, so one
+    tenant cannot learn or read what another's images encode to. The scope is a digest:
+    the salt itself never appears in the daemon's key listings.
+    """
+    if salt is None or salt == "":
+        return None
+    return "s-" + hashlib.sha256(str(salt).encode()).hexdigest()[:24]
+
+
+def scoped(identifier: str, scope: str | None) -> str:
+    """``identifier`` inside ``scope`` (unchanged for the shared scope)."""
+    return identifier if scope is None else f"{scope}/{identifier}"

@@ -7,7 +7,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-VLLM_VERSION=0.33.0
+VLLM_VERSION="${VLLM_VERSION:-0.34.0}"  # VLLM_VERSION=0.33.0 for the older one
 DEST=.whl/engines
 rm -rf "$DEST" && mkdir -p "$DEST/wheels"
 work="$(mktemp -d)"

@@ -10,7 +10,12 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-VLLM_VERSION=0.33.0
+VLLM_VERSION=0.34.0
+# The connector supports vLLM 0.33 and 0.34 (pyproject's [vllm] range); the other version
+# sits beside the venv's, as pure files for PYTHONPATH, and
+# tests/integrations/test_vllm_versions.py runs the vLLM tests against it in a subprocess.
+VLLM_OTHER_VERSION=0.33.0
+VLLM_OTHER_DIR="$ROOT/.venv/vllm-$VLLM_OTHER_VERSION"
 SGLANG_VERSION=0.5.23
 # Imported by vLLM's config, EC connector, scheduler-output and request modules on the CPU,
 # and by SGLang's embedding store and plugin loader.
@@ -35,7 +40,7 @@ ENGINE_DEPS=(
     "ipython==9.18.1"
 )
 STAMP=.venv/.embcache-engines-installed
-WANT="vllm==$VLLM_VERSION sglang==$SGLANG_VERSION ${ENGINE_DEPS[*]}"
+WANT="vllm==$VLLM_VERSION vllm-other==$VLLM_OTHER_VERSION sglang==$SGLANG_VERSION ${ENGINE_DEPS[*]}"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     torch_pin="$(python -c 'import torch; print(torch.__version__.split("+")[0])')"
     constraints="$(mktemp)"
@@ -43,6 +48,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     printf 'torch==%s\n' "$torch_pin" >"$constraints"
     python -m pip install -q -c "$constraints" "${ENGINE_DEPS[@]}"
     python -m pip install -q --no-deps "vllm==$VLLM_VERSION" "sglang==$SGLANG_VERSION"
+    rm -rf "$VLLM_OTHER_DIR"
+    python -m pip install -q --no-deps --target "$VLLM_OTHER_DIR" "vllm==$VLLM_OTHER_VERSION"
     printf '%s' "$WANT" >"$STAMP"
 fi
 if ! python -c 'import sys, torch; sys.exit(torch.version.cuda is not None)'; then
@@ -51,3 +58,4 @@ if ! python -c 'import sys, torch; sys.exit(torch.version.cuda is not None)'; th
     rm -f "$STAMP"
     exit 1
 fi
+export EMBCACHE_VLLM_OTHER="$VLLM_OTHER_DIR"

@@ -30,8 +30,10 @@ from embcache.clients.device import puts as dp
 from embcache.clients.device.host_replies import (
     INLINE_GET_BYTES,
     INLINE_REMOTE_BYTES,
+    Pinned,
     decode_get,
     leased_ids,
+    pinned,
 )
 from embcache.errors import DeviceUnavailable, LeaseExpired
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
@@ -233,6 +235,28 @@ class AsyncEmbCacheClient(AsyncHostPuts):
         )
         del decoded, anchors  # the leased tensors hold the views now: nothing else may
         return await self._placed(leased, device)
+
+    async def pin(self, keys: Sequence[str], *, ttl_s: float | None = None) -> list[Pinned | None]:
+        """Lease entries and learn each one's dtype and shape, without their bytes.
+
+        One host ``Get`` whose locations are not mapped nor fetched: it works the same
+        whether or not this process can map the daemon's pool. The leases keep the entries
+        from eviction until :meth:`release` (``[p.lease_id for p in pins if p]``) or the
+        end of their lifetime (``ttl_s``); they are not renewed by the client.
+
+        Args:
+            keys: the keys to pin.
+            ttl_s: the leases' lifetime (None: the daemon's default).
+
+        Returns:
+            Per key, in order, a ``Pinned`` or None for a miss.
+
+        Raises:
+            InvalidArgument: a bad key, or a lifetime the daemon refuses.
+            RpcFailed: the daemon could not be reached (after the retries) in time.
+        """
+        names, _ = as_keys(keys)
+        return pinned(await self._get_call(get_request(names, ttl_s)))
 
     async def _get_device(
         self, names: list[str], device: str | torch.device, ttl_s: float | None, zero_copy: bool

@@ -28,6 +28,27 @@ INLINE_GET_BYTES = 256 << 10
 INLINE_REMOTE_BYTES = 1 << 20
 
 
+@dataclass(frozen=True, slots=True)
+class Pinned:
+    """An entry leased by ``pin``: what it holds, not its bytes."""
+
+    key: str
+    dtype: str  # as torch names it ("bfloat16")
+    shape: tuple[int, ...]
+    nbytes: int
+    lease_id: int
+
+
+def pinned(reply: pb.GetResponse) -> list[Pinned | None]:
+    """Each result of a host Get as a ``Pinned`` (None for a miss); nothing is mapped."""
+    return [
+        Pinned(r.key, r.meta.dtype, tuple(int(d) for d in r.meta.shape), r.meta.nbytes, r.lease_id)
+        if r.found and r.lease_id
+        else None
+        for r in reply.results
+    ]
+
+
 def leased_ids(reply: pb.GetResponse) -> list[int]:
     """The leases a host Get handed out (entries sent as copies have none)."""
     return [r.lease_id for r in reply.results if r.found and r.lease_id]

@@ -13,6 +13,7 @@ worker (saves: ``saver.py``; loads: ``loader.py``). Load it with
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,8 +25,9 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 
 from embcache.clients import EmbCacheClient
 from embcache.errors import InvalidArgument
-from embcache.integrations.keys import entry_key
+from embcache.integrations.keys import entry_key, scoped
 from embcache.integrations.vllm.loader import Loader
+from embcache.integrations.vllm.lookups import Breaker, Lookups
 from embcache.integrations.vllm.metadata import EmbCacheConnectorMetadata, EmbCacheWorkerMetadata
 from embcache.integrations.vllm.saver import Saver
 from embcache.integrations.vllm.scheduler_side import SchedulerSide
@@ -70,22 +72,29 @@ class EmbCacheECConnector(ECConnectorBase):
         self._saver: Saver | None = None
         self._loader: Loader | None = None
         self._worker_counts: dict[str, int] = {}
-        self._loaded: set[str] = set()
-        self._failed: dict[str, str] = {}
         if role == ECConnectorRole.SCHEDULER:
+            s = self.settings
+            lookups = Lookups(
+                self._lookup_client,
+                pin=s.scheduler_pin and self.is_consumer,
+                prefetch=s.prefetch and not s.scheduler_pin,
+                ttl_s=s.pin_ttl_s,
+                deadline_s=s.lookup_timeout_s,
+                breaker=Breaker(s.breaker_failures, s.breaker_cooldown_s, time.monotonic),
+            )
             self._scheduler = SchedulerSide(
-                self.settings,
+                s,
                 self.namespace,
                 self._dtype,
-                int(model.get_inputs_embeds_size()),
                 is_consumer=self.is_consumer,
-                connect=self._connect,
+                is_producer=self.is_producer,
+                lookups=lookups,
             )
         else:
             if self.is_producer and self._saves_on_this_rank(vllm_config):
                 self._saver = Saver(self._connect, self.settings.max_pending_saves)
             if self.is_consumer:
-                self._loader = Loader(self._connect)
+                self._loader = Loader(self._connect, self.settings.embcache_timeout_s)
         log.info(
             "embcache EC connector: role=%s producer=%s consumer=%s namespace=%s target=%s",
             role.name,
@@ -103,15 +112,24 @@ class EmbCacheECConnector(ECConnectorBase):
             client_name=f"vllm-ec-{self.role.name.lower()}",
         )
 
+    def _lookup_client(self) -> EmbCacheClient:
+        """The scheduler's client: its calls have the short lookup deadline."""
+        return EmbCacheClient(
+            self.settings.embcache_target,
+            token=self.settings.embcache_token,
+            timeout=self.settings.lookup_timeout_s,
+            client_name="vllm-ec-scheduler",
+        )
+
     def _saves_on_this_rank(self, vllm_config: VllmConfig) -> bool:
         """Tensor-parallel ranks hold the same encoder output: rank 0 saves it (by default)."""
         if self.settings.save_ranks == "all":
             return True
         return _tp_rank(vllm_config) == 0
 
-    def key_for(self, identifier: str) -> str:
-        """The embcache key of a vLLM multimodal identifier."""
-        return entry_key(ENGINE, self.namespace, identifier)
+    def key_for(self, identifier: str, scope: str | None = None) -> str:
+        """The embcache key of a vLLM multimodal identifier (in a cache-salt scope)."""
+        return entry_key(ENGINE, self.namespace, scoped(identifier, scope))
 
     # -- worker side -----------------------------------------------------------------
     def save_caches(
@@ -125,23 +143,35 @@ class EmbCacheECConnector(ECConnectorBase):
         """
         if self._saver is None:
             return
-        self._saver.add(self.key_for(mm_hash), encoder_cache[mm_hash])
+        tensor = encoder_cache[mm_hash]
+        scopes = self._bound_meta().save_scopes.get(mm_hash) or ("",)
+        for scope in scopes:  # once per cache salt of the requests that needed it
+            try:
+                key = self.key_for(mm_hash, scope or None)
+            except InvalidArgument as exc:  # an identifier no key can hold: not saved
+                log.warning("embcache: not saving %r: %s", mm_hash[:80], exc)
+                self._add_counts({"save_failures": 1})
+                continue
+            self._saver.add(key, tensor)
 
-    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
-        """Load this step's items into ``encoder_cache`` (complete on return)."""
-        if self._loader is None:
-            return
-        meta = self._get_connector_metadata()
+    def _bound_meta(self) -> EmbCacheConnectorMetadata:
+        meta = self._connector_metadata
+        if meta is None:
+            return EmbCacheConnectorMetadata()
         if not isinstance(meta, EmbCacheConnectorMetadata):
             raise InvalidArgument(
                 "embcache connector got foreign metadata", type=type(meta).__name__
             )
-        if not meta.loads:
+        return meta
+
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        """Move the step's staged items into ``encoder_cache`` (cannot fail: they are
+        here already) and start staging the items of later steps in the background."""
+        if self._loader is None:
             return
-        report = self._loader.load(meta.loads, encoder_cache, _worker_device())
-        self._loaded |= report.loaded
-        self._failed.update(report.failed)
-        self._add_counts(report.counts)
+        meta = self._bound_meta()
+        if meta.stage or meta.use or meta.drop:
+            self._loader.step(meta.stage, meta.use, meta.drop, encoder_cache, _worker_device())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Hand this step's saves to the background thread; loads finish synchronously,
@@ -155,13 +185,20 @@ class EmbCacheECConnector(ECConnectorBase):
         if self._saver is not None:
             self._saver.flush()
             self._add_counts(self._saver.take_counts())
-        if not (self._loaded or self._failed or self._worker_counts):
+        meta = EmbCacheWorkerMetadata()
+        if self._loader is not None:
+            report = self._loader.take_report()
+            self._add_counts(report.counts)
+            meta.staged, meta.failed = report.staged, report.failed
+            meta.used, meta.use_failed = report.used, report.use_failed
+        if not (meta.staged or meta.failed or meta.used or meta.use_failed or self._worker_counts):
             return None
-        meta = EmbCacheWorkerMetadata(
-            loaded=self._loaded - set(self._failed), failed=self._failed, stats=self._worker_counts
-        )
-        self._loaded, self._failed, self._worker_counts = set(), {}, {}
+        meta.stats, self._worker_counts = self._worker_counts, {}
         return meta
+
+    def wait_for_stagings(self, timeout: float | None = None) -> bool:
+        """Block until the stagings started so far are done (tests); False on timeout."""
+        return self._loader is None or self._loader.wait_idle(30.0 if timeout is None else timeout)
 
     def wait_for_saves(self, timeout: float | None = None) -> bool:
         """Block until the queued saves are stored (tests, shutdown); False on timeout."""
@@ -181,38 +218,41 @@ class EmbCacheECConnector(ECConnectorBase):
         return self._scheduler
 
     def has_cache_item(self, identifier: str) -> bool:
-        """Whether the item is in embcache (answered once per step, in batches)."""
+        """Whether the item comes from embcache this step: already staged on the workers
+        (a consumer), or stored (a producer, which then does not encode it)."""
         return self._sched().has(identifier)
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
-        """Look the request's pending items up in one call (``prefetch`` first warms the
-        daemon's host tier from its shared tier); never defers the request."""
+        """Look the request's pending items up (in the background) and stage the ones
+        found; False defers the request while that is under way (scheduler_side.py)."""
         return self._sched().ensure(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
-        """Schedule item ``index``'s load when it comes from embcache."""
+        """Item ``index`` is scheduled: use its staged copy, or save it under the
+        request's key scope (a producer)."""
         self._sched().after_alloc(request, index)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
-        """This step's loads (picklable); starts the next step's lookups."""
+        """This step's stagings, uses and drops (picklable); starts the next step."""
         return self._sched().build_meta()
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
-        """Release reported items' pins; note the requests of failed loads."""
+        """Staged items become hits, failed stagings misses."""
         meta = connector_output.ec_connector_worker_meta
         if meta is not None and not isinstance(meta, EmbCacheWorkerMetadata):
             raise InvalidArgument("embcache connector got foreign worker metadata")
         self._sched().on_worker_meta(meta)
 
     def take_unavailable_requests(self) -> set[str]:
-        """Requests whose items could not be loaded (vLLM fails them, retryable)."""
+        """Requests to fail: none, as an item is scheduled only once a worker holds it."""
         return self._sched().take_unavailable() if self._scheduler is not None else set()
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        """Release the request's pins; nothing is held back for it."""
-        if self._scheduler is not None:
-            self._scheduler.request_finished(request.request_id)
-        return False, None
+        """Forget the request's items; a producer returns ``ec_transfer_params`` that
+        announce its items (and its namespace) to the consumer."""
+        if self._scheduler is None:
+            return False, None
+        return False, self._scheduler.request_finished(request)
 
     def get_ec_connector_stats(self) -> EmbCacheECStats | None:
         """Counts since the last call: the scheduler's lookups plus its workers' loads

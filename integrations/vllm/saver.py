@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from embcache.clients import EmbCacheClient
-from embcache.errors import EmbCacheError
+from embcache.clients import EmbCacheClient, RpcFailed
+from embcache.integrations.vllm.closing import close_in_background
 
 log = logging.getLogger("embcache.integrations.vllm")
 
@@ -103,6 +103,11 @@ class Saver:
             self._client.close()
             self._client = None
 
+    def _reconnect(self) -> None:
+        """Close the client after the daemon failed: the next batch connects afresh."""
+        client, self._client = self._client, None
+        close_in_background(client, "saver")
+
     def _run(self) -> None:
         while True:
             batch = self._queue.get()
@@ -116,7 +121,10 @@ class Saver:
                     self._idle.notify_all()
 
     def _put(self, batch: list[_Item]) -> None:
+        """Put one step's batch; each item is counted by its own outcome."""
         counts: dict[str, int] = {}
+        stored: list[_Item] = []
+        failed = 0
         try:
             for item in batch:
                 if item.event is not None:
@@ -124,11 +132,28 @@ class Saver:
             if self._client is None:
                 self._client = self._connect()
             self._client.put_many([(i.key, i.tensor) for i in batch])
-            counts["saves"] = len(batch)
-            counts["save_bytes"] = sum(i.tensor.numel() * i.tensor.element_size() for i in batch)
-        except (EmbCacheError, OSError, RuntimeError, ValueError) as exc:
-            log.warning("embcache: a batch of %d save(s) failed: %s", len(batch), exc)
-            counts["save_failures"] = len(batch)
+            stored = batch
+        except Exception as exc:  # a batch call is all or nothing: learn each item's fate
+            log.warning("embcache: a batch of %d save(s) failed (%s); one by one", len(batch), exc)
+            for index, item in enumerate(batch):
+                try:
+                    if self._client is None:
+                        self._client = self._connect()
+                    self._client.put(item.key, item.tensor)
+                    stored.append(item)
+                except (RpcFailed, OSError) as one:  # the daemon is away: so are the rest
+                    log.warning("embcache: %d save(s) lost: %s", len(batch) - index, one)
+                    failed += len(batch) - index
+                    self._reconnect()
+                    break
+                except Exception as one:  # this item (a bad key, no room): the next may fit
+                    log.warning("embcache: save of %s failed: %s", item.key, one)
+                    failed += 1
+        if stored:
+            counts["saves"] = len(stored)
+            counts["save_bytes"] = sum(i.tensor.numel() * i.tensor.element_size() for i in stored)
+        if failed:
+            counts["save_failures"] = failed
         with self._lock:
             for name, n in counts.items():
                 self._counts[name] = self._counts.get(name, 0) + n

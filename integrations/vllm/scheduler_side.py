@@ -1,316 +1,392 @@
-"""The scheduler half of the connector: which items to load, and the pins that keep them.
+"""The scheduler half of the connector: which items come from embcache, and when.
 
-vLLM asks ``has_cache_item`` once per item while it schedules, and calls
-``ensure_cache_available`` for each request first. The first call for a request looks all
-its not-yet-computed items up in one batched call and remembers the answers for the step.
+vLLM turns a ``has_cache_item`` yes into an item its model reads in that very step, and it
+learns of a worker's failure only after that step's tokens are out (it calls
+``take_unavailable_requests`` before ``update_connector_output``). So an item is said to
+be in the cache only once a worker already holds it: each item goes
 
-With ``scheduler_pin`` (the default) the lookup is a host ``get``: one call that answers
-whether each entry exists, gives its dtype and shape (so rows, width and dtype are checked
-here, and a mismatch is a plain miss that vLLM encodes itself), and takes a lease that
-keeps the entry from being evicted until the worker has loaded it. The scheduler process
-only maps the daemon's shared memory; it never touches CUDA. Without the pin the lookup is
-``exists``; the worker then checks what it loads, and a load that fails there fails its
-requests through ``take_unavailable_requests`` (vLLM 0.33 fails them with a retryable error;
-the client's retry encodes again).
+    looking -> (miss: vLLM encodes it) | staging -> staged -> used
+
+``ensure_cache_available`` asks the daemon (through ``lookups.Lookups``, off the scheduler
+loop; the lookup pins the entry and gives its dtype and shape), and defers the request
+while an answer or a staging is outstanding, up to ``defer_limit_s``; then the item is
+encoded instead. A found entry is staged: the step's metadata tells the workers to load it
+apart from vLLM's encoder cache; the worker reports it staged (or failed: the item is
+simply encoded) and only then does ``has_cache_item`` say yes, and the step that schedules
+it moves the staged tensor into the encoder cache, which cannot fail. A failed load never
+reaches the model or any cache.
+
+A request whose producer announced an item in ``ec_transfer_params`` and whose lookup
+misses waits for the save to land (up to ``announced_wait_s``) instead of encoding.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from embcache.clients import EmbCacheClient, LeasedTensors
-from embcache.errors import EmbCacheError
-from embcache.integrations.keys import entry_key
+from embcache.integrations.keys import entry_key, salt_scope, scoped
+from embcache.integrations.vllm.lookups import Answer, Lookups
 from embcache.integrations.vllm.metadata import (
     EmbCacheConnectorMetadata,
     EmbCacheWorkerMetadata,
-    LoadSpec,
+    StageSpec,
+    UseSpec,
     add_counts,
 )
 from embcache.integrations.vllm.settings import ENGINE, ConnectorSettings
 
 log = logging.getLogger("embcache.integrations.vllm")
 
+LOOKING, STAGE, STAGING, STAGED, USED, MISS, HIT = (
+    "looking",
+    "stage",
+    "staging",
+    "staged",
+    "used",
+    "miss",
+    "hit",
+)
+# The ec_transfer_params field that carries a producer's namespace per item.
+PARAM_NAMESPACE = "embcache_namespace"
+
 
 @dataclass
-class _Pin:
-    """A lease on one entry, held from the lookup until the worker has loaded it."""
+class _Item:
+    """One entry the scheduler is finding, staging or using (by its embcache key)."""
 
-    leased: LeasedTensors
-    dtype: str
-    shape: tuple[int, ...]
-    taken_at: float
+    identifier: str
+    key: str
+    rows: int
+    since: float  # first asked
+    state: str = LOOKING
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    lease_id: int = 0
+    pinned_at: float = 0.0
+    touched: float = 0.0
     requests: set[str] = field(default_factory=set)
 
 
-@dataclass
-class _Pending:
-    """An item scheduled for a load this step."""
-
-    key: str
-    rows: int
-    shape: tuple[int, ...] | None
-    requests: set[str]
-    available: bool = True
-
-
 class SchedulerSide:
-    """Lookups, pins, this step's loads, and the requests whose loads failed."""
+    """Lookups, stagings and uses of one scheduler, and the requests to fail."""
 
     def __init__(
         self,
         settings: ConnectorSettings,
         namespace: str,
         dtype: str,
-        width: int,
         *,
         is_consumer: bool,
-        connect: Callable[[], EmbCacheClient],
+        is_producer: bool,
+        lookups: Lookups,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
         self.namespace = namespace
         self.dtype = dtype
-        self.width = width  # the model's embedding width, for placeholders only
         self.is_consumer = is_consumer
-        self._connect = connect
-        self._client: EmbCacheClient | None = None
-        self._pins: dict[str, _Pin] = {}
-        self._found: dict[str, bool] = {}  # this step's answers (pins outlive the step)
-        self._pending: dict[str, _Pending] = {}
-        self._loading: dict[str, set[str]] = {}  # identifier -> requests, until reported
+        self.is_producer = is_producer
+        self.lookups = lookups
+        self._clock = clock
+        self._items: dict[str, _Item] = {}
+        self._current: tuple[str, dict[str, str]] | None = None  # (request, identifier->key)
+        self._use: dict[str, UseSpec] = {}
+        self._drop: set[str] = set()
+        self._save_scopes: dict[str, set[str]] = {}
         self._unavailable: set[str] = set()
+        # request -> identifiers already scheduled for it (in vLLM's encoder cache from then
+        # on: a later chunk of the same request needs no lookup)
+        self._scheduled: dict[str, set[str]] = {}
+        self._wait_left = settings.lookup_wait_ms / 1000
+        self._warned_namespaces: set[str] = set()
+        self._step_started = clock()
         self.stats: dict[str, int] = {}
 
-    @property
-    def client(self) -> EmbCacheClient:
-        """The scheduler's own client, opened on first use (in the scheduler process)."""
-        if self._client is None:
-            self._client = self._connect()
-        return self._client
+    def key(self, identifier: str, scope: str | None = None) -> str:
+        """The embcache key of a vLLM identifier in a key scope."""
+        return entry_key(ENGINE, self.namespace, scoped(identifier, scope))
 
-    def key(self, identifier: str) -> str:
-        """The embcache key of a vLLM identifier."""
-        return entry_key(ENGINE, self.namespace, identifier)
+    def scope_of(self, request: Any) -> str | None:
+        """The key scope of a request (its cache salt), where keys are salted."""
+        if not self.settings.salt_keys:
+            return None
+        return salt_scope(getattr(request, "cache_salt", None))
 
-    # -- lookups ---------------------------------------------------------------------
-    def has(self, identifier: str, rows: int | None = None) -> bool:
-        """Whether ``identifier`` can be loaded (looked up once per step)."""
-        if identifier in self._pins:
-            return True
-        if identifier not in self._found:
-            self.lookup({identifier: rows})
-        return self._found[identifier]
-
-    def lookup(self, wanted: dict[str, int | None], request_id: str | None = None) -> None:
-        """Look up the identifiers not answered yet this step, in one call.
-
-        Args:
-            wanted: identifier -> rows the request expects (None: not known here).
-            request_id: the request asking, so its pins end with it.
-        """
-        fresh = {i: r for i, r in wanted.items() if i not in self._found and i not in self._pins}
-        for identifier in wanted:
-            pin = self._pins.get(identifier)
-            if pin is not None and request_id is not None:
-                pin.requests.add(request_id)
-        if not fresh:
-            return
-        keys = [self.key(i) for i in fresh]
-        try:
-            # The pin's host get fetches shared-tier misses itself: a prefetch before it
-            # would only add a call. Without the pin, exists() does not fetch: warm first.
-            if self.settings.prefetch and not self.settings.scheduler_pin:
-                self.client.prefetch(keys)
-            if self.settings.scheduler_pin:
-                self._pin_lookup(fresh, keys, request_id)
-            else:
-                for identifier, found in zip(fresh, self.client.exists(keys), strict=True):
-                    self._found[identifier] = bool(found)
-                    self._count("hits" if found else "misses")
-        except (EmbCacheError, OSError) as exc:  # daemon away: everything is a miss
-            log.warning("embcache lookup failed (%s): %d item(s) count as misses", exc, len(keys))
-            for identifier in fresh:
-                self._found[identifier] = False
-            self._count("misses", len(fresh))
-
-    def _pin_lookup(
-        self, fresh: dict[str, int | None], keys: list[str], request_id: str | None
-    ) -> None:
-        leased = self.client.get(keys, ttl_s=self.settings.pin_ttl_s)
-        now = time.monotonic()
-        for (identifier, rows), tensor, lease_id in zip(
-            fresh.items(), leased.tensors, _lease_per_item(leased), strict=True
-        ):
-            if tensor is None or lease_id is None:
-                self._found[identifier] = False
-                self._count("misses")
-                continue
-            dtype, shape = str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
-            one = LeasedTensors([tensor], [lease_id], self.client.release)
-            if not self._usable(dtype, shape, rows):
-                log.info(
-                    "embcache entry %s is %s %s, want %s x %s rows: a miss",
-                    identifier,
-                    dtype,
-                    shape,
-                    self.dtype,
-                    rows,
-                )
-                _release(one)
-                self._found[identifier] = False
-                self._count("mismatches")
-                self._count("misses")
-                continue
-            pin = _Pin(one, dtype, shape, now)
-            if request_id is not None:
-                pin.requests.add(request_id)
-            self._pins[identifier] = pin
-            self._found[identifier] = True
-            self._count("hits")
-        # Each item's lease now lives in its own pin; the batch object releases nothing.
-        leased.released = True
-
-    def _usable(self, dtype: str, shape: tuple[int, ...], rows: int | None) -> bool:
-        if dtype != self.dtype or len(shape) != 2:
-            return False
-        return rows is None or shape[0] == rows
-
-    # -- the step's loads ------------------------------------------------------------
+    # -- ensure_cache_available ------------------------------------------------------
     def ensure(self, request: Any, num_computed_tokens: int) -> bool:
-        """Look up the request's items that are not computed yet; never defers it."""
-        wanted: dict[str, int | None] = {}
+        """Whether the request's pending items are settled (found and staged, or to be
+        encoded); False defers the request to the next step."""
+        now = self._clock()
+        scope = self.scope_of(request)
+        announced = self._announced(request)
+        keys: dict[str, str] = {}
+        wanted: list[_Item] = []
+        scheduled = self._scheduled.get(request.request_id, ())
         for index, feature in enumerate(request.mm_features):
             position = feature.mm_position
             if position.offset + position.length <= num_computed_tokens:
                 continue
-            wanted[feature.identifier] = int(request.get_num_encoder_embeds(index))
-        if wanted:
-            self.lookup(wanted, request.request_id)
-        return True
+            if feature.identifier in scheduled:
+                continue
+            key = self.key(feature.identifier, scope)
+            keys[feature.identifier] = key
+            item = self._items.get(key)
+            if item is None:
+                rows = int(request.get_num_encoder_embeds(index))
+                item = self._items[key] = _Item(feature.identifier, key, rows, now)
+            item.touched = now
+            item.requests.add(request.request_id)
+            wanted.append(item)
+        self._current = (request.request_id, keys)
+        looking = [i.key for i in wanted if i.state == LOOKING]
+        if looking:
+            self.lookups.ask(looking)
+            if any(self.lookups.answer(k) is None for k in looking) and self._wait_left > 0:
+                started = self._clock()
+                self.lookups.wait(looking, self._wait_left)
+                self._wait_left -= self._clock() - started
+        settled = True
+        for item in wanted:
+            if item.state == LOOKING:
+                answer = self.lookups.answer(item.key)
+                if answer is not None:
+                    self._settle(item, answer, announced.get(item.identifier), now)
+            if item.state in (LOOKING, STAGE, STAGING):
+                if now - item.since > self.settings.defer_limit_s:
+                    log.warning(
+                        "embcache: %s still %s after %.1f s: encoding it instead",
+                        item.identifier,
+                        item.state,
+                        now - item.since,
+                    )
+                    self._count("gave_up")
+                    self._to_miss(item)
+                else:
+                    settled = False
+        if not settled:
+            self._count("deferred")
+        return settled
+
+    def _announced(self, request: Any) -> dict[str, str]:
+        """identifier -> namespace, for the items the request's producer announced."""
+        params = getattr(request, "ec_transfer_params", None)
+        if not isinstance(params, dict):
+            return {}
+        out = {}
+        for identifier, entry in params.items():
+            if isinstance(entry, dict) and isinstance(entry.get(PARAM_NAMESPACE), str):
+                out[str(identifier)] = entry[PARAM_NAMESPACE]
+        return out
+
+    def _settle(self, item: _Item, answer: Answer, announced_ns: str | None, now: float) -> None:
+        """Move a looked-up item on: staged next, a hit, a miss, or another look."""
+        if not answer.found:
+            if announced_ns is not None and announced_ns != self.namespace:
+                self._count("namespace_mismatches")
+                if announced_ns not in self._warned_namespaces:
+                    self._warned_namespaces.add(announced_ns)
+                    log.warning(
+                        "embcache: the producer saved under namespace %r, this instance "
+                        "reads %r: every such item misses (set the same 'namespace', or "
+                        "load the same weights and config on both)",
+                        announced_ns,
+                        self.namespace,
+                    )
+            elif (
+                announced_ns is not None
+                and not answer.error
+                and now - item.since < self.settings.announced_wait_s
+            ):
+                self.lookups.forget(item.key)  # the save is on its way: look again
+                self.lookups.ask([item.key])
+                return
+            self._count("misses")  # a failed call also counts in lookup_errors
+            self._to_miss(item)
+            return
+        if answer.shape is not None and not self._usable(answer.dtype, answer.shape, item.rows):
+            log.info(
+                "embcache entry %s is %s %s, want %s x %s rows: a miss",
+                item.identifier,
+                answer.dtype,
+                answer.shape,
+                self.dtype,
+                item.rows,
+            )
+            self.lookups.release([answer.lease_id])
+            self._count("mismatches")
+            self._count("misses")
+            self._to_miss(item)
+            return
+        self._count("hits")
+        if not self.is_consumer:  # a producer only skips encoding what is stored
+            self.lookups.release([answer.lease_id])
+            item.state = HIT
+            return
+        item.dtype, item.shape = answer.dtype or self.dtype, answer.shape
+        item.lease_id = answer.lease_id
+        item.pinned_at = now
+        item.state = STAGE
+
+    def _usable(self, dtype: str | None, shape: tuple[int, ...], rows: int) -> bool:
+        return dtype == self.dtype and len(shape) == 2 and shape[0] == rows
+
+    def _to_miss(self, item: _Item) -> None:
+        if item.state in (STAGING, STAGED):
+            self._drop.add(item.key)
+        self.lookups.release([item.lease_id])
+        item.lease_id = 0
+        item.state = MISS
+
+    # -- has_cache_item / update_state_after_alloc -----------------------------------
+    def _item_for(self, identifier: str) -> _Item | None:
+        """The item of the request vLLM is scheduling (it asks ``ensure`` first)."""
+        if self._current is None:
+            return None
+        key = self._current[1].get(identifier)
+        return None if key is None else self._items.get(key)
+
+    def has(self, identifier: str) -> bool:
+        """Whether ``identifier`` comes from embcache this step: staged on the workers
+        (a consumer), or stored (a producer, which then skips encoding it)."""
+        item = self._item_for(identifier)
+        if item is None:
+            return False
+        return item.state == (STAGED if self.is_consumer else HIT)
 
     def after_alloc(self, request: Any, index: int) -> None:
-        """Schedule the load of item ``index`` if it is to come from embcache."""
-        if not self.is_consumer:
-            return
+        """Item ``index`` is scheduled: a staged one is used; one to encode on a producer
+        is saved under the request's key scope."""
         identifier = request.mm_features[index].identifier
-        rows = int(request.get_num_encoder_embeds(index))
-        if not self.has(identifier, rows):
+        self._scheduled.setdefault(request.request_id, set()).add(identifier)
+        scope = self.scope_of(request)
+        item = self._items.get(self.key(identifier, scope))
+        if self.is_consumer and item is not None and item.state in (STAGED, USED):
+            use = self._use.get(item.key)
+            ids = {request.request_id, *(use.request_ids if use else ())}
+            self._use[item.key] = UseSpec(identifier, item.key, tuple(sorted(ids)))
+            item.state = USED
             return
-        pin = self._pins.get(identifier)
-        pending = self._pending.get(identifier)
-        if pending is None:
-            shape = pin.shape if pin is not None else None
-            pending = _Pending(self.key(identifier), rows, shape, set())
-            self._pending[identifier] = pending
-        pending.requests.add(request.request_id)
-        if pin is not None:
-            pin.requests.add(request.request_id)
-            if pin.shape[0] != rows:  # pinned for another request's row count
-                pending.available = False
+        if not self.is_producer or (item is not None and item.state == HIT):
+            return
+        self._save_scopes.setdefault(identifier, set()).add(scope or "")
 
+    # -- build_connector_meta --------------------------------------------------------
     def build_meta(self) -> EmbCacheConnectorMetadata:
-        """This step's loads; starts the next step (answers are looked up again)."""
-        loads = []
-        for identifier, p in self._pending.items():
-            loads.append(
-                LoadSpec(
-                    identifier=identifier,
-                    key=p.key,
-                    rows=p.rows,
-                    dtype=self.dtype,
-                    shape=p.shape,
-                    request_ids=tuple(sorted(p.requests)),
-                    available=p.available,
-                    fallback_width=self.width,
-                )
-            )
-            self._loading.setdefault(identifier, set()).update(p.requests)
-            if not p.available:
-                self._unavailable.update(p.requests)
-        self._pending.clear()
-        self._found.clear()
-        self._renew_pins()
-        return EmbCacheConnectorMetadata(loads=loads)
+        """This step's stagings, uses, drops and save scopes; starts the next step."""
+        now = self._clock()
+        stage = []
+        for item in self._items.values():
+            if item.state == STAGE:
+                assert item.dtype is not None
+                shape = item.shape if item.shape is not None else (item.rows, -1)
+                stage.append(StageSpec(item.key, item.dtype, shape))
+                item.state = STAGING
+        for key, item in list(self._items.items()):
+            if item.state in (MISS, HIT) and item.touched < self._step_started:
+                # An answer holds while requests that asked this step wait: ask again later.
+                self.lookups.forget(key)
+                del self._items[key]
+            elif item.state == USED and key in self._use:
+                self.lookups.forget(key)
+                del self._items[key]  # the worker moves it into vLLM's cache this step
+            elif item.state in (STAGED, STAGE, STAGING) and (
+                now - item.touched > self.settings.defer_limit_s
+            ):
+                self._drop.add(key)  # no request has asked for it lately
+                self.lookups.release([item.lease_id])
+                self.lookups.forget(key)
+                del self._items[key]
+        meta = EmbCacheConnectorMetadata(
+            stage=stage,
+            use=list(self._use.values()),
+            drop=sorted(self._drop),
+            save_scopes={i: tuple(sorted(s)) for i, s in self._save_scopes.items()},
+        )
+        self._use, self._drop, self._save_scopes = {}, set(), {}
+        self._current = None
+        self._step_started = now
+        self._wait_left = self.settings.lookup_wait_ms / 1000
+        self._renew(now)
+        return meta
 
-    def _renew_pins(self) -> None:
-        now = time.monotonic()
-        stale = [p for p in self._pins.values() if now - p.taken_at > self.settings.pin_ttl_s / 2]
-        if not stale:
-            return
-        try:
-            self.client.renew(
-                [i for p in stale for i in p.leased.lease_ids], self.settings.pin_ttl_s
-            )
-        except (EmbCacheError, OSError) as exc:
-            log.warning("embcache could not renew %d pin(s): %s", len(stale), exc)
-            return
-        for p in stale:
-            p.taken_at = now
+    def _renew(self, now: float) -> None:
+        stale = [
+            i
+            for i in self._items.values()
+            if i.lease_id and now - i.pinned_at > self.settings.pin_ttl_s / 2
+        ]
+        if stale:
+            self.lookups.renew([i.lease_id for i in stale])
+            for i in stale:
+                i.pinned_at = now
 
-    # -- what the workers reported ---------------------------------------------------
+    # -- update_connector_output -----------------------------------------------------
     def on_worker_meta(self, meta: EmbCacheWorkerMetadata | None) -> None:
-        """Release the pins of reported items; fail the requests of failed loads."""
+        """Staged items become hits; failed stagings become misses (encoded instead)."""
         if meta is None:
             return
         self.stats = add_counts(self.stats, meta.stats)
-        for identifier in meta.loaded | set(meta.failed):
-            requests = self._loading.pop(identifier, set())
-            if identifier in meta.failed:
-                log.warning(
-                    "embcache load of %s failed (%s): failing %d request(s), retryable",
-                    identifier,
-                    meta.failed[identifier],
-                    len(requests),
-                )
-                self._unavailable.update(requests)
-            self._drop_pin(identifier)
-
-    def request_finished(self, request_id: str) -> None:
-        """Drop the request from its pins; a pin no request needs is released."""
-        for identifier, pin in list(self._pins.items()):
-            pin.requests.discard(request_id)
-            if not pin.requests and identifier not in self._loading:
-                self._drop_pin(identifier)
+        for key in meta.staged:
+            item = self._items.get(key)
+            if item is None or item.state != STAGING:
+                self._drop.add(key)  # nobody waits for it any more
+                continue
+            item.state = STAGED
+            self.lookups.release([item.lease_id])  # the worker holds the bytes now
+            item.lease_id = 0
+        for key, reason in meta.failed.items():
+            self._drop.add(key)  # ranks that did stage it let it go
+            item = self._items.get(key)
+            if item is not None and item.state in (STAGING, STAGED):
+                log.warning("embcache staging of %s failed (%s): encoding it", key, reason)
+                self._to_miss(item)
+        for identifier, reason in meta.use_failed.items():
+            log.error("embcache: %s was not staged on a worker (%s)", identifier, reason)
+            self._count("load_failures")
 
     def take_unavailable(self) -> set[str]:
-        """The requests whose items could not be loaded since the last call."""
+        """Requests to fail (none: an item is only scheduled once a worker holds it)."""
         taken, self._unavailable = self._unavailable, set()
         return taken
 
+    def request_finished(self, request: Any) -> dict[str, Any] | None:
+        """Forget the request; a producer announces what it saves (``ec_transfer_params``)."""
+        rid = request.request_id
+        self._scheduled.pop(rid, None)
+        for key, item in list(self._items.items()):
+            item.requests.discard(rid)
+            if not item.requests and item.state not in (USED,):
+                if item.state in (STAGING, STAGED):
+                    self._drop.add(key)
+                self.lookups.release([item.lease_id])
+                self.lookups.forget(key)
+                del self._items[key]
+        features = getattr(request, "mm_features", None) or []
+        if self.is_consumer or not features:
+            return None
+        params: dict[str, Any] = {}
+        for index, feature in enumerate(features):
+            entry = params.setdefault(
+                feature.identifier,
+                {"modality": feature.modality, "item_indices": [], PARAM_NAMESPACE: self.namespace},
+            )
+            entry["item_indices"].append(index)
+        return params
+
     def take_stats(self) -> dict[str, int]:
-        """The counts since the last call (this half's and its workers')."""
-        taken, self.stats = self.stats, {}
-        return taken
+        """The counts since the last call (this half's, its lookups' and its workers')."""
+        taken, self.stats = add_counts(self.stats, self.lookups.take_counts()), {}
+        return {k: v for k, v in taken.items() if v}
 
     def close(self) -> None:
-        """Release every pin and close the client."""
-        for identifier in list(self._pins):
-            self._drop_pin(identifier)
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-
-    def _drop_pin(self, identifier: str) -> None:
-        pin = self._pins.pop(identifier, None)
-        if pin is not None:
-            _release(pin.leased)
+        """Release every pin (in the background, bounded) and stop the lookups."""
+        self.lookups.release([i.lease_id for i in self._items.values()])
+        self._items.clear()
+        self.lookups.close()
 
     def _count(self, name: str, n: int = 1) -> None:
         self.stats[name] = self.stats.get(name, 0) + n
-
-
-def _lease_per_item(leased: LeasedTensors) -> Iterable[int | None]:
-    """Each item's lease id (None for a miss): ``get`` gives one lease per hit, in order."""
-    ids = iter(leased.lease_ids)
-    return [None if t is None else next(ids) for t in leased.tensors]
-
-
-def _release(leased: LeasedTensors) -> None:
-    try:
-        leased.release()
-    except (EmbCacheError, OSError) as exc:  # expired or daemon away: nothing to hold
-        log.debug("embcache pin release: %s", exc)

@@ -18,8 +18,6 @@ from embcache.errors import InvalidArgument
 from embcache.integrations.keys import check_namespace, derive_namespace
 
 ENGINE = "vllm"
-# Sub-configs of a Hugging Face config that describe the encoder side of a model.
-_ENCODER_WORDS = ("vision", "visual", "audio", "image", "video", "speech", "mm", "projector")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +34,13 @@ class ConnectorSettings:
     pin_ttl_s: float = 60.0
     prefetch: bool = True
     max_pending_saves: int = 1024
+    lookup_timeout_s: float = 2.0
+    lookup_wait_ms: float = 5.0
+    defer_limit_s: float = 5.0
+    announced_wait_s: float = 5.0
+    breaker_failures: int = 3
+    breaker_cooldown_s: float = 10.0
+    salt_keys: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -74,13 +79,26 @@ class ConnectorSettings:
     def _check(self) -> None:
         if self.embcache_token is not None and not isinstance(self.embcache_token, str):
             raise InvalidArgument("embcache_token must be a string")
-        for name in ("embcache_timeout_s", "pin_ttl_s"):
+        for name in (
+            "embcache_timeout_s",
+            "pin_ttl_s",
+            "lookup_timeout_s",
+            "defer_limit_s",
+            "breaker_cooldown_s",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise InvalidArgument(f"{name} must be a positive number", value=value)
         if self.save_ranks not in ("first", "all"):
             raise InvalidArgument("save_ranks must be 'first' or 'all'", value=self.save_ranks)
-        for name in ("allow_request_local_ids", "scheduler_pin", "prefetch"):
+        for name in ("lookup_wait_ms", "announced_wait_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise InvalidArgument(f"{name} must be a number >= 0", value=value)
+        failures = self.breaker_failures
+        if isinstance(failures, bool) or not isinstance(failures, int) or failures < 1:
+            raise InvalidArgument("breaker_failures must be a positive integer", value=failures)
+        for name in ("allow_request_local_ids", "scheduler_pin", "prefetch", "salt_keys"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgument(f"{name} must be true or false", value=getattr(self, name))
         pending = self.max_pending_saves
@@ -91,46 +109,73 @@ class ConnectorSettings:
 
 
 def namespace_for(vllm_config: Any, settings: ConnectorSettings) -> str:
-    """The key namespace: the override, else derived from the model.
+    """The key namespace: the override, else derived from what makes the embeddings.
 
-    Producer and consumer instances of one deployment derive the same namespace (same
-    model, revision, encoder config and dtype); a different checkpoint or dtype cannot
-    read their entries.
+    The digest covers the model's configuration (without the local path it was loaded
+    from), the identity of its weights (``weights_identity``), the dtype and the
+    multimodal processor options, so two instances that load one checkpoint from
+    different paths agree, and a different checkpoint or dtype cannot read their entries.
     """
     if settings.namespace is not None:
         return settings.namespace
     model = vllm_config.model_config
+    hf_config = getattr(model, "hf_config", None)
+    as_dict = hf_config.to_dict() if hf_config is not None else {}
+    readable = as_dict.get("model_type") or (as_dict.get("architectures") or ["model"])[0]
     parts = {
-        "model": getattr(model, "model", None),
-        "revision": getattr(model, "revision", None),
+        "model": str(readable),
+        "config": config_digest(as_dict),
+        "weights": weights_identity(model),
         "dtype": str(getattr(model, "dtype", None)),
-        "encoder": encoder_config_digest(model),
+        "processor": processor_options(model),
     }
     return derive_namespace(parts)
 
 
-def encoder_config_digest(model_config: Any) -> str:
-    """A digest of the encoder side of the model's configuration.
+# Keys of a Hugging Face config that name where or with what it was loaded, not the model.
+_LOCAL_CONFIG_KEYS = ("_name_or_path", "name_or_path", "_commit_hash", "transformers_version")
 
-    The sub-configs of the Hugging Face config that name an encoder (``vision_config``,
-    ``audio_config``, ...) and the multimodal processor options; the whole Hugging Face
-    config where no such sub-config exists. Options that do not change the embeddings
-    (processor cache size, prefix caching) are left out, so producers and consumers that
-    size their caches differently still agree.
-    """
-    hf_config = getattr(model_config, "hf_config", None)
-    as_dict = hf_config.to_dict() if hf_config is not None else {}
-    encoder = {
-        k: v
-        for k, v in as_dict.items()
-        if isinstance(v, dict) and any(word in k.lower() for word in _ENCODER_WORDS)
-    }
+
+def config_digest(as_dict: dict[str, Any]) -> str:
+    """A digest of a Hugging Face config without its local or tool-version fields."""
+    kept = {k: v for k, v in as_dict.items() if k not in _LOCAL_CONFIG_KEYS}
+    blob = json.dumps(kept, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def processor_options(model_config: Any) -> str:
+    """The multimodal processor options (they change what the encoder sees); options that
+    do not change the embeddings (cache sizes) are not among them."""
     mm_config = getattr(model_config, "multimodal_config", None)
     kwargs = getattr(mm_config, "mm_processor_kwargs", None) if mm_config is not None else None
-    blob = json.dumps(
-        {"encoder": encoder or as_dict, "kwargs": kwargs}, sort_keys=True, default=str
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+    return json.dumps(kwargs, sort_keys=True, default=str)
+
+
+def weights_identity(model_config: Any) -> str:
+    """What identifies the weights, independent of the path they were loaded from.
+
+    A local folder: the digest of its weights index (``*.index.json``), else of its weight
+    files' names and sizes. A hub model: its id and the resolved commit (or the revision
+    asked for).
+    """
+    path = str(getattr(model_config, "model", "") or "")
+    if path and os.path.isdir(path):
+        names = sorted(os.listdir(path))
+        index = [n for n in names if n.endswith(".index.json")]
+        digest = hashlib.sha256()
+        if index:
+            for name in index:
+                with open(os.path.join(path, name), "rb") as f:
+                    digest.update(f.read())
+        else:
+            for name in names:
+                if name.endswith((".safetensors", ".bin", ".pt", ".gguf")):
+                    size = os.path.getsize(os.path.join(path, name))
+                    digest.update(f"{name}:{size}\n".encode())
+        return "local:" + digest.hexdigest()[:16]
+    hf_config = getattr(model_config, "hf_config", None)
+    commit = getattr(hf_config, "_commit_hash", None) if hf_config is not None else None
+    return f"hub:{path}@{commit or getattr(model_config, 'revision', None)}"
 
 
 def check_identifiers_are_content_hashes(vllm_config: Any, settings: ConnectorSettings) -> None:

@@ -1,7 +1,7 @@
 """Connector statistics in vLLM's forms: ``ECConnectorStats`` for the periodic log line
 and ``ECConnectorPromMetrics`` for Prometheus counters (``vllm:embcache_<name>``).
 
-vLLM 0.33 collects connector stats only from the scheduler-side instance; the workers'
+vLLM (0.33 and 0.34) collects connector stats only from the scheduler-side instance; the workers'
 counts reach it inside the worker metadata (``metadata.py``), so one object carries the
 whole engine's hits, misses, loads and saves.
 """

@@ -1,6 +1,8 @@
-"""CUDA round trip through vLLM's real worker mixin: a producer process saves CUDA tensors
-(they reach the daemon by CUDA IPC), a consumer process loads them into CUDA tensors with
-``get_into``; the bytes are compared. Run by scripts/gpu_integrations.sh on the H200.
+"""CUDA round trip through vLLM's V2 model runner's ``ActiveECConnector``: a producer
+process saves CUDA tensors (they reach the daemon by CUDA IPC), a consumer process stages
+them onto its GPU with ``get_into`` and hands them to the encoder cache in the order of
+vLLM's scheduler (``vllm_kit.Engine``); the bytes are compared. Run by
+scripts/gpu_integrations.sh on the H200.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ KIT = HERE.parent / "integrations"
 if importlib.util.find_spec("vllm") is None:  # pragma: no cover - carried to the GPU host
     pytest.skip("vllm is not importable (scripts/carry_vllm.sh)", allow_module_level=True)
 
-# One role per process: each builds a real VllmConfig, initialises vLLM's EC transfer state
-# (the worker connector) and goes through ECConnectorModelRunnerMixin.
+# One role per process: each builds a real VllmConfig and vLLM's connectors, and goes
+# through ActiveECConnector (vLLM 0.33 and 0.34).
 ROLE = r"""
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
@@ -34,7 +36,7 @@ from vllm.distributed.ec_transfer import (ensure_ec_transfer_initialized,
     ensure_ec_transfer_shutdown, get_ec_transfer)
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
-from vllm.v1.worker.ec_connector_model_runner_mixin import ECConnectorModelRunnerMixin as M
+from vllm.v1.worker.gpu.ec_connector import ActiveECConnector
 from embcache.integrations.vllm.metadata import EmbCacheConnectorMetadata
 role, folder, extra = sys.argv[2], Path(sys.argv[3]), json.loads(sys.argv[4])
 items = {f"gpu-{i}": (64 + 8 * i, 4096) for i in range(4)}
@@ -45,39 +47,39 @@ def expected(i, rows):
     g = torch.Generator(device="cuda").manual_seed(i)
     return torch.randn(rows, 4096, generator=g, device="cuda").to(torch.bfloat16)
 if role == "producer":
-    ensure_ec_transfer_initialized(kit.vllm_config(model, "ec_producer", extra))
+    config = kit.vllm_config(model, "ec_producer", extra)
+    ensure_ec_transfer_initialized(config)
     cache = {}
-    with M.maybe_get_ec_connector_output(kit.scheduler_output(EmbCacheConnectorMetadata()), cache):
+    active = ActiveECConnector(config, cache)
+    with active.maybe_get_output(kit.scheduler_output(EmbCacheConnectorMetadata())):
         for i, (name, (rows, _)) in enumerate(items.items()):
             cache[name] = expected(i, rows)
-            M.maybe_save_ec_to_connector(cache, name)
     assert get_ec_transfer().wait_for_saves(60)
     meta = get_ec_transfer().build_connector_worker_meta()
     print(json.dumps(meta.stats))
     ensure_ec_transfer_shutdown()
 else:
-    sched = ECConnectorFactory.create_connector(
-        kit.vllm_config(model, "ec_consumer", extra), ECConnectorRole.SCHEDULER)
-    req = kit.request("r", [(n, rows) for n, (rows, _) in items.items()])
-    out = kit.scheduler_step(sched, req)
-    assert len(out.ec_connector_metadata.loads) == len(items), out.ec_connector_metadata
-    ensure_ec_transfer_initialized(kit.vllm_config(model, "ec_consumer", extra))
-    cache = {}
-    with M.maybe_get_ec_connector_output(out, cache) as output:
-        pass
-    wmeta = output.ec_connector_worker_meta
-    assert not wmeta.failed, wmeta.failed
+    def make(which):
+        return ECConnectorFactory.create_connector(
+            kit.vllm_config(model, "ec_consumer", extra), which)
+    sched, worker = make(ECConnectorRole.SCHEDULER), make(ECConnectorRole.WORKER)
+    def encode(identifier):
+        raise AssertionError(f"{identifier} was encoded, not loaded")
+    engine = kit.Engine(sched, worker, encode)
+    engine.add(kit.request("r", [(n, rows) for n, (rows, _) in items.items()]))
+    engine.run()
+    assert engine.done == {"r": "ok"}, engine.done
     for i, (name, (rows, _)) in enumerate(items.items()):
-        assert cache[name].is_cuda and cache[name].shape == (rows, 4096)
-        assert torch.equal(cache[name], expected(i, rows)), name
-    sched.update_connector_output(output)
+        got = engine.read["r"][name]
+        assert got.is_cuda and got.shape == (rows, 4096)
+        assert torch.equal(got, expected(i, rows)), name
     print(json.dumps(sched.get_ec_connector_stats().reduce()))
-    ensure_ec_transfer_shutdown()
+    worker.shutdown()
     sched.shutdown()
 """
 
 
-def test_cuda_round_trip_through_the_worker_mixin(start_daemon) -> None:  # type: ignore[no-untyped-def]
+def test_cuda_round_trip_through_active_ec_connector(start_daemon) -> None:  # type: ignore[no-untyped-def]
     assert torch.cuda.is_available()
     sys.path.insert(0, str(KIT))
     import vllm_kit as kit
@@ -109,7 +111,7 @@ def test_cuda_round_trip_through_the_worker_mixin(start_daemon) -> None:  # type
             assert done.returncode == 0, done.stderr[-4000:]
             runs[role] = json.loads(done.stdout.strip().splitlines()[-1])
         assert runs["producer"]["saves"] == 4
-        assert runs["consumer"]["loads"] == 4 and runs["consumer"]["load_failures"] == 0
+        assert runs["consumer"]["loads"] == 4 and runs["consumer"]["stage_failures"] == 0
         # The puts came from the GPU by CUDA IPC (the daemon copied them device to host),
         # not as streamed bytes; the loads went host to device.
         stats = daemon_stats(daemon.unix_target)

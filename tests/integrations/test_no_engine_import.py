@@ -16,6 +16,9 @@ ENGINE_FREE = [
     "embcache.integrations.vllm.settings",
     "embcache.integrations.sglang",
     "embcache.integrations.sglang.buffers",
+    "embcache.integrations.sglang.launch",
+    "embcache.integrations.vllm.lookups",
+    "embcache.integrations.vllm.closing",
 ]
 
 

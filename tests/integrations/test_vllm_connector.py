@@ -1,13 +1,14 @@
-"""EmbCacheECConnector against vLLM 0.33's real classes and a real daemon (CPU).
+"""EmbCacheECConnector against vLLM's real classes (0.33 and 0.34) and a real daemon (CPU).
 
-vLLM's factory builds the connector from a real ``VllmConfig``; saves go through vLLM's
-``ECConnectorModelRunnerMixin``, loads through the scheduler-side hooks, a real
-``SchedulerOutput`` and the mixin's connector-output context, as the model runner does.
+vLLM's factory builds the connector from a real ``VllmConfig``; saves and loads go through
+vLLM's V2 model runner's ``ActiveECConnector`` and the scheduler-side hooks in the order of
+vLLM's scheduler (``vllm_kit.Engine``), with real requests and scheduler outputs.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import pickle
 import sys
 import uuid
@@ -36,9 +37,7 @@ with warnings.catch_warnings():
     from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
     from vllm.plugins import load_general_plugins
     from vllm.v1.outputs import ECConnectorOutput
-    from vllm.v1.worker.ec_connector_model_runner_mixin import (
-        ECConnectorModelRunnerMixin as Mixin,
-    )
+    from vllm.v1.worker.gpu.ec_connector import ActiveECConnector
 
     from embcache.errors import InvalidArgument
     from embcache.integrations.vllm import register
@@ -72,17 +71,16 @@ def embeds(rows: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.T
 
 
 def produce(model: Any, extra: dict[str, Any], items: dict[str, torch.Tensor], **kw: Any) -> Any:
-    """Save ``items`` through vLLM's worker mixin on a producer worker; returns the next
-    step's worker metadata (the puts finish in the background, after this step's report)."""
+    """Save ``items`` through vLLM's V2 ``ActiveECConnector`` on a producer worker; returns
+    the next report's worker metadata (the puts finish in the background)."""
     ensure_ec_transfer_initialized(kit.vllm_config(model, "ec_producer", extra, **kw))
     try:
         connector = get_ec_transfer()
         cache: dict[str, torch.Tensor] = {}
+        active = ActiveECConnector(connector._vllm_config, cache)
         out = kit.scheduler_output(EmbCacheConnectorMetadata())
-        with Mixin.maybe_get_ec_connector_output(out, cache) as output:
-            for identifier, tensor in items.items():
-                cache[identifier] = tensor
-                Mixin.maybe_save_ec_to_connector(cache, identifier)
+        with active.maybe_get_output(out) as output:
+            cache.update(items)  # the encoder's outputs of this step
         assert output.ec_connector_worker_meta is None  # nothing stored yet: never waits
         assert connector.wait_for_saves(30)
         return connector.build_connector_worker_meta()
@@ -90,16 +88,16 @@ def produce(model: Any, extra: dict[str, Any], items: dict[str, torch.Tensor], *
         ensure_ec_transfer_shutdown()
 
 
-def consume(model: Any, extra: dict[str, Any], meta: Any) -> tuple[dict[str, torch.Tensor], Any]:
-    """Load ``meta``'s items through the mixin on a consumer worker: (cache, output)."""
-    ensure_ec_transfer_initialized(kit.vllm_config(model, "ec_consumer", extra))
-    try:
-        cache: dict[str, torch.Tensor] = {}
-        with Mixin.maybe_get_ec_connector_output(kit.scheduler_output(meta), cache) as output:
-            pass
-        return cache, output
-    finally:
-        ensure_ec_transfer_shutdown()
+def consumer_engine(model: Any, extra: dict[str, Any], encode: Any = None) -> Any:
+    """A consumer engine (scheduler and worker connectors) whose encoder is ``encode``."""
+    sched = make(model, "ec_consumer", extra, ECConnectorRole.SCHEDULER)
+    worker = make(model, "ec_consumer", extra, ECConnectorRole.WORKER)
+    return kit.Engine(sched, worker, encode or (lambda i: pytest.fail(f"encoded {i}")))
+
+
+def close(engine: Any) -> None:
+    engine.sched.shutdown()
+    engine.worker.shutdown()
 
 
 def test_factory_by_module_path_and_by_name(model: Any, extra: dict[str, Any]) -> None:
@@ -123,46 +121,42 @@ def test_save_then_load_round_trip(model: Any, extra: dict[str, Any], client: An
     assert worker_meta.stats["saves"] == 2
     assert worker_meta.stats["save_bytes"] == sum(t.numel() * 2 for t in items.values())
 
-    sched = make(model, "ec_consumer", extra, ECConnectorRole.SCHEDULER)
-    req = kit.request("r1", [("img-a", 12), ("img-b", 7), ("img-c", 5)])
-    out = kit.scheduler_step(sched, req)
-    meta = out.ec_connector_metadata
-    assert [s.identifier for s in meta.loads] == ["img-a", "img-b"]  # img-c: never saved
-    assert [s.shape for s in meta.loads] == [(12, WIDTH), (7, WIDTH)]
-    # The scheduler's pins keep the entries: an operator's evict cannot take them now.
-    assert client.evict([sched.key_for("img-a")]) == ["leased"]
-
-    cache, output = consume(model, extra, pickle.loads(pickle.dumps(meta)))
+    local = embeds(5, 3)
+    engine = consumer_engine(model, extra, encode=lambda i: local)
+    engine.add(kit.request("r1", [("img-a", 12), ("img-b", 7), ("img-c", 5)]))
+    engine.step()  # looked up and pinned: the request waits for the stagings
+    assert engine.waiting and "r1" not in engine.read
+    # The scheduler's pins keep the entries until the worker holds them.
+    assert client.evict([engine.sched.key_for("img-a")]) == ["leased"]
+    engine.run()
+    assert engine.done == {"r1": "ok"} and engine.encoded == ["img-c"]  # never saved
+    read = engine.read["r1"]
     for identifier, tensor in items.items():
-        assert torch.equal(cache[identifier], tensor)
-        assert cache[identifier].dtype == torch.bfloat16
-    assert "img-c" not in cache
-    wmeta = output.ec_connector_worker_meta
-    assert wmeta.loaded == {"img-a", "img-b"} and not wmeta.failed
-
-    sched.update_connector_output(output)  # the pins end once the worker has the items
-    assert client.evict([sched.key_for("img-a")]) == ["evicted"]
-    assert sched.take_unavailable_requests() == set()
-    stats = sched.get_ec_connector_stats().reduce()
-    assert (stats["hits"], stats["misses"], stats["loads"]) == (2, 1, 2)
-    assert stats["load_bytes"] == (12 + 7) * WIDTH * 2
-    assert sched.get_ec_connector_stats() is None  # counts are per interval
-    sched.shutdown()
+        assert torch.equal(read[identifier], tensor) and read[identifier].dtype == torch.bfloat16
+    assert torch.equal(read["img-c"], local)
+    # Staged copies are the worker's own: the pins ended, the entries may go.
+    assert client.evict([engine.sched.key_for("img-a")]) == ["evicted"]
+    stats = engine.sched.get_ec_connector_stats().reduce()
+    assert (stats["hits"], stats["misses"], stats["loads"], stats["staged"]) == (2, 1, 2, 2)
+    assert stats["load_bytes"] == (12 + 7) * WIDTH * 2 and stats["load_failures"] == 0
+    assert engine.sched.get_ec_connector_stats() is None  # counts are per interval
+    close(engine)
 
 
 def test_has_cache_item_is_batched_and_memoised(model: Any, extra: dict[str, Any]) -> None:
     produce(model, extra, {"m1": embeds(3, 3)})
     sched = make(model, "ec_consumer", {**extra, "prefetch": False}, ECConnectorRole.SCHEDULER)
-    req = kit.request("r", [("m1", 3), ("m2", 3)])
-    sched.ensure_cache_available(req, 0)
+    client = sched._scheduler.lookups._connect()
     calls = []
-    real_get = sched._scheduler.client.get
-    sched._scheduler.client.get = lambda *a, **k: calls.append(a) or real_get(*a, **k)
-    assert sched.has_cache_item("m1") and not sched.has_cache_item("m2")
-    assert sched.has_cache_item("m1") and not sched.has_cache_item("m2")
-    assert calls == []  # answered by the one batched lookup of ensure_cache_available
+    real_pin = client.pin
+    client.pin = lambda *a, **k: calls.append(a) or real_pin(*a, **k)
+    sched._scheduler.lookups._client = client
+    req = kit.request("r", [("m1", 3), ("m2", 3)])
+    assert not sched.ensure_cache_available(req, 0)  # m1 is to be staged first
+    assert len(calls) == 1 and len(calls[0][0]) == 2  # one call for both items
+    assert not sched.has_cache_item("m1") and not sched.has_cache_item("m2")
     sched.build_connector_meta(kit.scheduler_output(None))
-    assert not sched.has_cache_item("m2") and len(calls) == 1  # a new step asks again
+    assert not sched.ensure_cache_available(req, 0) and len(calls) == 1  # m1 staging
     sched.shutdown()
 
 
@@ -175,79 +169,88 @@ def test_prefetch_only_where_the_lookup_would_not_fetch(
     produce(model, extra, {"p1": embeds(3, 3)})
     cfg = {**extra, "scheduler_pin": pin, "prefetch": True}
     sched = make(model, "ec_consumer", cfg, ECConnectorRole.SCHEDULER)
-    client = sched._scheduler.client
+    lookups = sched._scheduler.lookups
+    client = lookups._client = lookups._connect()
     asked: list[list[str]] = []
     real = client.prefetch
     client.prefetch = lambda keys, *a, **k: asked.append(list(keys)) or real(keys, *a, **k)
     sched.ensure_cache_available(kit.request("r", [("p1", 3), ("p2", 3)]), 0)
-    assert sched.has_cache_item("p1") and not sched.has_cache_item("p2")
+    lookups.wait([sched.key_for("p1"), sched.key_for("p2")], 30)
+    assert lookups.answer(sched.key_for("p1")).found
+    assert not lookups.answer(sched.key_for("p2")).found
     assert asked == ([] if pin else [[sched.key_for("p1"), sched.key_for("p2")]])
     sched.shutdown()
 
 
 def test_scheduler_never_initialises_cuda(model: Any, extra: dict[str, Any]) -> None:
     produce(model, extra, {"c1": embeds(4, 4)})
-    sched = make(model, "ec_consumer", extra, ECConnectorRole.SCHEDULER)
-    kit.scheduler_step(sched, kit.request("r", [("c1", 4)]))
-    assert not torch.cuda.is_initialized()
-    sched.shutdown()
+    engine = consumer_engine(model, extra)
+    engine.add(kit.request("r", [("c1", 4)]))
+    engine.run()
+    assert engine.done == {"r": "ok"} and not torch.cuda.is_initialized()
+    close(engine)
 
 
-def test_miss_after_has_cache_item_without_pin(
-    model: Any, extra: dict[str, Any], client: Any
+@pytest.mark.parametrize("pin", [True, False])
+def test_evicted_before_staging_is_encoded(
+    model: Any, extra: dict[str, Any], client: Any, pin: bool
 ) -> None:
-    extra = {**extra, "scheduler_pin": False}
+    """An entry gone between the lookup and the worker's load is encoded instead: the
+    request runs once, on the right embeddings, and nothing else is put in any cache."""
+    extra = {**extra, "scheduler_pin": pin}
     produce(model, extra, {"gone": embeds(6, 5)})
-    sched = make(model, "ec_consumer", extra, ECConnectorRole.SCHEDULER)
-    req = kit.request("r-gone", [("gone", 6)])
-    out = kit.scheduler_step(sched, req)
-    assert [s.shape for s in out.ec_connector_metadata.loads] == [None]  # width not known
-    assert client.evict([sched.key_for("gone")]) == ["evicted"]  # evicted in between
-
-    cache, output = consume(model, extra, out.ec_connector_metadata)
-    assert cache["gone"].shape == (6, WIDTH)  # a placeholder keeps the step running
-    assert "gone" in output.ec_connector_worker_meta.failed
-    sched.update_connector_output(output)
-    assert sched.take_unavailable_requests() == {"r-gone"}  # vLLM fails it, retryable
-    assert sched.take_unavailable_requests() == set()
-    stats = sched.get_ec_connector_stats().reduce()
-    assert stats["load_failures"] == 1 and stats["loads"] == 0
-    sched.shutdown()
+    truth = embeds(6, 5)
+    engine = consumer_engine(model, extra, encode=lambda i: truth.clone())
+    engine.add(kit.request("r-gone", [("gone", 6)]))
+    engine.sched.ensure_cache_available(engine.waiting[0], 0)
+    engine.sched._scheduler.lookups.wait([engine.sched.key_for("gone")], 30)
+    if pin:  # pinned: an operator cannot take it; a restart could, which evict stands for
+        assert client.evict([engine.sched.key_for("gone")]) == ["leased"]
+        engine.sched._scheduler.lookups._client.release(
+            [engine.sched._scheduler._items[engine.sched.key_for("gone")].lease_id]
+        )
+    assert client.evict([engine.sched.key_for("gone")]) == ["evicted"]
+    engine.run()
+    assert engine.done == {"r-gone": "ok"} and engine.encoded == ["gone"]
+    assert torch.equal(engine.read["r-gone"]["gone"], truth)
+    stats = engine.sched.get_ec_connector_stats().reduce()
+    assert stats["stage_failures"] == 1 and stats["loads"] == 0 and stats["load_failures"] == 0
+    close(engine)
 
 
 @pytest.mark.parametrize("pin", [True, False])
 def test_mismatched_rows_and_dtype_are_misses(model: Any, extra: dict[str, Any], pin: bool) -> None:
     extra = {**extra, "scheduler_pin": pin}
     produce(model, extra, {"rows": embeds(10, 6), "f32": embeds(5, 7, torch.float32)})
-    sched = make(model, "ec_consumer", extra, ECConnectorRole.SCHEDULER)
-    req = kit.request("r-mis", [("rows", 12), ("f32", 5)])
-    out = kit.scheduler_step(sched, req)
-    if pin:  # seen in the scheduler: vLLM encodes both itself
-        assert out.ec_connector_metadata.loads == []
-        stats = sched.get_ec_connector_stats().reduce()
+    engine = consumer_engine(model, extra, encode=lambda i: embeds(12 if i == "rows" else 5, 9))
+    engine.add(kit.request("r-mis", [("rows", 12), ("f32", 5)]))
+    engine.run()
+    assert engine.done == {"r-mis": "ok"} and sorted(engine.encoded) == ["f32", "rows"]
+    assert engine.read["r-mis"]["rows"].shape == (12, WIDTH)
+    assert engine.read["r-mis"]["f32"].dtype == torch.bfloat16
+    stats = engine.sched.get_ec_connector_stats().reduce()
+    if pin:  # seen in the scheduler
         assert stats["mismatches"] == 2 and stats["misses"] == 2
-    else:  # seen by the worker: a failed load, not a crash
-        cache, output = consume(model, extra, out.ec_connector_metadata)
-        failed = output.ec_connector_worker_meta.failed
-        assert set(failed) == {"rows", "f32"}
-        assert "rows" in failed["rows"] and "float32" in failed["f32"]
-        assert cache["rows"].shape == (12, WIDTH) and cache["f32"].dtype == torch.bfloat16
-        sched.update_connector_output(output)
-        assert sched.take_unavailable_requests() == {"r-mis"}
-    sched.shutdown()
+    else:  # seen by the worker's staging
+        assert stats["stage_failures"] == 2
+    close(engine)
 
 
 def test_metadata_pickles(model: Any, extra: dict[str, Any]) -> None:
     produce(model, extra, {"p": embeds(2, 8)})
     sched = make(model, "ec_consumer", extra, ECConnectorRole.SCHEDULER)
-    meta = kit.scheduler_step(sched, kit.request("rp", [("p", 2)])).ec_connector_metadata
+    req = kit.request("rp", [("p", 2)])
+    sched.ensure_cache_available(req, 0)
+    sched._scheduler.lookups.wait([sched.key_for("p")], 30)
+    meta = kit.scheduler_step(sched, req).ec_connector_metadata
+    assert [s.key for s in meta.stage] == [sched.key_for("p")]
     again = pickle.loads(pickle.dumps(meta))
     assert again == meta and isinstance(again, EmbCacheConnectorMetadata)
-    a = EmbCacheWorkerMetadata(loaded={"x", "y"}, stats={"loads": 2})
-    b = EmbCacheWorkerMetadata(failed={"y": "gone"}, stats={"loads": 1, "load_failures": 1})
+    a = EmbCacheWorkerMetadata(staged={"x", "y"}, stats={"staged": 2})
+    b = EmbCacheWorkerMetadata(failed={"y": "gone"}, stats={"staged": 1, "stage_failures": 1})
     both = pickle.loads(pickle.dumps(a.aggregate(b)))
-    assert both.loaded == {"x"} and both.failed == {"y": "gone"}
-    assert both.stats == {"loads": 3, "load_failures": 1}
+    assert both.staged == {"x"} and both.failed == {"y": "gone"}
+    assert both.stats == {"staged": 3, "stage_failures": 1}
     sched.shutdown()
 
 
@@ -280,16 +283,26 @@ def test_bad_extra_config(model: Any, extra: dict[str, Any], match: str) -> None
         make(model, "ec_consumer", extra, ECConnectorRole.SCHEDULER)
 
 
-def test_namespace_follows_model_and_dtype(model: Any, daemon: Any) -> None:
+def test_namespace_follows_weights_and_config_not_path(
+    model: Any, daemon: Any, tmp_path: Path
+) -> None:
     extra = {"embcache_target": daemon.unix_target}
     first = make(model, "ec_producer", extra, ECConnectorRole.SCHEDULER)
-    again = make(model, "ec_consumer", extra, ECConnectorRole.SCHEDULER)
+    moved = kit.model_config(kit.write_model(tmp_path / "elsewhere" / "copy"))
+    again = make(moved, "ec_consumer", extra, ECConnectorRole.SCHEDULER)  # same checkpoint
     other = kit.model_config(Path(model.model), dtype="float16")  # same model, other dtype
     third = make(other, "ec_consumer", extra, ECConnectorRole.SCHEDULER)
     assert first.namespace == again.namespace != third.namespace
-    name = Path(model.model).name
-    assert first.key_for("h").startswith(f"vllm/{name}-") and first.key_for("h").endswith("/h")
-    for c in (first, again, third):
+    (tmp_path / "elsewhere" / "copy" / "model.safetensors.index.json").write_text("{}")
+    fourth = make(
+        kit.model_config(tmp_path / "elsewhere" / "copy"),
+        "ec_consumer",
+        extra,
+        ECConnectorRole.SCHEDULER,
+    )
+    assert fourth.namespace != first.namespace  # other weights
+    assert first.key_for("h").startswith("vllm/llama-") and first.key_for("h").endswith("/h")
+    for c in (first, again, third, fourth):
         c.shutdown()
 
 
@@ -304,6 +317,10 @@ def test_tensor_parallel_rank_zero_saves(model: Any, extra: dict[str, Any], clie
     produce(model, {**extra, "save_ranks": "all"}, {"tp1b": embeds(3, 12)}, rank=1, tp=2)
     sched = make(model, "ec_producer", extra, ECConnectorRole.SCHEDULER)
     assert client.exists(sched.key_for("tp1b"))
+    req = kit.request("r-tp", [("tp1b", 3)])
+    sched.ensure_cache_available(req, 0)
+    sched._scheduler.lookups.wait([sched.key_for("tp1b")], 30)
+    assert sched.ensure_cache_available(req, 0)
     assert sched.has_cache_item("tp1b")  # a producer skips encoding what is stored
     sched.shutdown()
 
@@ -314,3 +331,51 @@ def test_worker_output_without_embcache_meta(model: Any, extra: dict[str, Any]) 
     with pytest.raises(InvalidArgument, match="foreign"):
         sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=object()))  # type: ignore[arg-type]
     sched.shutdown()
+
+
+def test_runs_against_the_vllm_version_asked_for() -> None:
+    """test_vllm_versions.py runs this module against another vLLM: it must be that one."""
+    import vllm
+
+    expected = os.environ.get("EMBCACHE_VLLM_EXPECT")
+    assert vllm.__version__.startswith(("0.33.", "0.34."))
+    if expected:
+        assert vllm.__version__ == expected
+
+
+def test_a_later_chunk_of_a_scheduled_item_needs_no_lookup(
+    model: Any, extra: dict[str, Any]
+) -> None:
+    """Once vLLM has scheduled an item for a request (encoded or loaded), the request's
+    next prefill chunk, still inside that item, is not deferred to look it up again."""
+    produce(model, extra, {"chunked": embeds(8, 11)})
+    sched = make(model, "ec_consumer", extra, ECConnectorRole.SCHEDULER)
+    req = kit.request("r-chunks", [("chunked", 8)], offset=4)
+    sched.update_state_after_alloc(req, 0)  # scheduled in an earlier step
+    assert sched.ensure_cache_available(req, 8)  # mid-item: nothing to wait for
+    sched.request_finished(req)
+    assert not sched.ensure_cache_available(kit.request("r-new", [("chunked", 8)]), 0)
+    sched.shutdown()
+
+
+def test_a_rank_still_staging_finishes_before_use(model: Any, extra: dict[str, Any]) -> None:
+    """Tensor-parallel ranks stage at their own pace and the scheduler hears of the first:
+    a rank told to use an item it is still fetching waits for it rather than miss it."""
+    from embcache.integrations.vllm.metadata import StageSpec, UseSpec
+
+    item = embeds(3, 12)
+    produce(model, extra, {"tp-skew": item})
+    worker = make(model, "ec_consumer", extra, ECConnectorRole.WORKER)
+    key = worker.key_for("tp-skew")
+    cache: dict[str, torch.Tensor] = {}
+    for meta in (
+        EmbCacheConnectorMetadata(stage=[StageSpec(key, "bfloat16", (3, WIDTH))]),
+        EmbCacheConnectorMetadata(use=[UseSpec("tp-skew", key, ("r",))]),
+    ):
+        worker.bind_connector_metadata(meta)
+        worker.start_load_caches(cache)  # the use comes right after the staging started
+        worker.clear_connector_metadata()
+    assert torch.equal(cache["tp-skew"], item)
+    report = worker.build_connector_worker_meta()
+    assert report.used == {"tp-skew"} and not report.use_failed
+    worker.shutdown()
