@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from embcache.service.host.allocator import page_byte_runs
+from embcache.service.host.shm_files import UntrustedFile, clear_own
 
 log = logging.getLogger(__name__)
 
@@ -274,10 +275,15 @@ def left_by(path: Path) -> str:
 
 
 def _unlink_segment(path: Path) -> None:
-    """Remove a segment and the files beside it (its index, its read table)."""
+    """Remove a segment and the files beside it (its index, its read table) that this user
+    owns: a file another local user put at one of those names is never removed or reused
+    (``shm_files``)."""
     path.unlink(missing_ok=True)
     for suffix in INDEX_SUFFIXES:
-        path.with_name(path.name + suffix).unlink(missing_ok=True)
+        try:
+            clear_own(path.with_name(path.name + suffix))
+        except UntrustedFile as exc:
+            log.warning("leaving %s", exc)
 
 
 def _open_own(path: Path) -> int:

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from embcache.service.transport import render as d
-from embcache.service.transport.http.models import Count
+from embcache.service.transport.http.models import Count, Number
 
 MAX_BATCH = 10_000
 
@@ -35,7 +35,7 @@ class PutResponse(_Model):
 # -- batch get -----------------------------------------------------------------------------
 class GetRequest(_Model):
     keys: list[str] = Field(min_length=1, max_length=MAX_BATCH)
-    ttl_s: float | None = Field(
+    ttl_s: Number | None = Field(
         default=None,
         gt=0,
         description="Lease lifetime in seconds (default: the daemon's lease_ttl_s).",
@@ -201,7 +201,7 @@ class ReleaseResponse(_Model):
 
 
 class RenewRequest(_LeaseIds):
-    ttl_s: float | None = Field(
+    ttl_s: Number | None = Field(
         default=None, gt=0, description="New lifetime from now, in seconds."
     )
 

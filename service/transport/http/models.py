@@ -209,12 +209,23 @@ def _whole_number(value: Any) -> Any:
 
 # A non-negative JSON integer (see _whole_number).
 Count = Annotated[int, Field(ge=0), BeforeValidator(_whole_number)]
+
+
+def _json_number(value: Any) -> Any:
+    """A JSON number: never a boolean (which pydantic would read as 0 or 1) or a string."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("must be a number")
+    return value
+
+
+# A JSON number, as the schema's "number" type says (see _json_number).
+Number = Annotated[float, BeforeValidator(_json_number)]
 # A size as JSON text: whole bytes with an optional unit (k, KB, KiB, M, MB, MiB, G, ...).
 SIZE_TEXT = r"^[0-9]{1,15}([KkMmGgTt]([Bb]|[Ii][Bb])?|[Bb])?$"
 
 
 class _Evict(_Model):
-    device: int | None = Field(
+    device: Count | None = Field(
         default=None,
         ge=0,
         description="Device pool index: evict its copies only (host copies stay).",
