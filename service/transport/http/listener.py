@@ -24,6 +24,7 @@ import asyncio
 import json
 from typing import Any, ClassVar
 
+import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -106,6 +107,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._watch_head()
 
     def on_headers_complete(self) -> None:
+        self._target_names_host()
         limit = self.max_concurrency
         if limit is not None and (len(self.connections) > limit or len(self.tasks) >= limit):
             # This connection counts itself, hence ">": the bound is on the others.
@@ -116,6 +118,24 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 self.app = app
         else:
             super().on_headers_complete()
+
+    def _target_names_host(self) -> None:
+        """An absolute-form target (``GET http://name:port/path``) names the request's host,
+        and the server must use it and ignore ``Host`` (RFC 9112, 3.2.2): it replaces the
+        ``Host`` headers, so that the app's Host check sees the name the client asked for."""
+        url = bytes(self.url)
+        if url.startswith(b"/") or url == b"*" or b"://" not in url[:16]:
+            return
+        try:
+            parsed = httptools.parse_url(url)
+        except httptools.HttpParserInvalidURLError:
+            return  # the parser refuses it too
+        name = parsed.host or b""
+        if b":" in name:  # IPv6, which the authority writes in brackets
+            name = b"[" + name + b"]"
+        authority = name + (b":%d" % parsed.port if parsed.port is not None else b"")
+        self.headers[:] = [(k, v) for k, v in self.headers if k != b"host"]
+        self.headers.append((b"host", authority))
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
