@@ -183,12 +183,14 @@ class Settings(BaseSettings):
         "open-file limit); past it new ones are refused and closed, open ones are untouched.",
     )  # fmt: skip
     touch_window_s: float = Field(
-        1.0, ge=0, le=3600, description="A session's posted touches (hits it served from the "
-        "read table) count each key at most once per window of this many seconds, as a hit "
+        1.0, ge=0, le=3600, description="A client's posted touches (hits it served from the "
+        "read table; its sessions together) count each key at most once per window of this "
+        "many seconds, as a hit "
         "and as a move to the LRU's recent end (0: every time).",
     )  # fmt: skip
     max_touch_keys_per_s: int = Field(
-        65536, ge=1, description="Keys one session may report in touches per second (a burst "
+        65536, ge=1, description="Keys one client (its sessions together: a uid on the session "
+        "socket, else an address) may report in touches per second (a burst "
         "of one second's worth); a touch past it is dropped whole and counted "
         "(embcache_touches_dropped_total), and the session goes on.",
     )  # fmt: skip

@@ -48,7 +48,7 @@ from embcache.proto.framing import frame
 from embcache.service.transport.session.bytes_out import BytesReply
 from embcache.service.transport.session.calls import Produce
 from embcache.service.transport.session.open import OpenSession, SessionHost
-from embcache.service.transport.session.registry import PeerCreds
+from embcache.service.transport.session.registry import PeerCreds, peer_address
 from embcache.service.transport.session.waiters import Gate
 from embcache.service.transport.sockets import keepalive, peer_credentials
 from embcache.service.transport.status import status_for
@@ -261,7 +261,7 @@ class _Connection(asyncio.Protocol):
             else:
                 self._stop_hello_timer()
                 self.session = self.server.host.open_session(
-                    self._send, "lane", self.peer, self._send_bytes
+                    self._send, "lane", self.peer, self._send_bytes, client=self._client()
                 )
                 self.session.calls.on_room = self._on_room
                 self.session.calls.send_now = self._send_now
@@ -392,6 +392,14 @@ class _Connection(asyncio.Protocol):
         """Close now, dropping what is buffered (an operator dropped the session)."""
         if self.transport is not None:
             self.transport.abort()
+
+    def _client(self) -> str:
+        """Who this is without peer credentials: on TCP its address, without the port."""
+        if self.tcp and self.transport is not None:
+            peername = self.transport.get_extra_info("peername")
+            if isinstance(peername, tuple) and peername:
+                return f"tcp:{peer_address(f'ipv6:[{peername[0]}]:0')}"
+        return "unix"
 
     def _peer(self) -> str:
         if self.tcp and self.transport is not None:
