@@ -180,7 +180,9 @@ class Settings(BaseSettings):
     max_session_connections: int = Field(
         1024, ge=1, le=1_000_000, description="Most connections the session socket keeps open "
         "(Unix and TCP together, authenticated or not; never more than half the process's "
-        "open-file limit); past it new ones are refused and closed, open ones are untouched.",
+        "open-file limit); at it a new connection takes the place of the one that has waited "
+        "longest for its hello (closed), or is refused and closed when every place is a "
+        "session; sessions are never closed to make room.",
     )  # fmt: skip
     touch_window_s: float = Field(
         1.0, ge=0, le=3600, description="A client's posted touches (hits it served from the "

@@ -81,6 +81,7 @@ class UdsServer:
         self._server: asyncio.AbstractServer | None = None
         self._tcp: asyncio.AbstractServer | None = None
         self._conns: set[_Connection] = set()  # open ones (each a session)
+        self._waiting: dict[_Connection, None] = {}  # no hello accepted yet, oldest first
 
     async def start(self) -> None:
         """Listen on ``path`` (which the caller prepared: no stale socket there)."""
@@ -103,9 +104,19 @@ class UdsServer:
 
     def track(self, conn: _Connection) -> None:
         self._conns.add(conn)
+        self._waiting[conn] = None
+
+    def opened(self, conn: _Connection) -> None:
+        """``conn``'s hello was accepted: it no longer gives way to new connections."""
+        self._waiting.pop(conn, None)
 
     def forget(self, conn: _Connection) -> None:
         self._conns.discard(conn)
+        self._waiting.pop(conn, None)
+
+    def longest_waiting(self) -> _Connection | None:
+        """The open connection that has waited longest for its hello (None: none waits)."""
+        return next(iter(self._waiting), None)
 
     def authorized(self, hello: pb.SessionHello) -> bool:
         """Whether a hello carries the daemon's token (always, without one)."""
@@ -154,12 +165,15 @@ class _Connection(asyncio.Protocol):
         transport.set_write_buffer_limits(high=0, low=0)
         limits = self.server.limits
         if self.server.connections >= limits.max_connections:
-            self._refuse_early(
-                admission.CONNECTIONS,
-                QuotaExceeded("too many session-socket connections; use gRPC",
-                              limit=limits.max_connections),
-            )  # fmt: skip
-            return
+            waited = self.server.longest_waiting()
+            if waited is None:  # every place is a session: never closed to make room
+                self._refuse_early(
+                    admission.CONNECTIONS,
+                    QuotaExceeded("too many session-socket connections; use gRPC",
+                                  limit=limits.max_connections),
+                )  # fmt: skip
+                return
+            waited.give_way()
         self.server.track(self)
         loop = asyncio.get_running_loop()
         self._hello_timer = loop.call_later(limits.hello_timeout_s, self._hello_overdue)
@@ -260,6 +274,7 @@ class _Connection(asyncio.Protocol):
                 self._refuse_early(admission.UNAUTHENTICATED, why)
             else:
                 self._stop_hello_timer()
+                self.server.opened(self)
                 self.session = self.server.host.open_session(
                     self._send, "lane", self.peer, self._send_bytes, client=self._client()
                 )
@@ -358,6 +373,15 @@ class _Connection(asyncio.Protocol):
             self._refuse(why, quiet=True)
         else:
             self._drop(why, quiet=True)
+
+    def give_way(self) -> None:
+        """Close this connection, which waited longest for its hello, to make room for a new
+        one at the cap (``admission.py``); its place is free at once."""
+        self.server.forget(self)
+        limit = self.server.limits.max_connections
+        err = QuotaExceeded("too many session-socket connections waiting for a hello; this "
+                            "one waited longest", limit=limit)  # fmt: skip
+        self._refuse_early(admission.DISPLACED, err)
 
     def _hello_overdue(self) -> None:
         self._hello_timer = None
