@@ -123,3 +123,16 @@ def test_requests_from_other_sites_are_refused(served: tuple[int, CacheEngine]) 
             "Content-Type: text/plain", "Content-Length: 12")  # fmt: skip
     status, body = _exchange(port, _request("POST", "/v1/evict", host, *form) + '{"keys": []}')
     assert status == 403, body[:200]
+
+
+def test_websocket_upgrades_go_through_the_checks(served: tuple[int, CacheEngine]) -> None:
+    """The HTTP plane serves no WebSocket: an upgrade request is a plain request, so the Host
+    check answers it like any other (no second protocol stack before the checks)."""
+    port = served[0]
+    upgrade = ("Upgrade: websocket", "Connection: Upgrade, close", "Sec-WebSocket-Version: 13",
+               "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==")  # fmt: skip
+    for target in ("/v1/entries/k/data", "/static/poolmap.js", "/"):
+        head = "\r\n".join([f"GET {target} HTTP/1.1", "Host: attacker.example", *upgrade, "", ""])
+        status, body = _exchange(port, head)
+        assert status == 403, (target, body[:200])
+        assert json.loads(body)["error"] == "PermissionDenied"

@@ -202,5 +202,8 @@ def uvicorn_config(app: Any, settings: Settings, **options: Any) -> uvicorn.Conf
         http=guarded_protocol(settings),
         timeout_keep_alive=settings.http_keepalive_timeout_s,  # type: ignore[arg-type]
         limit_concurrency=None,  # the protocol applies http_max_concurrency itself
+        # No route speaks WebSocket: an upgrade request stays a plain request, which the
+        # guards and the Host check see, instead of reaching a second protocol stack.
+        ws="none",
         **options,
     )
