@@ -191,8 +191,8 @@ class Settings(BaseSettings):
         "and as a move to the LRU's recent end (0: every time).",
     )  # fmt: skip
     max_touch_keys_per_s: int = Field(
-        65536, ge=1, description="Keys one client (its sessions together: a uid on the session "
-        "socket, else an address) may report in touches per second (a burst "
+        65536, ge=1, description="Keys one client (its sessions together: a process on the "
+        "session socket, else an address) may report in touches per second (a burst "
         "of one second's worth); a touch past it is dropped whole and counted "
         "(embcache_touches_dropped_total), and the session goes on.",
     )  # fmt: skip

@@ -115,7 +115,7 @@ class SessionRpcs:
         (its address), whose touch budget it shares (``session/touches.py``)."""
         record = self.sessions.open(transport, peer)
         session_id = record.session_id
-        toucher = f"uid:{peer.uid}" if peer is not None else client
+        toucher = peer.client if peer is not None else client
         if peer is not None:
             self.engine.quarantine.bind(session_id, peer.pid)
         calls = SessionCalls(

@@ -3,9 +3,10 @@
 A touch costs the daemon a lookup per key under the engine's lock, and nothing checks what
 it claims, so each client's touches are bounded twice. The bounds belong to the client, not
 to the session (:class:`ClientTouches`), so a client that opens more sessions gets no more
-of either: on the session socket the peer's uid (``SO_PEERCRED``: a user's processes are
-one client, however many it forks), else the address it connects from (every gRPC caller
-on the Unix socket is the one client ``unix``, which shows no peer credentials).
+of either: on the session socket the peer's process (``SO_PEERCRED``, as its put quota;
+each process of a node's decoders counts its own reads), else the address it connects from
+(every gRPC caller on the Unix socket is the one client ``unix``, which shows no peer
+credentials). A process that forks more processes gets more, as with its put quota.
 
 - **a budget in keys** (``max_touch_keys_per_s``, a token bucket that holds one second's
   worth): a touch that does not fit is dropped whole, counted

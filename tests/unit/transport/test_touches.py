@@ -51,13 +51,13 @@ def test_a_clients_sessions_share_one_handler_until_the_last_ends() -> None:
         return made[-1]
 
     clients = ClientTouches(make)
-    first = clients.open("s1", "uid:1000")
-    assert clients.open("s2", "uid:1000") is first  # one budget, one window
-    assert clients.open("s3", "uid:1001") is not first  # another user: its own
+    first = clients.open("s1", "uid:1000/pid:7")
+    assert clients.open("s2", "uid:1000/pid:7") is first  # one budget, one window
+    assert clients.open("s3", "uid:1000/pid:8") is not first  # another process: its own
     clients.close("s1")
     clients.close("s1")  # twice: no effect
-    assert clients.open("s4", "uid:1000") is first  # s2 still holds it
+    assert clients.open("s4", "uid:1000/pid:7") is first  # s2 still holds it
     clients.close("s2")
     clients.close("s4")
-    assert len(clients) == 1  # uid:1000's went with its last session
-    assert clients.open("s5", "uid:1000") is not first and len(made) == 3
+    assert len(clients) == 1  # pid 7's went with its last session
+    assert clients.open("s5", "uid:1000/pid:7") is not first and len(made) == 3
