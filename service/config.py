@@ -261,7 +261,8 @@ class Settings(BaseSettings):
     http_max_concurrency: int = Field(
         1024, ge=1,
         description="Open HTTP connections (or requests in progress) beyond which a new "
-        "request is answered 503 Unavailable at once.",
+        "request is answered 503 Unavailable at once; past twice it (at most a quarter of "
+        "the open-file limit) a new connection is closed as it opens.",
     )  # fmt: skip
     auth_token: str | None = Field(
         None, description="Shared secret required on gRPC metadata and HTTP headers."

@@ -16,6 +16,7 @@ Raw sockets on loopback, every wait bounded.
 from __future__ import annotations
 
 import json
+import select
 import socket
 import time
 from collections.abc import Iterator
@@ -136,3 +137,33 @@ def test_websocket_upgrades_go_through_the_checks(served: tuple[int, CacheEngine
         status, body = _exchange(port, head)
         assert status == 403, (target, body[:200])
         assert json.loads(body)["error"] == "PermissionDenied"
+
+
+def test_connections_past_the_bound_are_closed_at_once(shm_name: str) -> None:
+    """Connections that never send a head, past twice ``http_max_concurrency``: closed when
+    they open, not held until the header timeout (file descriptors the gRPC listener, the
+    session socket and the pools also need). Up to twice the bound, a request gets its 503."""
+    settings = Settings(host_pool_bytes="4MiB", page_bytes="64KiB", shm_name=shm_name,
+                        device="cpu", http_max_concurrency=4, http_header_timeout_s=60)  # fmt: skip
+    with (
+        CacheEngine(settings) as engine,
+        serve_in_thread(create_app(engine, settings, Metrics(engine))) as url,
+    ):
+        port = int(url.rsplit(":", 1)[1])
+        socks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(40)]
+        try:
+            deadline = time.monotonic() + 10  # far less than the 60 s header timeout
+            open_ = list(socks)
+            while len(open_) > 8 and time.monotonic() < deadline:
+                ready = select.select(open_, [], [], 0.2)[0]
+                for sock in ready:
+                    try:
+                        gone = sock.recv(65536, socket.MSG_PEEK) == b""
+                    except ConnectionResetError:
+                        gone = True
+                    if gone:
+                        open_.remove(sock)
+            assert len(open_) == 8, len(open_)
+        finally:
+            for sock in socks:
+                sock.close()

@@ -15,13 +15,18 @@ httptools itself keeps every header line it is sent, without a bound.
 
 At ``http_max_concurrency`` open connections (or requests in progress) a new request is
 answered 503 in the API's error shape at once, as uvicorn's ``limit_concurrency`` would
-answer it in plain text.
+answer it in plain text. uvicorn checks that bound only once a head is complete, so
+connections that send nothing would each hold a file descriptor until the header timeout,
+without bound: past twice the bound (and never more than a quarter of the process's
+open-file limit, which the gRPC listener, the session socket and the pools share) a new
+connection is closed as soon as it opens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import resource
 from typing import Any, ClassVar
 
 import httptools
@@ -74,6 +79,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     header_timeout_s: ClassVar[float] = 5.0
     max_head_bytes: ClassVar[int] = 64 * 1024
     max_concurrency: ClassVar[int | None] = None
+    max_connections: ClassVar[int | None] = None  # open at all, head or not
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -82,6 +88,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self.max_connections is not None and len(self.connections) > self.max_connections:
+            transport.abort()  # counted itself, hence ">"; connection_lost forgets it
+            return
         self._watch_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -190,8 +199,19 @@ def guarded_protocol(settings: Settings) -> type[GuardedHttpProtocol]:
             "header_timeout_s": settings.http_header_timeout_s,
             "max_head_bytes": settings.http_max_head_bytes,
             "max_concurrency": settings.http_max_concurrency,
+            "max_connections": _connection_cap(settings.http_max_concurrency),
         },
     )
+
+
+def _connection_cap(max_concurrency: int) -> int:
+    """Connections the listener keeps open at all: twice the concurrency bound (those past
+    it get their 503), at most a quarter of the open-file limit."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    cap = 2 * max_concurrency
+    if soft != resource.RLIM_INFINITY and soft > 0:
+        cap = min(cap, max(soft // 4, max_concurrency + 1))
+    return cap
 
 
 def uvicorn_config(app: Any, settings: Settings, **options: Any) -> uvicorn.Config:
