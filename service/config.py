@@ -180,15 +180,19 @@ class Settings(BaseSettings):
     max_session_connections: int = Field(
         1024, ge=1, le=1_000_000, description="Most connections the session socket keeps open "
         "(Unix and TCP together, authenticated or not; never more than half the process's "
-        "open-file limit); past it new ones are refused and closed, open ones are untouched.",
+        "open-file limit); at it a new connection takes the place of the one that has waited "
+        "longest for its hello (closed), or is refused and closed when every place is a "
+        "session; sessions are never closed to make room.",
     )  # fmt: skip
     touch_window_s: float = Field(
-        1.0, ge=0, le=3600, description="A session's posted touches (hits it served from the "
-        "read table) count each key at most once per window of this many seconds, as a hit "
+        1.0, ge=0, le=3600, description="A client's posted touches (hits it served from the "
+        "read table; its sessions together) count each key at most once per window of this "
+        "many seconds, as a hit "
         "and as a move to the LRU's recent end (0: every time).",
     )  # fmt: skip
     max_touch_keys_per_s: int = Field(
-        65536, ge=1, description="Keys one session may report in touches per second (a burst "
+        65536, ge=1, description="Keys one client (its sessions together: a process on the "
+        "session socket, else an address) may report in touches per second (a burst "
         "of one second's worth); a touch past it is dropped whole and counted "
         "(embcache_touches_dropped_total), and the session goes on.",
     )  # fmt: skip
@@ -257,7 +261,8 @@ class Settings(BaseSettings):
     http_max_concurrency: int = Field(
         1024, ge=1,
         description="Open HTTP connections (or requests in progress) beyond which a new "
-        "request is answered 503 Unavailable at once.",
+        "request is answered 503 Unavailable at once; past twice it (at most a quarter of "
+        "the open-file limit) a new connection is closed as it opens.",
     )  # fmt: skip
     auth_token: str | None = Field(
         None, description="Shared secret required on gRPC metadata and HTTP headers."

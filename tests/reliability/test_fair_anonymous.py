@@ -99,6 +99,20 @@ def test_more_channels_buy_no_more_lease_caps(daemon: dm.Daemon, over: str) -> N
     FIG[f"2 connections without a session ({over})"] = f"{second} for the 2nd; 32 of 64 MiB"
 
 
+def test_a_dropped_client_without_a_session_frees_its_pages(daemon: dm.Daemon) -> None:
+    """Its leases end by force, and with no process the daemon knows holding views, nothing
+    is quarantined: every page is free to evict and to reuse at once."""
+    assert lease_keys(daemon.tcp, BIG[:4]) == "ok"
+    assert daemon.rest("/v1/sessions/anon:tcp:127.0.0.1", "DELETE")["leases_ended"] == 4
+    assert leases(daemon) == 0 and int(daemon.stats().get("quarantined_bytes", 0)) == 0
+    evicted = daemon.rest("/v1/evict", "POST", json={"keys": BIG})
+    assert sorted(evicted["evicted"]) == sorted(BIG) and not evicted["leased"], evicted
+    with EmbCacheClient(daemon.unix, timeout=30) as client:  # the whole pool, again
+        for key in BIG:
+            client.put(f"reuse/{key}", torch.zeros(8 * MiB // 4))
+        client.evict([f"reuse/{key}" for key in BIG])
+
+
 def test_the_cli_lists_and_drops_a_client_without_a_session(daemon: dm.Daemon) -> None:
     assert lease_keys(daemon.tcp, BIG[:2]) == "ok"
     listed = _cli(daemon, "sessions", "--json")

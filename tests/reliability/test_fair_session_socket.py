@@ -112,7 +112,8 @@ def test_a_large_first_message_is_refused_before_it_is_buffered(
 ) -> None:
     proc = psutil.Process(daemon.pid)
     rss0 = proc.memory_info().rss
-    reasons = [(over, "hello_too_large"), (over, "connections")]  # past the cap: refused
+    # Past the cap a connection takes the place of the longest waiting one (displaced).
+    reasons = [(over, "hello_too_large"), (over, "connections"), (over, "displaced")]
     before = sum(refusals(daemon).get(r, 0.0) for r in reasons)
     socks = []
     try:
@@ -149,10 +150,13 @@ def test_a_wrong_token_is_refused_and_counted(daemon: dm.Daemon) -> None:
 
 
 def test_connections_past_the_cap_are_refused_and_members_go_on(daemon: dm.Daemon) -> None:
-    """Idle connections up to the cap: the next is refused at once (QuotaExceeded, closed);
-    a session opened before goes on; a new client falls back to gRPC; once the idle ones
-    pass their deadline, the socket takes new sessions again."""
-    before = refusals(daemon).get(("unix", "connections"), 0.0)
+    """Idle connections past the cap: each new one takes the place of the one that waited
+    longest for its hello, which is refused at once (QuotaExceeded, closed); a session
+    opened before goes on; a new client gets in; once the idle ones pass their deadline, the
+    socket takes new sessions again."""
+    assert dm.wait_for(lambda: not open_lane_sessions(daemon), 10) is not None
+    time.sleep(0.3)  # the tests before have closed their connections
+    before = refusals(daemon).get(("unix", "displaced"), 0.0)
     with EmbCacheClient(daemon.unix, token=TOKEN, timeout=30) as member:
         member.put("cap", torch.ones(4))  # its session is open (one connection)
         idle = [lane(daemon, "unix") for _ in range(CAP + 8)]
@@ -165,19 +169,86 @@ def test_connections_past_the_cap_are_refused_and_members_go_on(daemon: dm.Daemo
                 assert refused.result.error.error_type == "QuotaExceeded", refused
                 assert closed(sock, 5)
             assert 9 <= len(answered) <= 10, len(answered)  # the member holds one place
-            assert set(answered) == set(idle[-len(answered) :])  # the last ones, at once
+            assert set(answered) == set(idle[: len(answered)])  # the first ones, at once
             with member.get("cap") as (got,):  # the member's session is untouched
                 assert got is not None
-            a_client_works(daemon, "while-full")  # a new client: over gRPC this time
+            a_client_works(daemon, "while-full")  # a new client gets in all the same
         finally:
             for sock in idle:
                 sock.close()
-    counted = refusals(daemon).get(("unix", "connections"), 0.0) - before
+    counted = refusals(daemon).get(("unix", "displaced"), 0.0) - before
     assert counted >= len(answered)
     a_client_works(daemon, "after-full")
     FIG[f"{CAP + 8} idle connections, cap {CAP}"] = (
-        f"{len(answered)} refused at once (QuotaExceeded); members unaffected"
+        f"the {len(answered)} longest waiting refused at once (QuotaExceeded); members unaffected"
     )
+
+
+def open_lane_sessions(d: dm.Daemon) -> list[dict[str, object]]:
+    reply = httpx.get(d.http + "/v1/sessions", headers=d.headers(), timeout=10)
+    return [s for s in reply.json()["sessions"] if s["transport"] == "lane"]
+
+
+def hello_on(sock: socket.socket, token: str = TOKEN) -> pb.SessionResponse:
+    """Send a hello on a raw connection; the daemon's first reply."""
+    hello = pb.SessionHello(client_name="late", auth_token=token)
+    sock.sendall(frame(pb.SessionRequest(hello=hello)))
+    (size,) = FRAME_HEADER.unpack(sock.recv(FRAME_HEADER.size, socket.MSG_WAITALL))
+    return pb.SessionResponse.FromString(sock.recv(size, socket.MSG_WAITALL))
+
+
+@pytest.mark.parametrize("over", ["tcp", "unix"])
+def test_connections_without_a_hello_cannot_keep_clients_out(daemon: dm.Daemon, over: str) -> None:
+    """The cap full of connections that send no hello (re-opened faster than the deadline
+    would keep it full): a new client still gets in, because the connection that waited
+    longest for its hello makes room; sessions already open are never closed for it."""
+    before = refusals(daemon).get((over, "displaced"), 0.0)
+    # The tests before have closed their connections; the daemon has seen them go.
+    assert dm.wait_for(lambda: not open_lane_sessions(daemon), 10) is not None
+    time.sleep(0.3)
+    with EmbCacheClient(daemon.unix, token=TOKEN, timeout=30) as member:
+        member.put("displace", torch.ones(4))  # its session is open (one connection)
+        idle = [lane(daemon, over) for _ in range(CAP - 1)]  # the cap, with the member
+        try:
+            time.sleep(0.3)  # accepted, well inside the hello deadline
+            assert not any(select.select(idle, [], [], 0)[0])  # all held, none refused
+            with lane(daemon, over) as newcomer:
+                opened = hello_on(newcomer)
+                assert opened.WhichOneof("kind") == "opened", opened
+            assert closed(idle[0], 5)  # the longest waiting made room
+            assert not any(select.select(idle[1:], [], [], 0)[0])
+            with member.get("displace") as (got,):  # the member's session is untouched
+                assert got is not None
+        finally:
+            for sock in idle:
+                sock.close()
+    counted = refusals(daemon).get((over, "displaced"), 0.0) - before
+    assert counted == 1, counted
+    FIG[f"cap {CAP} full of connections without a hello ({over}), then a client"] = (
+        "the client's session opens; the longest-waiting connection is closed"
+    )
+
+
+def test_sessions_never_give_way(daemon: dm.Daemon) -> None:
+    """The cap full of sessions (hellos accepted): a new connection is refused, not a
+    session closed for it."""
+    assert dm.wait_for(lambda: not open_lane_sessions(daemon), 10) is not None
+    time.sleep(0.3)  # the tests before have closed their connections
+    members = [lane(daemon, "unix") for _ in range(CAP)]
+    try:
+        for sock in members:
+            assert hello_on(sock).WhichOneof("kind") == "opened"
+        with lane(daemon, "unix") as newcomer:
+            refused = pb.SessionResponse.FromString(
+                newcomer.recv(FRAME_HEADER.unpack(newcomer.recv(4, socket.MSG_WAITALL))[0],
+                              socket.MSG_WAITALL)
+            )  # fmt: skip
+            assert refused.result.error.error_type == "QuotaExceeded", refused
+        assert not any(select.select(members, [], [], 0.3)[0])  # every session still open
+        assert len(open_lane_sessions(daemon)) == CAP
+    finally:
+        for sock in members:
+            sock.close()
 
 
 def test_zz_figures() -> None:

@@ -67,11 +67,11 @@ def test_repeated_touches_count_a_key_once_a_window(daemon: dm.Daemon) -> None:
         took = time.monotonic() - t0
         counted = hits(daemon) - before
         assert counted == 1, counted
-        # Another session counts on its own, once too.
+        # Another session of the same client shares its window: only "cold" is new.
         with RawLane(lane_path(daemon.ready), "other") as other:
             other.sock.sendall(posted_touches(["hot", "cold"], 100))
             other.ping()
-        assert hits(daemon) - before == 3
+        assert hits(daemon) - before == 2
         result = lane.call(get=pb.GetRequest(keys=["hot"]))  # the session goes on
         assert result.get.results[0].found
     FIG["20,000 posted touches of one key"] = f"{counted} hit counted ({took:.2f} s to send)"
@@ -95,6 +95,41 @@ def test_touches_past_the_budget_are_dropped_and_counted(daemon: dm.Daemon) -> N
         result = lane.call(get=pb.GetRequest(keys=["absent/0"]))  # the session goes on
         assert result.WhichOneof("outcome") == "get"
     FIG["200 touches of 4096 keys, budget 4096 keys/s"] = f"{int(gone)} dropped, session alive"
+
+
+SESSIONS = 8  # sessions one client opens to multiply its touch budget and window
+
+
+def test_more_sessions_buy_no_more_touches(daemon: dm.Daemon) -> None:
+    """A client's sessions share one budget and one window: opening more of them counts a
+    key no more often, and lets no more keys through."""
+    with EmbCacheClient(daemon.unix, timeout=30) as client:
+        client.put("shared-window", torch.ones(8))
+    time.sleep(1.1)  # the client's budget is whole again after the tests before
+    lanes = [RawLane(lane_path(daemon.ready), f"many-{i}", timeout=60) for i in range(SESSIONS)]
+    try:
+        before = hits(daemon)
+        for lane in lanes:
+            lane.sock.sendall(posted_touches(["shared-window"], 10))
+            lane.ping()
+        assert hits(daemon) - before == 1  # not one per session
+        keys = [f"absent/{i}" for i in range(BUDGET)]
+        gone_before = dropped(daemon)
+        t0 = time.monotonic()
+        for lane in lanes:
+            lane.sock.sendall(posted_touches(keys, 4))
+        for lane in lanes:
+            lane.ping()
+        took = time.monotonic() - t0
+        gone = dropped(daemon) - gone_before
+        admitted_at_most = 1 + int(took) + 1  # the client's one budget, not one per session
+        assert gone >= 4 * SESSIONS - admitted_at_most, (gone, took)
+    finally:
+        for lane in lanes:
+            lane.close()
+    FIG[f"{SESSIONS} sessions of one client, 4 touches of {BUDGET} keys each"] = (
+        f"{int(gone)} of {4 * SESSIONS} dropped"
+    )
 
 
 def test_zz_figures() -> None:

@@ -44,6 +44,7 @@ from embcache.service.transport.idle import idle_limited
 from embcache.service.transport.render import LocationRenderer
 from embcache.service.transport.session.admin import SessionAdmin
 from embcache.service.transport.session.registry import SessionRegistry
+from embcache.service.transport.session.touches import ClientTouches
 
 log = logging.getLogger("embcache.grpc")
 
@@ -71,6 +72,7 @@ class EmbeddingCacheServicer(SessionRpcs, pb_grpc.EmbeddingCacheServicer):
         self.metrics = metrics
         self.sessions = SessionRegistry(token=bool(settings.auth_token))
         self.admin = SessionAdmin(self.sessions, engine)  # operators: list and drop sessions
+        self.touch_clients = ClientTouches(self.new_touches)  # one touch budget per client
         self.host_pool = pool_handle_of(LocationRenderer(engine, settings).host_pool())
         self.device = DevicePlane(engine, settings, ipc)
         self.busy = BusyPoll(settings.busy_poll_us / 1e6)  # started with the server

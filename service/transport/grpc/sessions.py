@@ -33,8 +33,8 @@ from embcache.service.transport.session.calls import (
 from embcache.service.transport.session.host_puts import SessionPuts, may_write_segment
 from embcache.service.transport.session.inline_gets import Render, inline_get
 from embcache.service.transport.session.open import OpenSession
-from embcache.service.transport.session.registry import PeerCreds, SessionRegistry
-from embcache.service.transport.session.touches import SessionTouches
+from embcache.service.transport.session.registry import PeerCreds, SessionRegistry, client_of
+from embcache.service.transport.session.touches import ClientTouches, SessionTouches
 from embcache.service.transport.session.waiters import FifoLock
 
 # Initial metadata of the Session stream and of Stats: which daemon build answers. The
@@ -51,6 +51,7 @@ class SessionRpcs:
     sessions: SessionRegistry
     device: DevicePlane
     busy: BusyPoll
+    touch_clients: ClientTouches  # the touch budget and window of each client
     host_pool: pb.PoolHandle
     tcp_lane_port: int  # the session socket's TCP port, once it listens (serving.py)
     _get: GetHandler
@@ -75,7 +76,7 @@ class SessionRpcs:
             async with writing:
                 await context.write(msg)
 
-        session = self.open_session(send, "grpc")
+        session = self.open_session(send, "grpc", client=client_of(context.peer(), False))
         drop = StreamDrop()  # an operator's drop (embcache drop-session) ends this stream
         if session.record is not None:
             session.record.end = drop
@@ -105,13 +106,16 @@ class SessionRpcs:
         transport: str,
         peer: PeerCreds | None = None,
         send_bytes: SendBytes | None = None,
+        client: str = "unix",
     ) -> OpenSession:
         """A new session whose results go out through ``send`` (a gRPC Session stream's or
         a session-socket connection's, ``uds/server.py``, whose ``peer`` credentials its
         quota follows, and whose ``send_bytes`` carries get_bytes' raw bytes);
-        :meth:`OpenSession.end` ends it."""
+        :meth:`OpenSession.end` ends it. ``client``: who it is without ``peer`` credentials
+        (its address), whose touch budget it shares (``session/touches.py``)."""
         record = self.sessions.open(transport, peer)
         session_id = record.session_id
+        toucher = peer.client if peer is not None else client
         if peer is not None:
             self.engine.quarantine.bind(session_id, peer.pid)
         calls = SessionCalls(
@@ -140,7 +144,11 @@ class SessionRpcs:
             inline_get=functools.partial(
                 inline_get, self.engine, alive=self.sessions.alive, render=self._checked_reply
             ),
-            touch=self._touches() if self.engine.read_table is not None else None,
+            touch=(
+                self.touch_clients.open(session_id, toucher)
+                if self.engine.read_table is not None
+                else None
+            ),
         )
         record.in_flight = lambda: calls.in_flight
         opened = pb.SessionOpened(
@@ -158,8 +166,8 @@ class SessionRpcs:
         )
         return OpenSession(calls, opened, self._end_session, record)
 
-    def _touches(self) -> SessionTouches:
-        """A new session's touch handler: its budget and window (``session/touches.py``)."""
+    def new_touches(self) -> SessionTouches:
+        """A new client's touch handler: its budget and window (``session/touches.py``)."""
         metrics = self.metrics
         return SessionTouches(
             self.engine.touch,
@@ -172,6 +180,7 @@ class SessionRpcs:
         """A session ended: forget its id, drop its leases and the client allocations
         opened for it; returns how many leases it held."""
         self.sessions.close(session_id)
+        self.touch_clients.close(session_id)
         dropped = self.engine.drop_owner(session_id)
         self.device.ipc.drop_owner(session_id)
         return dropped

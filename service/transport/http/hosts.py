@@ -136,6 +136,10 @@ class HostPolicy:
         own_port = own.port if own.port is not None else _DEFAULT_PORTS.get(scheme)
         return parsed == (scheme, own.name, own_port)
 
+    def origin_listed(self, origin: str) -> bool:
+        """Whether the operator allowed ``origin`` (``http_allowed_origins``)."""
+        return self.any_origin or _parse_origin(origin) in self._origins
+
 
 def _parse_origin(text: str) -> tuple[str, str, int | None] | None:
     """``scheme://host[:port]`` -> (scheme, name, port with the scheme's default filled in)."""

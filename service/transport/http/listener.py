@@ -15,15 +15,21 @@ httptools itself keeps every header line it is sent, without a bound.
 
 At ``http_max_concurrency`` open connections (or requests in progress) a new request is
 answered 503 in the API's error shape at once, as uvicorn's ``limit_concurrency`` would
-answer it in plain text.
+answer it in plain text. uvicorn checks that bound only once a head is complete, so
+connections that send nothing would each hold a file descriptor until the header timeout,
+without bound: past twice the bound (and never more than a quarter of the process's
+open-file limit, which the gRPC listener, the session socket and the pools share) a new
+connection is closed as soon as it opens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import resource
 from typing import Any, ClassVar
 
+import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -73,6 +79,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     header_timeout_s: ClassVar[float] = 5.0
     max_head_bytes: ClassVar[int] = 64 * 1024
     max_concurrency: ClassVar[int | None] = None
+    max_connections: ClassVar[int | None] = None  # open at all, head or not
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -81,6 +88,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self.max_connections is not None and len(self.connections) > self.max_connections:
+            transport.abort()  # counted itself, hence ">"; connection_lost forgets it
+            return
         self._watch_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -106,6 +116,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._watch_head()
 
     def on_headers_complete(self) -> None:
+        self._target_names_host()
         limit = self.max_concurrency
         if limit is not None and (len(self.connections) > limit or len(self.tasks) >= limit):
             # This connection counts itself, hence ">": the bound is on the others.
@@ -116,6 +127,24 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 self.app = app
         else:
             super().on_headers_complete()
+
+    def _target_names_host(self) -> None:
+        """An absolute-form target (``GET http://name:port/path``) names the request's host,
+        and the server must use it and ignore ``Host`` (RFC 9112, 3.2.2): it replaces the
+        ``Host`` headers, so that the app's Host check sees the name the client asked for."""
+        url = bytes(self.url)
+        if url.startswith(b"/") or url == b"*" or b"://" not in url[:16]:
+            return
+        try:
+            parsed = httptools.parse_url(url)
+        except httptools.HttpParserInvalidURLError:
+            return  # the parser refuses it too
+        name = parsed.host or b""
+        if b":" in name:  # IPv6, which the authority writes in brackets
+            name = b"[" + name + b"]"
+        authority = name + (b":%d" % parsed.port if parsed.port is not None else b"")
+        self.headers[:] = [(k, v) for k, v in self.headers if k != b"host"]
+        self.headers.append((b"host", authority))
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -170,8 +199,19 @@ def guarded_protocol(settings: Settings) -> type[GuardedHttpProtocol]:
             "header_timeout_s": settings.http_header_timeout_s,
             "max_head_bytes": settings.http_max_head_bytes,
             "max_concurrency": settings.http_max_concurrency,
+            "max_connections": _connection_cap(settings.http_max_concurrency),
         },
     )
+
+
+def _connection_cap(max_concurrency: int) -> int:
+    """Connections the listener keeps open at all: twice the concurrency bound (those past
+    it get their 503), at most a quarter of the open-file limit."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    cap = 2 * max_concurrency
+    if soft != resource.RLIM_INFINITY and soft > 0:
+        cap = min(cap, max(soft // 4, max_concurrency + 1))
+    return cap
 
 
 def uvicorn_config(app: Any, settings: Settings, **options: Any) -> uvicorn.Config:
@@ -182,5 +222,8 @@ def uvicorn_config(app: Any, settings: Settings, **options: Any) -> uvicorn.Conf
         http=guarded_protocol(settings),
         timeout_keep_alive=settings.http_keepalive_timeout_s,  # type: ignore[arg-type]
         limit_concurrency=None,  # the protocol applies http_max_concurrency itself
+        # No route speaks WebSocket: an upgrade request stays a plain request, which the
+        # guards and the Host check see, instead of reaching a second protocol stack.
+        ws="none",
         **options,
     )

@@ -78,6 +78,10 @@ class OperatorMiddleware:
         origins = [v for n, v in scope.get("headers", ()) if n == b"origin"]
         scheme = str(scope.get("scheme", "http"))
         host = hosts[0].decode("latin-1") if len(hosts) == 1 else None
+        if not hosts and scope.get("http_version", "1.1") not in ("1.0", "0.9"):
+            # HTTP/1.1 requires it (RFC 9112, 3.2): served without one, the request would
+            # pass as if it named the daemon.
+            return InvalidArgument("an HTTP/1.1 request needs a Host header")
         if len(hosts) > 1 or not self._hosts.host_allowed(host, scheme, scope.get("server")):
             shown = b", ".join(hosts).decode("latin-1")[:300]
             return PermissionDenied(
@@ -92,6 +96,15 @@ class OperatorMiddleware:
                     f"Origin {origin!r} may not change this daemon's state (a page of "
                     "another site?); an operator can allow it with --http-allowed-origins",
                     origin=origin,
+                )
+        elif (site := _foreign_site(scope)) is not None:
+            listed = len(origins) == 1 and self._hosts.origin_listed(origins[0].decode("latin-1"))
+            if not listed:
+                return PermissionDenied(
+                    f"a request from a page of another site (Sec-Fetch-Site: {site}) is served "
+                    "only as a top-level navigation; an operator can allow its origin with "
+                    "--http-allowed-origins",
+                    fetch_site=site,
                 )
         return None
 
@@ -120,7 +133,8 @@ class OperatorMiddleware:
 
         try:
             if (refused := self._misdirected(scope)) is not None:
-                await _answer(send_wrapper, 403, refused)
+                code = 400 if isinstance(refused, InvalidArgument) else 403
+                await _answer(send_wrapper, code, refused)
             elif not self._authorized(scope):
                 await _unauthorized(send_wrapper)
             elif not _utf8_path(scope):
@@ -152,6 +166,34 @@ async def _answer(
     start: dict[str, Any] = {"type": "http.response.start", "status": status, "headers": headers}
     await send(start)
     await send({"type": "http.response.body", "body": body})
+
+
+def _header(scope: Scope, name: bytes) -> str:
+    """The value of header ``name`` (lower case), lower-cased; "" when absent."""
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1").strip().lower()
+    return ""
+
+
+def _foreign_site(scope: Scope) -> str | None:
+    """The ``Sec-Fetch-Site`` of a browser request made by a page of another site (another
+    port of localhost is ``same-site``), unless it is a top-level navigation that only reads
+    (a link followed, a URL typed); None for everything else.
+
+    Such a page cannot read the reply, but an ``<img>`` or a ``no-cors`` fetch still runs the
+    request: it would count hits, move entries in the LRU and take leases. Browsers send the
+    header on every request; clients that are not browsers send none.
+    """
+    site = _header(scope, b"sec-fetch-site")
+    if site in ("", "same-origin", "none"):
+        return None
+    navigation = (
+        _header(scope, b"sec-fetch-mode") == "navigate"
+        and _header(scope, b"sec-fetch-dest") == "document"
+        and scope.get("method") in ("GET", "HEAD")
+    )
+    return None if navigation else site[:40]
 
 
 def _utf8_path(scope: Scope) -> bool:

@@ -132,7 +132,7 @@ class SessionCalls:
         self._get_into = get_into
         self._inline_get = inline_get
         # Hits served from the read table (None: no table); it says None for a touch it
-        # dropped over the session's budget (``touches.py``).
+        # dropped over its client's budget (``touches.py``).
         self._touch = touch
 
     @property
@@ -206,7 +206,7 @@ class SessionCalls:
             assert self._touch is not None
             touched = self._touch(_touch_keys(call.touch))
             if touched is None:
-                raise QuotaExceeded("touches over this session's budget (max_touch_keys_per_s)")
+                raise QuotaExceeded("touches over this client's budget (max_touch_keys_per_s)")
             result.touch.touched = touched
 
     @staticmethod

@@ -76,4 +76,5 @@ class SessionHost(Protocol):
         transport: str,
         peer: PeerCreds | None = None,
         send_bytes: SendBytes | None = None,
+        client: str = "unix",
     ) -> OpenSession: ...

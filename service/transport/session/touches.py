@@ -1,11 +1,16 @@
-"""One session's touches: the hits it served itself from the read table, as it reports them.
+"""A client's touches: the hits it served itself from the read table, as it reports them.
 
 A touch costs the daemon a lookup per key under the engine's lock, and nothing checks what
-it claims, so each session's touches are bounded twice:
+it claims, so each client's touches are bounded twice. The bounds belong to the client, not
+to the session (:class:`ClientTouches`), so a client that opens more sessions gets no more
+of either: on the session socket the peer's process (``SO_PEERCRED``, as its put quota;
+each process of a node's decoders counts its own reads), else the address it connects from
+(every gRPC caller on the Unix socket is the one client ``unix``, which shows no peer
+credentials). A process that forks more processes gets more, as with its put quota.
 
 - **a budget in keys** (``max_touch_keys_per_s``, a token bucket that holds one second's
   worth): a touch that does not fit is dropped whole, counted
-  (``embcache_touches_dropped_total``; logged once per session), and the session goes on. A
+  (``embcache_touches_dropped_total``; logged once per client), and the session goes on. A
   touch sent as a call with an id is answered ``QuotaExceeded`` instead.
 - **a window per key** (``touch_window_s``, ``engine.reads.TouchWindow``): each key counts as
   a hit, and moves to the LRU's recent end, at most once per window.
@@ -59,9 +64,40 @@ class SessionTouches:
     def _drop(self, nkeys: int) -> None:
         if not self.dropped:
             log.info(
-                "a session sends touches faster than %d keys/s: dropping the excess "
+                "a client sends touches faster than %d keys/s: dropping the excess "
                 "(first: %d keys)", int(self._rate), nkeys,
             )  # fmt: skip
         self.dropped += 1
         if self._on_drop is not None:
             self._on_drop()
+
+
+class ClientTouches:
+    """The touch handlers of the clients with open sessions, one per client, shared by its
+    sessions; a client's goes when its last session ends. Used on the event loop."""
+
+    def __init__(self, make: Callable[[], SessionTouches]) -> None:
+        self._make = make
+        self._handlers: dict[str, tuple[SessionTouches, int]] = {}  # and its open sessions
+        self._client_of: dict[str, str] = {}  # session id -> its client
+
+    def open(self, session_id: str, client: str) -> SessionTouches:
+        """The handler of ``client``, for its new session ``session_id``."""
+        self._client_of[session_id] = client
+        handler, sessions = self._handlers.get(client) or (self._make(), 0)
+        self._handlers[client] = handler, sessions + 1
+        return handler
+
+    def close(self, session_id: str) -> None:
+        """Session ``session_id`` ended: its client's handler goes with its last session."""
+        client = self._client_of.pop(session_id, None)
+        if client is None:
+            return
+        handler, sessions = self._handlers[client]
+        if sessions > 1:
+            self._handlers[client] = handler, sessions - 1
+        else:
+            del self._handlers[client]
+
+    def __len__(self) -> int:
+        return len(self._handlers)

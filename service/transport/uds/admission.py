@@ -5,9 +5,14 @@ connect, and until its hello is accepted the daemon knows nothing of it: no toke
 process it answers for. So a connection costs the daemon as little as possible until then:
 
 - **a cap on connections** (``max_session_connections``, never more than half the process's
-  open-file limit): past it a new connection is answered ``QuotaExceeded`` and closed, so idle
-  connections can neither take every file descriptor (gRPC and HTTP need some to accept) nor
-  grow without bound. Open connections are never closed to make room.
+  open-file limit), so idle connections can neither take every file descriptor (gRPC and
+  HTTP need some to accept) nor grow without bound. At the cap, a new connection takes the
+  place of the one that has waited longest for its hello (answered ``QuotaExceeded`` and
+  closed): connections that never say hello, re-opened faster than the deadline, would
+  otherwise keep every new client out, whereas now they only push each other out while a
+  real client's hello arrives in far less time than it takes to open the cap's worth of
+  them. Sessions (a hello accepted) are never closed to make room; with the cap full of
+  them a new connection is refused.
 - **a hello deadline** (``session_hello_timeout_s``): a connection whose hello has not been
   accepted by then is closed.
 - **a small first message** (``session_hello_max_bytes``, at least the token's length plus
@@ -34,6 +39,7 @@ log = logging.getLogger("embcache.uds")
 
 # Reasons a connection is refused before its session opens (the metric's label).
 CONNECTIONS = "connections"
+DISPLACED = "displaced"  # waited longest for its hello when the cap was full
 HELLO_TIMEOUT = "hello_timeout"
 HELLO_TOO_LARGE = "hello_too_large"
 UNAUTHENTICATED = "unauthenticated"

@@ -48,7 +48,7 @@ from embcache.proto.framing import frame
 from embcache.service.transport.session.bytes_out import BytesReply
 from embcache.service.transport.session.calls import Produce
 from embcache.service.transport.session.open import OpenSession, SessionHost
-from embcache.service.transport.session.registry import PeerCreds
+from embcache.service.transport.session.registry import PeerCreds, peer_address
 from embcache.service.transport.session.waiters import Gate
 from embcache.service.transport.sockets import keepalive, peer_credentials
 from embcache.service.transport.status import status_for
@@ -81,6 +81,7 @@ class UdsServer:
         self._server: asyncio.AbstractServer | None = None
         self._tcp: asyncio.AbstractServer | None = None
         self._conns: set[_Connection] = set()  # open ones (each a session)
+        self._waiting: dict[_Connection, None] = {}  # no hello accepted yet, oldest first
 
     async def start(self) -> None:
         """Listen on ``path`` (which the caller prepared: no stale socket there)."""
@@ -103,9 +104,19 @@ class UdsServer:
 
     def track(self, conn: _Connection) -> None:
         self._conns.add(conn)
+        self._waiting[conn] = None
+
+    def opened(self, conn: _Connection) -> None:
+        """``conn``'s hello was accepted: it no longer gives way to new connections."""
+        self._waiting.pop(conn, None)
 
     def forget(self, conn: _Connection) -> None:
         self._conns.discard(conn)
+        self._waiting.pop(conn, None)
+
+    def longest_waiting(self) -> _Connection | None:
+        """The open connection that has waited longest for its hello (None: none waits)."""
+        return next(iter(self._waiting), None)
 
     def authorized(self, hello: pb.SessionHello) -> bool:
         """Whether a hello carries the daemon's token (always, without one)."""
@@ -154,12 +165,15 @@ class _Connection(asyncio.Protocol):
         transport.set_write_buffer_limits(high=0, low=0)
         limits = self.server.limits
         if self.server.connections >= limits.max_connections:
-            self._refuse_early(
-                admission.CONNECTIONS,
-                QuotaExceeded("too many session-socket connections; use gRPC",
-                              limit=limits.max_connections),
-            )  # fmt: skip
-            return
+            waited = self.server.longest_waiting()
+            if waited is None:  # every place is a session: never closed to make room
+                self._refuse_early(
+                    admission.CONNECTIONS,
+                    QuotaExceeded("too many session-socket connections; use gRPC",
+                                  limit=limits.max_connections),
+                )  # fmt: skip
+                return
+            waited.give_way()
         self.server.track(self)
         loop = asyncio.get_running_loop()
         self._hello_timer = loop.call_later(limits.hello_timeout_s, self._hello_overdue)
@@ -260,8 +274,9 @@ class _Connection(asyncio.Protocol):
                 self._refuse_early(admission.UNAUTHENTICATED, why)
             else:
                 self._stop_hello_timer()
+                self.server.opened(self)
                 self.session = self.server.host.open_session(
-                    self._send, "lane", self.peer, self._send_bytes
+                    self._send, "lane", self.peer, self._send_bytes, client=self._client()
                 )
                 self.session.calls.on_room = self._on_room
                 self.session.calls.send_now = self._send_now
@@ -359,6 +374,15 @@ class _Connection(asyncio.Protocol):
         else:
             self._drop(why, quiet=True)
 
+    def give_way(self) -> None:
+        """Close this connection, which waited longest for its hello, to make room for a new
+        one at the cap (``admission.py``); its place is free at once."""
+        self.server.forget(self)
+        limit = self.server.limits.max_connections
+        err = QuotaExceeded("too many session-socket connections waiting for a hello; this "
+                            "one waited longest", limit=limit)  # fmt: skip
+        self._refuse_early(admission.DISPLACED, err)
+
     def _hello_overdue(self) -> None:
         self._hello_timer = None
         if self.session is None and self.transport is not None:
@@ -392,6 +416,14 @@ class _Connection(asyncio.Protocol):
         """Close now, dropping what is buffered (an operator dropped the session)."""
         if self.transport is not None:
             self.transport.abort()
+
+    def _client(self) -> str:
+        """Who this is without peer credentials: on TCP its address, without the port."""
+        if self.tcp and self.transport is not None:
+            peername = self.transport.get_extra_info("peername")
+            if isinstance(peername, tuple) and peername:
+                return f"tcp:{peer_address(f'ipv6:[{peername[0]}]:0')}"
+        return "unix"
 
     def _peer(self) -> str:
         if self.tcp and self.transport is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from embcache.service.engine import TouchWindow
-from embcache.service.transport.session.touches import SessionTouches
+from embcache.service.transport.session.touches import ClientTouches, SessionTouches
 
 
 class Clock:
@@ -41,3 +41,23 @@ def test_the_budget_drops_whole_touches_and_refills_with_time() -> None:
     clock.now += 10  # never more than one second's worth
     assert touches([f"n{i}" for i in range(11)]) is None
     assert seen[2] == []  # k0 counted once in its window
+
+
+def test_a_clients_sessions_share_one_handler_until_the_last_ends() -> None:
+    made: list[SessionTouches] = []
+
+    def make() -> SessionTouches:
+        made.append(SessionTouches(lambda keys, window: len(keys), 10, 1.0))
+        return made[-1]
+
+    clients = ClientTouches(make)
+    first = clients.open("s1", "uid:1000/pid:7")
+    assert clients.open("s2", "uid:1000/pid:7") is first  # one budget, one window
+    assert clients.open("s3", "uid:1000/pid:8") is not first  # another process: its own
+    clients.close("s1")
+    clients.close("s1")  # twice: no effect
+    assert clients.open("s4", "uid:1000/pid:7") is first  # s2 still holds it
+    clients.close("s2")
+    clients.close("s4")
+    assert len(clients) == 1  # pid 7's went with its last session
+    assert clients.open("s5", "uid:1000/pid:7") is not first and len(made) == 3
