@@ -1113,7 +1113,7 @@ def run(args: argparse.Namespace, netns: bool, netns_note: str) -> int:
     print("\nCPU paths: producer and consumer in separate processes; x floor = p50 over the")
     print("in-process memcpy of the same payload (zero-copy get: get + release)")
     print_rows(rows, lambda r: floors_by.get((r.size, r.batch)))
-    print("\nissue 30, CPU targets (ratio = embcache / Redis p50, or GB/s for the consumers)")
+    print("\nCPU targets (ratio = embcache / Redis p50, or GB/s for the consumers)")
     print(
         table(
             ["path", "embcache", "peer", "peer call", "ratio", "target", "holds"],
@@ -1138,7 +1138,7 @@ def run(args: argparse.Namespace, netns: bool, netns_note: str) -> int:
         print("\nGPU paths (across processes; x floor = p50 over one contiguous copy-engine")
         print("transfer of the same bytes)")
         print_rows(gpu_rows, lambda r: ce.get(r.batch) if r.size == LARGE else None)
-        print("\nissue 30, GPU targets (ratio: copy-engine time / p50, or GB/s / copy engine)")
+        print("\nGPU targets (ratio: copy-engine time / p50, or GB/s / copy engine)")
         print(
             table(
                 ["path", "embcache", "floor", "ratio", "target", "holds"],
