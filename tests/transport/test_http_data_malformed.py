@@ -195,3 +195,21 @@ def test_huge_declared_size_is_refused_before_the_body(served: Served) -> None:
     assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
     assert b"100 Continue" not in reply
     assert_nothing_reserved(served.engine, before, "huge")
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/v1/get", {"keys": ["existing"], "ttl_s": True}),
+     ("/v1/get", {"keys": ["existing"], "ttl_s": "5"}),
+     ("/v1/renew", {"lease_ids": [1], "ttl_s": False}),
+     ("/v1/evict", {"keys": ["existing"], "device": True})],
+)  # fmt: skip
+def test_json_booleans_and_strings_are_not_numbers(
+    served: Served, path: str, body: dict[str, Any]
+) -> None:
+    """JSON ``true`` is not the number 1 (the schema says "number"): refused, nothing taken."""
+    r = served.client.post(path, json=body)
+    assert r.status_code == 422, r.text
+    assert r.json()["error"] == "ValidationError"
+    assert served.engine.stats().leases_active == 0
+    assert served.engine.stats().entries_ready == 1  # "existing" neither leased nor evicted

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from embcache.service.transport import render as d
-from embcache.service.transport.http.models import Count, Number
+from embcache.service.transport.http.models import Count, PositiveNumber
 
 MAX_BATCH = 10_000
 
@@ -35,9 +35,8 @@ class PutResponse(_Model):
 # -- batch get -----------------------------------------------------------------------------
 class GetRequest(_Model):
     keys: list[str] = Field(min_length=1, max_length=MAX_BATCH)
-    ttl_s: Number | None = Field(
+    ttl_s: PositiveNumber | None = Field(
         default=None,
-        gt=0,
         description="Lease lifetime in seconds (default: the daemon's lease_ttl_s).",
     )
     gpu_uuid: str | None = Field(
@@ -201,8 +200,8 @@ class ReleaseResponse(_Model):
 
 
 class RenewRequest(_LeaseIds):
-    ttl_s: Number | None = Field(
-        default=None, gt=0, description="New lifetime from now, in seconds."
+    ttl_s: PositiveNumber | None = Field(
+        default=None, description="New lifetime from now, in seconds."
     )
 
 

@@ -218,8 +218,8 @@ def _json_number(value: Any) -> Any:
     return value
 
 
-# A JSON number, as the schema's "number" type says (see _json_number).
-Number = Annotated[float, BeforeValidator(_json_number)]
+# A positive JSON number, as the schema's "number" type says (see _json_number).
+PositiveNumber = Annotated[float, Field(gt=0), BeforeValidator(_json_number)]
 # A size as JSON text: whole bytes with an optional unit (k, KB, KiB, M, MB, MiB, G, ...).
 SIZE_TEXT = r"^[0-9]{1,15}([KkMmGgTt]([Bb]|[Ii][Bb])?|[Bb])?$"
 
