@@ -5,7 +5,7 @@ leases), the device tier (pools and copies) and, if there is one, the shared tie
 given to the constructor). A call takes the lock for its bookkeeping and lets go before it
 waits: bytes copied into a FILLING reservation have one writer, and a leased entry is never
 freed, so neither needs the lock. Leases also expire lazily inside calls. The bookkeeping
-of puts is in puts.py, reads in reads.py, snapshots in stats.py::
+of puts is in the host store (``HostStore.reserve_put``), reads in reads.py, snapshots in stats.py::
 
     transports ──▶ CacheEngine ──────────────────▶ HostStore  (host/: pages, entries, leases)
                     ├─ .device: DeviceSide ──────▶ DeviceTier (device/: pools, copies, tables)
@@ -28,7 +28,7 @@ from embcache.service.config import Settings
 from embcache.service.device.copier import CopyObserver
 from embcache.service.device.pool import DevicePool
 from embcache.service.device.tier import DeviceTier
-from embcache.service.engine import listing, puts, reads
+from embcache.service.engine import listing, reads
 from embcache.service.engine.device_side import DeviceSide
 from embcache.service.engine.hooks import (
     SharedCalls,
@@ -38,7 +38,6 @@ from embcache.service.engine.hooks import (
     cuda_wanted,
     open_read_table,
 )
-from embcache.service.engine.puts import CopyIn, Runs
 from embcache.service.engine.quarantine import QuarantineSide
 from embcache.service.engine.reads import TouchWindow
 from embcache.service.engine.stats import EngineStats, EntryInfo, engine_stats
@@ -49,7 +48,7 @@ from embcache.service.host.leases import Lease, LeaseCaps
 from embcache.service.host.put_writer import FillTarget, PutHandle
 from embcache.service.host.read_table import ReadTable
 from embcache.service.host.restart import Adopted, Verifier, WarmStart
-from embcache.service.host.store import EvictResults, HostStore, raise_for_evict
+from embcache.service.host.store import CopyIn, EvictResults, HostStore, Runs, raise_for_evict
 from embcache.service.host.verify import entry_crc
 
 log = logging.getLogger("embcache.service.engine")
@@ -90,24 +89,26 @@ class CacheEngine:
         except BaseException:
             pool.close()
             raise
-        self._store = HostStore(
-            pool,
+        parts = dict(
             prealloc_pages=settings.device_put_prealloc_bytes // settings.page_bytes,
             on_evict=self._tier.drop,
             clock=clock,
             caps=LeaseCaps(settings.max_leases_per_owner, settings.leased_bytes_limit),
             max_entries=settings.entry_limit,
+            reads=open_read_table(pool, settings) if settings.read_table else None,
         )
-        if settings.read_table:  # before a warm restart's entries come in: they publish
-            self._store.reads = open_read_table(pool, settings)
         self.verifier: Verifier | None = None  # checks adopted entries' bytes (restart.py)
-        if settings.warm_restart:
+        if not settings.warm_restart:
+            self._store = HostStore(pool, **parts)  # type: ignore[arg-type]
+        else:
             try:
-                self.adopted = warm.attach(self._store, clock())
+                adoption = warm.attach(pool)
             except BaseException:
                 self._tier.close()
                 pool.close(unlink=False)
                 raise
+            self._store = HostStore.adopting(pool, adoption, clock(), **parts)
+            self.adopted = adoption.adopted
             self.verifier = Verifier(self._store, self._lock, lambda: self._closed)
             if not defer_verify:
                 self.verifier.start()
@@ -144,7 +145,7 @@ class CacheEngine:
         """The host pool's shared-memory segment, as clients map it."""
         return self._store.pool.info()
 
-    # -- puts (puts.py) ------------------------------------------------------------------
+    # -- puts (HostStore.reserve_put) -----------------------------------------------------------
     def begin_put(
         self,
         key: str,
@@ -162,7 +163,8 @@ class CacheEngine:
 
         Args:
             key, dtype, shape: the entry; ``nbytes`` and ``checksum`` (CRC32) are checked.
-            owner: whose in-flight quota it counts against; copy_in, pages: see puts.py.
+            owner: whose in-flight quota it counts against.
+            copy_in, pages: see ``HostStore.reserve_put``.
             writer: ``(owner, id)``: the owner (a session) whose process fills the pages
                 itself through its own mapping (a reserved put), and the id its client
                 knows the reservation by: the pages are kept out of reuse until that
@@ -190,8 +192,8 @@ class CacheEngine:
                         owner=writer[0],
                     )
                 filler = (process, writer[1])
-            found = puts.reserve(
-                self._store, key, meta, crc, owner,
+            found = self._store.reserve_put(
+                key, meta, crc, owner,
                 quota=quota, now=self._clock(), copy_in=copy_in, pages=pages, writer=filler,
             )  # fmt: skip
         if isinstance(found, Entry):
@@ -220,7 +222,7 @@ class CacheEngine:
         if self.settings.warm_restart and entry.crc32 is None:  # for the index; no lock held
             entry.crc32 = entry.checksum if entry.checksum is not None else self._crc(entry)
         with self._lock:
-            done = puts.commit(self._store, put_id, self._clock())
+            done = self._store.commit_put(put_id, self._clock())
         if done is None:
             return False
         entry, owner = done
@@ -242,18 +244,18 @@ class CacheEngine:
 
     def _abort_fill(self, put_id: int, writer_stopped: bool) -> None:
         with self._lock:
-            puts.abort(self._store, put_id, writer_stopped=writer_stopped)
+            self._store.abort_put(put_id, writer_stopped=writer_stopped)
 
     def prealloc_copy(self, key: str, nbytes: int, copy_in: CopyIn) -> Runs | None:
         """Returns the prealloc's pages for a put of ``nbytes`` with ``copy_in(byte_runs)``
         queued into them, for :meth:`begin_put` with ``pages=``; None, nothing copied, when
-        it has too few, the key exists, or the engine closed (puts.py)."""
+        it has too few, the key exists, or the engine closed (``HostStore.take_prealloc``)."""
         with self._lock:
-            return None if self._closed else puts.prealloc_copy(self._store, key, nbytes, copy_in)
+            return None if self._closed else self._store.take_prealloc(key, nbytes, copy_in)
 
     def return_prealloc(self, pages: Runs) -> None:
         """Pages from :meth:`prealloc_copy` that no entry adopted (their copy complete)."""
-        self._store.prealloc.give_back(pages)
+        self._store.give_back_prealloc(pages)
 
     def top_up_prealloc(self) -> None:
         """Refill the prealloc (evicting as a put would) while a put's copy runs."""
@@ -287,7 +289,7 @@ class CacheEngine:
         on the network: callers on an event loop run it in a thread."""
         if self._shared.hooks is not None:
             with self._lock:
-                found = self._store.entries.get
+                found = self._store.peek
                 missing = [k for k in keys if isinstance(k, str) and found(k) is None]
             self._shared.fetch(missing)
 
@@ -304,7 +306,7 @@ class CacheEngine:
             now = self._clock()
             if window is None:
                 return self._store.touch(keys, now)
-            cached = [k for k in keys if self._store.entries.get(k) is not None]
+            cached = [k for k in keys if self._store.peek(k) is not None]
             self._store.touch(window.fresh(cached, now), now)
             return len(cached)
 
@@ -479,8 +481,7 @@ class CacheEngine:
                 return
             self._closed = True
             self._draining = True
-            index = self._store.index
-            self._store.drop_all()  # lets go of the index first: the holds in it stay
+            index = self._store.drop_all()  # lets go of the index first: its holds stay
         keep = keep_segment and index is not None and index.active
         if index is not None:
             index.close() if keep else index.remove()

@@ -82,7 +82,7 @@ def list_entries(
 
 def entry_detail(store: HostStore, tier: DeviceTier, now: float, key: str) -> EntryInfo | None:
     """One READY entry with its lease holders (the caller holds the lock)."""
-    entry = store.entries.get(key)
+    entry = store.peek(key)
     if entry is None:
         return None
     return entry_info(entry, tier, now, store.leases.holders(entry, now))

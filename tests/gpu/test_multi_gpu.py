@@ -465,7 +465,7 @@ def test_eviction_is_per_device_pool(engine: CacheEngine) -> None:
         assert tier.pools[0].evict_unleased() == 7
     s = e.stats()
     assert s.device_resident == [1, 8] and s.device[1].used_pages == used1
-    entry = e.host_store.entries.get(keep[0])
+    entry = e.host_store.peek(keep[0])
     assert entry is not None and tier.pools[0].is_resident(entry)
     assert s.device[0].used_pages == 16
     assert bound_pages(e, 0) == (16, 16)

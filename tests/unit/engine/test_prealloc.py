@@ -151,10 +151,10 @@ def test_room_is_taken_back_from_the_landing_before_anything_is_evicted(
 ) -> None:
     engine.device.put("dev", blob(1))
     assert engine.host_store.prealloc.pages == ENTRY_PAGES
-    free = engine.host_store.alloc.num_free_pages
+    free = engine.host_store._t.alloc.num_free_pages
     engine.put("fill", torch.zeros(free * PAGE, dtype=torch.uint8))  # every free page
     assert (
-        engine.host_store.alloc.num_free_pages == 0
+        engine.host_store._t.alloc.num_free_pages == 0
         and engine.host_store.prealloc.pages == ENTRY_PAGES
     )
     engine.put("more", torch.ones(PAGE, dtype=torch.uint8))  # room: the landing's pages
