@@ -3,7 +3,7 @@
 A put from a device returns once its copy is complete, so all the host work queued before
 the copy (checking the request, searching the allocator, evicting) adds to the call. The
 prealloc holds a few page runs taken from the allocator ahead of time: a put takes its pages
-from it, queues its copy at once (``CacheEngine.prealloc_copy``), and is checked, recorded
+from it, queues its copy at once (``PutPath.take_prealloc``), and is checked, recorded
 and topped up while the copy engine works. A put that turns out invalid gives its pages
 back once its copy is complete; nothing of it becomes visible.
 

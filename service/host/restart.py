@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,12 +39,10 @@ from embcache.service.host.host_pool import INDEX_SUFFIXES, HostPool, unheld_seg
 from embcache.service.host.pool_index import PoolIndex, Replayed, index_path, replay
 from embcache.service.host.quarantine import Held, ProcessRef
 from embcache.service.host.shm_files import UntrustedFile
-from embcache.service.host.store import HostStore
 from embcache.service.host.write_holds import Written
 
 log = logging.getLogger(__name__)
 
-_VERIFY_SLICE = 64 << 20  # bytes checked per hold of the engine lock by the background pass
 _LOGGED = 8  # dropped records logged one by one at a start (then one line for the rest)
 
 
@@ -261,43 +258,3 @@ def find_stale(prefix: str, shm_dir: Path) -> str | None:
         if best is None or st.st_mtime > best[0]:
             best = (st.st_mtime, path.name)
     return None if best is None else best[1]
-
-
-class Verifier:
-    """The background pass that checks every adopted entry's CRC32 (``store.verify``), a
-    slice of ``_VERIFY_SLICE`` bytes per hold of the engine's ``lock``, until none is left
-    or ``closed()``. Entries served first are checked by ``HostStore.lookup`` instead."""
-
-    def __init__(self, store: HostStore, lock: threading.Lock, closed: Callable[[], bool]) -> None:
-        self._store = store
-        self._lock = lock
-        self._closed = closed
-        self._todo = store.unverified()
-        self.thread = threading.Thread(target=self._run, name="embcache-verify", daemon=True)
-
-    @property
-    def pending(self) -> int:
-        """Adopted entries not checked yet (an estimate, read without the lock)."""
-        return sum(e.unverified for e in self._todo)
-
-    def start(self) -> None:
-        """Start the pass (once; nothing to do when nothing was adopted)."""
-        if self._todo and self.thread.ident is None:
-            self.thread.start()
-
-    def _run(self) -> None:
-        todo = self._todo
-        at = 0
-        while at < len(todo):
-            with self._lock:
-                if self._closed():
-                    return
-                done = 0
-                while at < len(todo) and done < _VERIFY_SLICE:
-                    entry = todo[at]
-                    at += 1
-                    if entry.unverified and entry.state is EntryState.READY:
-                        self._store.verify(entry)
-                        done += entry.nbytes
-        dropped = self._store.counter("adopt_dropped_checksum")
-        log.info("warm restart: checked %d adopted entries, %d dropped", len(todo), dropped)
