@@ -137,7 +137,8 @@ class PutPath:
 
     def give_back_prealloc(self, pages: Runs) -> None:
         """Pages from :meth:`take_prealloc` that no entry adopted (their copy complete)."""
-        self._store.give_back_prealloc(pages)  # the prealloc has its own lock
+        with self._gate:
+            self._store.give_back_prealloc(pages)
 
     def top_up_prealloc(self) -> None:
         """Refill the prealloc (evicting as a put would) while a put's copy runs."""
