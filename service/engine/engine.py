@@ -1,15 +1,20 @@
 """CacheEngine: the one API every transport uses.
 
-The engine owns its parts and one plain lock: the host store (pages, entries, reservations,
-leases), the device tier (pools and copies) and, if there is one, the shared tier (hooks
-given to the constructor). A call takes the lock for its bookkeeping and lets go before it
-waits: bytes copied into a FILLING reservation have one writer, and a leased entry is never
-freed, so neither needs the lock. Leases also expire lazily inside calls. The bookkeeping
-of puts is in the host store (``HostStore.reserve_put``), reads in reads.py, snapshots in stats.py::
+The engine is a facade: it builds its parts, owns them and calls them, and none of them
+holds a reference back to it. The host store (pages, entries, reservations, leases) and
+the device tier (pools and copies) keep the state; the ``Gate`` (gate.py) is the one plain
+lock with the open/draining state and the pin every get starts with; the ``PutPath``
+(put_path.py) validates, reserves, commits and aborts puts; ``DeviceSide`` serves the
+device calls over the same gate, store, tier and put path. A call takes the gate for its
+bookkeeping and lets go before it waits: bytes copied into a FILLING reservation have one
+writer, and a leased entry is never freed, so neither needs the lock. Leases also expire
+lazily inside calls. Reads are in reads.py, snapshots in stats.py::
 
-    transports ──▶ CacheEngine ──────────────────▶ HostStore  (host/: pages, entries, leases)
-                    ├─ .device: DeviceSide ──────▶ DeviceTier (device/: pools, copies, tables)
-                    └─ SharedCalls ──▶ SharedTierHooks (shared_tier/, optional)
+    transports ──▶ CacheEngine ─┬─ PutPath ──────────────▶ HostStore  (host/)
+                    │           ├─ .device: DeviceSide ──▶ DeviceTier (device/)
+                    │           ├─ .quarantine, Verifier     (and HostStore, PutPath)
+                    │           └─ SharedCalls ──▶ SharedTierHooks (shared_tier/, optional)
+                    └─ Gate: the lock every part above takes
 """
 
 from __future__ import annotations

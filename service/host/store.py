@@ -8,7 +8,12 @@ page is free, or held by exactly one reservation, entry, writer hold or the prea
 tables are private: every change goes through a method here (a put's reserve, commit and
 abort, the prealloc's pages, a warm restart's adoption by :meth:`HostStore.adopting`).
 
-Nothing here locks: the engine holds its one lock around every call. A put that cannot be
+The store is composed, by concern, of parts it owns and calls: ``Tables`` (``tables.py``:
+the allocator, the READY entries, the counters, the read table and the warm-restart index),
+``LeaseBook`` (``lease_book.py``: leases and quarantined holds) and ``Reservations``
+(``reservations.py``: FILLING puts, their quota and their writers). The views are functions
+over those parts (``store_views.py``). Nothing here locks: the engine holds its gate around
+every call. A put that cannot be
 reserved raises the typed error that says why (no room, an owner over its quota, another
 entry's metadata); other shortfalls come back as ``None`` or ``False``; a broken invariant
 is an ``AssertionError``.
