@@ -32,7 +32,7 @@ class QuarantineSide:
         if process is None:
             return False
         with self._gate:
-            self._store.processes[owner] = process
+            self._store.bind_process(owner, process)
         return True
 
     def end_owner(self, owner: str) -> int:
@@ -43,7 +43,7 @@ class QuarantineSide:
             process = self._store.processes.get(owner)
         if process is not None and not process.alive():  # exited: nothing to keep
             with self._gate:
-                self._store.processes.pop(owner, None)
+                self._store.bind_process(owner, None)
         with self._gate:
             return self._store.end_owner(owner)
 
@@ -51,7 +51,7 @@ class QuarantineSide:
         """Free what processes that have exited held, for their views and for their writes
         (the daemon's reaper calls this); returns how many holds ended."""
         with self._gate:
-            processes = {*self._store.quarantine.processes(), *self._store.written.processes()}
+            processes = self._store.held_for()
         gone = [p for p in processes if not p.alive()]  # reads /proc: outside the lock
         if not gone:
             return 0

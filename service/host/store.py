@@ -21,7 +21,8 @@ is an ``AssertionError``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
 
 import numpy as np
 
@@ -30,9 +31,11 @@ from embcache.service.host.admission import EntryMeta, check_same_meta
 from embcache.service.host.adoption import Adoption
 from embcache.service.host.allocator import PageRunAllocator
 from embcache.service.host.entries import Entry, EntryState
-from embcache.service.host.evict import EvictOutcome, EvictResults, raise_for_evict
+from embcache.service.host.evict import EvictOutcome, EvictResults
+from embcache.service.host.evict import raise_for_evict as raise_for_evict  # re-exported
 from embcache.service.host.host_pool import HostPool
-from embcache.service.host.lease_book import SHARED_TIER_OWNER, LeaseBook
+from embcache.service.host.lease_book import SHARED_TIER_OWNER as SHARED_TIER_OWNER  # re-exported
+from embcache.service.host.lease_book import LeaseBook
 from embcache.service.host.leases import Lease, LeaseCaps, LeaseTable
 from embcache.service.host.pool_index import PoolIndex
 from embcache.service.host.prealloc import PutPrealloc
@@ -41,18 +44,8 @@ from embcache.service.host.read_table import ReadTable
 from embcache.service.host.reservations import Reservations
 from embcache.service.host.store_views import HostCounts, host_counts, page_states
 from embcache.service.host.tables import CopyIn, Runs, Tables
-from embcache.service.host.write_holds import WriteHolds
 
 Writer = tuple[ProcessRef, int]  # a client process that fills a reservation, and its id
-
-__all__ = [
-    "SHARED_TIER_OWNER",
-    "EvictOutcome",
-    "EvictResults",
-    "HostCounts",
-    "HostStore",
-    "raise_for_evict",
-]
 
 
 class HostStore:
@@ -131,14 +124,20 @@ class HostStore:
         return self._book.quarantine
 
     @property
-    def processes(self) -> dict[str, ProcessRef]:
-        """Owner -> its process, where known (``engine/quarantine.py`` binds them)."""
-        return self._book.processes
+    def processes(self) -> Mapping[str, ProcessRef]:
+        """Owner -> its process, where known (read-only: :meth:`bind_process`)."""
+        return MappingProxyType(self._book.processes)
 
-    @property
-    def written(self) -> WriteHolds:
-        """Pages client processes may still write (read-only: ``reservations.py``)."""
-        return self._puts.written
+    def bind_process(self, owner: str, process: ProcessRef | None) -> None:
+        """Tie ``owner``'s leases to ``process`` (None: forget it, it has exited)."""
+        if process is None:
+            self._book.processes.pop(owner, None)
+        else:
+            self._book.processes[owner] = process
+
+    def held_for(self) -> set[ProcessRef]:
+        """The processes pages are held for: by views of ended leases, or their writes."""
+        return {*self._book.quarantine.processes(), *self._puts.written.processes()}
 
     @property
     def inflight(self) -> dict[str, int]:
