@@ -208,7 +208,7 @@ def fill_fragmented(e: CacheEngine, count: int) -> list[list[str]]:
 
 def _evict_pool(e: CacheEngine, device: int) -> None:
     pool = e.device_tier.pools[device]
-    with e._lock:
+    with e._gate:
         pool.evict_unleased()
     assert pool.stream is not None
     pool.stream.synchronize()

@@ -8,12 +8,12 @@ its loop's other callbacks instead of blocking a thread in ``wait()``.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 
+from embcache.service.engine.gate import Gate
 from embcache.service.host.leases import Lease
 
 
@@ -26,13 +26,13 @@ class PendingInto:
         event: torch.cuda.Event | None,
         release: Callable[[Sequence[int]], object],
         observe: Callable[[str, int, float], None],
-        lock: threading.Lock,
+        gate: Gate,
     ) -> None:
         self.leases = leases
         self._event = event  # fires once the copies are complete (None: complete already)
         self._release = release
         self._observe = observe
-        self._lock = lock
+        self._gate = gate  # the engine's lock, to end the leases under
         self._start = time.perf_counter()
         self._finished = False
 
@@ -58,5 +58,5 @@ class PendingInto:
         self._finished = True
         self._observe("h2d", self.loaded_bytes, time.perf_counter() - self._start)
         ids = [x.lease_id for x in self.leases if x is not None]
-        with self._lock:
+        with self._gate:
             self._release(ids)

@@ -2,7 +2,7 @@
 then commit the batch, all or nothing.
 
 :func:`start_puts` queues each item's device -> host copy into pages from the prealloc
-before the item is checked and recorded, else as soon as ``begin_put`` has reserved its
+before the item is checked and recorded, else as soon as ``PutPath.begin`` has reserved its
 pages (the copy engine moves one tensor while the next is reserved), then records one event
 per stream. The caller waits its own way (an event loop polls ``done()``, a thread calls
 ``wait()``); ``finish()`` checks the checksums and commits the batch, ``abort()`` gives the
@@ -31,15 +31,15 @@ CopyIn = Callable[[Runs], None]
 
 
 class PutTarget(Protocol):
-    """The engine calls a batch of device puts makes (``CacheEngine``'s own)."""
+    """The calls a batch of device puts makes (``put_path.PutPath``'s)."""
 
-    def prealloc_copy(self, key: str, nbytes: int, copy_in: CopyIn) -> Runs | None: ...
+    def take_prealloc(self, key: str, nbytes: int, copy_in: CopyIn) -> Runs | None: ...
 
-    def return_prealloc(self, pages: Runs) -> None: ...
+    def give_back_prealloc(self, pages: Runs) -> None: ...
 
     def top_up_prealloc(self) -> None: ...
 
-    def begin_put(  # the engine's, called with the arguments below only
+    def begin(  # called with the arguments below only
         self, key: str, dtype: str, shape: Sequence[int], *, owner: str, checksum: int | None,
         copy_in: CopyIn | None = None, pages: Runs | None = None,
     ) -> PutHandle: ...  # fmt: skip
@@ -180,20 +180,20 @@ def _begin(
             puts.finish_all(src, put_stream)
             raise
 
-    pages = target.prealloc_copy(key, src.numel() * src.element_size(), copy)
+    pages = target.take_prealloc(key, src.numel() * src.element_size(), copy)
     if pages is None:
-        handle = target.begin_put(key, dtype, shape, owner=owner, checksum=crc, copy_in=copy)
+        handle = target.begin(key, dtype, shape, owner=owner, checksum=crc, copy_in=copy)
     else:
         adopted = False
         try:  # checked and recorded while the copy engine works
-            handle = target.begin_put(key, dtype, shape, owner=owner, checksum=crc, pages=pages)
+            handle = target.begin(key, dtype, shape, owner=owner, checksum=crc, pages=pages)
             adopted = not handle.exists_already  # else stored meanwhile by another put
         finally:
             if not adopted:  # the pages go back once the copy into them is done
                 for stream in used:
                     if stream is not None:
                         stream.synchronize()
-                target.return_prealloc(pages)
+                target.give_back_prealloc(pages)
     stream = used[0] if used else None
     if stream is not None and not handle.exists_already:
         streams.setdefault((src.get_device(), puts.handle_of(stream)), stream)

@@ -1,10 +1,11 @@
 """The engine's device side (``engine.device``): gets into device pools and client buffers,
 puts from device memory, and the pools' housekeeping.
 
-It works on the engine's own parts, under the engine's lock: the host store pins and
-leases entries, the device tier places them and queues the copies, and the lock is let go
-before anything waits for a copy. Owned and built by :class:`CacheEngine`, which hands it
-what it needs; it holds no state of its own.
+It works on the engine's own parts, under the engine's gate (``gate.py``: its one lock):
+the gate pins entries in the host store, the device tier places them and queues the
+copies, the store leases them, and the lock is let go before anything waits for a copy.
+Puts go through the engine's ``PutPath``. Owned and built by :class:`CacheEngine`, which
+hands it its parts; it holds no state of its own and no reference to the engine.
 
 Devices are named by pool index (``index_for`` maps a GPU's uuid to one); an index is the
 pool's place in the device tier, not a CUDA ordinal. Every call that names a pool raises
@@ -15,8 +16,7 @@ drains. Puts from device memory are described in ``device_puts.py``.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -28,11 +28,10 @@ from embcache.service.device.pool import DevicePool
 from embcache.service.device.tier import DeviceTier
 from embcache.service.engine.device_into import PendingInto
 from embcache.service.engine.device_puts import PendingPut, PutTarget, start_puts
-from embcache.service.host.entries import Entry
+from embcache.service.engine.gate import Gate
+from embcache.service.engine.hooks import SharedCalls
 from embcache.service.host.leases import Lease
 from embcache.service.host.store import SHARED_TIER_OWNER, EvictOutcome, EvictResults, HostStore
-
-Pin = Callable[[Sequence[str], str], list[Entry | None]]  # the engine's pin (lock held)
 
 
 class DeviceSide:
@@ -42,20 +41,16 @@ class DeviceSide:
         self,
         store: HostStore,
         tier: DeviceTier,
-        lock: threading.Lock,
+        gate: Gate,
         *,
-        pin: Pin,
-        expiry: Callable[[float | None], float],
-        fill_misses: Callable[[Sequence[str]], None],
+        shared: SharedCalls,
         puts: PutTarget,
     ) -> None:
         self._store = store
         self._tier = tier
-        self._lock = lock
-        self._pin = pin  # checks the engine is open, expires leases, pins
-        self._expiry = expiry  # a request's TTL, checked
-        self._fill_misses = fill_misses  # the shared tier, outside the lock
-        self._puts = puts  # the engine's put calls, for puts from a device
+        self._gate = gate  # the lock; checks the engine is open, expires leases, pins
+        self._fill_misses = shared.fill_misses  # the shared tier, outside the lock
+        self._puts = puts  # the engine's put path, for puts from a device
 
     # -- pools ---------------------------------------------------------------------------
     @property
@@ -99,12 +94,12 @@ class DeviceSide:
         try:
             table = None
             if read_table:
-                with self._lock:
+                with self._gate:
                     table = self._tier.read_table(placement)
             self._tier.wait(pending, device)
             return pending.results, table
         except BaseException:  # nobody receives these leases
-            with self._lock:
+            with self._gate:
                 self._store.release(d.lease.lease_id for d in pending.results if d is not None)
             raise
 
@@ -146,9 +141,9 @@ class DeviceSide:
     ) -> tuple[Placement, PendingGet]:
         if fill_misses:
             self._fill_misses(keys)
-        ttl = self._expiry(ttl_s)
-        with self._lock:
-            entries = self._pin(keys, owner)
+        ttl = self._gate.expiry(ttl_s)
+        with self._gate:
+            entries = self._gate.pin(keys, owner)
             try:
                 placement = self._tier.place(entries, device, defer_tables=defer_tables)
             except BaseException:
@@ -163,7 +158,7 @@ class DeviceSide:
         if not keys:
             return 0
         placed, _ = self.get(keys, SHARED_TIER_OWNER, device=device)
-        with self._lock:
+        with self._gate:
             self._store.release(p.lease.lease_id for p in placed if p is not None)
         return sum(1 for p in placed if p is not None)
 
@@ -177,20 +172,20 @@ class DeviceSide:
     def flush_tables(self, device: int = 0) -> None:
         """Evict device ``device``'s copies down to its free reserve, then launch its queued
         page-table updates now (tests call it before they read the tables)."""
-        with self._lock:
+        with self._gate:
             self._tier.flush_tables(device)
 
     def housekeeping(self, device: int = 0) -> None:
         """After a ``defer_tables`` get's reply: evict device ``device``'s copies down to its
         free reserve, and launch its page-table updates once they are due."""
-        with self._lock:
+        with self._gate:
             self._tier.flush_tables(device, when_due=True)
 
     def flush_due(self) -> int:
         """Launch the page-table updates that are due in any pool (the daemon's reaper calls
         this, so the tables catch up once gets stop); returns how many pools did. A device
         error takes that pool out of service instead of raising."""
-        with self._lock:
+        with self._gate:
             return self._tier.flush_due()
 
     def evict(self, keys: Sequence[str], device: int) -> EvictResults:
@@ -200,7 +195,7 @@ class DeviceSide:
             Per key EVICTED; NOT_FOUND (no such entry, or no copy there); or LEASED
             (refused, never forced); and ``freed_bytes`` of that pool's pages.
         """
-        with self._lock:
+        with self._gate:
             self._store.expire(self._store.clock())
             out = self._store.evictable(keys)
             todo = [entry for _, entry in out if entry is not None]
@@ -218,7 +213,7 @@ class DeviceSide:
         ``nbytes`` < 0."""
         if nbytes < 0:
             raise InvalidArgument("nbytes must be >= 0", nbytes=nbytes)
-        with self._lock:
+        with self._gate:
             self._store.expire(self._store.clock())
             return self._tier.evict_pool_bytes(device, nbytes)
 
@@ -226,7 +221,7 @@ class DeviceSide:
         """One uint8 per page of device pool ``device``: 0 free, 1 resident, 2 leased (a pool
         out of service holds nothing). DeviceUnavailable when there is no such pool."""
         self._tier.at(device)
-        with self._lock:
+        with self._gate:
             return self._tier.page_states(device)
 
     # -- get into a client buffer --------------------------------------------------------
@@ -284,9 +279,9 @@ class DeviceSide:
             self._tier.pool(device)  # no such pool: fail before anything else
         if fill_misses:
             self._fill_misses(keys)
-        ttl = self._expiry(None)
-        with self._lock:
-            entries = self._pin(keys, owner)
+        ttl = self._gate.expiry(None)
+        with self._gate:
+            entries = self._gate.pin(keys, owner)
             leases = self._store.lease(entries, owner, self._store.clock() + ttl)
             try:
                 stream = self._tier.queue_into(leases, dest, offsets, device, dest_ready=dest_ready)
@@ -295,7 +290,7 @@ class DeviceSide:
                 self._store.release([x.lease_id for x in leases if x is not None])
                 raise
         observe = self._tier.copier.observe
-        return PendingInto(leases, event, self._store.release, observe, self._lock)
+        return PendingInto(leases, event, self._store.release, observe, self._gate)
 
     # -- puts from device memory (device_puts.py) ----------------------------------------
     def put(

@@ -1,56 +1,59 @@
 """CacheEngine: the one API every transport uses.
 
-The engine owns its parts and one plain lock: the host store (pages, entries, reservations,
-leases), the device tier (pools and copies) and, if there is one, the shared tier (hooks
-given to the constructor). A call takes the lock for its bookkeeping and lets go before it
-waits: bytes copied into a FILLING reservation have one writer, and a leased entry is never
-freed, so neither needs the lock. Leases also expire lazily inside calls. The bookkeeping
-of puts is in puts.py, reads in reads.py, snapshots in stats.py::
+The engine is a facade: it builds its parts, owns them and calls them, and none of them
+holds a reference back to it. The host store (pages, entries, reservations, leases) and
+the device tier (pools and copies) keep the state; the ``Gate`` (gate.py) is the one plain
+lock with the open/draining state and the pin every get starts with; the ``PutPath``
+(put_path.py) validates, reserves, commits and aborts puts; ``DeviceSide`` serves the
+device calls over the same gate, store, tier and put path. A call takes the gate for its
+bookkeeping and lets go before it waits: bytes copied into a FILLING reservation have one
+writer, and a leased entry is never freed, so neither needs the lock. Leases also expire
+lazily inside calls. Reads are in reads.py, snapshots in stats.py::
 
-    transports ──▶ CacheEngine ──────────────────▶ HostStore  (host/: pages, entries, leases)
-                    ├─ .device: DeviceSide ──────▶ DeviceTier (device/: pools, copies, tables)
-                    └─ SharedCalls ──▶ SharedTierHooks (shared_tier/, optional)
+    transports ──▶ CacheEngine ─┬─ PutPath ──────────────▶ HostStore  (host/)
+                    │           ├─ .device: DeviceSide ──▶ DeviceTier (device/)
+                    │           ├─ .quarantine, Verifier     (and HostStore, PutPath)
+                    │           └─ SharedCalls ──▶ SharedTierHooks (shared_tier/, optional)
+                    └─ Gate: the lock every part above takes
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
-from embcache.errors import Draining, InvalidArgument, LeaseExpired, PermissionDenied
+from embcache.errors import InvalidArgument, LeaseExpired
 from embcache.proto.dtypes import from_torch
 from embcache.service.config import Settings
 from embcache.service.device.copier import CopyObserver
 from embcache.service.device.pool import DevicePool
 from embcache.service.device.tier import DeviceTier
-from embcache.service.engine import listing, puts, reads
+from embcache.service.engine import listing, reads
 from embcache.service.engine.device_side import DeviceSide
+from embcache.service.engine.gate import Gate
 from embcache.service.engine.hooks import (
     SharedCalls,
     SharedTierHooks,
     build_host_pool,
+    build_store,
     build_tier,
     cuda_wanted,
-    open_read_table,
 )
-from embcache.service.engine.puts import CopyIn, Runs
+from embcache.service.engine.put_path import PutPath
 from embcache.service.engine.quarantine import QuarantineSide
 from embcache.service.engine.reads import TouchWindow
 from embcache.service.engine.stats import EngineStats, EntryInfo, engine_stats
-from embcache.service.host import admission
-from embcache.service.host.entries import Entry
+from embcache.service.engine.verifier import Verifier
 from embcache.service.host.host_pool import HostPool, SegmentInfo
-from embcache.service.host.leases import Lease, LeaseCaps
-from embcache.service.host.put_writer import FillTarget, PutHandle
+from embcache.service.host.leases import Lease
+from embcache.service.host.put_writer import PutHandle
 from embcache.service.host.read_table import ReadTable
-from embcache.service.host.restart import Adopted, Verifier, WarmStart
-from embcache.service.host.store import EvictResults, HostStore, raise_for_evict
-from embcache.service.host.verify import entry_crc
+from embcache.service.host.restart import WarmStart
+from embcache.service.host.store import CopyIn, EvictResults, HostStore, Runs, raise_for_evict
 
 log = logging.getLogger("embcache.service.engine")
 
@@ -78,10 +81,6 @@ class CacheEngine:
         daemon owns the segment."""
         self.settings = settings
         self._clock = clock
-        self._lock = threading.Lock()
-        self._draining = False
-        self._closed = False
-        self.adopted = Adopted()  # what a warm restart adopted and dropped
         self._uses_cuda = cuda_wanted(settings)
         warm = WarmStart(settings)
         pool = build_host_pool(settings, self._uses_cuda, warm if settings.warm_restart else None)
@@ -90,42 +89,23 @@ class CacheEngine:
         except BaseException:
             pool.close()
             raise
-        self._store = HostStore(
-            pool,
-            prealloc_pages=settings.device_put_prealloc_bytes // settings.page_bytes,
-            on_evict=self._tier.drop,
-            clock=clock,
-            caps=LeaseCaps(settings.max_leases_per_owner, settings.leased_bytes_limit),
-            max_entries=settings.entry_limit,
-        )
-        if settings.read_table:  # before a warm restart's entries come in: they publish
-            self._store.reads = open_read_table(pool, settings)
-        self.verifier: Verifier | None = None  # checks adopted entries' bytes (restart.py)
+        self._store, self.adopted = build_store(settings, pool, self._tier, warm, clock)
+        self._gate = Gate(self._store, settings, clock, settings.quarantine_limit)
+        self.verifier: Verifier | None = None  # checks adopted entries' bytes (verifier.py)
         if settings.warm_restart:
-            try:
-                self.adopted = warm.attach(self._store, clock())
-            except BaseException:
-                self._tier.close()
-                pool.close(unlink=False)
-                raise
-            self.verifier = Verifier(self._store, self._lock, lambda: self._closed)
+            self.verifier = Verifier(self._store, self._gate)
             if not defer_verify:
                 self.verifier.start()
         # The parts, for tests, benchmarks and debugging; transports use the methods.
         self.host_pool: HostPool = pool
         self.host_store: HostStore = self._store
         self.device_tier: DeviceTier = self._tier
-        self.quarantine = QuarantineSide(self._store, self._lock, settings.quarantine_limit)
+        self.quarantine = QuarantineSide(self._store, self._gate)
+        self._shared = SharedCalls(self._store, self._gate)
+        self._puts = PutPath(settings, self._store, self._tier, self._gate, self._shared.on_commit)
         self.device = DeviceSide(
-            self._store,
-            self._tier,
-            self._lock,
-            pin=self._pin,
-            expiry=lambda ttl_s: admission.check_ttl(ttl_s, settings),
-            fill_misses=self.fill_misses,
-            puts=self,
+            self._store, self._tier, self._gate, shared=self._shared, puts=self._puts
         )
-        self._shared = SharedCalls()
         self.shared_tier: SharedTierHooks | None = None  # what the factory started, if any
         if shared_tier is not None:
             try:
@@ -144,7 +124,7 @@ class CacheEngine:
         """The host pool's shared-memory segment, as clients map it."""
         return self._store.pool.info()
 
-    # -- puts (puts.py) ------------------------------------------------------------------
+    # -- puts (put_path.py) -------------------------------------------------------------
     def begin_put(
         self,
         key: str,
@@ -162,11 +142,12 @@ class CacheEngine:
 
         Args:
             key, dtype, shape: the entry; ``nbytes`` and ``checksum`` (CRC32) are checked.
-            owner: whose in-flight quota it counts against; copy_in, pages: see puts.py.
+            owner: whose in-flight quota it counts against.
+            copy_in, pages: see ``HostStore.reserve_put``.
             writer: ``(owner, id)``: the owner (a session) whose process fills the pages
                 itself through its own mapping (a reserved put), and the id its client
                 knows the reservation by: the pages are kept out of reuse until that
-                process is done or gone (``host/store_writes.py``).
+                process is done or gone (``host/reservations.py``).
         Returns:
             The handle that fills, commits or aborts the reservation (for a key that exists
             with the same metadata, one that only checks the bytes).
@@ -174,37 +155,10 @@ class CacheEngine:
             InvalidArgument, EntryTooLarge, MetadataConflict, QuotaExceeded, PoolExhausted;
             PermissionDenied for a ``writer`` whose process the engine does not know.
         """
-        key = admission.check_key(key, self.settings)
-        meta = admission.check_meta(dtype, shape, nbytes, self.settings)
-        crc = admission.check_checksum(checksum)
-        quota = self.settings.inflight_limit
-        with self._lock:
-            self._check_open()
-            filler = None
-            if writer is not None:
-                process = self._store.processes.get(writer[0])
-                if process is None:  # its pages could not be kept from reuse: refused
-                    raise PermissionDenied(
-                        "the daemon cannot see this process (no pid for it here), so it may "
-                        "not fill pages itself: put the bytes inline or streamed",
-                        owner=writer[0],
-                    )
-                filler = (process, writer[1])
-            found = puts.reserve(
-                self._store, key, meta, crc, owner,
-                quota=quota, now=self._clock(), copy_in=copy_in, pages=pages, writer=filler,
-            )  # fmt: skip
-        if isinstance(found, Entry):
-            return PutHandle(None, found, (), crc)
-        entry, put_id, byte_runs = found
-        target = FillTarget(
-            self._store.pool.array,
-            lambda: self._commit_fill(put_id, entry),
-            lambda stopped: self._abort_fill(put_id, stopped),
-            lambda: self._closed,
-        )
-        written = meta.nbytes if copy_in is not None or pages is not None else 0
-        return PutHandle(target, entry, byte_runs, crc, written)
+        return self._puts.begin(
+            key, dtype, shape, nbytes=nbytes, checksum=checksum, owner=owner,
+            copy_in=copy_in, pages=pages, writer=writer,
+        )  # fmt: skip
 
     def put(self, key: str, tensor: torch.Tensor, *, owner: str = "local") -> bool:
         """Store a CPU tensor in one call. True if created, False if it already existed."""
@@ -216,50 +170,11 @@ class CacheEngine:
             handle.write(tensor.detach().cpu().contiguous())
             return handle.commit()
 
-    def _commit_fill(self, put_id: int, entry: Entry) -> bool:
-        if self.settings.warm_restart and entry.crc32 is None:  # for the index; no lock held
-            entry.crc32 = entry.checksum if entry.checksum is not None else self._crc(entry)
-        with self._lock:
-            done = puts.commit(self._store, put_id, self._clock())
-        if done is None:
-            return False
-        entry, owner = done
-        self._tier.prepare(entry)
-        self._shared.on_commit(entry.key, owner)
-        return True
-
-    def _crc(self, entry: Entry) -> int:
-        """CRC32 of a filled reservation's bytes (its one writer is done with them)."""
-        return entry_crc(self._store.pool, entry)
-
     def writer_done(self, owner: str, token: int) -> bool:
         """The process of ``owner`` (a session) stopped writing the pages of a reservation
-        it knows by ``token`` that ended without it (``host/store_writes.py``): they go
+        it knows by ``token`` that ended without it (``host/reservations.py``): they go
         back now. False when that process holds none by that id."""
-        with self._lock:
-            process = self._store.processes.get(owner)
-            return process is not None and self._store.writer_done(process, token)
-
-    def _abort_fill(self, put_id: int, writer_stopped: bool) -> None:
-        with self._lock:
-            puts.abort(self._store, put_id, writer_stopped=writer_stopped)
-
-    def prealloc_copy(self, key: str, nbytes: int, copy_in: CopyIn) -> Runs | None:
-        """Returns the prealloc's pages for a put of ``nbytes`` with ``copy_in(byte_runs)``
-        queued into them, for :meth:`begin_put` with ``pages=``; None, nothing copied, when
-        it has too few, the key exists, or the engine closed (puts.py)."""
-        with self._lock:
-            return None if self._closed else puts.prealloc_copy(self._store, key, nbytes, copy_in)
-
-    def return_prealloc(self, pages: Runs) -> None:
-        """Pages from :meth:`prealloc_copy` that no entry adopted (their copy complete)."""
-        self._store.prealloc.give_back(pages)
-
-    def top_up_prealloc(self) -> None:
-        """Refill the prealloc (evicting as a put would) while a put's copy runs."""
-        with self._lock:
-            if not self._closed:
-                self._store.top_up_prealloc()
+        return self._puts.writer_done(owner, token)
 
     # -- gets and leases -----------------------------------------------------------------
     def get(
@@ -277,19 +192,15 @@ class CacheEngine:
             InvalidArgument: ``ttl_s`` is not positive, or above ``max_lease_ttl_s``.
         """
         self.fill_misses(keys)
-        expires = admission.check_ttl(ttl_s, self.settings)
-        with self._lock:
-            entries = self._pin(keys, owner)
+        expires = self._gate.expiry(ttl_s)
+        with self._gate:
+            entries = self._gate.pin(keys, owner)
             return self._store.lease(entries, owner, self._clock() + expires)
 
     def fill_misses(self, keys: Sequence[str]) -> None:
         """Ask the shared tier (if any) for keys missing here; never raises. It may wait
         on the network: callers on an event loop run it in a thread."""
-        if self._shared.hooks is not None:
-            with self._lock:
-                found = self._store.entries.get
-                missing = [k for k in keys if isinstance(k, str) and found(k) is None]
-            self._shared.fetch(missing)
+        self._shared.fill_misses(keys)
 
     @property
     def fetches_misses(self) -> bool:
@@ -300,11 +211,11 @@ class CacheEngine:
         """Count hits that same-node clients served from the read table and mark those
         entries just used (``docs/same_node_reads.md``); returns how many are still here.
         ``window``: the session's, so that it counts each key once a window (reads.py)."""
-        with self._lock:
+        with self._gate:
             now = self._clock()
             if window is None:
                 return self._store.touch(keys, now)
-            cached = [k for k in keys if self._store.entries.get(k) is not None]
+            cached = [k for k in keys if self._store.peek(k) is not None]
             self._store.touch(window.fresh(cached, now), now)
             return len(cached)
 
@@ -316,7 +227,7 @@ class CacheEngine:
 
     def release(self, lease_ids: Iterable[int], owner: str | None = None) -> int:
         """End leases (with ``owner``: its own only; others skipped); returns how many."""
-        with self._lock:
+        with self._gate:
             return self._store.release(lease_ids, owner)
 
     def renew(
@@ -324,14 +235,14 @@ class CacheEngine:
     ) -> int:
         """Push back the expiry of live leases (with ``owner``: its own) to ``ttl_s`` from
         now; returns how many."""
-        expires = admission.check_ttl(ttl_s, self.settings)
-        with self._lock:
+        expires = self._gate.expiry(ttl_s)
+        with self._gate:
             now = self._clock()
             self._store.expire(now)
             return self._store.renew(lease_ids, now + expires, owner)
 
     def lease_alive(self, lease: Lease) -> bool:
-        with self._lock:
+        with self._gate:
             return self._store.alive(lease, self._clock())
 
     def drop_owner(self, owner: str) -> int:
@@ -341,25 +252,19 @@ class CacheEngine:
     def lease_owners(self, prefixes: tuple[str, ...]) -> dict[str, tuple[int, int]]:
         """``(leases, leased bytes)`` of every owner named with one of ``prefixes`` that holds
         leases (operators list the callers without a session this way)."""
-        with self._lock:
+        with self._gate:
             table = self._store.leases
             return {owner: table.usage(owner) for owner in table.owners_named(prefixes)}
 
     def lease_usage(self, owner: str) -> tuple[int, int]:
         """``(leases, bytes of the distinct entries leased)`` that ``owner`` holds."""
-        with self._lock:
+        with self._gate:
             return self._store.leases.usage(owner)
 
     def expire_leases(self) -> int:
         """End the leases whose TTL has passed (the daemon's reaper calls this)."""
-        with self._lock:
+        with self._gate:
             return self._store.expire(self._clock())
-
-    def _pin(self, keys: Sequence[str], owner: str) -> list[Entry | None]:
-        """Caller holds the lock: pin each key found (:meth:`HostStore.pin`)."""
-        self._check_open()
-        self.quarantine.check(owner)
-        return self._store.pin(keys, owner, self._clock())
 
     # -- reading bytes (reads.py) --------------------------------------------------------
     def tensor(self, lease: Lease) -> torch.Tensor:
@@ -386,14 +291,14 @@ class CacheEngine:
     # -- exists and eviction -------------------------------------------------------------
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key can be served; with a shared tier, local misses ask it too."""
-        with self._lock:
+        with self._gate:
             found = self._store.lookup  # an adopted entry is checked first (restart.py)
             out = [isinstance(k, str) and found(k) is not None for k in keys]
         return self._shared.exists(keys, out)
 
     def evict(self, keys: Sequence[str]) -> EvictResults:
         """Evict each key unless it is leased (never forced); with the host bytes freed."""
-        with self._lock:
+        with self._gate:
             return self._store.evict_keys(keys, self._clock())
 
     def evict_one(self, key: str) -> int:
@@ -406,7 +311,7 @@ class CacheEngine:
         """Evict LRU entries until ``nbytes`` are freed or none is left: (entries, bytes)."""
         if nbytes < 0:
             raise InvalidArgument("nbytes must be >= 0", nbytes=nbytes)
-        with self._lock:
+        with self._gate:
             self._store.expire(self._clock())
             return self._store.evict_bytes(nbytes)
 
@@ -417,13 +322,13 @@ class CacheEngine:
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        with self._lock:
+        with self._gate:
             self._store.expire(self._clock())
-            return engine_stats(self._store.counts(), self._tier, draining=self._draining)
+            return engine_stats(self._store.counts(), self._tier, draining=self._gate.draining)
 
     def entry_info(self, key: str) -> EntryInfo | None:
         """Metadata, page runs, residency and lease holders of one READY entry."""
-        with self._lock:
+        with self._gate:
             return listing.entry_detail(self._store, self._tier, self._clock(), key)
 
     def list_entries(
@@ -433,11 +338,11 @@ class CacheEngine:
         """``(total, entries[offset:offset+limit])`` of those in ``state`` with a copy on
         ``tier``, ordered by ``sort`` (``listing.Query``); the lock is held a slice at a time."""
         query = listing.Query(offset, limit, state, tier, sort)
-        return listing.list_entries(self._lock, self._store, self._tier, self._clock, query)
+        return listing.list_entries(self._gate, self._store, self._tier, self._clock, query)
 
     def page_states(self) -> np.ndarray:
         """One uint8 per host page: 0 free, 1 filling, 2 ready, 3 leased."""
-        with self._lock:
+        with self._gate:
             return self._store.page_states()
 
     # -- life cycle ----------------------------------------------------------------------
@@ -446,41 +351,34 @@ class CacheEngine:
         """Pools allocated (and registered with CUDA where CUDA is used), not draining."""
         pool = self._store.pool
         pinned = pool.registered or not self._uses_cuda
-        return not self._closed and not self._draining and not pool.closed and pinned
+        return not self._gate.closed and not self._gate.draining and not pool.closed and pinned
 
     @property
     def draining(self) -> bool:
-        return self._draining
+        return self._gate.draining
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._gate.closed
 
     def begin_drain(self) -> None:
         """Refuse new puts and gets; in-flight puts may still commit."""
-        with self._lock:
-            self._draining = True
+        with self._gate:
+            self._gate.draining = True
             if self._store.reads is not None:
                 self._store.reads.shut()  # clients' gets are calls again: refused while draining
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise Draining("engine is closed")
-        if self._draining:
-            raise Draining("daemon is draining")
 
     def close(self, *, keep_segment: bool = False) -> None:
         """Stop the shared tier, drop every lease and reservation, and remove the
         shared-memory segment and its index (``keep_segment``: leave both for a warm
         restart, ``docs/restart.md``). Idempotent."""
         self._shared.close()
-        with self._lock:
-            if self._closed:
+        with self._gate:
+            if self._gate.closed:
                 return
-            self._closed = True
-            self._draining = True
-            index = self._store.index
-            self._store.drop_all()  # lets go of the index first: the holds in it stay
+            self._gate.closed = True
+            self._gate.draining = True
+            index = self._store.drop_all()  # lets go of the index first: its holds stay
         keep = keep_segment and index is not None and index.active
         if index is not None:
             index.close() if keep else index.remove()

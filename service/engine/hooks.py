@@ -13,11 +13,15 @@ from embcache.service.config import Settings
 from embcache.service.device.copier import CopyObserver
 from embcache.service.device.pool import DevicePool
 from embcache.service.device.tier import DeviceTier
+from embcache.service.engine.gate import Gate
+from embcache.service.host.adoption import Adopted
 from embcache.service.host.host_pool import SHM_DIR, HostPool, unique_host_pool
+from embcache.service.host.leases import LeaseCaps
 from embcache.service.host.pool_index import index_path
 from embcache.service.host.read_table import ReadTable, buckets_for
 from embcache.service.host.restart import WarmStart, find_stale
 from embcache.service.host.shm_files import UntrustedFile, clear_own
+from embcache.service.host.store import HostStore
 
 log = logging.getLogger("embcache.service.engine")
 
@@ -53,10 +57,22 @@ class SharedTierHooks(Protocol):
 
 class SharedCalls:
     """The engine's calls to its shared tier, if it has one: an outage of the tier is
-    logged and answered as a miss, never raised into a local operation."""
+    logged and answered as a miss, never raised into a local operation. ``store`` and
+    ``gate`` are the engine's (misses are looked up under the gate, fetched outside it)."""
 
-    def __init__(self, hooks: SharedTierHooks | None = None) -> None:
+    def __init__(self, store: HostStore, gate: Gate, hooks: SharedTierHooks | None = None) -> None:
+        self._store = store
+        self._gate = gate
         self.hooks = hooks
+
+    def fill_misses(self, keys: Sequence[str]) -> None:
+        """Ask the shared tier (if any) for keys missing here; never raises. It may wait
+        on the network: callers on an event loop run it in a thread."""
+        if self.hooks is not None:
+            with self._gate:
+                found = self._store.peek
+                missing = [k for k in keys if isinstance(k, str) and found(k) is None]
+            self.fetch(missing)
 
     def fetch(self, missing: list[str]) -> None:
         """Ask the tier for local misses (each once); a failure is logged, never raised."""
@@ -207,3 +223,33 @@ def open_read_table(pool: HostPool, settings: Settings) -> ReadTable | None:
     except OSError as exc:
         log.warning("no read table beside %s (gets stay calls): %s", pool.name, exc)
         return None
+
+
+def build_store(
+    settings: Settings,
+    pool: HostPool,
+    tier: DeviceTier,
+    warm: WarmStart,
+    clock: Callable[[], float],
+) -> tuple[HostStore, Adopted]:
+    """The engine's host store over ``pool`` (``tier`` drops an entry's device copies
+    before it is evicted): with warm restart on, built from what ``warm`` adopts of the
+    segment the pool kept, else empty. On an error the tier and the pool are closed (the
+    segment kept for the next start)."""
+    parts = dict(
+        prealloc_pages=settings.device_put_prealloc_bytes // settings.page_bytes,
+        on_evict=tier.drop,
+        clock=clock,
+        caps=LeaseCaps(settings.max_leases_per_owner, settings.leased_bytes_limit),
+        max_entries=settings.entry_limit,
+        reads=open_read_table(pool, settings) if settings.read_table else None,
+    )
+    if not settings.warm_restart:
+        return HostStore(pool, **parts), Adopted()  # type: ignore[arg-type]
+    try:
+        adoption = warm.attach(pool)
+    except BaseException:
+        tier.close()
+        pool.close(unlink=False)
+        raise
+    return HostStore.adopting(pool, adoption, clock(), **parts), adoption.adopted

@@ -18,12 +18,12 @@ snapshot: a listing is a view of one moment, as it always was.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from embcache.errors import InvalidArgument
 from embcache.service.device.tier import DeviceTier
+from embcache.service.engine.gate import Gate
 from embcache.service.engine.stats import EntryInfo, entry_info
 from embcache.service.host.entries import Entry, EntryState
 from embcache.service.host.store import HostStore
@@ -54,7 +54,7 @@ class Query:
 
 
 def list_entries(
-    lock: threading.Lock,
+    gate: Gate,
     store: HostStore,
     tier: DeviceTier,
     clock: Callable[[], float],
@@ -62,10 +62,10 @@ def list_entries(
 ) -> tuple[int, list[EntryInfo]]:
     """``(total, infos of the page)`` for ``query`` (module docstring)."""
     query.check()
-    with lock:
+    with gate:
         entries = store.snapshot("ready" if query.state == "leased" else query.state)
     if query.state == "leased" or query.tier is not None:
-        entries = _filtered(lock, tier, entries, query)
+        entries = _filtered(gate, tier, entries, query)
     if query.sort == "size":
         entries.sort(key=lambda e: (-e.nbytes, e.key))
     elif query.sort in ("recent", "idle"):
@@ -74,7 +74,7 @@ def list_entries(
     page = entries[start : start + max(query.limit, 0)]
     infos: list[EntryInfo] = []
     for chunk in _slices(page):
-        with lock:
+        with gate:
             now = clock()
             infos.extend(entry_info(e, tier, now) for e in chunk if e.state is not EntryState.FREED)
     return len(entries), infos
@@ -82,19 +82,17 @@ def list_entries(
 
 def entry_detail(store: HostStore, tier: DeviceTier, now: float, key: str) -> EntryInfo | None:
     """One READY entry with its lease holders (the caller holds the lock)."""
-    entry = store.entries.get(key)
+    entry = store.peek(key)
     if entry is None:
         return None
     return entry_info(entry, tier, now, store.leases.holders(entry, now))
 
 
-def _filtered(
-    lock: threading.Lock, tier: DeviceTier, entries: list[Entry], query: Query
-) -> list[Entry]:
+def _filtered(gate: Gate, tier: DeviceTier, entries: list[Entry], query: Query) -> list[Entry]:
     """The entries that match ``query``'s ``leased`` state and tier, a slice per lock."""
     kept: list[Entry] = []
     for chunk in _slices(entries):
-        with lock:
+        with gate:
             for e in chunk:
                 if e.state is EntryState.FREED or (query.state == "leased" and not e.ref_cnt):
                     continue

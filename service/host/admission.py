@@ -10,9 +10,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from embcache.errors import EntryTooLarge, InvalidArgument
+from embcache.errors import EntryTooLarge, InvalidArgument, MetadataConflict
 from embcache.proto.dtypes import DType, lookup
 from embcache.service.config import Settings
+from embcache.service.host.entries import Entry
 
 MAX_NDIM = 8
 _INT64_MAX = 2**63 - 1
@@ -126,3 +127,16 @@ def check_ttl(ttl_s: float | None, settings: Settings) -> float:
             max_lease_ttl_s=settings.max_lease_ttl_s,
         )
     return float(ttl_s)
+
+
+def check_same_meta(existing: Entry, dtype: DType, shape: tuple[int, ...]) -> None:
+    """The collision guard: MetadataConflict unless ``existing`` has this dtype and shape."""
+    if not existing.same_meta(dtype, shape):
+        raise MetadataConflict(
+            "key exists with different metadata",
+            key=existing.key,
+            existing_dtype=existing.dtype.name,
+            existing_shape=list(existing.shape),
+            dtype=dtype.name,
+            shape=list(shape),
+        )

@@ -5,7 +5,7 @@ handle's own lock only orders a copy against a concurrent abort (a dropped clien
 closing engine), so an aborted reservation is never written after its pages are freed.
 A reservation that a client fills itself, through its own mapping, is another matter: the
 daemon cannot stop that copy, so an abort that does not come from that client (after its
-copy) keeps the pages out of reuse while it runs (``host/store_writes.py``).
+copy) keeps the pages out of reuse while it runs (``host/reservations.py``).
 
 Where a put declares a CRC32, it is computed over the pages, after each piece of them is
 written (in cache), or over all of them once a copy by someone else is done: what is
@@ -78,7 +78,7 @@ class PutHandle:
         self.written = written  # all of it when begin_put's copy_in queued the copy
         self.done = False
         # A client filling the pages itself said it stopped writing (its commit or abort);
-        # until then an abort keeps its pages out of reuse (store_writes.py).
+        # until then an abort keeps its pages out of reuse (reservations.py).
         self._writer_stopped = False
 
     @property

@@ -3,8 +3,9 @@
 :class:`WarmStart` is made before the host pool: its :meth:`WarmStart.keep` tells the pool
 whether a stale segment may be adopted (the index beside it has this layout version, page
 size, number of pages and the segment's inode) or must be replaced, and why. Once the host
-store exists, :meth:`WarmStart.attach` adopts what the index holds and opens a fresh index
-(its generation bumped; a torn tail dropped) for the store to keep up to date.
+pool exists, :meth:`WarmStart.attach` decides what to adopt of what the index holds and
+opens a fresh index (its generation bumped; a torn tail dropped): an ``Adoption`` the host
+store is built from (``HostStore.adopting``).
 
 Adoption trusts nothing it cannot check. An index this uid does not own, or that others may
 write, is not read at all (``shm_files.py``: the start is cold, logged and counted). A
@@ -23,9 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,35 +33,18 @@ from embcache.errors import EmbCacheError
 from embcache.service.config import Settings
 from embcache.service.host import admission
 from embcache.service.host import index_records as rec
-from embcache.service.host.allocator import PageRunAllocator, Run
+from embcache.service.host.adoption import Adopted, Adoption
 from embcache.service.host.entries import Entry, EntryState
-from embcache.service.host.host_pool import INDEX_SUFFIXES, unheld_segment
+from embcache.service.host.host_pool import INDEX_SUFFIXES, HostPool, unheld_segment
 from embcache.service.host.pool_index import PoolIndex, Replayed, index_path, replay
 from embcache.service.host.quarantine import Held, ProcessRef
 from embcache.service.host.shm_files import UntrustedFile
-from embcache.service.host.store import HostStore
 from embcache.service.host.write_holds import Written
 from embcache.service.text import plural
 
 log = logging.getLogger(__name__)
 
-_VERIFY_SLICE = 64 << 20  # bytes checked per hold of the engine lock by the background pass
 _LOGGED = 8  # dropped records logged one by one at a start (then one line for the rest)
-
-
-@dataclass(frozen=True, slots=True)
-class Adopted:
-    """What a start adopted and dropped (also in the store's counters, for the stats)."""
-
-    entries: int = 0
-    nbytes: int = 0
-    dropped_invalid: int = 0  # records whose runs left the pool or overlapped another
-    dropped_refused: int = 0  # records a put would refuse, or that did not decode
-    holds: int = 0  # holds kept for processes that still run
-    write_holds: int = 0  # reservations a process that still runs may be writing
-    layout_replaced: bool = False
-    dropped_layout: int = 0  # entries of a segment replaced for its layout (when known)
-    dropped_layout_bytes: int = 0
 
 
 class WarmStart:
@@ -113,15 +95,16 @@ class WarmStart:
         self.replayed = found
         return None
 
-    def attach(self, store: HostStore, now: float) -> Adopted:
-        """Adopt what the index held (if the pool kept its segment), then give the store a
-        fresh index. Logs one line saying what happened."""
-        pool = store.pool
+    def attach(self, pool: HostPool) -> Adoption:
+        """What to adopt of what the index held (if the pool kept its segment), with a fresh
+        index for the store. Logs one line saying what happened."""
         inode = os.fstat(pool.fileno()).st_ino
         generation = 0
+        adoption = Adoption(None)
         if pool.adopted and self.replayed is not None:
             found = self.replayed
-            adopted = adopt(store, found, now, self.settings)
+            adoption = adopt(pool, found, self.settings)
+            adopted = adoption.adopted
             generation = found.header.generation + 1
             log.info(
                 "warm restart: adopted %s (%d bytes), %s and %s of live processes; "
@@ -138,56 +121,52 @@ class WarmStart:
             adopted = Adopted(
                 layout_replaced=replaced, dropped_layout=entries, dropped_layout_bytes=nbytes
             )
-        counters = store.counters
-        counters["adopted_entries"] += adopted.entries
-        counters["adopted_bytes"] += adopted.nbytes
-        counters["adopt_dropped_invalid"] += adopted.dropped_invalid
-        counters["adopt_dropped_refused"] += adopted.dropped_refused
-        counters["adopt_write_holds"] += adopted.write_holds
-        counters["adopt_dropped_layout"] += adopted.dropped_layout
-        counters["adopt_dropped_layout_bytes"] += adopted.dropped_layout_bytes
-        counters["adopt_layout_replaced"] += adopted.layout_replaced
+        counters = adoption.counters
+        counters["adopted_entries"] = int(adopted.entries)
+        counters["adopted_bytes"] = int(adopted.nbytes)
+        counters["adopt_dropped_invalid"] = int(adopted.dropped_invalid)
+        counters["adopt_dropped_refused"] = int(adopted.dropped_refused)
+        counters["adopt_write_holds"] = int(adopted.write_holds)
+        counters["adopt_dropped_layout"] = int(adopted.dropped_layout)
+        counters["adopt_dropped_layout_bytes"] = int(adopted.dropped_layout_bytes)
+        counters["adopt_layout_replaced"] = int(adopted.layout_replaced)
         header = rec.Header(rec.LAYOUT_VERSION, pool.page_bytes, pool.num_pages, inode, generation)
-        store.index = PoolIndex.create(index_path(pool.path), header, found)
+        adoption.index = index = PoolIndex.create(index_path(pool.path), header, found)
         # 1 when a file at the index's names was refused: not read, written or replaced
-        counters["adopt_untrusted_index"] += bool(self.untrusted or store.index.refused)
-        return adopted
+        counters["adopt_untrusted_index"] = int(bool(self.untrusted or index.refused))
+        adoption.adopted = adopted
+        return adoption
 
 
-def adopt(store: HostStore, found: Replayed, now: float, settings: Settings) -> Adopted:
-    """Make each valid record of ``found`` a READY entry (unverified: checked before it is
-    served), keep the pages that live client processes may still write out of reuse, give
-    the allocator the rest of the pool, and quarantine the holds of processes that still
-    run. Drops from ``found`` what it did not adopt (the new index keeps the rest)."""
-    pages = store.pool.num_pages
+def adopt(pool: HostPool, found: Replayed, settings: Settings) -> Adoption:
+    """Each valid record of ``found`` as a READY entry (unverified: checked before it is
+    served), the holds of processes that still run on them, and the pages live client
+    processes may still write (kept out of reuse). Drops from ``found`` what it did not
+    adopt (the new index keeps the rest)."""
+    pages = pool.num_pages
     refused = _drop_refused(found, settings)
     writing = _live_writes(found, pages)
-    invalid = _drop_invalid(found, pages, store.page_bytes, writing)
-    used: list[Run] = [run for w in found.writes.values() for run in w.runs]
+    invalid = _drop_invalid(found, pages, pool.page_bytes, writing)
     entries: dict[str, Entry] = {}
     for key, a in found.adds.items():
-        used.extend(a.runs)
         entry = Entry(key, a.dtype, a.shape, a.nbytes, a.runs, EntryState.READY)
         entry.crc32, entry.unverified = a.crc, True
         entries[key] = entry
-    store.alloc = PageRunAllocator.with_used(pages, used)
-    for entry in entries.values():
-        store.adopt(entry, now)
-    holds = 0
+    holds: list[Held] = []
     for hold_id, h in list(found.holds.items()):
         held = entries.get(h.key)
         process = ProcessRef(h.pid, h.start)
         if held is None or not process.alive():
             del found.holds[hold_id]  # nothing to keep: the process is gone
             continue
-        store.entries.acquire(held)
-        store.quarantine.add(Held(hold_id, held, process, held.num_pages * store.page_bytes))
-        holds += 1
-    for w in found.writes.values():  # out of reuse until the process exits (the reaper)
-        process = ProcessRef(w.pid, w.start)
-        store.written.add(Written(w.write_id, process, w.runs, None, 0))
+        holds.append(Held(hold_id, held, process, held.num_pages * pool.page_bytes))
+    writes = [  # out of reuse until the process exits (the reaper)
+        Written(w.write_id, ProcessRef(w.pid, w.start), w.runs, None, 0)
+        for w in found.writes.values()
+    ]
     nbytes = sum(e.nbytes for e in entries.values())
-    return Adopted(len(entries), nbytes, invalid, refused, holds, len(found.writes))
+    adopted = Adopted(len(entries), nbytes, invalid, refused, len(holds), len(writes))
+    return Adoption(None, adopted, list(entries.values()), holds, writes)
 
 
 def _drop_refused(found: Replayed, settings: Settings) -> int:
@@ -281,43 +260,3 @@ def find_stale(prefix: str, shm_dir: Path) -> str | None:
         if best is None or st.st_mtime > best[0]:
             best = (st.st_mtime, path.name)
     return None if best is None else best[1]
-
-
-class Verifier:
-    """The background pass that checks every adopted entry's CRC32 (``store.verify``), a
-    slice of ``_VERIFY_SLICE`` bytes per hold of the engine's ``lock``, until none is left
-    or ``closed()``. Entries served first are checked by ``HostStore.lookup`` instead."""
-
-    def __init__(self, store: HostStore, lock: threading.Lock, closed: Callable[[], bool]) -> None:
-        self._store = store
-        self._lock = lock
-        self._closed = closed
-        self._todo = [e for e in store.entries.by_key.values() if e.unverified]
-        self.thread = threading.Thread(target=self._run, name="embcache-verify", daemon=True)
-
-    @property
-    def pending(self) -> int:
-        """Adopted entries not checked yet (an estimate, read without the lock)."""
-        return sum(e.unverified for e in self._todo)
-
-    def start(self) -> None:
-        """Start the pass (once; nothing to do when nothing was adopted)."""
-        if self._todo and self.thread.ident is None:
-            self.thread.start()
-
-    def _run(self) -> None:
-        todo = self._todo
-        at = 0
-        while at < len(todo):
-            with self._lock:
-                if self._closed():
-                    return
-                done = 0
-                while at < len(todo) and done < _VERIFY_SLICE:
-                    entry = todo[at]
-                    at += 1
-                    if entry.unverified and entry.state is EntryState.READY:
-                        self._store.verify(entry)
-                        done += entry.nbytes
-        dropped = self._store.counters.get("adopt_dropped_checksum", 0)
-        log.info("warm restart: checked %d adopted entries, %d dropped", len(todo), dropped)

@@ -1,13 +1,14 @@
-"""What the host store shows of itself: its entries, its counters, its pages' states.
+"""What the host store shows of itself: its counters and sizes, its pages' states.
 
-A mixin of :class:`~embcache.service.host.store.HostStore` (the attributes it reads are
-the store's), kept apart so the store's module holds its operations only. The engine calls
-these under its lock, like every store method.
+Functions over the parts the store hands them (``HostStore.counts``, ``page_states``): they
+read, never change, and return plain values. Called under the engine's lock, like every
+store method.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,8 +19,8 @@ from embcache.service.host.leases import LeaseTable
 from embcache.service.host.prealloc import PutPrealloc
 from embcache.service.host.quarantine import Quarantine
 from embcache.service.host.read_table import ReadTable
+from embcache.service.host.reservations import Reservations
 from embcache.service.host.stats import PoolStats
-from embcache.service.host.write_holds import WriteHolds
 
 PAGE_FREE, PAGE_FILLING, PAGE_READY, PAGE_LEASED = 0, 1, 2, 3
 
@@ -45,78 +46,64 @@ class HostCounts:
     table_skipped: int = 0  # entries that did not fit it
 
 
-class StoreViews:
-    """Snapshots of the store's tables (module docstring)."""
+def host_counts(
+    page: int,
+    alloc: PageRunAllocator,
+    prealloc: PutPrealloc,
+    entries: EntryTable,
+    filling: Reservations,
+    leases: LeaseTable,
+    quarantine: Quarantine,
+    reads: ReadTable | None,
+    runs_hist: Counter[str],
+    counters: Counter[str],
+    max_entries: int,
+) -> HostCounts:
+    """A snapshot for the stats, in pages of ``page`` bytes; the prealloc's pages count as
+    free (capacity on loan to device puts)."""
+    pre = prealloc.pages
+    free_pages = alloc.num_free_pages + pre
+    used_pages = alloc.num_pages - free_pages
+    pool = PoolStats(
+        "host",
+        alloc.num_pages * page,
+        used_pages * page,
+        free_pages * page,
+        page,
+        alloc.num_pages,
+        used_pages,
+        free_pages,
+        alloc.largest_free_run,  # runs the allocator holds (the prealloc's not among them)
+        alloc.num_free_runs,
+    )
+    return HostCounts(
+        pool=pool,
+        entries_ready=len(entries),
+        entries_filling=len(filling),
+        reserved_filling_bytes=sum(e.num_pages for e in filling.entries()) * page,
+        metadata_bytes=entries.meta_bytes,
+        max_entries=max_entries,
+        leases_active=len(leases),
+        lease_owners=leases.owners(),
+        runs_per_entry={k: v for k, v in runs_hist.items() if v},
+        counters=dict(counters),
+        prealloc_bytes=pre * page,
+        quarantined=len(quarantine),
+        # pages kept out of reuse for live processes: their views, and their writes
+        quarantined_bytes=quarantine.nbytes + filling.written.pages * page,
+        table_entries=len(reads) if reads is not None else 0,
+        table_skipped=reads.skipped if reads is not None else 0,
+    )
 
-    page_bytes: int
-    alloc: PageRunAllocator
-    reads: ReadTable | None
-    prealloc: PutPrealloc
-    entries: EntryTable
-    leases: LeaseTable
-    quarantine: Quarantine
-    written: WriteHolds
-    counters: Counter[str]
-    max_entries: int
-    _filling: dict[int, tuple[Entry, str]]
-    _runs_hist: Counter[str]
 
-    # -- views ---------------------------------------------------------------------------
-    def snapshot(self, state: str | None) -> list[Entry]:
-        """The entries now: READY in insertion order, then FILLING (``state`` keeps
-        ``ready`` or ``filling`` only); one copy of the tables (``engine/listing.py``)."""
-        found: list[Entry] = []
-        if state in (None, "ready"):
-            found = list(self.entries.by_key.values())
-        if state in (None, "filling"):
-            found.extend(entry for entry, _ in self._filling.values())
-        return found
-
-    def counts(self) -> HostCounts:
-        """A snapshot for the stats; the prealloc's pages count as free (on loan)."""
-        a, page = self.alloc, self.page_bytes
-        prealloc = self.prealloc.pages  # free capacity on loan to device puts: counted free
-        free_pages = a.num_free_pages + prealloc
-        used_pages = a.num_pages - free_pages
-        pool = PoolStats(
-            "host",
-            a.num_pages * page,
-            used_pages * page,
-            free_pages * page,
-            page,
-            a.num_pages,
-            used_pages,
-            free_pages,
-            a.largest_free_run,  # runs the allocator holds (the prealloc's not among them)
-            a.num_free_runs,
-        )
-        return HostCounts(
-            pool=pool,
-            entries_ready=len(self.entries),
-            entries_filling=len(self._filling),
-            reserved_filling_bytes=sum(e.num_pages for e, _ in self._filling.values()) * page,
-            metadata_bytes=self.entries.meta_bytes,
-            max_entries=self.max_entries,
-            leases_active=len(self.leases),
-            lease_owners=self.leases.owners(),
-            runs_per_entry={k: v for k, v in self._runs_hist.items() if v},
-            counters=dict(self.counters),
-            prealloc_bytes=prealloc * page,
-            quarantined=len(self.quarantine),
-            # pages kept out of reuse for live processes: their views, and their writes
-            quarantined_bytes=self.quarantine.nbytes + self.written.pages * page,
-            table_entries=len(self.reads) if self.reads is not None else 0,
-            table_skipped=self.reads.skipped if self.reads is not None else 0,
-        )
-
-    def page_states(self) -> np.ndarray:
-        """One uint8 per host page: 0 free, 1 filling, 2 ready, 3 leased."""
-        states = np.zeros(self.alloc.num_pages, dtype=np.uint8)
-        for entry, _ in self._filling.values():
-            for start, n in entry.runs:
-                states[start : start + n] = PAGE_FILLING
-        for entry in self.entries.by_key.values():
-            value = PAGE_LEASED if entry.ref_cnt else PAGE_READY
-            for start, n in entry.runs:
-                states[start : start + n] = value
-        return states
+def page_states(num_pages: int, ready: Iterable[Entry], filling: Iterable[Entry]) -> np.ndarray:
+    """One uint8 per host page: 0 free, 1 filling, 2 ready, 3 leased."""
+    states = np.zeros(num_pages, dtype=np.uint8)
+    for entry in filling:
+        for start, n in entry.runs:
+            states[start : start + n] = PAGE_FILLING
+    for entry in ready:
+        value = PAGE_LEASED if entry.ref_cnt else PAGE_READY
+        for start, n in entry.runs:
+            states[start : start + n] = value
+    return states

@@ -123,7 +123,7 @@ def test_a_large_batch_in_two_copy_calls(engine: CacheEngine, monkeypatch) -> No
     engine.device.get(fillers, "f")
     engine.drop_owner("f")
     for key in fillers[::2]:  # one-page holes in the device pool as well
-        pool.drop(engine.host_store.entries.get(key))  # type: ignore[arg-type]
+        pool.drop(engine.host_store.peek(key))  # type: ignore[arg-type]
     want = {f"big{i}": tensor((2048, 2048), torch.bfloat16, 50 + i) for i in range(6)}
     for key, t in want.items():
         engine.put(key, t)

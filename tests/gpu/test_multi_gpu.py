@@ -168,7 +168,7 @@ def fragment_devices(e: CacheEngine) -> list[int]:
         assert all(d is not None for d in got)
         held += [d.lease.lease_id for d in got[0::2] if d is not None]
         e.release(d.lease.lease_id for d in got[1::2] if d is not None)
-    with e._lock:
+    with e._gate:
         for pool in tier.pools:
             pool.evict_unleased()
     for pool in tier.pools:
@@ -324,7 +324,7 @@ def test_both_gpus_fill_from_the_host_at_once(engine: CacheEngine) -> None:
                 barrier.wait()  # loaded: the main thread checks the accounting
                 barrier.wait()  # checked
                 e.release(dl.lease.lease_id for dl in got if dl is not None)
-                with e._lock:
+                with e._gate:
                     assert pool.evict_unleased() == per_gpu  # cold again next round
         except BaseException as exc:
             errors.append(exc)
@@ -461,11 +461,11 @@ def test_eviction_is_per_device_pool(engine: CacheEngine) -> None:
     # 1. Evict all of pool 0 (unleased): pool 1 keeps its copies, which then serve hits.
     held = get_on(e, keep[0], 0, owner="holder")  # leased: survives the eviction
     used1 = e.stats().device[1].used_pages
-    with e._lock:
+    with e._gate:
         assert tier.pools[0].evict_unleased() == 7
     s = e.stats()
     assert s.device_resident == [1, 8] and s.device[1].used_pages == used1
-    entry = e.host_store.entries.get(keep[0])
+    entry = e.host_store.peek(keep[0])
     assert entry is not None and tier.pools[0].is_resident(entry)
     assert s.device[0].used_pages == 16
     assert bound_pages(e, 0) == (16, 16)

@@ -71,7 +71,7 @@ def test_reflection_v1_and_v1alpha(server, package: str) -> None:
 def test_stats_counts_are_integers_and_carry_the_version(server) -> None:
     engine, _, target = server
     engine.put("a", torch.ones(16, dtype=torch.uint8))
-    engine.host_store.counters["put_bytes"] = 2**60 + 1  # past a double's 53-bit mantissa
+    engine.host_store._t.counters["put_bytes"] = 2**60 + 1  # past a double's 53-bit mantissa
     with grpc.insecure_channel(target) as channel:
         call = pb_grpc.EmbeddingCacheStub(channel).Stats.with_call(pb.StatsRequest())
         reply, rpc = call

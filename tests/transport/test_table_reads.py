@@ -90,7 +90,7 @@ def test_a_touched_entry_is_kept_over_an_untouched_one(server_factory) -> None:
                 assert g is not None
             wait_for(lambda: engine.stats().read_table["reads"] == 1)
             c.put("e", torch.ones(16 * KiB))  # evicts the least recently used: b
-            keys = set(engine.host_store.entries.by_key)
+            keys = {e.key for e in engine.host_store.snapshot("ready")}
             assert "a" in keys and "b" not in keys
 
 

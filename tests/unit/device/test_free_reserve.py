@@ -73,7 +73,7 @@ def test_a_cold_get_leaves_the_reserve_free(shm_name: str) -> None:
         assert got[0] is not None and not got[0].resident_hit
         # one copy made room for "new", two more went for the reserve: LRU first
         assert pool.stats().free_pages == 4 and pool.evictions == 3
-        resident = [pool.is_resident(e.host_store.entries.get(f"k{i}")) for i in range(8)]
+        resident = [pool.is_resident(e.host_store.peek(f"k{i}")) for i in range(8)]
         assert resident == [False] * 3 + [True] * 5
         assert torch.equal(device_bytes(e, got[0].page_ids, 2 * DEV_PAGE), blob(2 * DEV_PAGE, 100))
         check_tables(e)

@@ -93,7 +93,7 @@ def test_device_lru_and_lease_pinning(engine: CacheEngine) -> None:
     got, _ = engine.device.get(["k4", "k5"], "dec")  # evicts k0 and k1 from the device
     assert all(g is not None and not g.resident_hit for g in got)
     pool = engine.device_tier.pool(0)
-    assert pool.evictions == 2 and not pool.is_resident(engine.host_store.entries.get("k0"))  # type: ignore[arg-type]
+    assert pool.evictions == 2 and not pool.is_resident(engine.host_store.peek("k0"))  # type: ignore[arg-type]
     assert engine.exists(["k0", "k1"]) == [True, True]  # still on the host
     for g, i in zip(got, (4, 5), strict=True):
         assert torch.equal(device_bytes(engine, g), blob(2 * DEV_PAGE, i))
@@ -434,7 +434,7 @@ def test_batch_over_fragmented_device_pages(engine: CacheEngine) -> None:
     engine.drop_owner("x")
     pool = engine.device_tier.pool(0)
     for i in range(0, 8, 2):  # free every other device page: four one-page holes
-        pool.drop(engine.host_store.entries.get(f"one{i}"))  # type: ignore[arg-type]
+        pool.drop(engine.host_store.peek(f"one{i}"))  # type: ignore[arg-type]
     a, b = blob(DEV_PAGE + 7, 1), blob(2 * DEV_PAGE, 2)
     engine.put("a", a)
     engine.put("b", b)
@@ -467,7 +467,7 @@ def test_a_large_batch_is_queued_as_head_and_tail(
     engine.device.get([f"one{i}" for i in range(8)], "x")
     engine.drop_owner("x")
     for i in range(0, 8, 2):  # four one-page holes
-        pool.drop(engine.host_store.entries.get(f"one{i}"))  # type: ignore[arg-type]
+        pool.drop(engine.host_store.peek(f"one{i}"))  # type: ignore[arg-type]
     data = [blob(DEV_PAGE - 5, 1), blob(DEV_PAGE, 2), blob(DEV_PAGE + 9, 3)]  # 1 + 1 + 2 pages
     for i, d in enumerate(data):
         engine.put(f"e{i}", d)
@@ -519,8 +519,8 @@ def test_a_tail_that_does_not_fit_gives_the_head_back(engine: CacheEngine, monke
     assert info.value.details["nbytes"] == 8 * DEV_PAGE  # the whole batch
     s = engine.stats()
     assert s.leases_active == 3 and s.device[0].free_pages == 5 and s.device_resident == [3]
-    assert all(engine.host_store.entries.get(f"e{i}").ref_cnt == 0 for i in range(4))  # type: ignore[union-attr]
-    assert not any(pool.is_resident(engine.host_store.entries.get(f"e{i}")) for i in range(4))  # type: ignore[arg-type]
+    assert all(engine.host_store.peek(f"e{i}").ref_cnt == 0 for i in range(4))  # type: ignore[union-attr]
+    assert not any(pool.is_resident(engine.host_store.peek(f"e{i}")) for i in range(4))  # type: ignore[arg-type]
     check_tables(engine)
     engine.release(h.lease.lease_id for h in held if h is not None)
     got, _ = engine.device.get([f"e{i}" for i in range(4)], "dec")  # room now
@@ -538,7 +538,7 @@ def test_batch_keeps_an_entry_that_fits_a_hole_contiguous(engine: CacheEngine) -
     engine.drop_owner("x")
     pool = engine.device_tier.pool(0)
     for i in (0, 1, 2, 4, 6):  # holes of 3, 1 and 1 pages
-        pool.drop(engine.host_store.entries.get(f"one{i}"))  # type: ignore[arg-type]
+        pool.drop(engine.host_store.peek(f"one{i}"))  # type: ignore[arg-type]
     small, big = blob(DEV_PAGE, 1), blob(2 * DEV_PAGE + 1, 2)  # 1 + 3 pages
     engine.put("small", small)
     engine.put("big", big)

@@ -204,7 +204,7 @@ class CacheMachine(RuleBasedStateMachine):
             landing[start : start + n] += 1
         assert int(landing.sum()) == e.host_store.prealloc.pages == s.put_landing_bytes // PAGE
         assert (seen + landing).max(initial=0) <= 1, "the landing lends a page in use"
-        assert e.host_store.alloc.num_pages - e.host_store.alloc.num_free_pages == int(
+        assert e.host_store._t.alloc.num_pages - e.host_store._t.alloc.num_free_pages == int(
             seen.sum() + landing.sum()
         )
         assert s.host.used_bytes <= s.host.capacity_bytes

@@ -74,7 +74,7 @@ def test_puts_take_their_pages_from_the_landing_and_copy_first(
     assert stats.entries_filling == 0 and stats.reserved_filling_bytes == 0
     assert not engine.page_states()[[p for s, n in held for p in range(s, s + n)]].any()
     order: list[str] = []
-    queue, begin = pending_put.queue_d2h, engine.begin_put
+    queue, begin = pending_put.queue_d2h, engine._puts.begin
 
     def queued(*a):  # type: ignore[no-untyped-def]
         order.append("copy")
@@ -85,7 +85,7 @@ def test_puts_take_their_pages_from_the_landing_and_copy_first(
         return begin(*a, **k)
 
     monkeypatch.setattr(pending_put, "queue_d2h", queued)
-    monkeypatch.setattr(engine, "begin_put", begun)
+    monkeypatch.setattr(engine._puts, "begin", begun)
     assert engine.device.put("second", blob(2)) is True
     assert order == ["copy", "begin"]  # the copy before any check or record
     info = engine.entry_info("second")
@@ -137,7 +137,7 @@ def test_a_key_stored_meanwhile_gives_the_pages_back(
         copy_in(tuple(engine.host_pool.byte_runs(pages, nbytes)))
         return pages
 
-    monkeypatch.setattr(engine, "prealloc_copy", unaware)
+    monkeypatch.setattr(engine._puts, "take_prealloc", unaware)
     assert engine.device.put("k", blob(1)) is False
     assert engine.host_store.prealloc.pages == ENTRY_PAGES
     with pytest.raises(MetadataConflict):
@@ -151,10 +151,10 @@ def test_room_is_taken_back_from_the_landing_before_anything_is_evicted(
 ) -> None:
     engine.device.put("dev", blob(1))
     assert engine.host_store.prealloc.pages == ENTRY_PAGES
-    free = engine.host_store.alloc.num_free_pages
+    free = engine.host_store._t.alloc.num_free_pages
     engine.put("fill", torch.zeros(free * PAGE, dtype=torch.uint8))  # every free page
     assert (
-        engine.host_store.alloc.num_free_pages == 0
+        engine.host_store._t.alloc.num_free_pages == 0
         and engine.host_store.prealloc.pages == ENTRY_PAGES
     )
     engine.put("more", torch.ones(PAGE, dtype=torch.uint8))  # room: the landing's pages
@@ -210,4 +210,4 @@ def test_a_closed_engine_copies_nothing(engine: CacheEngine) -> None:
     engine.device.put("warm", blob(1))
     engine.close()
     copies: list[object] = []
-    assert engine.prealloc_copy("k", NBYTES, copies.append) is None and copies == []
+    assert engine._puts.take_prealloc("k", NBYTES, copies.append) is None and copies == []

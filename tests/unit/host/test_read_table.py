@@ -113,7 +113,7 @@ def test_fragmented_entries_are_read_whole(engine: CacheEngine) -> None:
     fill_then_punch(engine)
     big = torch.randn(5 * PAGE // 4)  # five pages, in five runs
     engine.put("big", big)
-    entry = engine.host_store.entries.get("big")
+    entry = engine.host_store.peek("big")
     assert entry is not None and len(entry.runs) > 1
     assert same(reader(engine).read("big", 1 << 30), big)
 
@@ -204,7 +204,7 @@ def test_entries_with_more_runs_than_a_slot_holds_stay_out(engine: CacheEngine) 
     fill_then_punch(engine)
     spread = torch.randn((rt.MAX_RUNS + 1) * PAGE // 4)  # more runs than a slot holds
     engine.put("spread", spread)
-    entry = engine.host_store.entries.get("spread")
+    entry = engine.host_store.peek("spread")
     assert entry is not None and len(entry.runs) > rt.MAX_RUNS
     assert reader(engine).read("spread", 1 << 30) is None
     assert engine.read_table is not None and engine.read_table.skipped == 1
@@ -298,7 +298,7 @@ def test_the_table_answers_as_the_cache_does(
     engine: CacheEngine, steps: list[tuple[str, int]]
 ) -> None:
     """Random puts and evictions: every key reads as its latest value, or not at all."""
-    engine.evict(list(engine.host_store.entries.by_key))
+    engine.evict([e.key for e in engine.host_store.snapshot("ready")])
     model: dict[str, torch.Tensor] = {}
     table = reader(engine)
     for n, (op, i) in enumerate(steps):
