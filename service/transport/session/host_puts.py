@@ -19,7 +19,7 @@ are one call each:
   included), and after ``put_idle_timeout_s`` without its commit. Its pages go back at once
   only when the client said it is done writing them (its commit or its abort) or its process
   has exited; otherwise the client may still be copying, and they stay out of reuse until
-  its process exits (``host/store_writes.py``), counted against its in-flight quota.
+  its process exits (``host/reservations.py``), counted against its in-flight quota.
 """
 
 from __future__ import annotations
