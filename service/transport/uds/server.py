@@ -145,6 +145,7 @@ class _Connection(asyncio.Protocol):
         self.session: OpenSession | None = None
         self.peer: PeerCreds | None = None
         self._hello_timer: asyncio.TimerHandle | None = None  # closes it if no hello in time
+        self._refused = False  # refused before its session opened: counted once, no place
         self._buf = bytearray()
         self._writable = Gate()  # shut while the client does not read (writes back up)
         self._sending: set[BytesReply] = set()  # replies whose views may still be buffered
@@ -367,6 +368,10 @@ class _Connection(asyncio.Protocol):
     def _refuse_early(self, reason: str, why: EmbCacheError | str) -> None:
         """Close a connection whose session has not opened, counted by ``reason``: ``why``
         an error is answered first (a client that reads learns why), a string is logged."""
+        if self._refused:  # one refusal per connection (it may still be closing)
+            return
+        self._refused = True
+        self.server.forget(self)  # its place is free at once: never displaced once refused
         self.server.limits.refused(self._listener, reason, str(why))
         self._stop_hello_timer()
         if isinstance(why, EmbCacheError):
@@ -377,7 +382,6 @@ class _Connection(asyncio.Protocol):
     def give_way(self) -> None:
         """Close this connection, which waited longest for its hello, to make room for a new
         one at the cap (``admission.py``); its place is free at once."""
-        self.server.forget(self)
         limit = self.server.limits.max_connections
         err = QuotaExceeded("too many session-socket connections waiting for a hello; this "
                             "one waited longest", limit=limit)  # fmt: skip
