@@ -21,22 +21,38 @@ import os
 import platform
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from embcache.clients.device.shm import SHM_DIR, PoolMapping, process_pool_maps
 from embcache.proto import read_table as rt
-from embcache.proto.constants import INLINE_TOTAL, SLOT_ALIGN
 from embcache.proto.dtypes import DTYPES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.locations import boot_id
 
 log = logging.getLogger(__name__)
 
+# The default ``copy_gets_up_to``: same-node gets copy entries up to this size out of the pool
+# (no lease held past the call); larger ones are leased views, which copy nothing.
+COPY_GETS_UP_TO = 256 << 20
 ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
 _BUCKET = rt.WAYS * rt.SLOT_BYTES
 _TORCH = [None, *(DTYPES[name].torch_dtype for name in rt.DTYPE_CODES)]  # by code
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """An entry found in the table: where its bytes are, and the slot's sequence number
+    when it was read (:meth:`ReadTable.unchanged` checks it again after a copy)."""
+
+    slot: int
+    seq: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    runs: tuple[tuple[int, int], ...]  # (byte offset in the pool, byte count), in order
 
 
 class ReadTable:
@@ -45,14 +61,14 @@ class ReadTable:
     def __init__(self, mm: mmap.mmap, pool: PoolMapping, num_buckets: int, page: int) -> None:
         self._mm = mm  # kept: the view below reads it
         self._view = memoryview(mm)
-        self._pool = pool.tensor
-        self._pool_size = pool.size
+        self.pool = pool
         self._num_buckets = num_buckets
         self._page = page
 
-    def read(self, key: str, limit: int) -> torch.Tensor | None:
-        """A copy of ``key``'s entry if the table has it and it has at most ``limit`` bytes;
-        None otherwise (ask the daemon)."""
+    def locate(self, key: str, limit: int | None = None) -> Located | None:
+        """Where ``key``'s entry is, if the table has it (of at most ``limit`` bytes, when
+        given) and no change of its slot is under way; None otherwise (ask the daemon).
+        Nothing is copied: check :meth:`unchanged` after copying the runs."""
         view = self._view
         key_digest = rt.digest(key)
         base = rt.slot_offset(rt.bucket_of(key_digest, self._num_buckets), 0)
@@ -68,50 +84,83 @@ class ReadTable:
             return None  # being rewritten
         fields = rt.BODY.unpack_from(view, slot + rt.SEQ.size)
         found, nbytes, live, code, ndim, nruns = fields[:6]
-        if found != key_digest or not live or nbytes > limit or not 0 < code < len(_TORCH):
+        if found != key_digest or not live or not 0 < code < len(_TORCH) or ndim > rt.MAX_DIMS:
             return None
-        out = self._copy(fields[6 + rt.MAX_DIMS :], nruns, nbytes)
-        # Unchanged since before the copy, in a table still open: the daemon neither
-        # rewrote nor withdrew the entry meanwhile.
-        if out is None or rt.SEQ.unpack_from(view, slot)[0] != seq:
+        if limit is not None and nbytes > limit:
             return None
-        if rt.SEQ.unpack_from(view, rt.CLOSED_AT)[0]:
-            return None  # shut (draining, closed, or replaced by a new daemon)
+        runs = self._byte_runs(fields[6 + rt.MAX_DIMS :], nruns, nbytes)
+        if runs is None or rt.SEQ.unpack_from(view, rt.CLOSED_AT)[0]:
+            return None
         dtype = _TORCH[code]
         assert dtype is not None
-        return out.view(dtype).view(fields[6 : 6 + ndim])
+        return Located(slot, seq, nbytes, dtype, tuple(fields[6 : 6 + ndim]), runs)
 
-    def read_all(self, keys: Sequence[str], limit: int) -> list[torch.Tensor] | None:
-        """Copies of every key's entry, or None if any one is not readable here or they
-        come to more than a reply's copies would (``INLINE_TOTAL``: the daemon's answer
-        then has views among them, and a table read gives the same answer or none)."""
-        out, total = [], 0
+    def unchanged(self, located: Located) -> bool:
+        """True when the slot still holds what :meth:`locate` found, in a table still open:
+        the daemon neither rewrote nor withdrew the entry since, so a copy made in between
+        (and complete by now) is the entry, whole."""
+        if rt.SEQ.unpack_from(self._view, located.slot)[0] != located.seq:
+            return False
+        return not rt.SEQ.unpack_from(self._view, rt.CLOSED_AT)[0]
+
+    def copy_host(self, located: Located, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The entry's bytes copied out of the pool into ``out`` (a contiguous uint8 CPU
+        tensor of ``located.nbytes``) or a new tensor; check :meth:`unchanged` afterwards."""
+        pool = self.pool.tensor
+        if out is None:
+            if len(located.runs) == 1:
+                start, take = located.runs[0]
+                return pool[start : start + take].clone()
+            out = torch.empty(located.nbytes, dtype=torch.uint8)
+        pos = 0
+        for start, take in located.runs:
+            out[pos : pos + take].copy_(pool[start : start + take])
+            pos += take
+        return out
+
+    def read(self, key: str, limit: int | None = None) -> torch.Tensor | None:
+        """A copy of ``key``'s entry if the table has it (of at most ``limit`` bytes, when
+        given) and it did not change while it was copied; None otherwise (ask the daemon)."""
+        located = self.locate(key, limit)
+        if located is None:
+            return None
+        out = self.copy_host(located)
+        if not self.unchanged(located):
+            return None
+        return out.view(located.dtype).view(located.shape)
+
+    def read_all(self, keys: Sequence[str], limit: int | None = None) -> list[torch.Tensor] | None:
+        """Copies of every key's entry, or None if any one is not readable here."""
+        out = []
         for key in keys:
             tensor = self.read(key, limit)
             if tensor is None:
                 return None
-            total += -total % SLOT_ALIGN + tensor.numel() * tensor.element_size()
-            if total > INLINE_TOTAL:
-                return None
             out.append(tensor)
         return out
 
-    def _copy(self, runs: tuple[int, ...], nruns: int, nbytes: int) -> torch.Tensor | None:
-        page, pool = self._page, self._pool
-        if nruns == 1 and nbytes:
-            start = runs[0] * page
-            if start + nbytes > self._pool_size or runs[1] * page < nbytes:
-                return None
-            return pool[start : start + nbytes].clone()
-        out = torch.empty(nbytes, dtype=torch.uint8)
-        pos = 0
+    def contains(self, key: str) -> bool:
+        """True when the table has ``key``'s entry, READY, right now; False means only
+        "not here": the daemon may still hold it (ask it)."""
+        located = self.locate(key)
+        return located is not None and self.unchanged(located)
+
+    def _byte_runs(
+        self, runs: tuple[int, ...], nruns: int, nbytes: int
+    ) -> tuple[tuple[int, int], ...] | None:
+        """The slot's page runs as byte ranges of the pool that add up to ``nbytes``; None
+        when they do not fit the pool (a slot changing under the reader) or fall short."""
+        page, size = self._page, self.pool.size
+        out, pos = [], 0
         for i in range(min(nruns, rt.MAX_RUNS)):
+            if pos == nbytes:
+                break
             start, take = runs[2 * i] * page, min(runs[2 * i + 1] * page, nbytes - pos)
-            if start + take > self._pool_size:
+            if start + take > size:
                 return None
-            out[pos : pos + take].copy_(pool[start : start + take])
+            out.append((start, take))
             pos += take
-        return out if pos == nbytes else None
+        return tuple(out) if pos == nbytes else None
 
 
 class ReadTables:

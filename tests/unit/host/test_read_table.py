@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from embcache.clients.device import read_table as client_table
-from embcache.clients.device.read_table import ReadTable, ReadTables
+from embcache.clients.device.read_table import Located, ReadTable, ReadTables
 from embcache.proto import read_table as rt
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.config import Settings
@@ -146,17 +146,17 @@ def test_an_entry_withdrawn_during_the_copy_is_refused(
     sequence changed, so the copy (which may hold either bytes) is never returned."""
     engine.put("k", torch.full((PAGE // 4,), 1.0))
     table = reader(engine)
-    real = ReadTable._copy
+    real = ReadTable.copy_host
 
-    def racing(self: ReadTable, runs: tuple[int, ...], nruns: int, nbytes: int) -> torch.Tensor:
-        out = real(self, runs, nruns, nbytes)
+    def racing(self: ReadTable, located: Located, out: torch.Tensor | None = None) -> torch.Tensor:
+        copied = real(self, located, out)
         engine.evict(["k"])
         engine.put("k2", torch.full((PAGE // 4,), 9.0))
-        return out
+        return copied
 
-    monkeypatch.setattr(ReadTable, "_copy", racing)
+    monkeypatch.setattr(ReadTable, "copy_host", racing)
     assert table.read("k", 1 << 30) is None
-    monkeypatch.setattr(ReadTable, "_copy", real)
+    monkeypatch.setattr(ReadTable, "copy_host", real)
     assert table.read("k", 1 << 30) is None  # gone for good
     assert same(table.read("k2", 1 << 30), torch.full((PAGE // 4,), 9.0))
 
