@@ -157,11 +157,14 @@ class AsyncEmbCacheClient(AsyncHostPuts):
     ) -> AsyncLeasedTensors:
         """Tensors for ``keys`` (None for a miss), valid for as long as you hold them.
 
-        On the daemon's node the tensors are zero-copy views of its host pool, each in a
-        private copy-on-write mapping: writing into one (``x.mul_(2)``) changes only this
-        tensor, never the cache (entries in several page runs are gathered copies; with
-        ``copy_gets_up_to``, entries up to that size are copies sent after the reply, with
-        no lease); elsewhere the bytes are streamed, small entries in the reply itself.
+        On the daemon's node the tensors are copies this process owns, read straight out
+        of the daemon's host pool with no call where its read table has them and checked
+        afterwards against the table (docs/same_node_reads.md); entries larger than
+        ``copy_gets_up_to``, and every entry with ``zero_copy=True``, are zero-copy views
+        of the pool instead, each in a private copy-on-write mapping: writing into one
+        (``x.mul_(2)``) changes only this tensor, never the cache (entries in several page
+        runs are gathered copies). Elsewhere the bytes are streamed, small entries in the
+        reply itself.
         With a CUDA ``device`` and a daemon with a device pool on that GPU, the tensors
         live on the GPU, copied out of the pool into memory you own (one gather on the
         device's current stream, which later work waits for); ``zero_copy=True`` gives
@@ -179,7 +182,8 @@ class AsyncEmbCacheClient(AsyncHostPuts):
             device: ``"cuda"``, ``"cuda:N"`` or a torch.device to get the tensors on a GPU;
                 None or ``"cpu"`` for the host.
             ttl_s: the leases' lifetime between renewals (None: the daemon's default).
-            zero_copy: with a CUDA ``device``, views of the device pool instead of copies.
+            zero_copy: views of the pool (the device pool's, with a CUDA ``device``) with
+                a lease, instead of copies.
 
         Returns:
             The leased tensors, in the order of ``keys``; the asyncio client returns them
@@ -195,7 +199,7 @@ class AsyncEmbCacheClient(AsyncHostPuts):
             leased = await self._get_device(names, device, ttl_s, zero_copy)
             if leased is not None:
                 return leased
-        if self._copy_gets_up_to and self._pool_local is not False and ttl_s is None:
+        if not zero_copy and ttl_s is None:
             # No call: read where the daemon wrote (a lifetime asked for is the daemon's to
             # check, so such a get is a call).
             copies = await self._table_copies(names)
@@ -207,6 +211,7 @@ class AsyncEmbCacheClient(AsyncHostPuts):
         taken_at = time.monotonic()
         # Copies on request; on another machine up to the most one reply carries.
         limit = INLINE_REMOTE_BYTES if self._pool_local is False else self._copy_gets_up_to
+        limit = 0 if zero_copy and self._pool_local is not False else limit
         reply, payload = await self._host_get_call(get_request(names, ttl_s), limit)
         try:
             decoded = decode_get(reply, self._maps, payload=payload)
@@ -407,6 +412,9 @@ class AsyncEmbCacheClient(AsyncHostPuts):
         mapping (no views to make: they are copied at once), then the leases end."""
         if self._pool_local is False:
             return await self._copied(await self.get(names), copy)
+        copies = await self._table_copies(names)  # no call where the read table has them all
+        if copies is not None:
+            return copy(copies)
         # copied into the caller's memory anyway: small entries may come as copies
         reply, payload = await self._host_get_call(get_request(names, None), INLINE_GET_BYTES)
         ids = leased_ids(reply)

@@ -43,7 +43,7 @@ from embcache.clients.core.views import BATCH, ViewLeases
 from embcache.clients.device.device_replies import sync_devices
 from embcache.clients.device.host_replies import Decoded
 from embcache.clients.device.pools import process_device_pools
-from embcache.clients.device.read_table import process_read_tables
+from embcache.clients.device.read_table import COPY_GETS_UP_TO, ReadTable, process_read_tables
 from embcache.clients.device.shm import process_pool_maps
 from embcache.errors import EmbCacheError, QuotaExceeded
 from embcache.proto.constants import SESSION_KEY
@@ -76,7 +76,7 @@ class AsyncConnection:
         options: Sequence[tuple[str, Any]] = (),
         session_lane: bool = True,
         spin_us: int = SPIN_US,
-        copy_gets_up_to: int = 0,
+        copy_gets_up_to: int = COPY_GETS_UP_TO,
     ) -> None:
         """Prepare a client of the daemon at ``target``; nothing is sent until the first call.
 
@@ -101,9 +101,11 @@ class AsyncConnection:
                 spares the kernel's wake-up of a sleeping thread (docs/grpc.md); on TCP,
                 and in the asyncio client, it waits without spinning.
             copy_gets_up_to: on the daemon's node, host entries of at most this many bytes
-                come back as copies this process owns, sent after the result, instead of
-                views of the pool (no lease, no mapping, no release: cheaper below about
-                256 KiB); 0: always views. Clients on other machines get copies anyway.
+                come back as copies this process owns, read straight out of the daemon's
+                pool with no call where its read table has them (docs/same_node_reads.md),
+                else sent after the result; larger ones are views of the pool with a lease
+                (as is every entry of a ``get(..., zero_copy=True)``); 0: always views.
+                Clients on other machines get copies anyway.
         """
         target = normalize_target(target)
         self._channel, self._stub, self._put, self._get_bytes = connect(
@@ -394,22 +396,37 @@ class AsyncConnection:
         await self._channel.close()
 
     # -- same-node reads (device/read_table.py) --------------------------------------------
+    async def _read_table(self) -> ReadTable | None:
+        """The daemon's read table, mapped, where this process may copy from it; None
+        where it cannot (another machine, no table, the session gone)."""
+        if self._pool_local is False or not self._copy_gets_up_to:
+            return None
+        session = await self._open_session()
+        if not session.alive:
+            return None
+        return self._tables.get(session.read_table, self._maps)
+
     async def _table_copies(self, names: list[str]) -> list[Any] | None:
         """Copies of every key's entry out of the daemon's read table, with no call (the hits
         are posted to the daemon, which counts them), or None where any one is not readable
         so, or the session is gone: ask the daemon then."""
-        session = await self._open_session()
-        table = self._tables.get(session.read_table)
+        table = await self._read_table()
         if table is None:
             return None
         copies = table.read_all(names, self._copy_gets_up_to)
-        if copies is None:
+        if copies is None or not await self._touched(names):
             return None
-        try:  # sent now, not with the next call: the daemon's stats and LRU see it at once
+        return copies
+
+    async def _touched(self, names: list[str]) -> bool:
+        """Post the hits of a table read to the daemon (its stats and LRU see them at once);
+        False when the session is gone: the daemon went, and the call path says so."""
+        session = await self._open_session()
+        try:  # sent now, not with the next call
             await session.post(now=True, touch=pb.TouchRequest(keys=names))
         except SessionLost:
-            return None  # the daemon went: the call path finds out and says so
-        return copies
+            return False
+        return True
 
     # -- leases of views (core/views.py) ---------------------------------------------------
     def _lease_lifetime(self, ttl_s: float | None) -> float:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from embcache.clients.device.shm import SHM_DIR, PoolMapping, process_pool_maps
+from embcache.clients.device.shm import SHM_DIR, PoolMapping, PoolMaps, process_pool_maps
 from embcache.proto import read_table as rt
 from embcache.proto.dtypes import DTYPES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
@@ -169,25 +169,27 @@ class ReadTables:
     def __init__(self, shm_dir: Path = SHM_DIR) -> None:
         self._shm_dir = shm_dir
         self._lock = threading.Lock()
-        self._by_identity: dict[tuple[str, int, int], ReadTable | None] = {}
+        self._by_identity: dict[tuple[str, int, int, int], ReadTable | None] = {}
 
-    def get(self, info: pb.ReadTableInfo | None) -> ReadTable | None:
-        """The table ``info`` names, mapped on first use; None where it cannot be used."""
+    def get(self, info: pb.ReadTableInfo | None, maps: PoolMaps | None = None) -> ReadTable | None:
+        """The table ``info`` names, mapped on first use (its pool through ``maps``, the
+        process's by default); None where it cannot be used."""
         if info is None or not ORDERED_STORES:
             return None
-        identity = (info.name, info.st_dev, info.st_ino)
+        maps = maps or process_pool_maps()
+        identity = (info.name, info.st_dev, info.st_ino, id(maps))
         if identity in self._by_identity:
             return self._by_identity[identity]
         with self._lock:
             if identity not in self._by_identity:
-                self._by_identity[identity] = self._open(info)
+                self._by_identity[identity] = self._open(info, maps)
             return self._by_identity[identity]
 
-    def _open(self, info: pb.ReadTableInfo) -> ReadTable | None:
+    def _open(self, info: pb.ReadTableInfo, maps: PoolMaps) -> ReadTable | None:
         shm = info.pool.host_shm
         if info.pool.WhichOneof("kind") != "host_shm" or (shm.boot_id and shm.boot_id != boot_id()):
             return None  # another machine
-        pool = process_pool_maps().get(info.pool)
+        pool = maps.get(info.pool)
         if pool is None or "/" in info.name or not info.name:
             return None
         try:
