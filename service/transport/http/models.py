@@ -195,12 +195,17 @@ FREED_BYTES = (
 )
 
 
+def _json_number(value: Any) -> Any:
+    """A JSON number: never a boolean (which pydantic would read as 0 or 1) or a string."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("must be a number")
+    return value
+
+
 def _whole_number(value: Any) -> Any:
     """A JSON integer: ints, and numbers like ``1320.0`` (JSON Schema counts them as
     integers); never booleans, strings or fractions."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError("must be an integer")
-    if isinstance(value, float):
+    if isinstance(_json_number(value), float):
         if not value.is_integer():
             raise ValueError("must be a whole number")
         return int(value)
@@ -209,13 +214,6 @@ def _whole_number(value: Any) -> Any:
 
 # A non-negative JSON integer (see _whole_number).
 Count = Annotated[int, Field(ge=0), BeforeValidator(_whole_number)]
-
-
-def _json_number(value: Any) -> Any:
-    """A JSON number: never a boolean (which pydantic would read as 0 or 1) or a string."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError("must be a number")
-    return value
 
 
 # A positive JSON number, as the schema's "number" type says (see _json_number).
