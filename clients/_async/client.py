@@ -196,6 +196,10 @@ class AsyncEmbCacheClient(AsyncHostPuts):
         """
         names, _ = as_keys(keys)
         if device is not None and torch.device(device).type == "cuda":
+            if not zero_copy and ttl_s is None:  # no call where the read table has them all
+                copies = await self._table_to_cuda(names, pools.resolve_device(device)[0])
+                if copies is not None:
+                    return AsyncLeasedTensors(copies, [], self.release)
             leased = await self._get_device(names, device, ttl_s, zero_copy)
             if leased is not None:
                 return leased
@@ -371,9 +375,16 @@ class AsyncEmbCacheClient(AsyncHostPuts):
         names, _ = as_keys(keys)
         if not isinstance(out, torch.Tensor):
             outs = out
+            if outs and all(isinstance(t, torch.Tensor) and t.is_cuda for t in outs):
+                found = await self._table_into_cuda(names, outs)
+                if found is not None:
+                    return found
             return await self._host_copy(names, lambda ts: into.copy_into(ts, outs))
         into.check_buffer(out, names, offsets)
         if out.device.type == "cuda" and out.numel():
+            results = await self._table_into_cuda(names, out, offsets)
+            if results is not None:
+                return results
             results = await self._get_into_device(names, out, offsets)
             if results is not None:
                 return results

@@ -23,9 +23,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Self, TypeVar
+from typing import Any, Self, TypeVar, overload
 
 import grpc
+import torch
 
 from embcache.clients._backends.async_io import CallFn, Lock, Pump, connect, run_blocking, sleep
 from embcache.clients._backends.async_session import AsyncSession
@@ -40,8 +41,10 @@ from embcache.clients.core.retry import backoff_s, is_unknown_session, retry_ste
 from embcache.clients.core.session_calls import SessionLost, serves
 from embcache.clients.core.targets import normalize_target, tcp_address, uds_path
 from embcache.clients.core.views import BATCH, ViewLeases
+from embcache.clients.device import table_reads
 from embcache.clients.device.device_replies import sync_devices
 from embcache.clients.device.host_replies import Decoded
+from embcache.clients.device.into import IntoResult
 from embcache.clients.device.pools import process_device_pools
 from embcache.clients.device.read_table import COPY_GETS_UP_TO, ReadTable, process_read_tables
 from embcache.clients.device.shm import process_pool_maps
@@ -417,6 +420,44 @@ class AsyncConnection:
         if copies is None or not await self._touched(names):
             return None
         return copies
+
+    async def _table_to_cuda(self, names: list[str], device: torch.device) -> list[Any] | None:
+        """``get(names, device)`` copied out of the pool this process maps, with no call
+        (``device/table_reads.py``), or None: ask the daemon."""
+        table = await self._read_table()
+        if table is None:
+            return None
+        copies = table_reads.to_cuda(table, names, device)
+        if copies is None or not await self._touched(names):
+            return None
+        return copies
+
+    @overload
+    async def _table_into_cuda(
+        self, names: list[str], out: torch.Tensor, offsets: Sequence[int] | None
+    ) -> list[IntoResult] | None: ...
+    @overload
+    async def _table_into_cuda(
+        self, names: list[str], out: Sequence[torch.Tensor]
+    ) -> list[bool] | None: ...
+    async def _table_into_cuda(
+        self,
+        names: list[str],
+        out: torch.Tensor | Sequence[torch.Tensor],
+        offsets: Sequence[int] | None = None,
+    ) -> list[IntoResult] | list[bool] | None:
+        """``get_into`` a CUDA buffer, or CUDA tensors, with no call, or None."""
+        table = await self._read_table()
+        if table is None:
+            return None
+        if isinstance(out, torch.Tensor):
+            found: list[IntoResult] | list[bool] | None
+            found = table_reads.into_cuda_buffer(table, names, out, offsets)
+        else:
+            found = table_reads.into_cuda_tensors(table, names, out)
+        if found is None or not await self._touched(names):
+            return None
+        return found
 
     async def _touched(self, names: list[str]) -> bool:
         """Post the hits of a table read to the daemon (its stats and LRU see them at once);

@@ -51,6 +51,7 @@ class Located:
     seq: int
     nbytes: int
     dtype: torch.dtype
+    dtype_name: str  # as the wire names it ("bfloat16")
     shape: tuple[int, ...]
     runs: tuple[tuple[int, int], ...]  # (byte offset in the pool, byte count), in order
 
@@ -93,7 +94,8 @@ class ReadTable:
             return None
         dtype = _TORCH[code]
         assert dtype is not None
-        return Located(slot, seq, nbytes, dtype, tuple(fields[6 : 6 + ndim]), runs)
+        name = rt.DTYPE_CODES[code - 1]
+        return Located(slot, seq, nbytes, dtype, name, tuple(fields[6 : 6 + ndim]), runs)
 
     def unchanged(self, located: Located) -> bool:
         """True when the slot still holds what :meth:`locate` found, in a table still open:
