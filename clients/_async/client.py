@@ -12,6 +12,7 @@ cannot be exported) the client remembers and takes the next one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, overload
@@ -266,6 +267,39 @@ class AsyncEmbCacheClient(AsyncHostPuts):
         """
         names, _ = as_keys(keys)
         return pinned(await self._get_call(get_request(names, ttl_s)))
+
+    async def describe(self, keys: Sequence[str]) -> list[Pinned | None]:
+        """Each entry's dtype, shape and size, without its bytes and without holding it.
+
+        On the daemon's node this reads the daemon's read table with no call, when it lists
+        every key; otherwise it is one ``pin`` whose leases end at once. Nothing keeps the
+        entries from eviction afterwards: a later get may miss.
+
+        Args:
+            keys: the keys to describe.
+
+        Returns:
+            Per key, in order, a ``Pinned`` with ``lease_id`` 0, or None for a miss.
+
+        Raises:
+            InvalidArgument: a bad key.
+            RpcFailed: the daemon could not be reached (after the retries) in time.
+        """
+        names, _ = as_keys(keys)
+        table = await self._read_table()
+        if table is not None:
+            found = [table.locate(k) for k in names]
+            if all(f is not None and table.unchanged(f) for f in found):
+                return [
+                    Pinned(k, f.dtype_name, f.shape, f.nbytes, 0)
+                    for k, f in zip(names, found, strict=True)
+                    if f is not None
+                ]
+        pins = pinned(await self._get_call(get_request(names, None)))
+        ids = [p.lease_id for p in pins if p is not None]
+        if ids:
+            await self.release(ids)
+        return [None if p is None else dataclasses.replace(p, lease_id=0) for p in pins]
 
     async def _get_device(
         self, names: list[str], device: str | torch.device, ttl_s: float | None, zero_copy: bool

@@ -182,6 +182,11 @@ def test_the_readme_client_takes_the_path_with_no_call(spec: dm.DaemonSpec) -> N
             with c.get("readme") as (got,):
                 assert torch.equal(got, x)
             assert c.exists("readme")
+            (seen,) = c.describe(["readme"])  # from the table
+            assert seen is not None and (seen.dtype, seen.shape) == ("float32", (64, 256))
+            assert seen.lease_id == 0 and seen.nbytes == x.numel() * 4
+            seen, missing = c.describe(["readme", "nope"])  # a pin whose leases end at once
+            assert seen is not None and seen.lease_id == 0 and missing is None
         deadline = time.monotonic() + 10
         while table_reads(d) == before and time.monotonic() < deadline:
             time.sleep(0.02)
