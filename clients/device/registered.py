@@ -326,12 +326,27 @@ class RegisteredPools:
                     | _cudart.HOST_REGISTER_MAPPED
                     | _cudart.HOST_REGISTER_READ_ONLY
                 )
+                device = torch.cuda.current_device()
+
+                def register(ptr: int, nbytes: int) -> None:
+                    try:
+                        rt.host_register(ptr, nbytes, flags)
+                    except _cudart.CudaRuntimeError as exc:
+                        attr = _cudart.DEV_ATTR_HOST_REGISTER_READ_ONLY_SUPPORTED
+                        supported = rt.device_attribute(attr, device)
+                        raise _cudart.CudaRuntimeError(
+                            f"read-only cudaHostRegister (device {device} reports read-only "
+                            f"registration supported={supported})",
+                            exc.code,
+                            str(exc),
+                        ) from exc
+
                 reg = RegisteredPool(
                     mapping,
-                    lambda ptr, nbytes: rt.host_register(ptr, nbytes, flags),
+                    register,
                     rt.host_unregister,
                     chunk_bytes=self._chunk_bytes,
-                    device=torch.cuda.current_device(),
+                    device=device,
                     set_device=rt.set_device,
                 )
                 self._by_mapping[id(mapping)] = reg

