@@ -98,8 +98,11 @@ def main(argv: list[str] | None = None) -> int:
             segment_name=name, size=size, page_bytes=4096, boot_id=boot_id(),
             st_dev=st.st_dev, st_ino=st.st_ino,
         )  # fmt: skip
-        pool = shm.PoolMaps(path.parent).get(pb.PoolHandle(pool_id="b", host_shm=desc))
-        assert pool is not None
+        handle = pb.PoolHandle(pool_id="b", host_shm=desc)
+        pool = shm.PoolMaps(path.parent).get(handle)
+        # A second mapping of the same segment, never registered: the pageable baseline.
+        plain = shm.PoolMaps(path.parent).get(handle)
+        assert pool is not None and plain is not None and plain is not pool
         dev = torch.device("cuda", torch.cuda.current_device())
         tiny = torch.zeros(1, device=dev)
         stream = torch.cuda.Stream(dev)
@@ -162,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             nbytes = sum(n for _, n in runs)
             out = torch.empty(nbytes, dtype=torch.uint8, device=dev)
             pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            pinned.copy_(table_cuda.copy_runs_to_host(pool, runs))
+            host = table_cuda.copy_runs_to_host(pool, runs)
+            assert host is not None
+            pinned.copy_(host)
 
             def registered_copy(runs: list[tuple[int, int]] = runs, out: torch.Tensor = out) -> Any:
                 event = table_cuda.copy_runs_to_cuda(pool, reg, runs, out, stream)
@@ -173,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                 with torch.cuda.stream(stream):
                     pos = 0
                     for at, n in runs:
-                        out[pos : pos + n].copy_(pool.tensor[at : at + n], non_blocking=True)
+                        out[pos : pos + n].copy_(plain.tensor[at : at + n], non_blocking=True)
                         pos += n
                     event = torch.cuda.Event()
                     event.record(stream)
