@@ -252,8 +252,14 @@ class RegisteredPool:
                 return  # the driver refuses: the rest would fail alike
             finally:
                 self._seconds += time.perf_counter() - began
-            self._state[chunk] = _REGISTERED  # a single byte store: covers() sees it whole
-            self._registered += 1
+            with self._lock:
+                if not self._closed:  # a single byte store: covers() sees it whole
+                    self._state[chunk] = _REGISTERED
+                    self._registered += 1
+                    continue
+            # Closed meanwhile (close() gave up waiting for this chunk): undo it.
+            self._unregister(self.base + start)
+            return
 
     def _segment_exists(self) -> bool:
         """False once the segment's file is gone from ``/dev/shm``: its daemon closed (or

@@ -255,6 +255,25 @@ def test_close_waits_for_queued_copies_then_unregisters_once(mapping: shm.PoolMa
     assert reg.stats()["bytes_registered"] == 0
 
 
+def test_a_chunk_registered_after_close_is_undone(
+    mapping: shm.PoolMapping, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(registered, "_JOIN_S", 0.01)  # close() gives up on the stuck thread
+    fake = FakeCuda(mapping.tensor.data_ptr())
+    fake.gate = threading.Event()
+    reg = make_pool(mapping, fake)
+    reg.ensure_started()
+    time.sleep(0.05)  # the thread waits inside its first registration
+    reg.close()
+    assert reg.closed and fake.unregistered == []
+    fake.gate.set()
+    deadline = time.monotonic() + 10
+    while not fake.unregistered and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fake.unregistered == [0] and [c for c, _ in fake.registered] == [0]
+    assert not reg.covers(0, 1) and reg.stats()["chunks_registered"] == 0
+
+
 def test_a_removed_segment_retires_the_registration(
     mapping: shm.PoolMapping, tmp_path: Path
 ) -> None:
