@@ -7,7 +7,11 @@ code (clients, CI without a GPU) can import it. It imports nothing from the serv
 from embcache.kernels._cudart import CudaRuntime, CudaRuntimeError, StreamEvent
 from embcache.kernels._cudart import runtime as cuda_runtime
 from embcache.kernels._env import current_raw_stream, current_stream_idle, on_device
-from embcache.kernels.host_memory import HostRegistration, register_host_memory
+from embcache.kernels.host_memory import (
+    HostRegistration,
+    register_host_memory,
+    register_host_range,
+)
 from embcache.kernels.host_runs import copy_to_host_runs, queue_to_host_runs
 from embcache.kernels.page_table import (
     alloc_bind_inplace,
@@ -48,6 +52,7 @@ __all__ = [
     "on_device",
     "queue_to_host_runs",
     "register_host_memory",
+    "register_host_range",
     "transfer_planned",
     "transfer_ranges",
     "transfer_ranges_reference",

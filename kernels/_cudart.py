@@ -22,6 +22,14 @@ _ERROR_NOT_READY = 600  # cudaErrorNotReady: work still queued
 _EVENT_DISABLE_TIMING = 0x2  # cudaEventDisableTiming
 HOST_REGISTER_PORTABLE = 0x1
 HOST_REGISTER_MAPPED = 0x2
+# cudaHostRegisterReadOnly: the device only reads the range. Needed for memory mapped without
+# write access (the driver pins such pages for reading only); a device that cannot do it
+# reports 0 for DEV_ATTR_HOST_REGISTER_READ_ONLY_SUPPORTED and refuses the flag.
+HOST_REGISTER_READ_ONLY = 0x8
+ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
+# cudaDeviceAttr values read with CudaRuntime.device_attribute
+DEV_ATTR_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91  # registered memory: device ptr == host ptr
+DEV_ATTR_HOST_REGISTER_READ_ONLY_SUPPORTED = 113
 
 
 class CudaRuntimeError(RuntimeError):
@@ -89,6 +97,12 @@ class CudaRuntime:
         lib.cudaEventDestroy.argtypes = (ctypes.c_void_p,)
         lib.cudaHostRegister.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint)
         lib.cudaHostUnregister.argtypes = (ctypes.c_void_p,)
+        lib.cudaDeviceGetAttribute.argtypes = (
+            ctypes.POINTER(ctypes.c_int),
+            ctypes.c_int,
+            ctypes.c_int,
+        )
+        lib.cudaSetDevice.argtypes = (ctypes.c_int,)
         self._batch = self._bind_batch(lib)
 
     def _bind_batch(self, lib: ctypes.CDLL) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
@@ -190,6 +204,20 @@ class CudaRuntime:
 
     def host_unregister(self, ptr: int) -> None:
         self.check("cudaHostUnregister", self.lib.cudaHostUnregister(ptr))
+
+    def device_attribute(self, attr: int, device: int) -> int:
+        """``cudaDeviceGetAttribute(attr, device)``: one of the ``DEV_ATTR_*`` values."""
+        value = ctypes.c_int(0)
+        self.check(
+            "cudaDeviceGetAttribute",
+            self.lib.cudaDeviceGetAttribute(ctypes.byref(value), attr, device),
+        )
+        return value.value
+
+    def set_device(self, device: int) -> None:
+        """``cudaSetDevice`` for the calling thread (a thread starts on device 0, whose context
+        it would create on its first call)."""
+        self.check("cudaSetDevice", self.lib.cudaSetDevice(device))
 
 
 class StreamEvent:

@@ -58,7 +58,7 @@ class HostRegistration:
         self.unregister()
 
 
-def register_host_memory(tensor: torch.Tensor) -> HostRegistration:
+def register_host_memory(tensor: torch.Tensor, *, read_only: bool = False) -> HostRegistration:
     """Page-lock and map the bytes of a contiguous CPU tensor for every device.
 
     Registering is slow, in proportion to the size (docs/facts.md, "One shared-memory segment
@@ -66,6 +66,8 @@ def register_host_memory(tensor: torch.Tensor) -> HostRegistration:
 
     Args:
         tensor: a contiguous, non-empty CPU tensor; its memory must outlive the registration.
+        read_only: register for device reads only (``cudaHostRegisterReadOnly``), as memory
+            mapped without write access (``PROT_READ``) must be; see :func:`register_host_range`.
 
     Returns:
         The registration; keep it, and unregister it before the memory goes.
@@ -82,9 +84,38 @@ def register_host_memory(tensor: torch.Tensor) -> HostRegistration:
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         raise ValueError("tensor: is empty")
+    return register_host_range(tensor.data_ptr(), nbytes, read_only=read_only)
+
+
+def register_host_range(ptr: int, nbytes: int, *, read_only: bool = False) -> HostRegistration:
+    """Page-lock and map ``nbytes`` of host memory at ``ptr`` (Portable | Mapped) for every
+    device: a slice of a larger mapping, for callers that register it piece by piece.
+
+    Pieces registered separately are separate registrations: a copy-engine copy must not span
+    two of them (one ``cudaMemcpyAsync`` resolves its source against one registration).
+
+    Args:
+        ptr, nbytes: the range, inside memory that outlives the registration; not overlapping
+            a range registered before (CUDA refuses that with error 712).
+        read_only: add ``cudaHostRegisterReadOnly`` (devices only read the range). Memory
+            mapped ``PROT_READ`` can only be registered so: without the flag the driver pins
+            the pages for writing, which such a mapping refuses.
+
+    Raises:
+        ValueError: ``ptr`` or ``nbytes`` is not positive.
+        RuntimeError: there is no CUDA device.
+        CudaRuntimeError: ``cudaHostRegister`` failed (e.g. read-only registration is not
+            supported by the device or driver: ``DEV_ATTR_HOST_REGISTER_READ_ONLY_SUPPORTED``).
+    """
+    if ptr <= 0:
+        raise ValueError(f"ptr: must be a host address, got {ptr}")
+    if nbytes <= 0:
+        raise ValueError(f"nbytes: must be positive, got {nbytes}")
     rt = _cudart.runtime()
     if rt is None:
         raise RuntimeError("cudaHostRegister needs a CUDA device")
-    ptr = tensor.data_ptr()
-    rt.host_register(ptr, nbytes, _cudart.HOST_REGISTER_PORTABLE | _cudart.HOST_REGISTER_MAPPED)
+    flags = _cudart.HOST_REGISTER_PORTABLE | _cudart.HOST_REGISTER_MAPPED
+    if read_only:
+        flags |= _cudart.HOST_REGISTER_READ_ONLY
+    rt.host_register(ptr, nbytes, flags)
     return HostRegistration(ptr, nbytes)

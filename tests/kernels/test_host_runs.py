@@ -172,3 +172,15 @@ def test_queue_on_a_raw_stream_handle_and_its_event(count: int) -> None:
             assert event.query()
         assert how == ("memcpy" if count <= MEMCPY_MAX_RUNS or side is None else "batch")
         assert torch.equal(host, want)
+
+
+def test_register_host_range_refuses_bad_ranges() -> None:
+    from embcache.kernels import register_host_range
+
+    with pytest.raises(ValueError, match="ptr"):
+        register_host_range(0, 4096)
+    with pytest.raises(ValueError, match="nbytes"):
+        register_host_range(4096, 0)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="needs a CUDA device"):
+            register_host_range(torch.empty(4096, dtype=torch.uint8).data_ptr(), 4096)
