@@ -114,10 +114,9 @@ def copy_located(
     from embcache.clients.device.table_cuda import copy_runs_to_cuda
 
     device = outs[0].device
-    registration = registered_pool(table.pool)
-    if registration is None:
+    registration = registered_pool(table.pool)  # starts registering on first use
+    if registration is None or not registration.usable:
         return False
-    registration.ensure_started()
     stream = torch.cuda.current_stream(device)
     queued = False
     served = True
