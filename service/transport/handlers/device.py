@@ -177,6 +177,15 @@ class DevicePlane:
             self._handles[pool.pool_id] = handle
         return handle
 
+    def offered_pools(self) -> list[pb.PoolHandle]:
+        """Every device pool by index, as the read table's slots name them: its handle, or
+        an empty one for a pool clients cannot open (out of service, or a CPU test pool
+        with nothing to export)."""
+        return [
+            pb.PoolHandle() if pool.failed or pool.ipc_mode == "none" else self.pool_handle(pool)
+            for pool in self.engine.device.pools
+        ]
+
     # -- PutFromDevice (handlers/device_puts.py) -----------------------------------------
     async def put_from_device(
         self, request: pb.PutFromDeviceRequest, owner: str, quota: str | None = None
