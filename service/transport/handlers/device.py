@@ -181,10 +181,16 @@ class DevicePlane:
         """Every device pool by index, as the read table's slots name them: its handle, or
         an empty one for a pool clients cannot open (out of service, or a CPU test pool
         with nothing to export)."""
-        return [
-            pb.PoolHandle() if pool.failed or pool.ipc_mode == "none" else self.pool_handle(pool)
-            for pool in self.engine.device.pools
-        ]
+        out = []
+        for pool in self.engine.device.pools:
+            handle = pb.PoolHandle()
+            if not pool.failed and pool.ipc_mode != "none":
+                try:
+                    handle = self.pool_handle(pool)
+                except Exception as exc:  # a failed export: table reads of it stay host reads
+                    log.warning("device pool %d not offered to table reads: %s", pool.index, exc)
+            out.append(handle)
+        return out
 
     # -- PutFromDevice (handlers/device_puts.py) -----------------------------------------
     async def put_from_device(
