@@ -130,8 +130,8 @@ class DevicePool:
         """Take the pool out of service after a device error; forget what it held."""
         self.failed = True
         self.failure = reason or "device error"
-        if self.published is not None:
-            self.published.forget_all()
+        # Its offers in the read table stay until the tier's next sweep under the engine's
+        # lock (this may run outside it, after a wait): its pages are never reused now.
         self._resident.clear()
         self.tables.clear()
 

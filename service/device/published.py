@@ -11,8 +11,10 @@ Two rules keep a client from ever reading bytes that are not the entry's:
   the tier after each get's copies are queued, after a get has waited, from the pool's
   housekeeping and from the daemon's reaper (at least once a second);
 - it is withdrawn by :meth:`PublishedCopies.forget`, which the pool calls before the pages
-  go back to its allocator (every eviction, a drop, the pool's failure or close), so the
-  slot's sequence number changes before any later copy can even be queued into them.
+  go back to its allocator (every eviction, a drop, its close), so the slot's sequence
+  number changes before any later copy can even be queued into them. A pool taken out of
+  service (which may happen outside the engine's lock, after a wait) reuses no page again;
+  its copies are withdrawn by the tier's next sweep under the lock (at least once a second).
 
 One per pool, owned by it; no lock (the engine's), no reference to the engine.
 """

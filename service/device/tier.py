@@ -123,7 +123,12 @@ class DeviceTier:
 
     @staticmethod
     def _offer(pool: DevicePool) -> int:
-        if pool.failed or pool.published is None or not pool.published.waiting:
+        if pool.published is None:
+            return 0
+        if pool.failed:  # out of service: withdraw what it offered (its pages stay unused)
+            pool.published.forget_all()
+            return 0
+        if not pool.published.waiting:
             return 0
         try:
             return pool.published.offer_done()

@@ -167,7 +167,9 @@ def test_host_eviction_and_pool_failure_withdraw(shm_name: str) -> None:
         engine.evict(["a"])  # host eviction: the slot goes, device sections with it
         assert table.locate("a") is None
         assert counts(engine) == (4, 2, 0)
-        engine.device_tier.at(1).fail("test")
+        engine.device_tier.at(1).fail("test")  # may run outside the engine's lock: no write
+        assert {p.pool for p in located(table, "b").devices} == {0, 1}
+        engine.device.flush_due()  # the reaper's sweep, under the lock
         assert [p.pool for p in located(table, "b").devices] == [0]
         assert counts(engine) == (4, 3, 0)
 
