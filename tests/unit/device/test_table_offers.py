@@ -9,6 +9,9 @@ pages is refused by its check afterwards. The same code runs on a GPU (tests/gpu
 
 from __future__ import annotations
 
+import random
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -263,3 +266,57 @@ def test_byte_runs_refuse_what_a_torn_slot_could_say() -> None:
     assert _byte_runs([(1, 1)], 10, 15, 100) is None  # short of the entry
     assert _byte_runs([(1, 0), (1, 2)], 10, 15, 100) is None
     assert _byte_runs([], 10, 0, 100) == []
+
+
+def test_reads_under_churn_never_pass_foreign_bytes(shm_name: str) -> None:
+    """A thread makes random entries resident in a small pool (evicting and reusing pages
+    all the time) while this one copies located device runs and checks the slot after: every
+    copy that passes its check is its own entry's bytes. Bounded in count and time."""
+    with make_engine(shm_name, dev_pages=6) as engine:
+        want = {f"k{i}": blob(DEV_PAGE + 1000 * i, i) for i in range(8)}
+        for key, t in want.items():
+            engine.put(key, t)
+        table = reader(engine)
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def churn() -> None:
+            rnd = random.Random(5)
+            try:
+                for _ in range(3000):
+                    if stop.is_set():
+                        return
+                    engine.device.warm(rnd.sample(list(want), 2), 0)
+            except BaseException as exc:
+                errors.append(exc)
+
+        worker = threading.Thread(target=churn)
+        worker.start()
+        served = refused = 0
+        give_up = time.monotonic() + 20
+        try:
+            while worker.is_alive() and time.monotonic() < give_up:
+                for key, t in want.items():
+                    found = table.locate(key)
+                    if found is None or not found.devices:
+                        continue
+                    pool = engine.device_tier.at(0)
+                    runs = _byte_runs(found.devices[0].runs, DEV_PAGE, found.nbytes, pool.nbytes)
+                    if runs is None:
+                        refused += 1
+                        continue
+                    out = torch.empty(found.nbytes, dtype=torch.uint8)
+                    for start, take, at in runs:
+                        out[at : at + take] = pool.tensor[start : start + take]
+                    if not table.unchanged(found):
+                        refused += 1
+                        continue
+                    served += 1
+                    assert torch.equal(out, t), f"foreign bytes for {key}"
+        finally:
+            stop.set()
+            worker.join(timeout=60)
+        assert not errors and not worker.is_alive()
+        assert served > 0
+        published, withdrawn, _ = counts(engine)
+        assert withdrawn > 0 and published >= withdrawn
