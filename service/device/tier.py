@@ -110,9 +110,10 @@ class DeviceTier:
         )
 
     def offer_copies(self, reads: ReadTable | None) -> None:
-        """Offer the pools' finished copies in the read table ``reads`` (None: none)."""
-        for pool in self.pools:
-            pool.published = None if reads is None else PublishedCopies(reads, pool.index)
+        """Offer the pools' finished copies in the read table ``reads`` (None: none), each
+        pool named by its index here, as sessions announce them."""
+        for index, pool in enumerate(self.pools):
+            pool.published = None if reads is None else PublishedCopies(reads, index)
 
     def offer_done(self, device: int) -> int:
         """Offer pool ``device``'s copies whose filling copy is complete now (after a get
