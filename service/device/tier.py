@@ -272,8 +272,9 @@ class DeviceTier:
 
     # -- page tables ---------------------------------------------------------------------
     def flush_due(self) -> int:
-        """Launch the page-table updates that have waited ``device_table_flush_s`` in any
-        pool; returns how many pools flushed."""
+        """Offer the copies complete by now in the read table (withdraw those of pools out
+        of service), then launch the page-table updates that have waited
+        ``device_table_flush_s`` in any pool; returns how many pools flushed."""
         for pool in self.pools:
             self._offer(pool)
         return sum(self._flush(pool, when_due=True) for pool in self.pools)
