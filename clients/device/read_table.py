@@ -23,6 +23,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -42,6 +43,15 @@ _BUCKET = rt.WAYS * rt.SLOT_BYTES
 _TORCH = [None, *(DTYPES[name].torch_dtype for name in rt.DTYPE_CODES)]  # by code
 
 
+class DevicePlacement(NamedTuple):
+    """Where an entry is resident in one of the daemon's device pools: the pool's index in
+    ``ReadTableInfo.device_pools`` and its page runs there, ``(first page, page count)`` in
+    that pool's pages (``table_device.copy_from_device_pool`` copies them)."""
+
+    pool: int
+    runs: rt.PageRuns
+
+
 @dataclass(frozen=True, slots=True)
 class Located:
     """An entry found in the table: where its bytes are, and the slot's sequence number
@@ -54,6 +64,7 @@ class Located:
     dtype_name: str  # as the wire names it ("bfloat16")
     shape: tuple[int, ...]
     runs: tuple[tuple[int, int], ...]  # (byte offset in the pool, byte count), in order
+    devices: tuple[DevicePlacement, ...] = ()  # its copies in device pools, if any
 
 
 class ReadTable:
@@ -65,6 +76,7 @@ class ReadTable:
         self.pool = pool
         self._num_buckets = num_buckets
         self._page = page
+        self.device_pools: tuple[pb.PoolHandle, ...] = ()  # the pools device sections name
 
     def locate(self, key: str, limit: int | None = None) -> Located | None:
         """Where ``key``'s entry is, if the table has it (of at most ``limit`` bytes, when
@@ -95,7 +107,9 @@ class ReadTable:
         dtype = _TORCH[code]
         assert dtype is not None
         name = rt.DTYPE_CODES[code - 1]
-        return Located(slot, seq, nbytes, dtype, name, tuple(fields[6 : 6 + ndim]), runs)
+        devices = _devices(view, slot)
+        shape = tuple(fields[6 : 6 + ndim])
+        return Located(slot, seq, nbytes, dtype, name, shape, runs, devices)
 
     def unchanged(self, located: Located) -> bool:
         """True when the slot still holds what :meth:`locate` found, in a table still open:
@@ -210,13 +224,32 @@ class ReadTables:
             os.close(fd)  # the mapping stays
         header = rt.HEADER.unpack_from(mm, 0)
         magic, version, slot_bytes, ways, dims, runs, _, buckets, page, _ = header
-        layout = (magic, version, slot_bytes, ways, dims, runs)
-        expected = (rt.MAGIC, rt.VERSION, rt.SLOT_BYTES, rt.WAYS, rt.MAX_DIMS, rt.MAX_RUNS)
+        sections, device_runs = rt.DEVICE_HEADER.unpack_from(mm, rt.DEVICE_HEADER_AT)
+        layout = (magic, version, slot_bytes, ways, dims, runs, sections, device_runs)
+        expected = (
+            *(rt.MAGIC, rt.VERSION, rt.SLOT_BYTES, rt.WAYS, rt.MAX_DIMS, rt.MAX_RUNS),
+            *(rt.DEVICE_SECTIONS, rt.DEVICE_RUNS),
+        )
         if layout != expected or page != shm.page_bytes or rt.file_bytes(buckets) > info.size:
             log.info("read table %s has another layout: not used", info.name)
             mm.close()
             return None
-        return ReadTable(mm, pool, buckets, page)
+        table = ReadTable(mm, pool, buckets, page)
+        table.device_pools = tuple(info.device_pools)
+        return table
+
+
+def _devices(view: memoryview, slot: int) -> tuple[DevicePlacement, ...]:
+    """The live device sections of the slot at ``slot`` (unchecked: a copy made from them
+    is validated by the slot's sequence number, as the host runs are)."""
+    out = []
+    for i in range(rt.DEVICE_SECTIONS):
+        at = rt.device_at(slot, i)
+        if view[at]:  # live
+            found = rt.unpack_device(view, at)
+            if found is not None:
+                out.append(DevicePlacement(*found))
+    return tuple(out)
 
 
 _process_tables = ReadTables()

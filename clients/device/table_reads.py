@@ -8,7 +8,9 @@ registered; otherwise nothing is handed out and the caller asks the daemon. The 
 makes it safe (docs/same_node_reads.md, "Reads to a GPU"):
 
 1. locate every key (its slot's sequence number, meta and runs);
-2. queue the copies on the caller's stream, then wait for an event recorded after them;
+2. queue the copies on the caller's stream (device to device where the table offers a
+   copy of the entry in a device pool on that GPU, ``table_device.py``; else out of the
+   registered host mapping), then wait for an event recorded after them;
 3. check every slot again: all unchanged means each copy is its entry, whole (the daemon
    bumps a slot before its pages can be reused, and a copy that completed before the check
    read nothing written after it). Anything else: the copies are discarded.
@@ -112,17 +114,26 @@ def copy_located(
         return True
     from embcache.clients.device.registered import registered_pool
     from embcache.clients.device.table_cuda import copy_runs_to_cuda
+    from embcache.clients.device.table_device import copy_from_device_pool, placement_on
 
     device = outs[0].device
     registration = registered_pool(table.pool)  # starts registering on first use
-    if registration is None or not registration.usable:
-        return False
     stream = torch.cuda.current_stream(device)
     queued = False
     served = True
     for entry, out in zip(located, outs, strict=True):
         if not entry.nbytes:
             continue
+        # A copy in a device pool on this GPU: device to device; else from the host pool.
+        placement = placement_on(entry, table.device_pools, device)
+        if placement is not None:
+            event = copy_from_device_pool(entry, placement, table.device_pools, out, stream)
+            if event is not None:
+                queued = True
+                continue
+        if registration is None or not registration.usable:
+            served = False
+            break
         if copy_runs_to_cuda(table.pool, registration, entry.runs, out, stream) is None:
             served = False
             break

@@ -23,7 +23,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,6 +33,9 @@ from embcache.service.device.table_updates import TableUpdates
 from embcache.service.host.allocator import PageRunAllocator
 from embcache.service.host.entries import Entry
 from embcache.service.host.stats import PoolStats
+
+if TYPE_CHECKING:
+    from embcache.service.device.published import PublishedCopies
 
 PAGE_FREE, PAGE_RESIDENT, PAGE_LEASED = 0, 1, 2
 
@@ -107,6 +110,9 @@ class DevicePool:
         self.free_target = 0  # pages evict_to_free_target() keeps free (the tier sets it)
         self.hits = 0
         self.loads = 0
+        # The copies the read table offers same-node clients (None: no table); told first
+        # whenever a copy leaves, before its pages go back to the allocator.
+        self.published: PublishedCopies | None = None
 
     # -- residency -----------------------------------------------------------------------
     def lookup(self, entry: Entry) -> Residency | None:
@@ -124,6 +130,8 @@ class DevicePool:
         """Take the pool out of service after a device error; forget what it held."""
         self.failed = True
         self.failure = reason or "device error"
+        # Its offers in the read table stay until the tier's next sweep under the engine's
+        # lock (this may run outside it, after a wait): its pages are never reused now.
         self._resident.clear()
         self.tables.clear()
 
@@ -232,6 +240,8 @@ class DevicePool:
         res = self._resident.pop(entry, None)
         if res is None:
             return False
+        if self.published is not None:  # readers stop using the pages before any reuse
+            self.published.forget(entry)
         if res.npages:
             self.tables.unbind(res.vstart, res.npages)
             self._vpages.free([(res.vstart, res.npages)])
@@ -343,6 +353,8 @@ class DevicePool:
 
     def close(self) -> None:
         """Forget every copy and queued update, and free the slab."""
+        if self.published is not None:
+            self.published.forget_all()
         self._resident.clear()
         self.tables.clear()  # a flush scheduled before the close finds nothing to do
         if self.slab is not None:

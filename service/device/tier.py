@@ -8,6 +8,10 @@ for outside it, so a slow copy never blocks another client's call.
 
 A pool whose device fails (a CUDA error) is taken out of service: it forgets what it held,
 and calls for it fail with DeviceUnavailable while the other pools go on serving.
+
+With a read table (:meth:`DeviceTier.offer_copies`), each pool's finished copies are offered
+to same-node clients there, and withdrawn before their pages can be reused
+(``published.py``).
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ from embcache.service.device.copier import Copier, CopyObserver
 from embcache.service.device.into import queue_into
 from embcache.service.device.pending_get import DeviceLease, PendingGet, Placement
 from embcache.service.device.pool import DevicePool, Residency
+from embcache.service.device.published import PublishedCopies
 from embcache.service.device.ready_events import ReadyEvents
 from embcache.service.device.routing import PeerRates
 from embcache.service.host.entries import Entry
 from embcache.service.host.host_pool import HostPool
 from embcache.service.host.leases import Lease
+from embcache.service.host.read_table import ReadTable
 from embcache.service.host.stats import PoolStats
 
 T = TypeVar("T")
@@ -103,6 +109,35 @@ class DeviceTier:
             pools=[p.gpu_uuid for p in self.pools],
         )
 
+    def offer_copies(self, reads: ReadTable | None) -> None:
+        """Offer the pools' finished copies in the read table ``reads`` (None: none), each
+        pool named by its index here, as sessions announce them."""
+        for index, pool in enumerate(self.pools):
+            pool.published = None if reads is None else PublishedCopies(reads, index)
+
+    def offer_done(self, device: int) -> int:
+        """Offer pool ``device``'s copies whose filling copy is complete now (after a get
+        waited for its copies); returns how many. A device error takes the pool out of
+        service instead of raising."""
+        pool = self.at(device)
+        return self._offer(pool)
+
+    @staticmethod
+    def _offer(pool: DevicePool) -> int:
+        if pool.published is None:
+            return 0
+        if pool.failed:  # out of service: withdraw what it offered (its pages stay unused)
+            pool.published.forget_all()
+            return 0
+        if not pool.published.waiting:
+            return 0
+        try:
+            return pool.published.offer_done()
+        except BaseException as exc:
+            if not _take_out_of_service(pool, exc):
+                raise
+            return 0
+
     # -- entries -------------------------------------------------------------------------
     def prepare(self, entry: Entry) -> None:
         """Plan a new entry's host side for later copies to a device (its host runs never
@@ -165,6 +200,11 @@ class DeviceTier:
                         device_pages=pool.num_pages,
                     )
                 copied = done
+                if pool.published is not None:  # offered once their copies are complete
+                    for entry, res in reserved:
+                        pool.published.loaded(entry, res)
+            if pool.published is not None and pool.published.waiting:
+                pool.published.offer_done()  # earlier gets' copies, complete by now
             loaded = {id(entry) for entry, _ in reserved}
             residencies = [None if e is None else pool.peek(e) for e in entries]
             hits = [e is not None and id(e) not in loaded for e in entries]
@@ -232,8 +272,11 @@ class DeviceTier:
 
     # -- page tables ---------------------------------------------------------------------
     def flush_due(self) -> int:
-        """Launch the page-table updates that have waited ``device_table_flush_s`` in any
-        pool; returns how many pools flushed."""
+        """Offer the copies complete by now in the read table (withdraw those of pools out
+        of service), then launch the page-table updates that have waited
+        ``device_table_flush_s`` in any pool; returns how many pools flushed."""
+        for pool in self.pools:
+            self._offer(pool)
         return sum(self._flush(pool, when_due=True) for pool in self.pools)
 
     def flush_tables(self, device: int, *, when_due: bool = False) -> None:
@@ -241,6 +284,7 @@ class DeviceTier:
         the page-table updates left queued (``when_due``: only once they have waited
         ``device_table_flush_s``)."""
         pool = self.at(device)
+        self._offer(pool)
         if not pool.failed:
             pool.evict_to_free_target()
         self._flush(pool, when_due=when_due)

@@ -97,6 +97,9 @@ class DeviceSide:
                 with self._gate:
                     table = self._tier.read_table(placement)
             self._tier.wait(pending, device)
+            if not all(d is None or d.resident_hit for d in pending.results):
+                with self._gate:  # the copies are complete: same-node clients may read them
+                    self._tier.offer_done(device)
             return pending.results, table
         except BaseException:  # nobody receives these leases
             with self._gate:

@@ -90,6 +90,7 @@ class CacheEngine:
             pool.close()
             raise
         self._store, self.adopted = build_store(settings, pool, self._tier, warm, clock)
+        self._tier.offer_copies(self._store.reads)  # resident copies, in the read table
         self._gate = Gate(self._store, settings, clock, settings.quarantine_limit)
         self.verifier: Verifier | None = None  # checks adopted entries' bytes (verifier.py)
         if settings.warm_restart:

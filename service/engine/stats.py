@@ -118,6 +118,9 @@ def engine_stats(host: HostCounts, tier: DeviceTier, *, draining: bool) -> Engin
             "entries": host.table_entries,
             "skipped": host.table_skipped,
             "reads": c.get("table_reads", 0),
+            "device_published": host.table_device[0],
+            "device_withdrawn": host.table_device[1],
+            "device_skipped": host.table_device[2],
         },
     )
 

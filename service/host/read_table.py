@@ -9,7 +9,10 @@ client's own process (``proto/read_table.py`` for the bytes, ``docs/same_node_re
 The host store keeps it in step (``store.py``): an entry is published once it is READY
 and its bytes are trusted (a warm restart's adopted entries once their CRC32 passed), and
 withdrawn before its pages can be reused: eviction, a corrupt entry's drop, the daemon's
-drain or close. Only the daemon writes, under the engine's lock; every change of a slot is
+drain or close. The device tier adds, in an entry's slot, where the entry is resident in
+its device pools (:meth:`ReadTable.place`, once the copy into those pages is complete) and
+takes that out again before those device pages can be reused (:meth:`ReadTable.unplace`).
+Only the daemon writes, under the engine's lock; every change of a slot is
 bracketed by its sequence number (odd while it changes), which is what lets a reader check
 its copy afterwards. No reader holds anything: a client that dies mid-copy leaves nothing
 behind, and nothing a client does can change the file (it maps it read-only).
@@ -35,7 +38,7 @@ from embcache.service.host.shm_files import UntrustedFile, clear_own, create_exc
 
 log = logging.getLogger(__name__)
 
-MAX_BUCKETS = 1 << 17  # 1M slots, 256 MiB of address space at most (a sparse file)
+MAX_BUCKETS = 1 << 17  # 1M slots, 512 MiB of address space at most (a sparse file)
 
 
 def table_path(segment: Path) -> Path:
@@ -60,10 +63,14 @@ class ReadTable:
         self._mm = mm
         self._view = memoryview(mm)
         self._slot_of: dict[str, int] = {}  # key -> offset of its slot
+        self._entry_of: dict[str, Entry] = {}  # key -> the entry its slot describes
         st = os.fstat(fd)
         # (st_dev, st_ino, size) of the file, for clients to check what they map
         self.identity = (st.st_dev, st.st_ino, st.st_size)
         self.skipped = 0  # entries not published (bucket full, too many runs or dims)
+        self.device_published = 0  # device sections written (an entry resident in a pool)
+        self.device_withdrawn = 0  # device sections cleared (evicted there, or withdrawn)
+        self.device_skipped = 0  # residencies not offered: too many runs, no section free
         self.closed = False
 
     @classmethod
@@ -88,6 +95,7 @@ class ReadTable:
             mm, 0, rt.MAGIC, rt.VERSION, rt.SLOT_BYTES, rt.WAYS, rt.MAX_DIMS, rt.MAX_RUNS, 0,
             num_buckets, page_bytes, 0,
         )  # fmt: skip
+        rt.DEVICE_HEADER.pack_into(mm, rt.DEVICE_HEADER_AT, rt.DEVICE_SECTIONS, rt.DEVICE_RUNS)
         return cls(path, fd, mm, num_buckets)
 
     def __len__(self) -> int:
@@ -118,6 +126,7 @@ class ReadTable:
         rt.BODY.pack_into(self._view, at + rt.SEQ.size, *body, *shape, *runs)
         self._end(at, seq)
         self._slot_of[entry.key] = at
+        self._entry_of[entry.key] = entry
         return True
 
     def withdraw(self, key: str) -> bool:
@@ -126,10 +135,79 @@ class ReadTable:
         at = self._slot_of.pop(key, None)
         if at is None:
             return False
+        del self._entry_of[key]
+        self.device_withdrawn += sum(1 for _ in self._sections(at))
         seq = self._begin(at)
         self._view[at + rt.SEQ.size : at + rt.SLOT_BYTES] = bytes(rt.SLOT_BYTES - rt.SEQ.size)
         self._end(at, seq)
         return True
+
+    def place(self, entry: Entry, pool: int, runs: tuple[tuple[int, int], ...]) -> bool:
+        """Offer ``entry``'s copy in device pool ``pool`` (its index in the list sessions
+        announce): its page runs there, in that pool's pages. Only once the copy that filled
+        those pages is complete, and only for an entry whose slot is this very entry's (a
+        newer entry under the same key is not described by an older one's copy). Rewrites
+        the pool's section if the slot has one. False when it is not offered: no slot, or
+        too many runs, or every section taken by other pools (those two counted)."""
+        at = self._slot_of.get(entry.key)
+        if at is None or self._entry_of[entry.key] is not entry:
+            return False
+        try:
+            section = rt.pack_device(pool, runs)
+        except ValueError:
+            self.device_skipped += 1
+            return False
+        used = dict(self._sections(at))
+        free = [i for i in range(rt.DEVICE_SECTIONS) if i not in used.values()]
+        index = used.get(pool, free[0] if free else None)
+        if index is None:
+            self.device_skipped += 1
+            return False
+        where = rt.device_at(at, index)
+        seq = self._begin(at)
+        self._view[where : where + rt.DEVICE.size] = section
+        self._end(at, seq)
+        self.device_published += 1
+        return True
+
+    def unplace(self, entry: Entry, pool: int) -> bool:
+        """Stop offering ``entry``'s copy in device pool ``pool`` (before those device pages
+        can be reused); False when the table did not offer it. A reader copying it meanwhile
+        sees the slot's sequence change."""
+        at = self._slot_of.get(entry.key)
+        if at is None or self._entry_of[entry.key] is not entry:
+            return False
+        index = dict(self._sections(at)).get(pool)
+        if index is None:
+            return False
+        where = rt.device_at(at, index)
+        seq = self._begin(at)
+        self._view[where : where + rt.DEVICE.size] = bytes(rt.DEVICE.size)
+        self._end(at, seq)
+        self.device_withdrawn += 1
+        return True
+
+    def device_sections(self, key: str) -> dict[int, tuple[tuple[int, int], ...]]:
+        """The device runs ``key``'s slot offers, by pool (tests and debugging)."""
+        at = self._slot_of.get(key)
+        if at is None:
+            return {}
+        out = {}
+        for pool, index in self._sections(at):
+            found = rt.unpack_device(self._view, rt.device_at(at, index))
+            assert found is not None and found[0] == pool
+            out[pool] = found[1]
+        return out
+
+    def _sections(self, at: int) -> list[tuple[int, int]]:
+        """``(pool, section index)`` of the live device sections of the slot at ``at``."""
+        view = self._view
+        out = []
+        for i in range(rt.DEVICE_SECTIONS):
+            where = rt.device_at(at, i)
+            if view[where]:
+                out.append((view[where + 1], i))
+        return out
 
     def _begin(self, at: int) -> int:
         """Mark the slot at ``at`` as changing (its sequence odd); returns the old value."""
@@ -149,6 +227,7 @@ class ReadTable:
             for at in self._slot_of.values():  # copies in progress see the change too
                 self._end(at, self._begin(at))
             self._slot_of.clear()
+            self._entry_of.clear()
 
     def remove(self) -> None:
         """Shut the table and remove its file (the daemon is closing). Idempotent."""

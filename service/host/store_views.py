@@ -44,6 +44,8 @@ class HostCounts:
     quarantined_bytes: int = 0
     table_entries: int = 0  # entries in the read table (read_table.py)
     table_skipped: int = 0  # entries that did not fit it
+    # device copies offered in it / withdrawn / not offered (too many runs, sections full)
+    table_device: tuple[int, int, int] = (0, 0, 0)
 
 
 def host_counts(
@@ -93,6 +95,11 @@ def host_counts(
         quarantined_bytes=quarantine.nbytes + filling.written.pages * page,
         table_entries=len(reads) if reads is not None else 0,
         table_skipped=reads.skipped if reads is not None else 0,
+        table_device=(
+            (reads.device_published, reads.device_withdrawn, reads.device_skipped)
+            if reads is not None
+            else (0, 0, 0)
+        ),
     )
 
 

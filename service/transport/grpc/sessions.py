@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
@@ -162,7 +162,9 @@ class SessionRpcs:
             bytes_out=calls.serves_bytes,
             get_into=True,
             inline_gets=calls.serves_inline_gets,
-            read_table=read_table_info(self.engine.read_table, self.host_pool),
+            read_table=read_table_info(
+                self.engine.read_table, self.host_pool, self.device.offered_pools()
+            ),
         )
         return OpenSession(calls, opened, self._end_session, record)
 
@@ -190,11 +192,19 @@ def version() -> str:
     return build_info.version()
 
 
-def read_table_info(table: ReadTable | None, pool: pb.PoolHandle) -> pb.ReadTableInfo | None:
-    """Where a client on the node finds the read table (None: none, or it is shut)."""
+def read_table_info(
+    table: ReadTable | None, pool: pb.PoolHandle, device_pools: Sequence[pb.PoolHandle] = ()
+) -> pb.ReadTableInfo | None:
+    """Where a client on the node finds the read table (None: none, or it is shut), and
+    the device pools its slots name, by index (``DevicePlane.offered_pools``)."""
     if table is None or table.closed:
         return None
     st_dev, st_ino, size = table.identity
     return pb.ReadTableInfo(
-        name=table.path.name, size=size, st_dev=st_dev, st_ino=st_ino, pool=pool
+        name=table.path.name,
+        size=size,
+        st_dev=st_dev,
+        st_ino=st_ino,
+        pool=pool,
+        device_pools=device_pools,
     )

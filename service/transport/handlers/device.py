@@ -177,6 +177,21 @@ class DevicePlane:
             self._handles[pool.pool_id] = handle
         return handle
 
+    def offered_pools(self) -> list[pb.PoolHandle]:
+        """Every device pool by index, as the read table's slots name them: its handle, or
+        an empty one for a pool clients cannot open (out of service, or a CPU test pool
+        with nothing to export)."""
+        out = []
+        for pool in self.engine.device.pools:
+            handle = pb.PoolHandle()
+            if not pool.failed and pool.ipc_mode != "none":
+                try:
+                    handle = self.pool_handle(pool)
+                except Exception as exc:  # a failed export: table reads of it stay host reads
+                    log.warning("device pool %d not offered to table reads: %s", pool.index, exc)
+            out.append(handle)
+        return out
+
     # -- PutFromDevice (handlers/device_puts.py) -----------------------------------------
     async def put_from_device(
         self, request: pb.PutFromDeviceRequest, owner: str, quota: str | None = None

@@ -56,6 +56,17 @@ class ReadTableModel(_Model):
         default=0, description="Entries left out of it (bucket full, too many runs or dims)."
     )
     reads: int = Field(default=0, description="Hits clients served from it, as they reported.")
+    device_published: int = Field(
+        default=0,
+        description="Device-resident copies offered in it (clients copy them device to device).",
+    )
+    device_withdrawn: int = Field(
+        default=0, description="Device copies taken out of it (evicted from their pool, ...)."
+    )
+    device_skipped: int = Field(
+        default=0,
+        description="Device copies not offered (too many runs, or more pools than a slot names).",
+    )
 
 
 class RestartModel(_Model):

@@ -181,7 +181,14 @@ def test_an_entry_evicted_for_room_is_withdrawn(shm_name: str) -> None:
         assert table.read("k0", 1 << 30) is None
         for i in range(1, 5):
             assert same(table.read(f"k{i}", 1 << 30), torch.full((3,), float(i)))
-        assert engine.stats().read_table == {"entries": 4, "skipped": 0, "reads": 0}
+        assert engine.stats().read_table == {
+            "entries": 4,
+            "skipped": 0,
+            "reads": 0,
+            "device_published": 0,
+            "device_withdrawn": 0,
+            "device_skipped": 0,
+        }
 
 
 def test_a_full_bucket_leaves_the_entry_to_the_daemon(shm_name: str) -> None:
