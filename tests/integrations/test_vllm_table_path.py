@@ -11,6 +11,7 @@ miss through a call in ``misses``.
 from __future__ import annotations
 
 import importlib.util
+import signal
 import sys
 import tempfile
 import time
@@ -51,6 +52,7 @@ pytestmark = pytest.mark.skipif(not client_table.ORDERED_STORES, reason="x86-64 
 @pytest.fixture
 def daemon() -> Iterator[DaemonProcess]:
     """A daemon of this test only (overrides the module-wide one of conftest.py)."""
+    name = f"embcache-vt-{uuid.uuid4().hex[:10]}"
     with tempfile.TemporaryDirectory(prefix="embcache-vt-") as folder:
         proc = DaemonProcess(
             [
@@ -59,13 +61,15 @@ def daemon() -> Iterator[DaemonProcess]:
                 "--host-pool-bytes",
                 "32MiB",
                 "--shm-name",
-                f"embcache-vt-{uuid.uuid4().hex[:10]}",
+                name,
             ]
         )
         try:
             yield proc
         finally:
             proc.stop()
+            for suffix in ("", ".index", ".index.tmp", ".reads"):  # what a killed one leaves
+                (Path("/dev/shm") / f"{name}{suffix}").unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -304,4 +308,24 @@ def test_an_open_breaker_answers_no_lookup_from_the_table(
     e.run()
     assert e.done["r"] == "ok" and e.encoded == ["b"]
     assert_read_truth(e, truth)
+    close(e)
+
+
+def test_a_daemon_killed_after_connecting_is_noticed_at_the_lookup(
+    model: Any, daemon: DaemonProcess
+) -> None:
+    """A killed daemon leaves its table mapped and open. The table lookup notices that its
+    session's socket is closed (no daemon to load from): the item is not sent to a staging
+    doomed to fail, the lookup's call fails instead and the item is encoded."""
+    truth = {"warm": embeds(2, 0), "k": embeds(3, 41)}
+    extra = extra_for(daemon)
+    save(model, extra, truth)
+    e = warmed(model, extra, truth)
+    daemon.stop(timeout=10, sig=signal.SIGKILL)
+    e.add(kit.request("r", [("k", 3)], max_tokens=1))
+    e.run()
+    assert e.done == {"warm": "ok", "r": "ok"} and e.encoded == ["k"]
+    assert_read_truth(e, truth)
+    stats = e.sched.get_ec_connector_stats().reduce()
+    assert stats["lookup_errors"] >= 1 and stats.get("stage_failures", 0) == 0
     close(e)
