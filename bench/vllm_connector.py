@@ -133,6 +133,24 @@ class Side:
         return seconds
 
 
+def registered_wait_s(timeout_s: float = 600) -> float:
+    """Wait until the worker's mapping of the daemon's pool is registered with CUDA (until
+    then its GPU loads are calls, docs/same_node_reads.md): the rounds time the steady
+    state, a fresh worker's first load is timed apart. Returns the seconds waited."""
+    try:
+        from embcache.clients.device.registered import registered_pool
+    except ImportError:  # a client without GPU reads from the table
+        return 0.0
+    client = getattr(getattr(get_ec_transfer(), "_loader", None), "_client", None)
+    table = client._read_table() if client is not None else None
+    registration = registered_pool(table.pool) if table is not None else None
+    if registration is None:
+        return 0.0
+    started = time.perf_counter()
+    registration.wait_registered(timeout_s)
+    return time.perf_counter() - started
+
+
 def read_counters(target: str) -> dict[str, int]:
     """The daemon's hits, misses and read-table reads (hits through a call: hits - reads)."""
     with EmbCacheClient(target) as c:
@@ -216,6 +234,7 @@ def main() -> None:
                 first = {f"{side.name}-first": item(99)}
                 first_put, _ = side.put(first)
                 first_load = side.load(first)
+                waited = registered_wait_s() if side.name == "embcache" else 0.0
                 before = read_counters(daemon.unix_target)
                 for i in range(ROUNDS):
                     items = {f"{side.name}-1x-{i}": item(i)}
@@ -238,6 +257,7 @@ def main() -> None:
                     "stall_ms_per_save": stall(side),
                     "first_put_fresh_worker_ms": first_put * 1e3,
                     "first_load_fresh_worker_ms": first_load * 1e3,
+                    "waited_for_registration_s": waited,
                 }
     finally:
         daemon.stop()
