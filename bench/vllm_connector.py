@@ -7,7 +7,11 @@ scheduler-side hooks in the order of vLLM's scheduler (tests/integrations/vllm_k
 builds the configs and drives the steps; vLLM 0.33 and 0.34). A load is timed from the
 request's arrival to its items in the encoder cache, over as many engine steps as the
 connector takes (embcache: a lookup, a staging, the step that uses it). The embcache
-daemon is a child process on a Unix socket. ``python3 bench/vllm_connector.py --out-dir DIR``.
+daemon is a child process on a Unix socket. On its node embcache's loads should make no call
+(the lookup reads the daemon's read table, the staging copies out of the registered pool):
+the daemon's counters over the timed rounds are recorded (``daemon_during_rounds``: hits
+answered by a call should be 0, every load a table read).
+``python3 bench/vllm_connector.py --out-dir DIR``.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from vllm.distributed.ec_transfer import (  # noqa: E402
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole  # noqa: E402
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory  # noqa: E402
 
+from embcache.clients import EmbCacheClient  # noqa: E402
 from embcache.service.daemon_process import DaemonProcess  # noqa: E402
 
 ROWS, WIDTH = 512, 4096  # bf16: 4 MiB per item
@@ -128,6 +133,41 @@ class Side:
         return seconds
 
 
+def registered_wait_s(timeout_s: float = 600) -> float:
+    """Wait until the worker's mapping of the daemon's pool is registered with CUDA (until
+    then its GPU loads are calls, docs/same_node_reads.md): the rounds time the steady
+    state, a fresh worker's first load is timed apart. Returns the seconds waited."""
+    try:
+        from embcache.clients.device.registered import registered_pool
+    except ImportError:  # a client without GPU reads from the table
+        return 0.0
+    client = getattr(getattr(get_ec_transfer(), "_loader", None), "_client", None)
+    table = client._read_table() if client is not None else None
+    registration = registered_pool(table.pool) if table is not None else None
+    if registration is None:
+        return 0.0
+    started = time.perf_counter()
+    registration.wait_registered(timeout_s)
+    return time.perf_counter() - started
+
+
+def read_counters(target: str) -> dict[str, int]:
+    """The daemon's hits, misses and read-table reads (hits through a call: hits - reads)."""
+    with EmbCacheClient(target) as c:
+        s = c.stats()
+    return {"hits": s["hits"], "misses": s["misses"], "table_reads": s["read_table"]["reads"]}
+
+
+def counted(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """What reached the daemon between two ``read_counters``."""
+    reads = after["table_reads"] - before["table_reads"]
+    return {
+        "table_reads": reads,
+        "hits_by_call": after["hits"] - before["hits"] - reads,
+        "misses": after["misses"] - before["misses"],
+    }
+
+
 def stall(side: Side, n_kernels: int = 40) -> float:
     """Extra milliseconds a save per kernel adds to a stream of GEMMs (the forward pass),
     through the worker connector in place: V2 saves a step's new items as the step's
@@ -187,12 +227,15 @@ def main() -> None:
             ),
         ]
         rows: dict[str, dict[str, float]] = {}
+        during: dict[str, dict[str, int]] = {}
         for side in sides:
             r: dict[str, list[float]] = {"put_ms": [], "save_call_ms": [], "load_ms": []}
             with side:
                 first = {f"{side.name}-first": item(99)}
                 first_put, _ = side.put(first)
                 first_load = side.load(first)
+                waited = registered_wait_s() if side.name == "embcache" else 0.0
+                before = read_counters(daemon.unix_target)
                 for i in range(ROUNDS):
                     items = {f"{side.name}-1x-{i}": item(i)}
                     stored, held = side.put(items)
@@ -202,6 +245,9 @@ def main() -> None:
                 batch = {f"{side.name}-16x-{j}": item(1000 + j) for j in range(16)}
                 stored, held = side.put(batch)
                 load16 = side.load(batch)
+                if side.name == "embcache":
+                    time.sleep(0.2)  # the readers' touches are posted, not waited for
+                    during[side.name] = counted(before, read_counters(daemon.unix_target))
                 rows[side.name] = {
                     "put_1x4MiB_ms_p50": statistics.median(r["put_ms"]),
                     "save_call_1x4MiB_ms_p50": statistics.median(r["save_call_ms"]),
@@ -211,6 +257,7 @@ def main() -> None:
                     "stall_ms_per_save": stall(side),
                     "first_put_fresh_worker_ms": first_put * 1e3,
                     "first_load_fresh_worker_ms": first_load * 1e3,
+                    "waited_for_registration_s": waited,
                 }
     finally:
         daemon.stop()
@@ -221,6 +268,7 @@ def main() -> None:
     for n in names:
         e, b = rows["embcache"][n], rows["ECExampleConnector"][n]
         print(f"{n:32} {e:12.3f} {b:12.3f} {b / e if e else float('nan'):7.2f}")
+    print("embcache daemon during the timed rounds:", during.get("embcache"))
     result = {
         "bench": "vllm_connector",
         "gpu": gpu_name(),
@@ -229,6 +277,7 @@ def main() -> None:
         "rounds": ROUNDS,
         "vllm_platform": os.environ.get("VLLM_TARGET_DEVICE", "auto"),
         "results": rows,
+        "daemon_during_rounds": during,
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "vllm_connector.json").write_text(json.dumps(result, indent=2))

@@ -301,6 +301,38 @@ class AsyncEmbCacheClient(AsyncHostPuts):
             await self.release(ids)
         return [None if p is None else dataclasses.replace(p, lease_id=0) for p in pins]
 
+    def describe_listed(self, keys: Sequence[str]) -> list[Pinned | None] | None:
+        """What the daemon's read table lists of ``keys`` right now, with no call at all.
+
+        Never waits on the daemon nor on another thread's call through this client, so a
+        loop that must not stall (a scheduler) may ask it inline and ask the daemon, in the
+        background, only about what it does not list. A table is read only once this client
+        has a session open (after any call on the daemon's node); until then, and where no
+        table can be read (another machine, a pool this process cannot map), this is None.
+        Nothing is held: a listed entry may be evicted right after.
+
+        Args:
+            keys: the keys to look up.
+
+        Returns:
+            None where no table can be read now; else per key, in order, a ``Pinned`` with
+            ``lease_id`` 0, or None where the table does not list the key (which says
+            nothing of the daemon: it may hold the entry all the same).
+
+        Raises:
+            InvalidArgument: a bad key.
+        """
+        names, _ = as_keys(keys)
+        table = self._table_now()
+        if table is None:
+            return None
+        out: list[Pinned | None] = []
+        for key in names:
+            f = table.locate(key)
+            listed = f is not None and table.unchanged(f)
+            out.append(Pinned(key, f.dtype_name, f.shape, f.nbytes, 0) if listed and f else None)
+        return out
+
     async def _get_device(
         self, names: list[str], device: str | torch.device, ttl_s: float | None, zero_copy: bool
     ) -> AsyncLeasedTensors | None:

@@ -409,6 +409,17 @@ class AsyncConnection:
             return None
         return self._tables.get(session.read_table, self._maps)
 
+    def _table_now(self) -> ReadTable | None:
+        """The read table of the session already open, with no call and no wait on the
+        session's lock (another thread may be in a call on this client); None where there is
+        none right now (no session yet, one that ended, another machine, no table)."""
+        session = self._session
+        if self._pool_local is False or not self._copy_gets_up_to:
+            return None
+        if session is None or not session.alive:
+            return None
+        return self._tables.get(session.read_table, self._maps)
+
     async def _table_copies(self, names: list[str]) -> list[Any] | None:
         """Copies of every key's entry out of the daemon's read table, with no call (the hits
         are posted to the daemon, which counts them), or None where any one is not readable

@@ -1,9 +1,11 @@
 """The scheduler's daemon calls, off the scheduler loop: lookups, releases, renewals.
 
 vLLM's scheduler runs its hooks inline, so a call that waits on the daemon there stalls
-every request, text-only ones included. Here one background thread makes every call; the
-scheduler asks and reads answers that are there, and a lookup not answered in time is a
-miss. A circuit breaker turns the plugin into "always miss" while the daemon is unwell:
+every request, text-only ones included. On the daemon's node most lookups need no call: the
+daemon's read table (docs/same_node_reads.md) lists an entry's dtype and shape, read inline
+in microseconds with nothing held. Everything else goes to one background thread that makes
+every call; the scheduler asks and reads answers that are there, and a lookup not answered
+in time is a miss. A circuit breaker turns the plugin into "always miss" while the daemon is unwell:
 it opens after ``breaker_failures`` failed calls in a row, or as soon as a call has been
 outstanding past its deadline (a daemon that hangs rather than refuses), and lets one
 probe through every ``breaker_cooldown_s``; the probe's success closes it.
@@ -81,9 +83,11 @@ class Breaker:
 class Lookups:
     """A background thread that makes the scheduler's daemon calls.
 
-    ``ask`` queues keys; the thread pins them (or asks ``exists``) in one call per batch
-    and files the answers, which ``answer`` reads. ``release`` and ``renew`` are queued
-    the same way. Nothing here blocks for longer than the caller's own wait.
+    ``ask`` answers at once what the daemon's read table lists (on the daemon's node:
+    dtype and shape, no call, no lease) and queues the other keys; the thread pins them (or
+    asks ``exists``) in one call per batch and files the answers, which ``answer`` reads.
+    ``release`` and ``renew`` are queued the same way. Nothing here blocks for longer than
+    the caller's own wait.
     """
 
     def __init__(
@@ -132,10 +136,34 @@ class Lookups:
                     self._answers[k] = Answer(False, error=True)
                 self._count("lookup_errors", len(fresh))
                 return
+            fresh = self._answer_listed(fresh)
+            if not fresh:
+                return
             self._asked.extend(fresh)
             self._asked_set.update(fresh)
             self._start()
             self._cv.notify_all()
+
+    def _answer_listed(self, keys: list[str]) -> list[str]:
+        """Lock held: answer at once, with no call, the keys the daemon's read table lists
+        (on its node, once the client has a session); returns the keys left to ask."""
+        client = self._client
+        if client is None or self.breaker.is_open:
+            return keys  # not connected yet, or the daemon is unwell: the calls decide
+        try:
+            listed = client.describe_listed(keys)
+        except Exception as exc:  # the call path then says what is wrong
+            log.debug("embcache table lookup: %s: %s", type(exc).__name__, exc)
+            return keys
+        if listed is None:
+            return keys
+        left = []
+        for key, entry in zip(keys, listed, strict=True):
+            if entry is None:
+                left.append(key)
+            else:  # nothing held: an eviction before staging is a failed staging
+                self._answers[key] = Answer(True, entry.dtype, tuple(entry.shape))
+        return left
 
     def _probe_due(self) -> bool:
         return self._busy_since is None and self.breaker.may_call()

@@ -7,8 +7,9 @@ be in the cache only once a worker already holds it: each item goes
 
     looking -> (miss: vLLM encodes it) | staging -> staged -> used
 
-``ensure_cache_available`` asks the daemon (through ``lookups.Lookups``, off the scheduler
-loop; the lookup pins the entry and gives its dtype and shape), and defers the request
+``ensure_cache_available`` looks the items up through ``lookups.Lookups``: inline from the
+daemon's read table on its node (dtype and shape, no call, nothing held), else with a call
+off the scheduler loop (a pin: a lease, dtype and shape), and defers the request
 while an answer or a staging is outstanding, up to ``defer_limit_s``; then the item is
 encoded instead. A found entry is staged: the step's metadata tells the workers to load it
 apart from vLLM's encoder cache; the worker reports it staged (or failed: the item is
