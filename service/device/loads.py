@@ -10,7 +10,8 @@ import torch
 from embcache import kernels
 from embcache.service.device.copier import Copier
 from embcache.service.device.copy_plan import entry_columns, plan_entries
-from embcache.service.device.pool import DevicePool, Residency
+from embcache.service.device.pool import DevicePool
+from embcache.service.device.residency import Residency
 from embcache.service.device.routing import PeerRates, copy_between_pools
 from embcache.service.device.table_updates import upload
 from embcache.service.host.entries import Entry

@@ -19,7 +19,8 @@ from embcache.service.host.entries import Entry
 from embcache.service.host.leases import Lease
 
 if TYPE_CHECKING:
-    from embcache.service.device.pool import DevicePool, Residency
+    from embcache.service.device.pool import DevicePool
+    from embcache.service.device.residency import Residency
 
 
 @dataclass(slots=True)

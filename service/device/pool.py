@@ -22,13 +22,13 @@ import secrets
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from embcache.service.device.assign_runs import assign_runs
+from embcache.service.device.residency import Residency
 from embcache.service.device.table_updates import TableUpdates
 from embcache.service.host.allocator import PageRunAllocator
 from embcache.service.host.entries import Entry
@@ -38,23 +38,6 @@ if TYPE_CHECKING:
     from embcache.service.device.published import PublishedCopies
 
 PAGE_FREE, PAGE_RESIDENT, PAGE_LEASED = 0, 1, 2
-
-
-@dataclass(slots=True, eq=False)
-class Residency:
-    """Where an entry's copy lies in one pool: ``npages`` virtual pages from ``vstart``,
-    the physical page runs bound to them, and the event of the copy that filled them (a
-    reader that cannot wait for it reads the host copy instead)."""
-
-    vstart: int
-    npages: int
-    runs: tuple[tuple[int, int], ...]  # physical page runs
-    event: torch.cuda.Event | None = None  # recorded after the copy that filled the pages
-
-    @property
-    def contiguous(self) -> bool:
-        """One physical run: clients get a view at a byte offset instead of page ids."""
-        return len(self.runs) <= 1
 
 
 class DevicePool:

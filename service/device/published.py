@@ -27,7 +27,7 @@ from embcache.service.host.entries import Entry
 from embcache.service.host.read_table import ReadTable
 
 if TYPE_CHECKING:
-    from embcache.service.device.pool import Residency
+    from embcache.service.device.residency import Residency
 
 
 class PublishedCopies:

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from embcache.service.device.copy_plan import merge_runs
-from embcache.service.device.pool import DevicePool, Residency
+from embcache.service.device.pool import DevicePool
+from embcache.service.device.residency import Residency
 from embcache.service.host.allocator import page_byte_runs
 from embcache.service.host.entries import Entry
 

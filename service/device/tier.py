@@ -29,9 +29,10 @@ from embcache.service.device import loads
 from embcache.service.device.copier import Copier, CopyObserver
 from embcache.service.device.into import queue_into
 from embcache.service.device.pending_get import DeviceLease, PendingGet, Placement
-from embcache.service.device.pool import DevicePool, Residency
+from embcache.service.device.pool import DevicePool
 from embcache.service.device.published import PublishedCopies
 from embcache.service.device.ready_events import ReadyEvents
+from embcache.service.device.residency import Residency
 from embcache.service.device.routing import PeerRates
 from embcache.service.host.entries import Entry
 from embcache.service.host.host_pool import HostPool

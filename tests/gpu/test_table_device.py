@@ -88,7 +88,7 @@ with EmbCacheClient(target) as client:
     assert len(pools) == 1 and pools[0].WhichOneof("kind") == "device", pools
     assert all(not table.locate(k).devices for k in want), "device runs before any device get"
 
-    with client.get(list(want), device="cuda") as got:  # one call: resident from now on
+    with client.get(list(want), device="cuda", zero_copy=True) as got:  # a call: resident
         assert all(torch.equal(x, on_gpu[k]) for k, x in zip(want, got))
     found = wait_offered(table, list(want))
     for f in found:
@@ -140,7 +140,7 @@ with EmbCacheClient(target) as client:
             with EmbCacheClient(target) as other:
                 while not stop.is_set():
                     keys = rnd.sample(names, 4)
-                    with other.get(keys, device="cuda"):
+                    with other.get(keys, device="cuda", zero_copy=True):  # a call: made resident
                         churned[0] += 1
         except BaseException as exc:
             errors.append(repr(exc))

@@ -69,11 +69,11 @@ def test_a_client_that_leases_everything_for_an_hour_no_longer_blocks_puts(
         held = []
         try:
             with pytest.raises(LeaseLimitExceeded):
-                held.append(hog.get(BIG, ttl_s=3600))
+                held.append(hog.get(BIG, ttl_s=3600, zero_copy=True))
             assert leases(daemon) == 0
             for key in BIG:  # one by one, as far as the cap lets it
                 try:
-                    held.append(hog.get([key], ttl_s=3600))
+                    held.append(hog.get([key], ttl_s=3600, zero_copy=True))
                 except LeaseLimitExceeded:
                     break
             leased_mib = len(held) * 8
@@ -97,7 +97,7 @@ def test_a_client_that_leases_everything_for_an_hour_no_longer_blocks_puts(
 def test_release_and_renew_only_take_the_callers_own_leases(daemon: dm.Daemon) -> None:
     with EmbCacheClient(daemon.unix, timeout=30) as owner:
         owner.put("own/k", torch.ones(8))
-        held = owner.get(["own/k"], ttl_s=600)
+        held = owner.get(["own/k"], ttl_s=600, zero_copy=True)
         [lease_id] = held.lease_ids
         with RawLane(lane_path(daemon.ready), "thief") as thief:
             stolen = thief.call(release=pb.ReleaseRequest(lease_ids=[lease_id]))
@@ -142,7 +142,7 @@ def test_sessions_are_listed_and_an_operator_drops_one(daemon: dm.Daemon, over: 
     ) as client:
         client.put("ops/a", torch.ones(1024))
         client.put("ops/b", torch.ones(2048))
-        held = client.get(["ops/a", "ops/b"], ttl_s=600)
+        held = client.get(["ops/a", "ops/b"], ttl_s=600, zero_copy=True)
         listed = _cli(daemon, "sessions", "--json")
         assert listed.returncode == 0, listed.stderr
         [me] = [s for s in json.loads(listed.stdout)["sessions"]

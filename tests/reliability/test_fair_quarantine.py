@@ -39,7 +39,7 @@ def say(**msg):
     print(json.dumps(msg), flush=True)
 
 client = EmbCacheClient(sys.argv[1], timeout=10, client_name="holder")
-held = client.get([sys.argv[2]], ttl_s=600)
+held = client.get([sys.argv[2]], ttl_s=600, zero_copy=True)
 views = list(held)
 say(event="held", ids=list(held.lease_ids), pid=os.getpid(), value=float(views[0][0]))
 for line in sys.stdin:

@@ -74,9 +74,9 @@ def test_unary_get_over_the_limit_is_refused_and_keeps_no_lease(daemon: dm.Daemo
 def test_a_session_survives_a_get_over_the_limit(daemon: dm.Daemon, over: str) -> None:
     target = daemon.unix if over == "lane" else daemon.tcp  # TCP: a gRPC Session stream
     with EmbCacheClient(target, timeout=30, retries=0) as client:
-        held = client.get(["keep"], ttl_s=600)
+        held = client.get(["keep"], ttl_s=600, zero_copy=True)
         with pytest.raises(ReplyTooLarge):
-            client.get(wide_keys(), ttl_s=600)
+            client.get(wide_keys(), ttl_s=600, zero_copy=True)
         assert daemon.stats()["leases_active"] == 1  # the session and its lease live on
         assert torch.equal(held[0], torch.ones(16))
         held.release()  # LeaseExpired here: the session had ended with its leases

@@ -69,7 +69,7 @@ def live() -> Iterator[Live]:
             with EmbCacheClient(d.unix) as client:
                 client.put(mg.FIXED, torch.zeros(4, 4, dtype=torch.float16))
                 client.put(mg.LEASED, torch.arange(8, dtype=torch.uint8))
-                held = client.get([mg.LEASED], ttl_s=3600)
+                held = client.get([mg.LEASED], ttl_s=3600, zero_copy=True)
                 live = Live(d, client)
                 yield live
                 live.channel.close()

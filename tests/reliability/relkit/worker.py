@@ -218,7 +218,7 @@ def _allowed(exc: EmbCacheError, cfg: dict[str, Any], c: Counter[str]) -> bool:
 def run_holder(cfg: dict[str, Any], client: EmbCacheClient, c: Counter[str]) -> None:
     """Lease ``keys`` (zero-copy views), verify, report, then wait for orders on stdin."""
     keys = cfg["keys"]
-    leased = client.get(keys, ttl_s=cfg.get("ttl_s"))
+    leased = client.get(keys, ttl_s=cfg.get("ttl_s"), zero_copy=True)
     for key, tensor in zip(keys, leased, strict=True):
         _verify(key, tensor, c)
     emit(event="held", leases=len(leased.lease_ids), mismatches=c["mismatches"])
