@@ -84,7 +84,8 @@ async def start_data_plane(
     uds = None
     if unix or tcp:
         path = uds_path(Path(settings.grpc_socket)) if settings.grpc_socket and unix else None
-        uds = UdsServer(servicer, path, settings.auth_token, Admission.of(settings, metrics))
+        limits = Admission.of(settings, metrics)
+        uds = UdsServer(servicer.session_service, path, settings.auth_token, limits)
     try:
         if uds is not None and uds.path is not None:
             prepare_socket_path(uds.path)

@@ -4,7 +4,8 @@ Handlers run on the daemon's event loop and call the engine directly: its calls 
 (table updates under one lock, or one <= 1 MiB memcpy per chunk), so a thread hop would
 cost more than it saves. The device calls (``handlers/device.py``) wait on copies without
 blocking the loop: polled on it, or in a worker thread when long (``device_get.py``).
-The servicer also opens the sessions that gRPC streams and the session socket carry.
+Its ``Session`` stream carries a session of the session service (``session/service.py``),
+which also serves the session socket's sessions.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from embcache.service.host.leases import Lease
 from embcache.service.transport.accounting import RpcMetrics
 from embcache.service.transport.grpc.busy_poll import BusyPoll
 from embcache.service.transport.grpc.errors import rpc
-from embcache.service.transport.grpc.sessions import VERSION_METADATA, SessionRpcs
+from embcache.service.transport.grpc.sessions import VERSION_METADATA, serve_stream
 from embcache.service.transport.handlers.device import (
     DevicePlane,
     check_reply_size,
@@ -44,7 +45,7 @@ from embcache.service.transport.idle import idle_limited
 from embcache.service.transport.render import LocationRenderer
 from embcache.service.transport.session.admin import SessionAdmin
 from embcache.service.transport.session.registry import SessionRegistry
-from embcache.service.transport.session.touches import ClientTouches
+from embcache.service.transport.session.service import DaemonHandlers, SessionService
 
 log = logging.getLogger("embcache.grpc")
 
@@ -55,7 +56,7 @@ _EVICT_OUTCOMES = {
 }
 
 
-class EmbeddingCacheServicer(SessionRpcs, pb_grpc.EmbeddingCacheServicer):
+class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
     """Every RPC of the service (docs/grpc.md, "RPCs"; the sessions' in ``sessions.py``);
     owns the session registry, the device plane and the busy poller."""
 
@@ -72,11 +73,39 @@ class EmbeddingCacheServicer(SessionRpcs, pb_grpc.EmbeddingCacheServicer):
         self.metrics = metrics
         self.sessions = SessionRegistry(token=bool(settings.auth_token))
         self.admin = SessionAdmin(self.sessions, engine)  # operators: list and drop sessions
-        self.touch_clients = ClientTouches(self.new_touches)  # one touch budget per client
         self.host_pool = pool_handle_of(LocationRenderer(engine, settings).host_pool())
         self.device = DevicePlane(engine, settings, ipc)
         self.busy = BusyPoll(settings.busy_poll_us / 1e6)  # started with the server
         self.tcp_lane_port = 0  # the session socket's TCP port, once it listens (serving.py)
+        handlers = DaemonHandlers(
+            get=self._get,
+            release=self._release,
+            render=self._checked_reply,
+            put=self.device.put_from_device,
+            put_batch=self.device.put_from_device_batch,
+            get_into=self.device.get_into,
+            offered_pools=self.device.offered_pools,
+            drop_ipc=self.device.ipc.drop_owner,
+            on_call=self.busy.poke,
+        )
+        # Opens the sessions of Session streams and of the session socket (serving.py)
+        self.session_service = SessionService(
+            engine, settings, metrics, self.sessions, self.host_pool, handlers
+        )
+
+    @rpc("Lanes")
+    async def Lanes(
+        self, request: pb.LanesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LanesResponse:
+        return pb.LanesResponse(tcp_port=self.tcp_lane_port)
+
+    @rpc("Session")
+    async def Session(
+        self,
+        request_iterator: AsyncIterator[pb.SessionRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        await serve_stream(self.session_service, request_iterator, context)
 
     def close(self) -> None:
         """Close the client allocations opened through IPC (after the server stopped)."""

@@ -24,7 +24,8 @@ finds the session closed (the Get handlers check) or is cancelled at its next aw
 release on the way out), so no lease outlives the session. A result larger than a message
 (the Get handlers refuse those first) is answered as ``ReplyTooLarge`` and its leases given
 back, so it never ends the session. A release posted with call id 0 gets no result: its
-caller does not wait for one (``SessionCall.call_id``).
+caller does not wait for one (``SessionCall.call_id``). What each kind of call does is
+``call_kinds.py``'s table.
 """
 
 from __future__ import annotations
@@ -32,81 +33,43 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
-from embcache.errors import EmbCacheError, InvalidArgument, QuotaExceeded, ReplyTooLarge
+from embcache.errors import EmbCacheError, InvalidArgument, ReplyTooLarge
 from embcache.proto.constants import MAX_MESSAGE_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.transport.accounting import RpcMetrics
 from embcache.service.transport.session.bytes_out import BytesReply
+from embcache.service.transport.session.call_kinds import (
+    AT_ONCE,
+    AT_ONCE_CALLS,
+    NAMES,
+    TASK_CALLS,
+    SessionIO,
+    touch_keys,
+)
 from embcache.service.transport.session.host_puts import SessionPuts
 from embcache.service.transport.status import status_for
 
 log = logging.getLogger("embcache.grpc")
 
-GetHandler = Callable[[pb.GetRequest, str], Awaitable[pb.GetResponse]]
-ReleaseHandler = Callable[[pb.ReleaseRequest, str], pb.ReleaseResponse]  # (request, owner)
-# (request, owner of the IPC mappings, owner of the in-flight quota)
-PutHandler = Callable[[pb.PutFromDeviceRequest, str, str], Awaitable[pb.PutResponse]]
-# (request, owner): a GetInto in the session (the device handler's)
-GetIntoHandler = Callable[[pb.GetIntoRequest, str], Awaitable[pb.GetIntoResponse]]
-PutBatchHandler = Callable[
-    [pb.PutFromDeviceBatchRequest, str, str], Awaitable[pb.PutFromDeviceBatchResponse]
-]
-# (request, owner) -> the answer and the views to send after it (``bytes_out.read_bytes``)
-ReadBytes = Callable[[pb.GetBytesRequest, str], BytesReply]
-# (request, owner) -> a host get's reply and the copies sent after it (``inline_gets.py``)
-InlineGet = Callable[[pb.GetRequest, str], tuple[pb.GetResponse, BytesReply | None]]
-# A session socket's writer of a result and the raw bytes after it: waits until the
-# connection has room, then calls ``produce()`` and writes both, in one piece, and ends the
-# reply's lease once the transport has let go of its views.
-Produce = Callable[[], tuple[pb.SessionResponse, BytesReply | None]]
-SendBytes = Callable[[Produce], Awaitable[None]]
-NAMES = {  # a call's name in the metrics, as its RPC's
-    "get": "Get",
-    "release": "Release",
-    "put_from_device": "PutFromDevice",
-    "put_from_device_batch": "PutFromDeviceBatch",
-    "put": "Put",
-    "put_batch": "PutBatch",
-    "put_reserve": "PutReserve",
-    "put_commit": "PutCommit",
-    "put_abort": "PutAbort",
-    "get_bytes": "GetBytes",
-    "get_into": "GetInto",
-    "touch": "Touch",
-}
-Send = Callable[[pb.SessionResponse], Awaitable[None]]
-MAX_TOUCH_KEYS = 4096  # keys one touch may count (a client posts one per get)
-# Calls whose handlers never wait: answered at once where the transport can write at once.
-AT_ONCE = frozenset({"put", "put_batch", "release", "touch"})
-
 
 class SessionCalls:
-    """The calls in flight on one Session stream. ``owner``: the session, whose leases and
-    IPC mappings they are; ``quota_owner``: whose in-flight quota its device puts count
-    against (the session's client; default ``owner``); ``max_calls``: the bound (0: none)."""
+    """The calls in flight on one session. ``owner``: the session, whose leases and IPC
+    mappings they are; ``io``: its handlers and writers; ``quota_owner``: whose in-flight
+    quota its device puts count against (the session's client; default ``owner``);
+    ``max_calls``: the bound (0: none); ``host_puts``: its host puts, where served."""
 
     def __init__(
         self,
         owner: str,
-        send: Send,
-        get: GetHandler,
-        release: ReleaseHandler,
+        io: SessionIO,
         metrics: RpcMetrics | None,
         *,
-        put: PutHandler | None = None,
-        put_batch: PutBatchHandler | None = None,
-        on_call: Callable[[], None] | None = None,
         transport: str = "grpc",
         max_calls: int = 0,
         quota_owner: str | None = None,
         host_puts: SessionPuts | None = None,
-        read_bytes: ReadBytes | None = None,
-        send_bytes: SendBytes | None = None,
-        get_into: GetIntoHandler | None = None,
-        inline_get: InlineGet | None = None,
-        touch: Callable[[list[str]], int | None] | None = None,
     ) -> None:
         self.owner = owner
         self.quota_owner = quota_owner or owner
@@ -118,40 +81,28 @@ class SessionCalls:
         self.send_now: Callable[[Callable[[], pb.SessionResponse]], bool] | None = None
         self._room: asyncio.Future[None] | None = None  # the reader waiting for room
         self._transport = transport  # the metrics' label: "grpc"; "lane": the session socket
-        self._send = send
-        self._get = get
-        self._release = release
-        self._put = put
-        self._put_batch = put_batch
+        self.io = io  # its handlers and writers
         self._metrics = metrics
-        self._on_call = on_call  # told of each call as it arrives (busy polling)
         self._tasks: set[asyncio.Task[None]] = set()
         self.host_puts = host_puts  # the session's host puts and reservations, if served
-        self._read_bytes = read_bytes
-        self._send_bytes = send_bytes  # None: the transport cannot send raw bytes (gRPC)
-        self._get_into = get_into
-        self._inline_get = inline_get
-        # Hits served from the read table (None: no table); it says None for a touch it
-        # dropped over its client's budget (``touches.py``).
-        self._touch = touch
 
     @property
     def serves_bytes(self) -> bool:
         """Whether get_bytes is served here (a session socket's calls)."""
-        return self._read_bytes is not None and self._send_bytes is not None
+        return self.io.read_bytes is not None and self.io.send_bytes is not None
 
     @property
     def serves_inline_gets(self) -> bool:
         """Whether host gets may send small entries as copies after the result here."""
-        return self._inline_get is not None and self._send_bytes is not None
+        return self.io.inline_get is not None and self.io.send_bytes is not None
 
     def start(self, call: pb.SessionCall) -> None:
         """Run ``call`` as a task; its result is sent when it finishes. A posted release
         (call id 0: no result) runs at once instead, without a task: it only updates the
         lease table, and it rides in front of the client's next call; so does a posted
         touch (it only counts hits)."""
-        if self._on_call is not None:
-            self._on_call()
+        if self.io.on_call is not None:
+            self.io.on_call()
         kind = call.WhichOneof("request")
         if call.call_id == 0 and kind == "release":
             self._posted_release(call.release)
@@ -178,7 +129,7 @@ class SessionCalls:
             response = pb.SessionResponse()
             result = response.result
             result.call_id = call.call_id
-            code = self._outcome(kind, lambda: self._fill_at_once(kind, call, result), result)
+            code = self._outcome(kind, lambda: AT_ONCE_CALLS[kind](self, call, result), result)
             if self._metrics is not None:
                 name, elapsed = f"Session.{NAMES[kind]}", time.perf_counter() - start
                 self._metrics.observe_rpc(self._transport, name, code, elapsed)
@@ -189,25 +140,7 @@ class SessionCalls:
     def _serves_at_once(self, kind: str) -> bool:
         if kind in ("put", "put_batch"):
             return self.host_puts is not None
-        return kind == "release" or (kind == "touch" and self._touch is not None)
-
-    def _fill_at_once(self, kind: str, call: pb.SessionCall, result: pb.SessionResult) -> None:
-        """Fill ``result`` for a call of ``AT_ONCE`` that ``_serves_at_once``."""
-        puts = self.host_puts
-        if kind == "put":
-            assert puts is not None
-            result.put.CopyFrom(puts.put(call.put))
-        elif kind == "put_batch":
-            assert puts is not None
-            result.put_batch.CopyFrom(puts.put_batch(call.put_batch))
-        elif kind == "release":
-            result.release.CopyFrom(self._release(call.release, self.owner))
-        else:
-            assert self._touch is not None
-            touched = self._touch(_touch_keys(call.touch))
-            if touched is None:
-                raise QuotaExceeded("touches over this client's budget (max_touch_keys_per_s)")
-            result.touch.touched = touched
+        return kind == "release" or (kind == "touch" and self.io.touch is not None)
 
     @staticmethod
     def _outcome(kind: str, run: Callable[[], object], result: pb.SessionResult | None) -> str:
@@ -279,25 +212,12 @@ class SessionCalls:
         result.call_id = call.call_id
         code = "OK"
         try:
-            if kind == "get":
-                result.get.CopyFrom(await self._get(call.get, self.owner))
-            elif kind in AT_ONCE and self._serves_at_once(kind):
-                self._fill_at_once(kind, call, result)
-            elif kind == "put_from_device" and self._put is not None:
-                reply = await self._put(call.put_from_device, self.owner, self.quota_owner)
-                result.put_from_device.CopyFrom(reply)
-            elif kind == "get_into" and self._get_into is not None:
-                result.get_into.CopyFrom(await self._get_into(call.get_into, self.owner))
-            elif kind == "put_from_device_batch" and self._put_batch is not None:
-                request = call.put_from_device_batch
-                batch = await self._put_batch(request, self.owner, self.quota_owner)
-                result.put_from_device_batch.CopyFrom(batch)
-            elif kind is not None and kind.startswith("put") and self.host_puts is not None:
-                await self._host_put(kind, call, result)
+            if kind in AT_ONCE_CALLS:
+                AT_ONCE_CALLS[kind](self, call, result)
+            elif kind in TASK_CALLS:
+                await TASK_CALLS[kind](self, call, result)
             else:
-                raise InvalidArgument(
-                    "a session call carries a get, release or device put request", kind=kind
-                )
+                raise InvalidArgument("a session call carries a known request", kind=kind)
         except EmbCacheError as err:
             code = _fail(result, err)
             log.info("Session.%s -> %s: %s", kind, code, err.describe())
@@ -318,7 +238,7 @@ class SessionCalls:
             _fail(result, ReplyTooLarge("reply exceeds the message limit", size=size,
                                         limit=MAX_MESSAGE_BYTES))  # fmt: skip
         try:
-            await self._send(response)
+            await self.io.send(response)
         except BaseException:
             self._give_back(result)  # nobody will read this result
             raise
@@ -329,11 +249,11 @@ class SessionCalls:
         request = call.get_bytes
 
         def read(result: pb.SessionResult) -> BytesReply:
-            if self._read_bytes is None:
+            if self.io.read_bytes is None:
                 raise InvalidArgument(
                     "get_bytes is a session socket's call (SessionOpened.bytes_out)"
                 )
-            reply = self._read_bytes(request, self.owner)
+            reply = self.io.read_bytes(request, self.owner)
             result.get_bytes.CopyFrom(reply.out)
             return reply
 
@@ -343,8 +263,8 @@ class SessionCalls:
         """A host get whose small entries follow the result as copies (``inline_gets.py``)."""
 
         def read(result: pb.SessionResult) -> BytesReply | None:
-            assert self._inline_get is not None
-            reply, copies = self._inline_get(call.get, self.owner)
+            assert self.io.inline_get is not None
+            reply, copies = self.io.inline_get(call.get, self.owner)
             result.get.CopyFrom(reply)
             return copies
 
@@ -368,7 +288,7 @@ class SessionCalls:
             result.call_id = call.call_id
             reply = None
             try:
-                if self._send_bytes is None:
+                if self.io.send_bytes is None:
                     raise InvalidArgument(
                         f"{kind} with raw bytes is a session socket's call", kind=kind
                     )
@@ -388,11 +308,11 @@ class SessionCalls:
             return response, reply
 
         try:
-            if self._send_bytes is None:
+            if self.io.send_bytes is None:
                 response, _ = produce()  # the refusal
-                await self._send(response)
+                await self.io.send(response)
             else:
-                await self._send_bytes(produce)
+                await self.io.send_bytes(produce)
         except asyncio.CancelledError:
             code = "CANCELLED"
             raise
@@ -402,27 +322,14 @@ class SessionCalls:
                 name = f"Session.{NAMES.get(kind, 'Unknown')}"
                 self._metrics.observe_rpc(self._transport, name, code, elapsed)
 
-    async def _host_put(self, kind: str, call: pb.SessionCall, result: pb.SessionResult) -> None:
-        """A reservation's step (``host_puts.py``; inline puts are ``_fill_at_once``'s)."""
-        puts = self.host_puts
-        assert puts is not None
-        if kind == "put_reserve":
-            result.put_reserve.CopyFrom(puts.reserve(call.put_reserve))
-        elif kind == "put_commit":
-            result.put_commit.CopyFrom(await puts.commit(call.put_commit))
-        elif kind == "put_abort":
-            result.put_abort.CopyFrom(puts.abort(call.put_abort))
-        else:
-            raise InvalidArgument("unknown put call", kind=kind)
-
     def _posted_release(self, request: pb.ReleaseRequest) -> None:
-        self._posted("release", lambda: self._release(request, self.owner))
+        self._posted("release", lambda: self.io.release(request, self.owner))
 
     def _posted_touch(self, request: pb.TouchRequest) -> None:
         def touch() -> None:
-            if self._touch is None:
+            if self.io.touch is None:
                 raise InvalidArgument("touch needs the daemon's read table (none here)")
-            self._touch(_touch_keys(request))  # over the budget: dropped and counted there
+            self.io.touch(touch_keys(request))  # over the budget: dropped and counted there
 
         self._posted("touch", touch)
 
@@ -437,7 +344,7 @@ class SessionCalls:
     def _give_back(self, result: pb.SessionResult) -> None:
         """Release the leases a result would have handed out."""
         if result.WhichOneof("outcome") == "get":
-            self._release(pb.ReleaseRequest(lease_ids=_lease_ids(result.get)), self.owner)
+            self.io.release(pb.ReleaseRequest(lease_ids=_lease_ids(result.get)), self.owner)
 
 
 def _fail(result: pb.SessionResult, err: EmbCacheError) -> str:
@@ -447,15 +354,6 @@ def _fail(result: pb.SessionResult, err: EmbCacheError) -> str:
         pb.CallError(code=code, message=err.describe(), error_type=type(err).__name__)
     )
     return code
-
-
-def _touch_keys(request: pb.TouchRequest) -> list[str]:
-    """The keys of a touch, checked as a get's are (at most ``MAX_TOUCH_KEYS``)."""
-    if len(request.keys) > MAX_TOUCH_KEYS:
-        raise InvalidArgument(
-            "too many keys in one touch", keys=len(request.keys), limit=MAX_TOUCH_KEYS
-        )
-    return list(request.keys)
 
 
 def _lease_ids(reply: pb.GetResponse) -> list[int]:

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Protocol
 
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.text import plural
-from embcache.service.transport.accounting import RpcMetrics
-from embcache.service.transport.session.calls import Send, SendBytes, SessionCalls
-from embcache.service.transport.session.registry import PeerCreds, SessionRecord
+from embcache.service.transport.session.calls import SessionCalls
+from embcache.service.transport.session.registry import SessionRecord
 
 log = logging.getLogger("embcache.session")
 
@@ -63,18 +61,3 @@ class OpenSession:
                 self.hello,
                 plural(dropped, "lease"),
             )
-
-
-class SessionHost(Protocol):
-    """What opens sessions (the gRPC servicer) offers the session socket."""
-
-    metrics: RpcMetrics | None
-
-    def open_session(
-        self,
-        send: Send,
-        transport: str,
-        peer: PeerCreds | None = None,
-        send_bytes: SendBytes | None = None,
-        client: str = "unix",
-    ) -> OpenSession: ...

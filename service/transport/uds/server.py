@@ -46,9 +46,10 @@ from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.framing import FRAME_HEADER as HEADER
 from embcache.proto.framing import frame
 from embcache.service.transport.session.bytes_out import BytesReply
-from embcache.service.transport.session.calls import Produce
-from embcache.service.transport.session.open import OpenSession, SessionHost
+from embcache.service.transport.session.call_kinds import Produce
+from embcache.service.transport.session.open import OpenSession
 from embcache.service.transport.session.registry import PeerCreds, peer_address
+from embcache.service.transport.session.service import SessionService
 from embcache.service.transport.session.waiters import Gate
 from embcache.service.transport.sockets import keepalive, peer_credentials
 from embcache.service.transport.status import status_for
@@ -69,12 +70,12 @@ class UdsServer:
 
     def __init__(
         self,
-        host: SessionHost,
+        service: SessionService,
         path: Path | None,
         token: str | None,
         limits: Admission,
     ) -> None:
-        self.host = host  # opens the sessions (the gRPC servicer: same registry and calls)
+        self.service = service  # opens the sessions (the gRPC streams' too: one registry)
         self.path = path
         self._token = token.encode() if token else None
         self.limits = limits  # the bounds before a hello is accepted
@@ -276,7 +277,7 @@ class _Connection(asyncio.Protocol):
             else:
                 self._stop_hello_timer()
                 self.server.opened(self)
-                self.session = self.server.host.open_session(
+                self.session = self.server.service.open_session(
                     self._send, "lane", self.peer, self._send_bytes, client=self._client()
                 )
                 self.session.calls.on_room = self._on_room
@@ -407,7 +408,7 @@ class _Connection(asyncio.Protocol):
 
     def _count(self, code: str) -> None:
         """A connection refused or dropped, in the metrics as a failed Session call."""
-        metrics = self.server.host.metrics
+        metrics = self.server.service.metrics
         if metrics is not None:
             metrics.observe_rpc("lane", "Session", code, 0.0)
 
