@@ -44,8 +44,9 @@ from embcache.service.transport.handlers.device import (
 from embcache.service.transport.idle import idle_limited
 from embcache.service.transport.render import LocationRenderer
 from embcache.service.transport.session.admin import SessionAdmin
+from embcache.service.transport.session.call_kinds import DaemonHandlers
 from embcache.service.transport.session.registry import SessionRegistry
-from embcache.service.transport.session.service import DaemonHandlers, SessionService
+from embcache.service.transport.session.service import SessionService
 
 log = logging.getLogger("embcache.grpc")
 

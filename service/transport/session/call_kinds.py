@@ -11,7 +11,7 @@ as tasks.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -19,6 +19,7 @@ from embcache.errors import InvalidArgument, QuotaExceeded
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.transport.session.bytes_out import BytesReply
 from embcache.service.transport.session.host_puts import SessionPuts
+from embcache.service.transport.session.inline_gets import Render
 
 GetHandler = Callable[[pb.GetRequest, str], Awaitable[pb.GetResponse]]
 ReleaseHandler = Callable[[pb.ReleaseRequest, str], pb.ReleaseResponse]  # (request, owner)
@@ -61,24 +62,38 @@ MAX_TOUCH_KEYS = 4096  # keys one touch may count (a client posts one per get)
 
 
 @dataclass(frozen=True, slots=True)
-class SessionIO:
-    """How one session's calls reach the daemon and go back to their caller: the daemon's
-    handlers (None: that call is not served on this session) and the transport's writers.
-    ``send`` writes a result; ``send_bytes``, where the transport can, a result with raw
-    bytes after it (``bytes_out.py``); ``touch`` counts read-table hits (None: no table);
-    ``on_call`` is told of each call as it arrives (busy polling)."""
+class DaemonHandlers:
+    """The daemon's handlers every session's calls run through (the gRPC servicer's gets and
+    releases, the device plane's puts and get_into; None: not served), and what else a
+    session needs of the daemon: ``render`` (a host get's reply, ReplyTooLarge past a
+    message), ``offered_pools`` (the device pools the read table names, by index),
+    ``drop_ipc`` (forget the client allocations a session opened) and ``on_call`` (told of
+    each call as it arrives: busy polling)."""
 
-    send: Send
     get: GetHandler
     release: ReleaseHandler
+    render: Render
     put: PutHandler | None = None
     put_batch: PutBatchHandler | None = None
     get_into: GetIntoHandler | None = None
-    read_bytes: ReadBytes | None = None
+    offered_pools: Callable[[], Sequence[pb.PoolHandle]] = tuple
+    drop_ipc: Callable[[str], object] | None = None
+    on_call: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionIO:
+    """How one session's calls reach the daemon (``daemon``, and the session's own
+    ``read_bytes``, ``inline_get`` and ``touch``: None where not served) and go back to
+    their caller: ``send`` writes a result; ``send_bytes``, where the transport can, a
+    result with raw bytes after it (``bytes_out.py``)."""
+
+    daemon: DaemonHandlers
+    send: Send
     send_bytes: SendBytes | None = None
+    read_bytes: ReadBytes | None = None
     inline_get: InlineGet | None = None
     touch: Touch | None = None
-    on_call: Callable[[], None] | None = None
 
 
 class CallSite(Protocol):
@@ -119,7 +134,7 @@ def put_batch(site: CallSite, call: pb.SessionCall, result: pb.SessionResult) ->
 
 
 def release(site: CallSite, call: pb.SessionCall, result: pb.SessionResult) -> None:
-    result.release.CopyFrom(site.io.release(call.release, site.owner))
+    result.release.CopyFrom(site.io.daemon.release(call.release, site.owner))
 
 
 def touch(site: CallSite, call: pb.SessionCall, result: pb.SessionResult) -> None:
@@ -131,11 +146,11 @@ def touch(site: CallSite, call: pb.SessionCall, result: pb.SessionResult) -> Non
 
 # -- run as tasks ---------------------------------------------------------------------------
 async def get(site: CallSite, call: pb.SessionCall, result: pb.SessionResult) -> None:
-    result.get.CopyFrom(await site.io.get(call.get, site.owner))
+    result.get.CopyFrom(await site.io.daemon.get(call.get, site.owner))
 
 
 async def put_from_device(site: CallSite, call: pb.SessionCall, result: pb.SessionResult) -> None:
-    handler = served(site.io.put, "put_from_device")
+    handler = served(site.io.daemon.put, "put_from_device")
     reply = await handler(call.put_from_device, site.owner, site.quota_owner)
     result.put_from_device.CopyFrom(reply)
 
@@ -143,13 +158,13 @@ async def put_from_device(site: CallSite, call: pb.SessionCall, result: pb.Sessi
 async def put_from_device_batch(
     site: CallSite, call: pb.SessionCall, result: pb.SessionResult
 ) -> None:
-    handler = served(site.io.put_batch, "put_from_device_batch")
+    handler = served(site.io.daemon.put_batch, "put_from_device_batch")
     reply = await handler(call.put_from_device_batch, site.owner, site.quota_owner)
     result.put_from_device_batch.CopyFrom(reply)
 
 
 async def get_into(site: CallSite, call: pb.SessionCall, result: pb.SessionResult) -> None:
-    handler = served(site.io.get_into, "get_into")
+    handler = served(site.io.daemon.get_into, "get_into")
     result.get_into.CopyFrom(await handler(call.get_into, site.owner))
 
 

@@ -101,8 +101,8 @@ class SessionCalls:
         (call id 0: no result) runs at once instead, without a task: it only updates the
         lease table, and it rides in front of the client's next call; so does a posted
         touch (it only counts hits)."""
-        if self.io.on_call is not None:
-            self.io.on_call()
+        if self.io.daemon.on_call is not None:
+            self.io.daemon.on_call()
         kind = call.WhichOneof("request")
         if call.call_id == 0 and kind == "release":
             self._posted_release(call.release)
@@ -323,7 +323,7 @@ class SessionCalls:
                 self._metrics.observe_rpc(self._transport, name, code, elapsed)
 
     def _posted_release(self, request: pb.ReleaseRequest) -> None:
-        self._posted("release", lambda: self.io.release(request, self.owner))
+        self._posted("release", lambda: self.io.daemon.release(request, self.owner))
 
     def _posted_touch(self, request: pb.TouchRequest) -> None:
         def touch() -> None:
@@ -344,7 +344,7 @@ class SessionCalls:
     def _give_back(self, result: pb.SessionResult) -> None:
         """Release the leases a result would have handed out."""
         if result.WhichOneof("outcome") == "get":
-            self.io.release(pb.ReleaseRequest(lease_ids=_lease_ids(result.get)), self.owner)
+            self.io.daemon.release(pb.ReleaseRequest(lease_ids=_lease_ids(result.get)), self.owner)
 
 
 def _fail(result: pb.SessionResult, err: EmbCacheError) -> str:

@@ -4,16 +4,15 @@ whichever transport carries it, and ends them.
 
 It owns what belongs to sessions: their touch budgets per client (``touches.py``) and the
 wiring of each new session's calls (``calls.py``) to the daemon's handlers
-(:class:`DaemonHandlers`, which the gRPC servicer and the device plane provide); the session
-registry it shares with the unary calls, which name sessions in their metadata.
+(``call_kinds.DaemonHandlers``, which the gRPC servicer and the device plane provide); the
+session registry it shares with the unary calls, which name sessions in their metadata.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from embcache import build_info
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
@@ -23,40 +22,17 @@ from embcache.service.host.read_table import ReadTable
 from embcache.service.transport.accounting import RpcMetrics
 from embcache.service.transport.session.bytes_out import read_bytes
 from embcache.service.transport.session.call_kinds import (
-    GetHandler,
-    GetIntoHandler,
-    PutBatchHandler,
-    PutHandler,
-    ReleaseHandler,
+    DaemonHandlers,
     Send,
     SendBytes,
     SessionIO,
 )
 from embcache.service.transport.session.calls import SessionCalls
 from embcache.service.transport.session.host_puts import SessionPuts, may_write_segment
-from embcache.service.transport.session.inline_gets import Render, inline_get
+from embcache.service.transport.session.inline_gets import inline_get
 from embcache.service.transport.session.open import OpenSession
 from embcache.service.transport.session.registry import PeerCreds, SessionRegistry
 from embcache.service.transport.session.touches import ClientTouches, SessionTouches
-
-
-@dataclass(frozen=True, slots=True)
-class DaemonHandlers:
-    """The daemon's handlers a session's calls run through (the gRPC servicer's gets and
-    releases, the device plane's puts and get_into), and what else a session needs of them:
-    ``render`` (a host get's reply, ReplyTooLarge past a message), ``offered_pools`` (the
-    device pools the read table names, by index), ``drop_ipc`` (forget the client
-    allocations a session opened) and ``on_call`` (busy polling)."""
-
-    get: GetHandler
-    release: ReleaseHandler
-    render: Render
-    put: PutHandler | None = None
-    put_batch: PutBatchHandler | None = None
-    get_into: GetIntoHandler | None = None
-    offered_pools: Callable[[], Sequence[pb.PoolHandle]] = tuple
-    drop_ipc: Callable[[str], object] | None = None
-    on_call: Callable[[], None] | None = None
 
 
 class SessionService:
@@ -99,21 +75,16 @@ class SessionService:
             engine.quarantine.bind(session_id, peer.pid)
         toucher = peer.client if peer is not None else client
         io = SessionIO(
-            send=send,
-            get=h.get,
-            release=h.release,
-            put=h.put,
-            put_batch=h.put_batch,
-            get_into=h.get_into,
+            h,
+            send,
+            send_bytes,
             read_bytes=functools.partial(read_bytes, engine),
-            send_bytes=send_bytes,
             inline_get=functools.partial(
                 inline_get, engine, alive=self.sessions.alive, render=h.render
             ),
             touch=(
                 self._touches.open(session_id, toucher) if engine.read_table is not None else None
             ),
-            on_call=h.on_call,
         )
         puts = SessionPuts(
             engine,
