@@ -234,7 +234,7 @@ def test_clients_reconnect_and_a_view_held_across_the_restart_keeps_its_bytes(
         with EmbCacheClient(d.unix, timeout=10) as client:
             client.put(VIEW_KEY, payload.make(VIEW_KEY, MiB, 1))
             put_all(client, "v", 10)
-            with client.get([VIEW_KEY]) as (view,):
+            with client.get([VIEW_KEY], zero_copy=True) as (view,):
                 assert payload.check(VIEW_KEY, view) is None
             assert dm.stop(d) == 0, d.log_tail()  # the view lives on in this process
             d = dm.start(spec)

@@ -63,10 +63,10 @@ WRITER = """
 import sys, torch
 from embcache.clients import EmbCacheClient
 with EmbCacheClient(sys.argv[1], timeout=10) as client:
-    with client.get("k") as (t,):
+    with client.get("k", zero_copy=True) as (t,):
         t.mul_(2)  # a view: this used to fault (read-only shared memory)
         assert float(t.min()) == float(t.max()) == 6.0, "the write did not take"
-        with client.get("k") as (again,):  # another view, same process, same bytes
+        with client.get("k", zero_copy=True) as (again,):  # another view, same bytes
             assert float(again.max()) == 3.0, "a write reached another view"
     del t, again
 print("wrote", flush=True)
@@ -91,7 +91,7 @@ def test_an_in_place_op_on_a_host_view_neither_crashes_nor_changes_the_cache(dae
 def test_a_view_kept_after_its_block_keeps_its_bytes(daemon) -> None:  # type: ignore[no-untyped-def]
     with EmbCacheClient(daemon.unix, timeout=10) as client:
         put(client, "kept")
-        with client.get("kept") as (view,):
+        with client.get("kept", zero_copy=True) as (view,):
             assert payload.check("kept", view) is None
         t0 = time.monotonic()
         while time.monotonic() - t0 < 3.0:  # three lease TTLs while the pool turns over
@@ -109,7 +109,7 @@ def test_the_asyncio_client_keeps_views_the_same_way(daemon) -> None:  # type: i
     async def scenario() -> None:
         async with AsyncEmbCacheClient(daemon.unix, timeout=10) as client:
             await client.put("kept", payload.make("kept", MiB, 0))
-            async with client.get("kept") as (view,):
+            async with client.get("kept", zero_copy=True) as (view,):
                 pass
             t0 = time.monotonic()
             while time.monotonic() - t0 < 3.0:  # renewed by the client's task meanwhile
@@ -139,7 +139,7 @@ def say(**msg):
 
 client = EmbCacheClient(sys.argv[2], timeout=10)
 keys = sys.argv[3:]
-with client.get(keys) as views:
+with client.get(keys, zero_copy=True) as views:
     problems = [payload.check(k, v) for k, v in zip(keys, views)]
 say(event="held", problems=problems)  # after the block: a stop now cannot land inside it
 for line in sys.stdin:
@@ -151,7 +151,7 @@ for line in sys.stdin:
         say(event="cut")
     elif cmd == "get":
         try:
-            with client.get(args) as got:
+            with client.get(args, zero_copy=True) as got:  # a call (views), not the table
                 say(event="got", found=[g is not None for g in got])
             del got
         except EmbCacheError as exc:
@@ -233,7 +233,7 @@ def test_a_session_cut_while_its_process_lives_and_the_bound(daemon) -> None:  #
             assert evicted == ["leased"] * 5 and daemon.stats()["quarantined_bytes"] == 5 * MiB
             # 5 MiB held is past this process's bound (4 MiB): its gets are refused ...
             assert holder.ask("get later", "got").get("error") == "QuotaExceeded"
-            assert client.get(["later"]).release(now=True) is None  # ... not another's
+            assert client.get(["later"], zero_copy=True).release(now=True) is None  # not another's
             holder.ask("drop", "dropped")  # its views are gone: its client releases them
             assert wait(lambda: daemon.stats()["quarantined_bytes"] == 0), daemon.stats()
             assert holder.ask("get later", "got") == {"event": "got", "found": [True]}

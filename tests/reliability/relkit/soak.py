@@ -1,10 +1,10 @@
 """The soak: N producers and N consumers against one daemon with a small host pool.
 
 Producers put checksummed payloads (``payload.py``) of sizes drawn from ``sizes_mib``;
-consumers get batches of recent keys, check every byte of each zero-copy view under its
-lease, sometimes hold the leases while the pool churns and check again. Stats are read over
-REST every second. After every client has exited: no lease, nothing filling, and after an
-evict-all not one page in use.
+consumers get batches of recent keys, half as zero-copy views under leases and half as
+copies, and check every byte; they sometimes hold the views' leases while the pool churns
+and check again. Stats are read over REST every second. After every client has exited: no
+lease, nothing filling, and after an evict-all not one page in use.
 """
 
 from __future__ import annotations
@@ -199,6 +199,7 @@ def _figures(
         "reputs": total["reputs"],
         "new_puts_not_created": total["puts_not_created"],
         "gets": total["gets"],
+        "view_gets": total["view_gets"],
         "get_bytes_calls": total["get_bytes"],
         "hits": total["hits"],
         "misses": total["misses"],

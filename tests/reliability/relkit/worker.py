@@ -154,10 +154,13 @@ def _get(
     kept: list[Any],
 ) -> None:
     device = cfg.get("device")
-    pool_views = device is not None and rng.random() < 0.5  # views of the device pool
-    with client.get(keys, device=device, zero_copy=pool_views) as got:
+    # Views of the pool (host, or the device pool with ``device``) under leases; the other
+    # gets are copies (on the daemon's node, read from its table without a call).
+    views = rng.random() < cfg.get("view_prob", 0.5)
+    with client.get(keys, device=device, zero_copy=views) as got:
         c["gets"] += 1
-        hold = rng.random() < cfg.get("hold_prob", 0.1)
+        c["view_gets"] += int(views)
+        hold = views and rng.random() < cfg.get("hold_prob", 0.1)
         for key, tensor in zip(keys, got, strict=True):
             if tensor is None:
                 c["misses"] += 1
@@ -172,7 +175,8 @@ def _get(
                 if tensor is not None:
                     _verify(key, tensor, c)
     size = sum(t.numel() * t.element_size() for t in got if t is not None)
-    if not kept and size <= cfg.get("keep_bytes", 0) and rng.random() < cfg.get("keep_prob", 0):
+    keep = views and not kept and size <= cfg.get("keep_bytes", 0)
+    if keep and rng.random() < cfg.get("keep_prob", 0):
         c["kept"] += 1  # the block has ended: only these tensors keep their leases now
         kept.append((time.monotonic() + rng.uniform(0.5, cfg["keep_s"]), keys, list(got)))
 
