@@ -1,7 +1,8 @@
 """The Grafana dashboard and the alert rules query only what the daemon really exports.
 
-Metric names come from a LIVE daemon's ``/metrics`` after a put and a get (so the RPC
-histogram has samples), not from the source: a renamed metric breaks this test.
+Metric names come from a LIVE daemon's ``/metrics`` after a put, a get and an exists that
+are calls (so the RPC histogram has samples), not from the source: a renamed metric breaks
+this test.
 """
 
 from __future__ import annotations
@@ -74,13 +75,21 @@ def exported(live_daemon: dict[str, Any]) -> Iterator[dict[str, Any]]:
     with EmbCacheClient(target, token=live_daemon["token"], timeout=30) as client:
         emb = torch.arange(64, dtype=torch.float32).reshape(4, 16)
         assert client.put("deploy/emb-0", emb) is True
+        # Read out of the read table with no call: the daemon counts the hit from the touch
+        # the client posts on its session (the lane).
+        with client.get("deploy/emb-0") as (hit,):
+            assert hit is not None and torch.equal(hit, emb)
+        # A get the table cannot serve whole (a miss) is a call on the lane, answered after
+        # the touch posted before it.
         with client.get(["deploy/emb-0", "deploy/missing"]) as (hit, miss):
             assert hit is not None and torch.equal(hit, emb) and miss is None
-        assert client.exists(["deploy/emb-0"]) == [True]  # a gRPC call (the rest rode the lane)
+        # A key the table does not list is asked of the daemon: a gRPC call.
+        assert client.exists(["deploy/emb-0", "deploy/missing"]) == [True, False]
     base = f"http://127.0.0.1:{live_daemon['http_port']}"
     auth = {"Authorization": f"Bearer {live_daemon['token']}"}
     with httpx.Client(base_url=base, timeout=30, headers=auth) as http:
-        assert http.get("/v1/stats").status_code == 200
+        stats = http.get("/v1/stats")
+        assert stats.status_code == 200
         response = http.get("/metrics")  # as the ServiceMonitor scrapes it
     assert response.status_code == 200
     families = list(text_string_to_metric_families(response.text))
@@ -95,7 +104,7 @@ def exported(live_daemon: dict[str, Any]) -> Iterator[dict[str, Any]]:
             "summary": ("_sum", "_count"),
         }.get(family.type, ("",))
         names |= {family.name + suffix for suffix in suffixes}
-    yield {"names": names, "families": {f.name: f for f in families}}
+    yield {"names": names, "families": {f.name: f for f in families}, "stats": stats.json()}
 
 
 def test_probes_are_open_and_metrics_need_the_token(live_daemon: dict[str, Any]) -> None:
@@ -114,9 +123,13 @@ def test_metrics_are_live_and_histograms_have_samples(exported: dict[str, Any]) 
     assert {"embcache_build_info", "process_resident_memory_bytes"} <= names
     rpc = exported["families"]["embcache_rpc_duration_seconds"]
     transports = {s.labels.get("transport") for s in rpc.samples if s.name.endswith("_count")}
-    assert {"grpc", "lane", "http"} <= transports  # put and get on the lane, exists on gRPC
+    assert {"grpc", "lane", "http"} <= transports  # put and miss on the lane, exists on gRPC
+    # Two hits, one of them a table read (counted among the table's reads as well).
     hits = exported["families"]["embcache_hits"]
-    assert [s.value for s in hits.samples if s.name == "embcache_hits_total"] == [1.0]
+    assert [s.value for s in hits.samples if s.name == "embcache_hits_total"] == [2.0]
+    assert exported["stats"]["read_table"]["reads"] == 1
+    touches = {s.labels.get("method") for s in rpc.samples if s.labels.get("transport") == "lane"}
+    assert "Session.Touch" in touches, sorted(touches)
     # the gRPC server exports its IPC cache: nothing mapped by a CPU daemon
     mapped = exported["families"]["embcache_ipc_mapped_bytes"]
     assert [s.value for s in mapped.samples] == [0.0]

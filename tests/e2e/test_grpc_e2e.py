@@ -129,7 +129,7 @@ from embcache.clients import EmbCacheClient
 from embcache.clients.device.shm import mapped_segment
 want = tensors()
 with EmbCacheClient(sys.argv[1]) as client:
-    with client.get(list(want)) as got:
+    with client.get(list(want), zero_copy=True) as got:  # views of the pool
         for (key, t), g in zip(want.items(), got):
             assert g is not None and g.dtype == t.dtype and torch.equal(g, t), key
             (mapping,) = [m for m in client._maps._by_pool_id.values() if m]
@@ -145,8 +145,9 @@ def test_encoder_and_decoder_processes(daemon: Daemon) -> None:
     # The decoder mapped the segment and exited: the segment must still be there.
     assert Path("/dev/shm", daemon.shm_name).exists()
     with EmbCacheClient(daemon.unix) as client:
-        with client.get("emb-float32") as (t,):
+        with client.get("emb-float32", zero_copy=True) as (t,):
             assert t is not None and t.shape == (577, 1024)
+            assert client.stats()["leases_active"] == 1
         del t  # its view is gone: the lease ends (before the next call)
         stats = client.stats()
         assert stats["leases_active"] == 0 and stats["entries_ready"] >= 3
@@ -157,7 +158,8 @@ import sys, time, torch
 from embcache.clients import EmbCacheClient
 client = EmbCacheClient(sys.argv[1], session_lane=sys.argv[2] != "stream")
 client.put("held", torch.ones(1000))
-leased = client.get(["held"] * 5)  # a session on the lane, or a gRPC stream ("stream")
+# Views, each with a lease: a session on the lane, or a gRPC stream ("stream").
+leased = client.get(["held"] * 5, zero_copy=True)
 if sys.argv[2] == "anon":  # also hold leases outside any session: they end by TTL
     from embcache.proto.embcache.v1 import embcache_pb2 as pb
     client._stub.Get(pb.GetRequest(keys=["held"] * 3))

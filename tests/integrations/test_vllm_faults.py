@@ -221,16 +221,22 @@ def test_unmappable_pool_is_a_plain_lookup(
 ) -> None:
     """A daemon whose host pool this process cannot map (another node, a pod without the
     daemon's /dev/shm): the lookup never maps it, so it neither raises nor misses."""
+    import embcache.clients.device.read_table as read_table
     import embcache.clients.device.shm as shm
 
     truth = {"far": embeds(6, 4), "none": embeds(2, 5)}
     extra = extra_for(own_daemon)
     save(model, extra, {"far": truth["far"]})
-    monkeypatch.setattr(shm, "boot_id", lambda: "another-node")
+    # Another node: neither the pool nor its read table is mapped here.
+    for module in (shm, read_table):
+        monkeypatch.setattr(module, "boot_id", lambda: "another-node")
     with EmbCacheClient(own_daemon.target) as c:  # the client indeed cannot map it
-        with c.get([f"vllm/{extra['namespace']}/far"]) as got:
+        key = f"vllm/{extra['namespace']}/far"
+        # Views are asked for: the reply's location is one this process cannot map.
+        with c.get([key], zero_copy=True) as got:
             assert torch.equal(got[0], truth["far"])
         assert c._pool_local is False
+        assert c.describe_listed([key]) is None  # a session is open, but no table here
     e = engine(model, extra, truth)
     e.add(kit.request("r1", [("far", 6), ("none", 2)]))
     e.run()
