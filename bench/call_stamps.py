@@ -48,7 +48,7 @@ from embcache.service.engine.device_puts import PendingPut
 from embcache.service.transport import device_get
 from embcache.service.transport.handlers import device, device_puts
 from embcache.service.transport.session import calls, host_puts, inline_gets
-from embcache.service.transport.uds import server
+from embcache.service.transport.uds import connection
 
 out, argv = sys.argv[1], sys.argv[2:]
 stamps = []
@@ -73,8 +73,8 @@ def around(owner, attr, before, after, is_async=False):
                 if after: stamp(after)
     setattr(owner, attr, functools.wraps(real)(wrapped))
 
-around(server._Connection, "data_received", "daemon: frame received", None)
-around(server._Connection, "_write", "daemon: reply written", None)
+around(connection.SessionConnection, "data_received", "daemon: frame received", None)
+around(connection.SessionConnection, "_write", "daemon: reply written", None)
 around(calls.SessionCalls, "_run", "daemon: call starts", None, True)
 around(device.DevicePlane, "get_into", "daemon: handler starts", "daemon: handler returns", True)
 around(device.DevicePlane, "_into_now", "daemon: on the loop", None, True)
@@ -86,7 +86,7 @@ around(device_get, "poll_until", None, "daemon: copies done", True)
 around(PendingInto, "finish", None, "daemon: leases ended")
 around(device.DevicePlane, "get", "daemon: device get starts", "daemon: device get returns", True)
 around(inline_gets, "inline_get", "daemon: inline_get begins", "daemon: inline_get ends")
-around(server._Connection, "_send_bytes", None, "daemon: reply and bytes written", True)
+around(connection.SessionConnection, "_send_bytes", None, "daemon: reply and bytes written", True)
 around(host_puts.SessionPuts, "put", "daemon: put begins", "daemon: put ends")
 around(host_puts.SessionPuts, "put_batch", "daemon: put_batch begins", "daemon: put_batch ends")
 around(device.DevicePlane, "put_from_device", "daemon: device put starts",
