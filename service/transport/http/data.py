@@ -19,8 +19,6 @@ visible and the pages are freed.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -28,7 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
-from starlette.types import Receive, Scope, Send
+from starlette.types import Scope
 
 from embcache.errors import InvalidArgument, NotFound
 from embcache.proto import dtypes
@@ -42,7 +40,6 @@ from embcache.proto.constants import (
 from embcache.proto.locations import BatchDescription
 from embcache.service.engine import CacheEngine
 from embcache.service.host import admission
-from embcache.service.host.leases import Lease
 from embcache.service.transport import device_get
 from embcache.service.transport.device_get import in_thread
 from embcache.service.transport.http.bodies import JsonBodyRoute
@@ -56,6 +53,7 @@ from embcache.service.transport.http.data_models import (
     RenewResponse,
     render_batch,
 )
+from embcache.service.transport.http.leased_stream import LeasedStream, entry_headers
 from embcache.service.transport.http.models import ErrorBody
 from embcache.service.transport.http.put_params import (
     SHAPE_PATTERN,
@@ -261,53 +259,6 @@ class _DataRoute(APIRoute):
         if match is not Match.NONE and isinstance(raw, bytes) and not raw.endswith(b"/data"):
             return Match.NONE, {}
         return match, child
-
-
-class LeasedStream(StreamingResponse):
-    """A streamed body read under a lease; the lease ends when the response does, however
-    it ends (sent, client gone, cancelled)."""
-
-    def __init__(self, engine: CacheEngine, lease: Lease, start: int, stop: int, **kw: Any):
-        self._engine = engine
-        self._lease = lease
-        super().__init__(self._chunks(start, stop), media_type="application/octet-stream", **kw)
-
-    async def _chunks(self, start: int, stop: int) -> AsyncIterator[bytes]:
-        engine, lease = self._engine, self._lease
-        renew_every = engine.settings.lease_ttl_s / 2
-        renewed = time.monotonic()
-        chunks = engine.iter_bytes(lease, start, stop - start, CHUNK_BYTES)
-        last = next(chunks, None)
-        for chunk in chunks:
-            yield last  # type: ignore[misc]
-            last = chunk
-            if time.monotonic() - renewed > renew_every:  # a slow reader keeps its lease
-                engine.renew([lease.lease_id])
-                renewed = time.monotonic()
-        # Every byte is copied out: end the lease before the last send, so a client that
-        # has the whole body never finds the entry still leased.
-        engine.release([lease.lease_id])
-        if last is not None:
-            yield last
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._engine.release([self._lease.lease_id])
-
-
-def entry_headers(lease: Lease) -> dict[str, str]:
-    """The response headers that describe an entry (dtype, shape, size, CRC32 if known)."""
-    headers = {
-        DTYPE_HEADER: lease.dtype,
-        SHAPE_HEADER: ",".join(str(d) for d in lease.shape),
-        NBYTES_HEADER: str(lease.nbytes),
-        "Accept-Ranges": "bytes",
-    }
-    if lease.entry.checksum is not None:
-        headers[CHECKSUM_HEADER] = str(lease.entry.checksum)
-    return headers
 
 
 _ENTRY_HEADERS = {
