@@ -65,7 +65,7 @@ def test_put_then_zero_copy_get(client, server, dtype) -> None:
     src = (torch.randn(37, 129) * 10).to(dtype)  # odd sizes: 37 x 129 elements
     assert client.put("e", src) is True
     assert client.put("e", src) is False
-    with client.get(["e", "missing"]) as (got, miss):
+    with client.get(["e", "missing"], zero_copy=True) as (got, miss):
         assert miss is None
         assert got.dtype == dtype and got.shape == src.shape
         assert torch.equal(got.view(torch.uint8), src.view(torch.uint8))
@@ -117,11 +117,11 @@ def test_leases_end_with_the_client(server) -> None:
 def test_session_reopened_when_the_server_forgot_it(client, server) -> None:
     _, thread = server
     client.put("k", torch.ones(4))
-    with client.get("k"):
+    with client.get("k", zero_copy=True):  # views are calls: a default get reads the table
         pass
     sid = client._session.session_id
     thread.service.servicer.sessions.close(sid)  # as after a daemon restart
-    with client.get("k") as (t,):
+    with client.get("k", zero_copy=True) as (t,):
         assert t is not None and client._session.session_id != sid
 
 
@@ -131,11 +131,15 @@ def test_remote_clients_stream_bytes(client, server) -> None:
         client._maps = PoolMaps(Path(empty))  # as on another machine: the segment is absent
         src = torch.randn(100, 10)
         client.put("r", src)
-        with client.get(["r", "nope"]) as (got, miss):
+        with client.get(["r", "nope"]) as (got, miss):  # no table here: copies in the reply
             assert torch.equal(got, src) and miss is None
             assert engine.stats().leases_active == 0  # bytes copied: nothing to hold
+        assert client._pool_local is None  # copies say nothing of where the pool is
+        with client.get(["r", "nope"], zero_copy=True) as (got, miss):  # views it cannot map
+            assert torch.equal(got, src) and miss is None
+            assert engine.stats().leases_active == 0  # bytes streamed: nothing to hold
         assert client._pool_local is False
-        with client.get("r") as (again,):  # later calls skip Get
+        with client.get("r", zero_copy=True) as (again,):  # later calls skip Get
             assert torch.equal(again, src)
 
 
@@ -162,7 +166,7 @@ def test_exists_evict_and_typed_errors(client) -> None:
     assert client.exists("x") is True and client.exists(["x", "y"]) == [True, False]
     with pytest.raises(MetadataConflict):
         client.put("x", torch.zeros(4))
-    with client.get("x"):
+    with client.get("x", zero_copy=True):  # a view holds a lease; a copy holds nothing
         with pytest.raises(EntryLeased) as err:
             client.evict("x")
         assert err.value.grpc_status.name == "FAILED_PRECONDITION"
@@ -219,7 +223,7 @@ def test_async_client(server) -> None:
     async def scenario() -> None:
         async with AsyncEmbCacheClient(f"unix:{thread.service.socket_path}") as c:
             assert await c.put("a", src) is True
-            async with c.get(["a", "zz"]) as (got, miss):
+            async with c.get(["a", "zz"], zero_copy=True) as (got, miss):
                 assert torch.equal(got, src) and miss is None
                 assert engine.stats().leases_active == 1
             del got, miss  # the views are gone: the lease ends
@@ -227,7 +231,7 @@ def test_async_client(server) -> None:
             while engine.stats().leases_active and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             assert engine.stats().leases_active == 0
-            leased = await c.get("a")
+            leased = await c.get("a", zero_copy=True)
             assert len(leased.lease_ids) == 1
             await leased.release()
             del leased  # it holds the view: until it goes, the lease stays
@@ -240,7 +244,7 @@ def test_async_client(server) -> None:
             assert (await c.stats())["grpc_sessions"] == 1
             with pytest.raises(NotFound):
                 await c.evict("a")
-            await c.get("a")  # leased by the session, never released by hand
+            await c.get("a", zero_copy=True)  # leased by the session, never released by hand
 
     # grpc.aio objects belong to one event loop: run the client on the server's loop.
     thread.call(scenario())

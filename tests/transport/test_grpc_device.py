@@ -30,7 +30,7 @@ from embcache.clients._backends.async_uds import AsyncUdsSession
 from embcache.clients._backends.sync_session import Session
 from embcache.clients._backends.sync_uds import UdsSession
 from embcache.clients.device import device_replies as dr
-from embcache.clients.device import exports, into
+from embcache.clients.device import exports, into, table_reads
 from embcache.clients.device import pools as client_device
 from embcache.clients.device import puts as device_puts
 from embcache.errors import DeviceUnavailable, InvalidArgument
@@ -160,9 +160,11 @@ def dev_server(shm_name: str) -> Iterator[Server]:
         try:
             service = thread.start()
             fake = FakeIpc()
-            real = service.servicer.device.ipc
-            assert not real.backend.available()  # CPU mode: the real backend refuses
-            service.servicer.device.ipc = IpcCache(fake, max_mappings=4)
+            ipc = service.servicer.device.ipc
+            assert isinstance(ipc, IpcCache) and not len(ipc)
+            assert not ipc.backend.available()  # CPU mode: the real backend refuses
+            # Faked in place: the sessions' handlers hold this cache (drop_ipc at their end).
+            ipc.backend, ipc.max_mappings = fake, 4
             yield engine, service, fake
         finally:
             thread.stop()
@@ -185,6 +187,15 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
     while time.monotonic() < deadline and not predicate():
         time.sleep(0.01)
     return predicate()
+
+
+def device_gets_are_calls(monkeypatch) -> list[list[str]]:  # type: ignore[no-untyped-def]
+    """The faked "cuda" device is the CPU, which the read table's copies to a GPU cannot
+    target: they find nothing here, so every device get is a call to the daemon (those
+    copies run in tests/gpu/). Returns the keys the table was asked for, get by get."""
+    asked: list[list[str]] = []
+    monkeypatch.setattr(table_reads, "to_cuda", lambda table, keys, device: asked.append(keys))
+    return asked
 
 
 def fragment_device_pool(engine: CacheEngine) -> dict[str, torch.Tensor]:
@@ -262,6 +273,7 @@ def test_client_get_to_device(dev_server: Server, monkeypatch) -> None:
     synced: list[torch.device] = []
     monkeypatch.setattr(client_device, "resolve_device", lambda d: (torch.device("cpu"), "CPU-0"))
     monkeypatch.setattr(dr, "sync_device", synced.append)
+    asked = device_gets_are_calls(monkeypatch)
     pools = FakePools(engine.device_tier.pool(0))
     base = engine.device_tier.pool(0).tensor.data_ptr()
 
@@ -288,12 +300,14 @@ def test_client_get_to_device(dev_server: Server, monkeypatch) -> None:
         del a, b, again
         assert wait_for(lambda: engine.stats().leases_active == 0)
         assert pools.opens == 1
+    assert asked == [["big", "f1", "nope"], ["f1"]]  # copies look there first; views never
 
 
 def test_client_falls_back_without_a_device_pool(dev_server: Server, monkeypatch) -> None:
     engine, service, _ = dev_server
     engine.put("k", blob(1000, 3))
     monkeypatch.setattr(client_device, "resolve_device", lambda d: (torch.device("cpu"), "GPU-x"))
+    device_gets_are_calls(monkeypatch)
     calls: list[str] = []
     with EmbCacheClient(f"unix:{service.socket_path}", timeout=10) as client:
         placed = client._placed
@@ -564,15 +578,15 @@ def test_client_put_many(dev_server: Server, monkeypatch, use_async: bool) -> No
     engine, service, fake = dev_server
     tensors = {"d0": blob(5000, 1), "h": torch.randn(7, 3), "d1": blob(300, 2), "d2": blob(9, 3)}
     fake_cuda_puts(monkeypatch, fake, {id(tensors[k]) for k in ("d0", "d1", "d2")})
-    plane = service.servicer.device
     batches: list[int] = []
-    real = plane.put_from_device_batch
+    real = grpc_device_puts.put_from_device_batch
 
-    async def counting(request, owner, quota=None):  # type: ignore[no-untyped-def]
+    async def counting(puts, request, owner, quota):  # type: ignore[no-untyped-def]
         batches.append(len(request.items))
-        return await real(request, owner, quota)
+        return await real(puts, request, owner, quota)
 
-    monkeypatch.setattr(plane, "put_from_device_batch", counting)
+    # The daemon's device puts, whether a session call or an RPC asks for them.
+    monkeypatch.setattr(grpc_device_puts, "put_from_device_batch", counting)
     target = f"unix:{service.socket_path}"
     kinds = session_calls(monkeypatch)
 
@@ -637,20 +651,22 @@ def test_client_put_of_a_device_tensor(dev_server: Server, monkeypatch, session_
     engine, service, fake = dev_server
     src = blob(3 * PAGE + 11, 5)
     fake_cuda_puts(monkeypatch, fake, {id(src)})
-    plane = service.servicer.device
     calls: list[str] = []
-    real = plane.put_from_device
+    real = grpc_device_puts.put_from_device
 
-    async def counting(request, owner, quota=None):  # type: ignore[no-untyped-def]
+    async def counting(puts, request, owner, quota):  # type: ignore[no-untyped-def]
         calls.append(request.key)
-        return await real(request, owner, quota)
+        return await real(puts, request, owner, quota)
 
-    monkeypatch.setattr(plane, "put_from_device", counting)
+    # The daemon's device put, whether a session call or an RPC asks for it.
+    monkeypatch.setattr(grpc_device_puts, "put_from_device", counting)
     kinds = session_calls(monkeypatch)
     with EmbCacheClient(f"unix:{service.socket_path}", timeout=10) as client:
         client._open_session().serves_device_puts = session_puts
         assert client.put("one", src) is True and client.put("one", src) is False
-        with client.get(["one"]) as [got]:
+        with client.get(["one"]) as [got]:  # a copy out of the read table: no call
+            assert got is not None and torch.equal(got, src)
+        with client.get(["one"], zero_copy=True) as [got]:
             assert got is not None and torch.equal(got, src)
         del got  # the view is gone: closing the client releases its lease
     assert calls == ["one", "one"]  # both reached the daemon's device put

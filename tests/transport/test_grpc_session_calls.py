@@ -44,14 +44,15 @@ def test_client_gets_and_releases_on_its_session(server, lane: bool, wait_until)
     with EmbCacheClient(target(server), timeout=10, session_lane=lane) as client:
         src = torch.randn(300, 7)
         client.put("k", src)
-        with client.get(["k", "nope"]) as (got, miss):
+        with client.get(["k", "nope"], zero_copy=True) as (got, miss):  # views: leased
             assert miss is None and torch.equal(got, src)
             assert client._session is not None and client._session.serves_calls
             assert isinstance(client._session, UdsSession) == lane
             assert engine.stats().leases_active == 1
         del got, miss  # the views are gone: the lease ends (the pump releases it)
         assert wait_until(lambda: engine.stats().leases_active == 0)
-        held = client.get("k")  # never released: closing the client waits for its views
+        # A view never released: closing the client waits for it.
+        held = client.get("k", zero_copy=True)
     assert engine.stats().leases_active == 1 and client._session is not None
     del held  # the views are gone: the client releases the lease and ends the session
     assert wait_until(lambda: engine.stats().leases_active == 0 and client._session is None)
@@ -115,7 +116,7 @@ def test_daemon_without_session_calls_gets_rpcs(server, lane: bool) -> None:
     with EmbCacheClient(target(server), timeout=10, session_lane=lane) as client:
         client.put("k", torch.ones(2))
         client._open_session().serves_calls = False
-        with client.get("k") as (t,):
+        with client.get("k", zero_copy=True) as (t,):  # a view: a call (a copy reads the table)
             assert torch.equal(t, torch.ones(2))
         del t  # its view is gone: closing the client releases its lease
     assert ("Get", "OK") in calls and ("Release", "OK") in calls
@@ -129,15 +130,18 @@ def test_async_client_uses_its_session(server, lane: bool) -> None:
         async with AsyncEmbCacheClient(target(server), timeout=10, session_lane=lane) as client:
             src = torch.arange(50.0)
             await client.put("a", src)
-            results = await asyncio.gather(*(client.get(["a", "nope"]) for _ in range(6)))
+            views = (client.get(["a", "nope"], zero_copy=True) for _ in range(6))
+            results = await asyncio.gather(*views)
             assert isinstance(client._session, AsyncUdsSession) == lane
             for leased in results:
                 async with leased as (got, miss):
                     assert miss is None and torch.equal(got, src)
             with pytest.raises(InvalidArgument):
                 await client.get("a", ttl_s=1e12)
-            async with await client.get("a") as (again,):
+            async with await client.get("a", zero_copy=True) as (again,):
                 assert torch.equal(again, src)
+            async with await client.get("a") as (copied,):  # read from the table: no Get
+                assert torch.equal(copied, src)
             del results, leased, got, miss, again  # the views are gone before the close
 
     asyncio.run(main())

@@ -122,7 +122,7 @@ def test_leases_hold_across_transports(both: Both) -> None:
         both.grpc.evict("l")
     assert both.grpc.release([int(lease_id)]) == 0  # only its owner ends it (item 8)
     assert both.rest.post("/v1/release", json={"lease_ids": [lease_id]}).json()["released"] == 1
-    with both.grpc.get(["l"]):
+    with both.grpc.get(["l"], zero_copy=True):  # a view, leased (a copy holds nothing)
         r = both.rest.delete("/v1/entries/l")  # a gRPC lease stops a REST delete
         assert r.status_code == 409 and r.json()["error"] == "EntryLeased"
         assert both.rest.post("/v1/evict", json={"keys": ["l", "x"]}).json()["leased"] == ["l"]

@@ -81,8 +81,10 @@ def test_a_reply_carries_at_most_its_budget_as_copies(server_factory) -> None:
         with client:
             for key, t in tensors.items():
                 client.put(key, t)
-            with client.get(list(tensors)) as got:
-                for key, g in zip(tensors, got, strict=True):
+            # A miss the read table cannot answer: the whole get is one call, one reply.
+            with client.get([*tensors, "missing"]) as got:
+                assert got[-1] is None
+                for key, g in zip(tensors, got, strict=False):
                     assert g is not None and torch.equal(g, tensors[key]), key
                 assert [in_pool(client, g) for g in got if g is not None].count(True) == 1
                 assert engine.stats().leases_active == 1
@@ -91,11 +93,25 @@ def test_a_reply_carries_at_most_its_budget_as_copies(server_factory) -> None:
             assert engine.stats().leases_active == 0
 
 
-def test_by_default_a_same_node_get_gives_views(server_factory) -> None:
+def test_by_default_a_same_node_get_copies_from_the_read_table(server_factory, wait_until) -> None:
+    """No call and no lease: the copy is read out of the pool, and the daemon counts the
+    read from the client's posted touch."""
     with server_factory() as (engine, thread), EmbCacheClient(unix_target(thread)) as client:
         client.put("k", torch.ones(100))
         with client.get("k") as (t,):
+            assert torch.equal(t, torch.ones(100))
+            assert not in_pool(client, t) and engine.stats().leases_active == 0
+        assert wait_until(lambda: engine.stats().read_table["reads"] == 1)
+        calls = thread.service.servicer.metrics.calls
+        assert ("Session.Get", "OK") not in calls and ("Get", "OK") not in calls
+
+
+def test_zero_copy_gives_a_leased_view(server_factory) -> None:
+    with server_factory() as (engine, thread), EmbCacheClient(unix_target(thread)) as client:
+        client.put("k", torch.ones(100))
+        with client.get("k", zero_copy=True) as (t,):
             assert in_pool(client, t) and engine.stats().leases_active == 1
+        assert engine.stats().read_table["reads"] == 0
 
 
 def test_a_remote_client_gets_small_and_large_entries_in_one_call(

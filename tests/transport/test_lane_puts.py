@@ -299,7 +299,7 @@ def test_another_sessions_reservation_cannot_be_committed(server_factory) -> Non
 
 
 def test_a_peer_without_write_access_is_refused_and_streams(server_factory, monkeypatch) -> None:
-    from embcache.service.transport.grpc import sessions
+    from embcache.service.transport.session import service as sessions
 
     # The daemon decides with the peer's uid; here every peer counts as another user's.
     monkeypatch.setattr(sessions, "may_write_segment", lambda peer, uid: False)
@@ -455,8 +455,9 @@ def test_inline_puts_and_releases_are_answered_without_a_task(
             session = client._open_session()
             result = session.call(10, release=pb.ReleaseRequest(lease_ids=[12345]))
             assert result.release.released == 0
-            with client.get(["a", "b"]) as (a, b):  # a get still runs as a task
-                assert torch.equal(a, x) and torch.equal(b, torch.ones(4))
+            # A get call still runs as a task (the miss keeps it off the read table).
+            with client.get(["a", "b", "nope"]) as (a, b, nope):
+                assert torch.equal(a, x) and torch.equal(b, torch.ones(4)) and nope is None
         assert "put" not in tasked and "put_batch" not in tasked and "release" not in tasked
         assert "get" in tasked
         stats = engine.stats()

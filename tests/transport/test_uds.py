@@ -417,18 +417,20 @@ def test_stopping_the_server_ends_lane_sessions(server_factory) -> None:
     with server_factory() as (engine, thread):
         engine.put("k", torch.ones(4))
         client = EmbCacheClient(f"unix:{thread.service.socket_path}", timeout=5, retries=0)
-        held = client.get("k")
-        assert engine.stats().leases_active == 1
-        session = client._session
-        assert isinstance(session, UdsSession)
-        path = lane_of((engine, thread))
-        thread.stop()
-        assert engine.stats().leases_active == 0
-        assert not Path(path).exists()
-        with pytest.raises(RpcFailed):
-            session.call(2.0, get=pb.GetRequest(keys=["k"]))
-        held.tensors.clear()
-        client.close()
+        try:  # closed even when an assertion fails: else its socket outlives the test
+            held = client.get("k", zero_copy=True)  # a view: leased
+            assert engine.stats().leases_active == 1
+            session = client._session
+            assert isinstance(session, UdsSession)
+            path = lane_of((engine, thread))
+            thread.stop()
+            assert engine.stats().leases_active == 0
+            assert not Path(path).exists()
+            with pytest.raises(RpcFailed):
+                session.call(2.0, get=pb.GetRequest(keys=["k"]))
+            held.tensors.clear()
+        finally:
+            client.close()
 
 
 def test_async_lane_deadline_late_result_and_close(wait_until) -> None:
@@ -489,16 +491,18 @@ def test_the_client_spins_or_sleeps_for_its_results(server, spin_us: int) -> Non
     engine, thread = server
     engine.put("k", torch.arange(5))
     target = f"unix:{thread.service.socket_path}"
+    # Gets with a miss are calls (the read table cannot answer them): the caller waits for
+    # each result.
     with EmbCacheClient(target, timeout=10, spin_us=spin_us) as client:
         for _ in range(20):
-            with client.get("k") as (t,):
-                assert torch.equal(t, torch.arange(5))
+            with client.get(["k", "nope"]) as (t, miss):
+                assert torch.equal(t, torch.arange(5)) and miss is None
         session = client._session
         assert isinstance(session, UdsSession) and session._spin_s == spin_us / 1e6
         [view] = thread.service.servicer.admin.views()  # an operator drops the session:
         thread.service.servicer.admin.drop(view.session_id)  # the daemon closes its socket
-        with client.get("k") as (t,):  # a new session
-            assert torch.equal(t, torch.arange(5))
+        with client.get(["k", "nope"]) as (t, miss):  # a new session
+            assert torch.equal(t, torch.arange(5)) and miss is None
         assert client._session is not session
 
 

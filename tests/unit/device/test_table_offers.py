@@ -27,9 +27,9 @@ from embcache.service.device.pool import DevicePool
 from embcache.service.device.published import PublishedCopies
 from embcache.service.engine import CacheEngine
 from embcache.service.host.entries import Entry
-from embcache.service.transport.session.service import read_table_info
 from embcache.service.transport.handlers.device import DevicePlane, pool_handle_of
 from embcache.service.transport.render import LocationRenderer
+from embcache.service.transport.session.service import read_table_info
 
 PAGE = 4096
 DEV_PAGE = 8192

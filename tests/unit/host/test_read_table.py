@@ -23,9 +23,9 @@ from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
 from embcache.service.host.read_table import buckets_for, close_stale, table_path
-from embcache.service.transport.session.service import read_table_info
 from embcache.service.transport.handlers.device import pool_handle_of
 from embcache.service.transport.render import LocationRenderer
+from embcache.service.transport.session.service import read_table_info
 
 PAGE = 4096
 pytestmark = pytest.mark.skipif(not client_table.ORDERED_STORES, reason="x86-64 only")
