@@ -121,8 +121,6 @@ class SessionCalls:
         task and no loop iteration in between; False, nothing run, when the connection
         cannot take the result now (the call then runs as a task, which waits for room)."""
         assert self.send_now is not None
-        if not self._serves_at_once(kind):
-            return False  # not served here: the task path answers so
 
         def produce() -> pb.SessionResponse:
             start = time.perf_counter()
@@ -136,11 +134,6 @@ class SessionCalls:
             return response
 
         return self.send_now(produce)
-
-    def _serves_at_once(self, kind: str) -> bool:
-        if kind in ("put", "put_batch"):
-            return self.host_puts is not None
-        return kind == "release" or (kind == "touch" and self.io.touch is not None)
 
     @staticmethod
     def _outcome(kind: str, run: Callable[[], object], result: pb.SessionResult | None) -> str:
