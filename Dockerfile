@@ -70,7 +70,7 @@ RUN groupadd --system --gid ${EMBCACHE_UID} embcache \
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     python3 -m venv /opt/embcache \
  && /opt/embcache/bin/pip install --no-cache-dir --no-index --find-links /wheels embcache \
- && /opt/embcache/bin/python -c "import embcache.proto.embcache.v1.embcache_pb2_grpc"
+ && /opt/embcache/bin/python -c "import embcache.proto.embcache.v1.services"
 
 # Settings come from EMBCACHE_* env vars (every Settings field; flags after the entrypoint
 # override them). HTTP listens on all interfaces so Prometheus can scrape the pod IP; the

@@ -1,8 +1,9 @@
-"""Build hook: generate the gRPC stubs from the .proto before packages are collected.
+"""Build hook: generate the protobuf stubs from the .proto before packages are collected.
 
 All metadata lives in pyproject.toml. This file only swaps in a ``build_py`` that runs
 grpcio-tools (a build requirement) first, so a wheel, an sdist build and ``pip install -e .``
-all get ``embcache_pb2.py``, ``embcache_pb2.pyi`` and ``embcache_pb2_grpc.py``.
+all get ``embcache_pb2.py`` and ``embcache_pb2.pyi`` (the gRPC stub is derived from them at
+import, ``proto/embcache/v1/services.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _load_codegen():
 
 
 class BuildPyWithStubs(build_py):
-    """``build_py`` that generates the protobuf/gRPC stubs first."""
+    """``build_py`` that generates the protobuf stubs first."""
 
     def run(self) -> None:
         for path in _load_codegen().generate():

@@ -1,4 +1,7 @@
-"""Generate the Python stubs of the wire contract with grpcio-tools.
+"""Generate the Python message modules of the wire contract with grpcio-tools.
+
+Only the messages are generated (``_pb2.py`` and its ``.pyi``); the gRPC stub and servicer
+registration are derived from their service descriptor (``embcache/v1/services.py``).
 
 Used by ``setup.py`` at build/install time and by :mod:`embcache.proto` when a source
 checkout runs without them. This module imports nothing from embcache so that setup.py can
@@ -14,14 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import tempfile
 from pathlib import Path
 
 PROTO_ROOT = Path(__file__).resolve().parent
 PROTO_FILES = ("embcache/v1/embcache.proto",)
 _DIGEST_PREFIX = "# embcache-proto-digest: "
-_GRPC_IMPORT = re.compile(r"^from embcache\.v1 import (\w+_pb2) as ", re.MULTILINE)
 
 
 def source_digest(root: Path = PROTO_ROOT) -> str:
@@ -37,7 +38,7 @@ def generated_paths(root: Path = PROTO_ROOT) -> list[Path]:
     paths = []
     for name in PROTO_FILES:
         stem = root / name[: -len(".proto")]
-        paths += [Path(f"{stem}_pb2.py"), Path(f"{stem}_pb2.pyi"), Path(f"{stem}_pb2_grpc.py")]
+        paths += [Path(f"{stem}_pb2.py"), Path(f"{stem}_pb2.pyi")]
     return paths
 
 
@@ -95,7 +96,6 @@ def _run_protoc(root: Path) -> list[Path]:
             f"-I{include}",
             f"--python_out={tmp}",
             f"--pyi_out={tmp}",
-            f"--grpc_python_out={tmp}",
             *(str(root / name) for name in PROTO_FILES),
         ]
         if protoc.main(args) != 0:
@@ -103,9 +103,6 @@ def _run_protoc(root: Path) -> list[Path]:
         for target in generated_paths(root):
             rel = target.relative_to(root)
             text = (Path(tmp) / rel).read_text(encoding="utf-8")
-            # grpc_tools imports the messages module by its proto package ("embcache.v1"),
-            # which is not an importable package here: make that import relative.
-            text = _GRPC_IMPORT.sub(r"from . import \1 as ", text)
             staged = target.with_name(f".{target.name}.{os.getpid()}.tmp")
             staged.write_text(header + text, encoding="utf-8")
             os.replace(staged, target)

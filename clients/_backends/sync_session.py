@@ -22,7 +22,7 @@ import grpc
 from embcache.clients.core.errors import RpcFailed
 from embcache.clients.core.session_calls import SessionLost, unclaimed_release
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.proto.embcache.v1 import services as pb_grpc
 from embcache.proto.framing import call_message
 
 

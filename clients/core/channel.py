@@ -15,7 +15,7 @@ import grpc
 from embcache.clients.core.payload import encode_put
 from embcache.proto.constants import AUTH_KEY, MAX_MESSAGE_BYTES, SERVICE_PATH
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.proto.embcache.v1 import services as pb_grpc
 
 CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

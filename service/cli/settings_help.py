@@ -1,7 +1,7 @@
 """What ``embcache serve --help`` says of each setting, read off the Settings model's fields:
 its type or unit (the metavar), its default as a flag would take it, its environment
-variable, and its range. Nothing here names a field: a field added to ``config.py`` gets
-its help from its type, default and description."""
+variable, and its range. Nothing here names a field: a field added to ``service/config/``
+gets its help from its type, default and description."""
 
 from __future__ import annotations
 

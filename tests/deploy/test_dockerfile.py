@@ -323,15 +323,17 @@ def test_dockerignore_matcher() -> None:
     assert dockerignored(pats, "service/__pycache__/x.pyc")
     assert dockerignored(pats, "embcache.egg-info/PKG-INFO")
     assert dockerignored(pats, "tests/deploy/conftest.py")
-    assert dockerignored(pats, "proto/embcache/v1/embcache_pb2_grpc.py")
+    assert dockerignored(pats, "proto/embcache/v1/embcache_pb2.py")
     assert not dockerignored(pats, "proto/embcache/v1/embcache.proto")
+    assert not dockerignored(pats, "proto/embcache/v1/services.py")
     assert not dockerignored(pats, "service/tests.py")
 
 
 def test_dockerignore_keeps_the_build_inputs(repo: Path, ignore_patterns: list[str]) -> None:
-    generated = re.compile(r"_pb2(_grpc)?\.pyi?$")
+    generated = re.compile(r"_pb2\.pyi?$")
     sources = [p for p in _wheel_sources(repo) if not generated.search(p)]
     assert "proto/codegen.py" in sources and "proto/embcache/v1/embcache.proto" in sources
+    assert "proto/embcache/v1/services.py" in sources  # the gRPC stub: written, not generated
     dropped = [p for p in sources if dockerignored(ignore_patterns, p)]
     assert not dropped, f".dockerignore drops build inputs: {dropped}"
 
@@ -343,8 +345,8 @@ def test_dockerignore_drops_local_state_and_stale_stubs(ignore_patterns: list[st
         "service/__pycache__/config.cpython-311.pyc",
         "embcache.egg-info/PKG-INFO",
         "proto/embcache/v1/embcache_pb2.py",
-        "proto/embcache/v1/embcache_pb2_grpc.py",
         "proto/embcache/v1/embcache_pb2.pyi",
+        "proto/embcache/v1/embcache_pb2_grpc.py",  # no longer generated; a checkout may keep one
         "tests/conftest.py",
     ):
         assert dockerignored(ignore_patterns, path), path

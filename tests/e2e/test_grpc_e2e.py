@@ -196,7 +196,7 @@ def test_sigkilled_decoder_loses_its_leases(daemon: Daemon, mode: str) -> None:
 STALLED_ENCODER = """
 import sys, time
 import grpc
-from embcache.proto.embcache.v1 import embcache_pb2 as pb, embcache_pb2_grpc as rpc
+from embcache.proto.embcache.v1 import embcache_pb2 as pb, services as rpc
 stub = rpc.EmbeddingCacheStub(grpc.insecure_channel(sys.argv[1]))
 def messages():
     yield pb.PutRequest(header=pb.PutHeader(key="stalled", dtype="uint8", shape=[32 << 20]))
@@ -259,7 +259,7 @@ def test_device_rpcs_refused_cleanly_without_cuda(start_daemon) -> None:
     import torch
 
     from embcache.proto.embcache.v1 import embcache_pb2 as pb
-    from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+    from embcache.proto.embcache.v1 import services as pb_grpc
 
     if torch.cuda.is_available():
         pytest.skip("checks CPU mode; tests/gpu covers the device paths")

@@ -20,7 +20,7 @@ from relkit.fairness import OWN_CONNECTION
 from embcache.clients import EmbCacheClient
 from embcache.proto.constants import ERROR_TYPE_KEY
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.proto.embcache.v1 import services as pb_grpc
 
 FIG: dict[str, object] = {}
 MiB = 1 << 20

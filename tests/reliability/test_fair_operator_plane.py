@@ -21,7 +21,7 @@ from relkit import figures
 from relkit.fairness import StallProbe
 
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.proto.embcache.v1 import services as pb_grpc
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
 from embcache.service.observability.metrics import Metrics

@@ -25,7 +25,7 @@ from embcache.clients import EmbCacheClient
 from embcache.errors import PoolExhausted
 from embcache.proto.constants import ERROR_TYPE_KEY
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.proto.embcache.v1 import services as pb_grpc
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
 
@@ -144,7 +144,7 @@ OTHER_PROCESS = textwrap.dedent(
     import sys, grpc
     sys.path.insert(0, sys.argv[4])
     from relkit.fairness import RawLane
-    from embcache.proto.embcache.v1 import embcache_pb2 as pb, embcache_pb2_grpc as rpc
+    from embcache.proto.embcache.v1 import embcache_pb2 as pb, services as rpc
     lane_path, target, key, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[5])
     with RawLane(lane_path, "other") as lane, grpc.insecure_channel(target) as ch:
         head = pb.PutHeader(key=key, dtype="uint8", shape=[n], nbytes=n)

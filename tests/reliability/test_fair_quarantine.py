@@ -25,7 +25,7 @@ from relkit.fairness import RawLane, lane_path
 
 from embcache.clients import EmbCacheClient
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.proto.embcache.v1 import services as pb_grpc
 
 MiB = 1 << 20
 FIG: dict[str, object] = {}

@@ -24,7 +24,7 @@ from embcache.clients import EmbCacheClient
 from embcache.errors import ReplyTooLarge
 from embcache.proto.constants import ERROR_TYPE_KEY
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.proto.embcache.v1 import services as pb_grpc
 from embcache.proto.framing import frame
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine

@@ -23,7 +23,7 @@ from relkit import figures
 from embcache.clients import EmbCacheClient
 from embcache.errors import InvalidArgument
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.proto.embcache.v1 import services as pb_grpc
 from embcache.service.config import Settings
 from embcache.service.host import admission, host_pool
 from embcache.service.host.host_pool import SHM_DIR, HostPool, PoolInUseError, unique_host_pool

@@ -25,21 +25,123 @@ def test_stubs_regenerate_when_missing_or_stale(tmp_path: Path) -> None:
     shutil.copy(PROTO, target)
     assert codegen.is_stale(tmp_path)
     written = codegen.generate(tmp_path)
-    assert {p.name for p in written} == {
-        "embcache_pb2.py",
-        "embcache_pb2.pyi",
-        "embcache_pb2_grpc.py",
-    }
+    # The messages only: the gRPC stub is derived from their descriptor (services.py).
+    assert {p.name for p in written} == {"embcache_pb2.py", "embcache_pb2.pyi"}
+    assert not (target.parent / "embcache_pb2_grpc.py").exists()
     assert not codegen.is_stale(tmp_path) and codegen.generate(tmp_path) == []
-    grpc_stub = (target.parent / "embcache_pb2_grpc.py").read_text()
-    assert "from . import embcache_pb2 as" in grpc_stub  # importable inside embcache.proto
     target.write_text(target.read_text() + "\n// changed\n")
     assert codegen.is_stale(tmp_path)
-    assert len(codegen.generate(tmp_path)) == 3 and not codegen.is_stale(tmp_path)
+    assert len(codegen.generate(tmp_path)) == 2 and not codegen.is_stale(tmp_path)
 
 
 def test_installed_stubs_are_current() -> None:
     assert not codegen.is_stale()
+
+
+class _Recorder:
+    """A channel or a server that records what a stub or a registration asks of it."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, tuple[object, ...]] = {}
+        self.registered: dict[str, dict[str, object]] = {}
+        self.generic: list[object] = []
+
+    def _call(self, kind: str) -> object:
+        def call(path, request_serializer=None, response_deserializer=None, **kw):
+            self.calls[path] = (kind, request_serializer, response_deserializer, kw)
+            return (kind, path)
+
+        return call
+
+    def __getattr__(self, name: str) -> object:
+        if name in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
+            return self._call(name)
+        raise AttributeError(name)
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        self.generic.extend(handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers) -> None:
+        self.registered[service] = dict(handlers)
+
+
+class _Context:
+    def __init__(self) -> None:
+        self.code = self.details = None
+
+    def set_code(self, code) -> None:
+        self.code = code
+
+    def set_details(self, details) -> None:
+        self.details = details
+
+
+def _grpc_tools_module(tmp_path: Path):
+    """What grpcio-tools generates for the service, bound to embcache's own messages module
+    (a second copy of the messages would clash in the descriptor pool)."""
+    import importlib.util
+
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{codegen.PROTO_ROOT}",
+            f"--grpc_python_out={tmp_path}",
+            str(PROTO),
+        ],
+        check=True,
+        timeout=60,
+    )
+    path = tmp_path / "embcache" / "v1" / "embcache_pb2_grpc.py"
+    text = path.read_text().replace(
+        "from embcache.v1 import embcache_pb2 as",
+        "from embcache.proto.embcache.v1 import embcache_pb2 as",
+    )
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("_generated_pb2_grpc", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_derived_stub_and_registration_match_grpc_tools(tmp_path: Path) -> None:
+    """The hand-written services module asks a channel and a server for exactly what the
+    generated one asks: paths, call kinds, (de)serializers, handlers."""
+    import grpc
+
+    from embcache.proto.embcache.v1 import services
+
+    generated = _grpc_tools_module(tmp_path)
+    ours, theirs = _Recorder(), _Recorder()
+    services.EmbeddingCacheStub(ours)
+    generated.EmbeddingCacheStub(theirs)
+    assert ours.calls == theirs.calls and len(ours.calls) == len(services.METHODS) > 10
+    stub = services.EmbeddingCacheStub(ours)
+    assert stub.Get == ("unary_unary", "/embcache.v1.EmbeddingCache/Get")
+    with pytest.raises(AttributeError, match="no method 'Nope'"):
+        _ = stub.Nope
+
+    servicer = services.EmbeddingCacheServicer()
+    ours, theirs = _Recorder(), _Recorder()
+    services.add_servicer_to_server(servicer, ours)
+    generated.add_EmbeddingCacheServicer_to_server(servicer, theirs)
+    assert ours.registered == theirs.registered
+    assert set(ours.registered["embcache.v1.EmbeddingCache"]) == {m.name for m in services.METHODS}
+    assert [h.service_name() for h in ours.generic] == ["embcache.v1.EmbeddingCache"]
+
+    base = generated.EmbeddingCacheServicer
+    names = [n for n in vars(base) if not n.startswith("_")]
+    assert names == [m.name for m in services.METHODS]
+    for name in names:
+        context = _Context()
+        with pytest.raises(NotImplementedError):
+            getattr(servicer, name)(None, context)
+        assert (context.code, context.details) == (
+            grpc.StatusCode.UNIMPLEMENTED,
+            "Method not implemented!",
+        )
 
 
 INDEPENDENT_CLIENT = textwrap.dedent(

@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 from embcache import build_info
 from embcache.clients import EmbCacheClient
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.proto.embcache.v1 import services as pb_grpc
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
 from embcache.service.observability.metrics import Metrics

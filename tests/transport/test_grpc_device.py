@@ -35,7 +35,7 @@ from embcache.clients.device import pools as client_device
 from embcache.clients.device import puts as device_puts
 from embcache.errors import DeviceUnavailable, InvalidArgument
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.proto.embcache.v1 import services as pb_grpc
 from embcache.service.config import Settings
 from embcache.service.device.ipc.cache import IpcCache
 from embcache.service.device.pool import DevicePool

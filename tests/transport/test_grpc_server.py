@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.proto.embcache.v1 import services as pb_grpc
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
 from embcache.service.transport.serving import GrpcServerThread, serving

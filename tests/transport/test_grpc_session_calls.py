@@ -16,7 +16,7 @@ from embcache.clients._backends.async_uds import AsyncUdsSession
 from embcache.clients._backends.sync_uds import UdsSession
 from embcache.errors import InvalidArgument
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.proto.embcache.v1 import services as pb_grpc
 from embcache.service.engine import CacheEngine
 from embcache.service.transport.serving import GrpcServerThread
 

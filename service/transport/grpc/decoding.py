@@ -1,9 +1,9 @@
 """Method handlers of ``embcache.v1.EmbeddingCache`` with forgiving request parsing.
 
-The generated ``add_EmbeddingCacheServicer_to_server`` parses requests with ``FromString``;
-bytes that are not a valid message then fail inside gRPC as INTERNAL. Here a parse failure
-becomes an :class:`Undecodable` value that the servicer rejects with INVALID_ARGUMENT, like
-any other malformed request.
+The plain registration (``services.add_servicer_to_server``) parses requests with
+``FromString``; bytes that are not a valid message then fail inside gRPC as INTERNAL. Here a
+parse failure becomes an :class:`Undecodable` value that the servicer rejects with
+INVALID_ARGUMENT, like any other malformed request.
 
 Put chunks skip protobuf: a message that is exactly one ``chunk`` field is handed to the
 servicer as a memoryview of the received bytes, so each chunk is copied once, into the pool.
@@ -21,16 +21,8 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
+from embcache.proto.embcache.v1.services import HANDLER_MAKERS, METHODS, add_handlers
 from embcache.proto.framing import chunk_payload
-
-SERVICE = pb.DESCRIPTOR.services_by_name["EmbeddingCache"]
-
-_MAKERS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,15 +86,13 @@ def _serialized_or(message: Any) -> bytes:
 def add_servicer(servicer: Any, server: grpc.aio.Server) -> None:
     """Register ``servicer`` (an EmbeddingCacheServicer) on ``server``."""
     handlers: dict[str, grpc.RpcMethodHandler] = {}
-    for method in SERVICE.methods:
-        request_cls = getattr(pb, method.input_type.name)
-        response_cls = getattr(pb, method.output_type.name)
-        parse = decode_put_request if method.name == "Put" else _parser(request_cls)
+    for method in METHODS:
+        parse = decode_put_request if method.name == "Put" else _parser(method.request)
         behaviour = getattr(servicer, method.name)
         if not method.client_streaming:
             behaviour = _unary_request(behaviour)
-        make = _MAKERS[(True, method.server_streaming)]
-        serialize = response_cls.SerializeToString
+        make = HANDLER_MAKERS[(True, method.server_streaming)]
+        serialize = method.response.SerializeToString
         if method.name == "GetBytes":
             serialize = _serialized_or
         handlers[method.name] = make(
@@ -110,9 +100,4 @@ def add_servicer(servicer: Any, server: grpc.aio.Server) -> None:
             request_deserializer=parse,
             response_serializer=serialize,
         )
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),)
-    )
-    register = getattr(server, "add_registered_method_handlers", None)
-    if register is not None:  # grpcio >= 1.63: skips a lookup per call
-        register(SERVICE.full_name, handlers)
+    add_handlers(server, handlers)  # also as registered methods: skips a lookup per call

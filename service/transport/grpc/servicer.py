@@ -23,7 +23,7 @@ from embcache import build_info
 from embcache.errors import InvalidArgument, NotFound, UnknownSession
 from embcache.proto.constants import CHUNK_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.proto.embcache.v1 import services as pb_grpc
 from embcache.proto.framing import encode_chunk
 from embcache.service.config import Settings
 from embcache.service.device.ipc.cache import IpcCache

@@ -13,7 +13,7 @@ from types import TracebackType
 import grpc
 
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
-from embcache.proto.embcache.v1 import embcache_pb2_grpc as pb_grpc
+from embcache.proto.embcache.v1 import services as pb_grpc
 from embcache.proto.framing import FRAME_HEADER, frame
 
 SESSION_KEY = "x-embcache-session"
