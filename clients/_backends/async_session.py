@@ -39,6 +39,7 @@ class AsyncCalls(abc.ABC):
         self.serves_device_puts = False
         self.serves_host_puts = False  # put / put_batch with the bytes inline
         self.serves_writable_puts = False  # put_reserve / commit / abort (same uid)
+        self.serves_stash_puts = False  # stash_refill / stash_commit (same uid)
         self.serves_bytes_out = False  # get_bytes, its bytes raw after the result (sockets)
         self.serves_get_into = False  # get_into as a session call
         self.serves_inline_gets = False  # host gets with small entries copied after the result
@@ -71,6 +72,7 @@ class AsyncCalls(abc.ABC):
         self.serves_device_puts = opened.device_puts
         self.serves_host_puts = opened.host_puts
         self.serves_writable_puts = opened.writable_puts
+        self.serves_stash_puts = opened.stash_puts
         self.serves_bytes_out = opened.bytes_out
         self.serves_get_into = opened.get_into
         self.serves_inline_gets = opened.inline_gets

@@ -38,6 +38,7 @@ class CallCarrier(Protocol):
     serves_device_puts: bool
     serves_host_puts: bool
     serves_writable_puts: bool
+    serves_stash_puts: bool
 
 
 def serves(session: CallCarrier, kind: str) -> bool:
@@ -50,6 +51,8 @@ def serves(session: CallCarrier, kind: str) -> bool:
         return getattr(session, "serves_host_puts", False)
     if kind in ("put_reserve", "put_commit", "put_abort"):
         return getattr(session, "serves_writable_puts", False)
+    if kind in ("stash_refill", "stash_commit"):
+        return getattr(session, "serves_stash_puts", False)
     if kind == "get_bytes":
         return getattr(session, "serves_bytes_out", False)
     if kind == "get_into":

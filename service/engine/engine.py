@@ -12,6 +12,7 @@ lazily inside calls. Reads are in reads.py, snapshots in stats.py::
 
     transports ──▶ CacheEngine ─┬─ PutPath ──────────────▶ HostStore  (host/)
                     │           ├─ .device: DeviceSide ──▶ DeviceTier (device/)
+                    │           ├─ .stash: StashPath ────▶ HostStore (puts clients write)
                     │           ├─ .quarantine, Verifier     (and HostStore, PutPath)
                     │           └─ SharedCalls ──▶ SharedTierHooks (shared_tier/, optional)
                     └─ Gate: the lock every part above takes
@@ -46,6 +47,7 @@ from embcache.service.engine.hooks import (
 from embcache.service.engine.put_path import PutPath
 from embcache.service.engine.quarantine import QuarantineSide
 from embcache.service.engine.reads import TouchWindow
+from embcache.service.engine.stash_path import StashPath
 from embcache.service.engine.stats import EngineStats, EntryInfo, engine_stats
 from embcache.service.engine.verifier import Verifier
 from embcache.service.host.host_pool import HostPool, SegmentInfo
@@ -107,6 +109,7 @@ class CacheEngine:
         self.device = DeviceSide(
             self._store, self._tier, self._gate, shared=self._shared, puts=self._puts
         )
+        self.stash = StashPath(settings, self._store, self._tier, self._gate, self._shared)
         self.shared_tier: SharedTierHooks | None = None  # what the factory started, if any
         if shared_tier is not None:
             try:
@@ -145,10 +148,8 @@ class CacheEngine:
             key, dtype, shape: the entry; ``nbytes`` and ``checksum`` (CRC32) are checked.
             owner: whose in-flight quota it counts against.
             copy_in, pages: see ``HostStore.reserve_put``.
-            writer: ``(owner, id)``: the owner (a session) whose process fills the pages
-                itself through its own mapping (a reserved put), and the id its client
-                knows the reservation by: the pages are kept out of reuse until that
-                process is done or gone (``host/reservations.py``).
+            writer: ``(owner, id)``: the session whose process fills the pages itself, and
+                the id its client knows them by (``host/reservations.py``).
         Returns:
             The handle that fills, commits or aborts the reservation (for a key that exists
             with the same metadata, one that only checks the bytes).
@@ -172,9 +173,8 @@ class CacheEngine:
             return handle.commit()
 
     def writer_done(self, owner: str, token: int) -> bool:
-        """The process of ``owner`` (a session) stopped writing the pages of a reservation
-        it knows by ``token`` that ended without it (``host/reservations.py``): they go
-        back now. False when that process holds none by that id."""
+        """The process of ``owner`` (a session) is done with the pages it knows by ``token``
+        (an ended reservation, or its stash): they go back now. False if it holds none."""
         return self._puts.writer_done(owner, token)
 
     # -- gets and leases -----------------------------------------------------------------

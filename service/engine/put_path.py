@@ -29,6 +29,7 @@ from embcache.service.engine.gate import Gate
 from embcache.service.host import admission
 from embcache.service.host.entries import Entry
 from embcache.service.host.put_writer import FillTarget, PutHandle
+from embcache.service.host.quarantine import ProcessRef
 from embcache.service.host.store import CopyIn, HostStore, Runs
 from embcache.service.host.verify import entry_crc
 
@@ -74,14 +75,7 @@ class PutPath:
             self._gate.check_open()
             filler = None
             if writer is not None:
-                process = self._store.processes.get(writer[0])
-                if process is None:  # its pages could not be kept from reuse: refused
-                    raise PermissionDenied(
-                        "the daemon cannot see this process (no pid for it here), so it may "
-                        "not fill pages itself: put the bytes inline or streamed",
-                        owner=writer[0],
-                    )
-                filler = (process, writer[1])
+                filler = (writer_process(self._store, writer[0]), writer[1])
             found = self._store.reserve_put(
                 key, meta, crc, owner,
                 quota=quota, now=self._gate.clock(), copy_in=copy_in, pages=pages, writer=filler,
@@ -145,3 +139,16 @@ class PutPath:
         with self._gate:
             if not self._gate.closed:
                 self._store.top_up_prealloc()
+
+
+def writer_process(store: HostStore, owner: str) -> ProcessRef:
+    """The process of session ``owner``, which fills pages itself; PermissionDenied when
+    the daemon knows none (it could not keep those pages from reuse while it writes)."""
+    process = store.processes.get(owner)
+    if process is None:
+        raise PermissionDenied(
+            "the daemon cannot see this process (no pid for it here), so it may not fill "
+            "pages itself: put the bytes inline or streamed",
+            owner=owner,
+        )
+    return process

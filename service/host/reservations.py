@@ -18,6 +18,7 @@ import logging
 from collections import Counter
 from collections.abc import Iterator
 
+from embcache.service.host.allocator import Run
 from embcache.service.host.entries import Entry
 from embcache.service.host.quarantine import ProcessRef
 from embcache.service.host.tables import Tables
@@ -48,11 +49,16 @@ class Reservations:
         """Bytes ``owner`` may still reserve in open puts under ``limit``."""
         return limit - self.inflight[owner]
 
-    def open(self, entry: Entry, owner: str) -> int:
-        """Record a FILLING reservation; returns its put id (never an adopted hold's)."""
+    def next_id(self) -> int:
+        """A put id no reservation or hold has (an adopted writer hold keeps its id)."""
         put_id = next(self._put_ids)
-        while put_id in self.written:  # an adopted writer hold keeps its id
+        while put_id in self.written:
             put_id = next(self._put_ids)
+        return put_id
+
+    def open(self, entry: Entry, owner: str) -> int:
+        """Record a FILLING reservation; returns its put id."""
+        put_id = self.next_id()
         self._filling[put_id] = (entry, owner)
         self.inflight[owner] += entry.nbytes
         return put_id
@@ -97,6 +103,27 @@ class Reservations:
         self._t.counters["puts_write_held"] += 1
         self._t.counters["write_held_bytes"] += entry.nbytes
         return True
+
+    def hold(self, written: Written) -> None:
+        """Hold pages for a process that writes them itself (a stash, ``stash.py``):
+        counted against its owner's quota, and in the index before it is told of them."""
+        assert written.owner is not None, written
+        self.written.add(written)
+        self.inflight[written.owner] += written.nbytes
+        if self._t.index is not None:
+            self._t.index.write(written.write_id, written.process, written.runs)
+
+    def rehold(self, written: Written, runs: tuple[Run, ...], nbytes: int) -> None:
+        """Shrink a hold to ``runs`` (``nbytes`` of quota): the rest left it, to an entry or
+        the allocator, by the caller. The index's record is replaced under a new id."""
+        assert written.owner is not None, written
+        self.written.pop(written.write_id)
+        self._uncount(written.owner, written.nbytes)
+        if self._t.index is not None:
+            self._t.index.unwrite(written.write_id)
+        if runs:
+            self.hold(Written(self.next_id(), written.process, runs, written.owner, nbytes,
+                              written.token))  # fmt: skip
 
     def writer_done(self, process: ProcessRef, token: int) -> bool:
         """``process`` says it stopped writing the pages of the ended reservation it knows

@@ -1,22 +1,20 @@
 """The host store: every table about the host page pool, kept in step.
 
-One object owns the page allocator, the pages set aside for puts from a device (the
-prealloc), the READY entries and their LRU, the FILLING reservations and the pages held
-for client processes that may still write them (``reservations.py``), the leases and the
-counters. Keeping them together is what lets each operation update all of them at once: a
-page is free, or held by exactly one reservation, entry, writer hold or the prealloc. The
-tables are private: every change goes through a method here (a put's reserve, commit and
-abort, the prealloc's pages, a warm restart's adoption by :meth:`HostStore.adopting`).
+One object owns the page allocator, the prealloc (pages set aside for puts from a device),
+the READY entries and their LRU, the FILLING reservations, the pages held for client
+processes that write them (reservations, stashes), the leases and the counters, so that
+each operation updates all of them at once: a page is free, or held by exactly one
+reservation, entry, writer hold or the prealloc. The tables are private: every change goes
+through a method here (a warm restart's adoption too: :meth:`HostStore.adopting`).
 
 The store is composed, by concern, of parts it owns and calls: ``Tables`` (``tables.py``:
-the allocator, the READY entries, the counters, the read table and the warm-restart index),
-``LeaseBook`` (``lease_book.py``: leases and quarantined holds) and ``Reservations``
-(``reservations.py``: FILLING puts, their quota and their writers). The views are functions
-over those parts (``store_views.py``). Nothing here locks: the engine holds its gate around
-every call. A put that cannot be
-reserved raises the typed error that says why (no room, an owner over its quota, another
-entry's metadata); other shortfalls come back as ``None`` or ``False``; a broken invariant
-is an ``AssertionError``.
+the allocator, READY entries, counters, read table, warm-restart index), ``LeaseBook``
+(``lease_book.py``: leases, quarantined holds), ``Reservations`` (``reservations.py``:
+FILLING puts, their quota and writers) and ``Stashes`` (``stash.py``: pages clients fill in
+advance). The views are functions over them (``store_views.py``). Nothing here locks: the
+engine holds its gate around every call. A put that cannot be reserved raises the typed
+error that says why; other shortfalls are ``None`` or ``False``; a broken invariant is an
+``AssertionError``.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ import numpy as np
 from embcache.errors import Draining, PoolExhausted, QuotaExceeded
 from embcache.service.host.admission import EntryMeta, check_same_meta
 from embcache.service.host.adoption import Adoption
-from embcache.service.host.allocator import PageRunAllocator
+from embcache.service.host.allocator import PageRunAllocator, Run
 from embcache.service.host.entries import Entry, EntryState
 from embcache.service.host.evict import EvictOutcome, EvictResults
 from embcache.service.host.evict import raise_for_evict as raise_for_evict  # re-exported
@@ -42,6 +40,7 @@ from embcache.service.host.prealloc import PutPrealloc
 from embcache.service.host.quarantine import ProcessRef, Quarantine
 from embcache.service.host.read_table import ReadTable
 from embcache.service.host.reservations import Reservations
+from embcache.service.host.stash import Stashed, Stashes
 from embcache.service.host.store_views import HostCounts, host_counts, page_states
 from embcache.service.host.tables import CopyIn, Runs, Tables
 
@@ -51,11 +50,9 @@ Writer = tuple[ProcessRef, int]  # a client process that fills a reservation, an
 class HostStore:
     """Pages, entries, reservations and leases of the host pool (module docstring).
 
-    ``on_evict(entry)`` runs before an entry's pages are freed (the engine drops its device
-    copies there); ``clock`` gives the time leases expire by. ``caps``: each owner's most
-    leases and leased bytes (None: none); ``max_entries``: READY and FILLING entries
-    together, zero-byte ones included (past it, LRU entries are evicted).
-    """
+    ``on_evict(entry)`` runs before an entry's pages are freed (its device copies go
+    there); ``clock``: the time leases expire by; ``caps``: each owner's most leases and
+    leased bytes; ``max_entries``: READY and FILLING entries, zero-byte ones included."""
 
     def __init__(
         self,
@@ -75,6 +72,7 @@ class HostStore:
         self._t = Tables(pool, self.prealloc, on_evict, reads, limit)  # pages, entries
         self._book = LeaseBook(self._t, caps)  # leases, quarantined holds, owners' processes
         self._puts = Reservations(self._t)  # FILLING reservations, their quota and writers
+        self._stash = Stashes(self._t, self._puts)  # pages handed to clients in advance
         self.clock = clock
 
     @classmethod
@@ -136,7 +134,7 @@ class HostStore:
             self._book.processes[owner] = process
 
     def held_for(self) -> set[ProcessRef]:
-        """The processes pages are held for: by views of ended leases, or their writes."""
+        """The processes pages are held for: views of ended leases, writes, stashes."""
         return {*self._book.quarantine.processes(), *self._puts.written.processes()}
 
     @property
@@ -183,8 +181,8 @@ class HostStore:
         return self._t.touch(keys, now)
 
     def pin(self, keys: Sequence[str], owner: str, now: float) -> list[Entry | None]:
-        """Look ``keys`` up, count hits and misses, and reference each entry found so that
-        nothing evicts it: it becomes a lease (:meth:`lease`) or is undone (:meth:`unpin`)."""
+        """Look up and reference each key's entry, counting hits and misses: nothing evicts
+        it until it becomes a lease (:meth:`lease`) or is undone (:meth:`unpin`)."""
         return self._book.pin(keys, owner, now)
 
     def unpin(self, entries: Iterable[Entry | None]) -> None:
@@ -192,8 +190,7 @@ class HostStore:
         self._book.unpin(entries)
 
     def take_prealloc(self, key: str, nbytes: int, copy_in: CopyIn) -> Runs | None:
-        """Prealloc pages for a put with its copy queued, for :meth:`reserve_put` with
-        ``pages=``; None, nothing copied, when there are too few or the key is stored."""
+        """Prealloc pages with a put's copy queued, for :meth:`reserve_put` (``tables.py``)."""
         return self._t.take_prealloc(key, nbytes, copy_in)
 
     def give_back_prealloc(self, pages: Runs) -> None:
@@ -289,9 +286,7 @@ class HostStore:
                 "too many bytes in unfinished puts",
                 owner=owner, inflight=quota - left, nbytes=meta.nbytes, limit=quota,
             )  # fmt: skip
-        if not self._t.entry_room(
-            len(self._puts)
-        ):  # max_entries: evicts LRU entries, zero-byte ones too
+        if not self._t.entry_room(len(self._puts)):  # max_entries: evicts LRU ones, any size
             raise PoolExhausted(
                 "no room for another entry: every entry is leased or filling",
                 max_entries=self.max_entries,
@@ -325,15 +320,12 @@ class HostStore:
 
     def commit_put(self, put_id: int, now: float) -> tuple[Entry, str] | None:
         """Make a filled reservation READY: its entry and owner, or None when a put of the
-        same key committed first (this one's pages go back). Draining if the store was
-        dropped meanwhile (the engine closed: the reservation is gone)."""
+        same key committed first (its pages go back); Draining once the engine closed."""
         found = self._puts.close(put_id)
         if found is None:
             raise Draining("engine closed before the put committed")
         entry, owner = found
-        self._puts.close_writer(
-            put_id, entry, owner, stopped=True
-        )  # its writer finished: it commits
+        self._puts.close_writer(put_id, entry, owner, stopped=True)  # its writer is done
         existing = self._t.entries.get(entry.key)
         if existing is not None:
             self._t.alloc.free(entry.runs)
@@ -343,9 +335,8 @@ class HostStore:
         return entry, owner
 
     def abort_put(self, put_id: int, *, writer_stopped: bool = True) -> None:
-        """End a reservation; nothing of it becomes visible. Its pages go back, unless a
-        client fills them itself and may still be writing (``writer_stopped`` False and its
-        process runs): then they are held until it is done or has exited."""
+        """End a reservation, nothing of it visible. Its pages go back, unless its client
+        may still write them (``writer_stopped`` False, its process alive): held till then."""
         found = self._puts.close(put_id)
         if found is None:
             return  # already dropped by drop_all()
@@ -353,6 +344,18 @@ class HostStore:
         if not self._puts.close_writer(put_id, entry, owner, stopped=writer_stopped):
             self._t.discard(entry)
         self._t.counters["puts_aborted"] += 1
+
+    def refill_stash(
+        self, owner: str, process: ProcessRef, token: int, npages: int, *, quota: int
+    ) -> list[Run]:
+        """Pages held for ``process``, a stash it knows by ``token`` (``Stashes.refill``)."""
+        return self._stash.refill(owner, process, token, npages, quota)
+
+    def commit_stashed(
+        self, process: ProcessRef, token: int, puts: Sequence[Stashed], now: float
+    ) -> list[tuple[Entry, bool]]:
+        """Stashed puts made READY, all or nothing (``Stashes.commit``)."""
+        return self._stash.commit(process, token, puts, now)
 
     def writer_done(self, process: ProcessRef, token: int) -> bool:
         """``process`` stopped writing the pages of the ended reservation it knows by

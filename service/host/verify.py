@@ -4,6 +4,7 @@ checked against before it is served (``docs/restart.md``)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from embcache.proto.checksum import crc32
@@ -15,8 +16,13 @@ if TYPE_CHECKING:
 
 def entry_crc(pool: HostPool, entry: Entry) -> int:
     """CRC32 of ``entry``'s bytes in ``pool`` (the zlib polynomial, as on the wire)."""
+    return byte_runs_crc(pool, pool.byte_runs(entry.runs, entry.nbytes))
+
+
+def byte_runs_crc(pool: HostPool, byte_runs: Iterable[tuple[int, int]]) -> int:
+    """CRC32 of the bytes of ``byte_runs`` (offset, length) of ``pool``, in order."""
     value = 0
     array = pool.array
-    for off, length in pool.byte_runs(entry.runs, entry.nbytes):
+    for off, length in byte_runs:
         value = crc32(array[off : off + length].data, value)
     return value

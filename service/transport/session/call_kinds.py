@@ -11,6 +11,7 @@ as tasks.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -18,7 +19,7 @@ from typing import Protocol, TypeVar
 from embcache.errors import InvalidArgument, QuotaExceeded
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.transport.session.bytes_out import BytesReply
-from embcache.service.transport.session.host_puts import SessionPuts
+from embcache.service.transport.session.host_puts import THREAD_CRC_BYTES, SessionPuts, crc_bytes
 from embcache.service.transport.session.inline_gets import Render
 
 GetHandler = Callable[[pb.GetRequest, str], Awaitable[pb.GetResponse]]
@@ -57,6 +58,8 @@ NAMES = {  # a call's name in the metrics, as its RPC's
     "get_bytes": "GetBytes",
     "get_into": "GetInto",
     "touch": "Touch",
+    "stash_refill": "StashRefill",
+    "stash_commit": "StashCommit",
 }
 MAX_TOUCH_KEYS = 4096  # keys one touch may count (a client posts one per get)
 
@@ -144,6 +147,16 @@ def touch(site: CallSite, call: pb.SessionCall, result: pb.SessionResult) -> Non
     result.touch.touched = touched
 
 
+def stash_refill(site: CallSite, call: pb.SessionCall, result: pb.SessionResult) -> None:
+    puts = served(site.host_puts, "stash_refill")
+    result.stash_refill.CopyFrom(puts.stash_refill(call.stash_refill))
+
+
+def stash_commit(site: CallSite, call: pb.SessionCall, result: pb.SessionResult) -> None:
+    puts = served(site.host_puts, "stash_commit")
+    result.stash_commit.CopyFrom(puts.stash_commit(call.stash_commit))
+
+
 # -- run as tasks ---------------------------------------------------------------------------
 async def get(site: CallSite, call: pb.SessionCall, result: pb.SessionResult) -> None:
     result.get.CopyFrom(await site.io.daemon.get(call.get, site.owner))
@@ -182,6 +195,21 @@ async def put_abort(site: CallSite, call: pb.SessionCall, result: pb.SessionResu
     result.put_abort.CopyFrom(served(site.host_puts, "put_abort").abort(call.put_abort))
 
 
+async def stash_commit_task(site: CallSite, call: pb.SessionCall, result: pb.SessionResult) -> None:
+    """A commit with a CRC32 over many bytes to compute: off the loop."""
+    puts = served(site.host_puts, "stash_commit")
+    reply = await asyncio.to_thread(puts.stash_commit, call.stash_commit)
+    result.stash_commit.CopyFrom(reply)
+
+
+def at_once(kind: str, call: pb.SessionCall) -> bool:
+    """Whether a call of ``kind`` is answered at once (its handler never waits, and any
+    CRC32 it computes is small); else it runs as a task."""
+    if kind == "stash_commit":
+        return crc_bytes(call.stash_commit) <= THREAD_CRC_BYTES
+    return kind in AT_ONCE_CALLS
+
+
 Fill = Callable[[CallSite, pb.SessionCall, pb.SessionResult], None]
 AsyncFill = Callable[[CallSite, pb.SessionCall, pb.SessionResult], Awaitable[None]]
 AT_ONCE_CALLS: dict[str, Fill] = {
@@ -189,8 +217,9 @@ AT_ONCE_CALLS: dict[str, Fill] = {
     "put_batch": put_batch,
     "release": release,
     "touch": touch,
+    "stash_refill": stash_refill,
+    "stash_commit": stash_commit,
 }
-AT_ONCE = frozenset(AT_ONCE_CALLS)
 TASK_CALLS: dict[str, AsyncFill] = {
     "get": get,
     "put_from_device": put_from_device,
@@ -199,4 +228,5 @@ TASK_CALLS: dict[str, AsyncFill] = {
     "put_reserve": put_reserve,
     "put_commit": put_commit,
     "put_abort": put_abort,
+    "stash_commit": stash_commit_task,  # where at_once() says no
 }

@@ -9,13 +9,13 @@ RPCs; the leases belong to the session that carries the call.
 
 Calls run as tasks, so a slow one (a shared-tier fill) does not hold up the next; results
 go back as they finish, tagged with the client's call id. Calls whose handlers never wait
-(inline puts, releases, touches: ``AT_ONCE``) are answered at once instead, inside the read
-of their frame, where the transport can write the result now (the session socket whose
-client reads): a task and a loop iteration cost about a third of an empty call. At most
-``max_calls`` run at once: at the bound the transport stops reading the session's requests
-(:meth:`SessionCalls.room`, ``on_room``) until one finishes, so a client that pipelines
-calls without reading their results holds a bounded number of tasks and leases, and
-tearing it down costs O(bound).
+(inline puts, stash refills and commits, releases, touches: ``call_kinds.at_once``) are
+answered at once instead, inside the read of their frame, where the transport can write the
+result now (the session socket whose client reads): a task and a loop iteration cost about
+a third of an empty call. At most ``max_calls`` run at once: at the bound the transport
+stops reading the session's requests (:meth:`SessionCalls.room`, ``on_room``) until one
+finishes, so a client that pipelines calls without reading their results holds a bounded
+number of tasks and leases, and tearing it down costs O(bound).
 When the stream ends, the session is closed first, then its running calls are cancelled
 and its leases dropped, without awaiting anything (a second cancellation of the stream's
 handler must not skip the drop); everything a call waits on leaves in O(1) when cancelled
@@ -41,11 +41,11 @@ from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.transport.accounting import RpcMetrics
 from embcache.service.transport.session.bytes_out import BytesReply
 from embcache.service.transport.session.call_kinds import (
-    AT_ONCE,
     AT_ONCE_CALLS,
     NAMES,
     TASK_CALLS,
     SessionIO,
+    at_once,
     touch_keys,
 )
 from embcache.service.transport.session.host_puts import SessionPuts
@@ -110,14 +110,14 @@ class SessionCalls:
         if call.call_id == 0 and kind == "touch":
             self._posted_touch(call.touch)
             return
-        if kind in AT_ONCE and self.send_now is not None and self._answer_now(call, kind):
+        if at_once(kind, call) and self.send_now is not None and self._answer_now(call, kind):
             return
         task = asyncio.get_running_loop().create_task(self._run(call))
         self._tasks.add(task)
         task.add_done_callback(self._finished)
 
     def _answer_now(self, call: pb.SessionCall, kind: str) -> bool:
-        """Run a call whose handler never waits (``AT_ONCE``) and write its result, with no
+        """Run a call whose handler never waits (``at_once``) and write its result, with no
         task and no loop iteration in between; False, nothing run, when the connection
         cannot take the result now (the call then runs as a task, which waits for room)."""
         assert self.send_now is not None
@@ -205,10 +205,10 @@ class SessionCalls:
         result.call_id = call.call_id
         code = "OK"
         try:
-            if kind in AT_ONCE_CALLS:
-                AT_ONCE_CALLS[kind](self, call, result)
-            elif kind in TASK_CALLS:
+            if kind in TASK_CALLS:
                 await TASK_CALLS[kind](self, call, result)
+            elif kind in AT_ONCE_CALLS:
+                AT_ONCE_CALLS[kind](self, call, result)
             else:
                 raise InvalidArgument("a session call carries a known request", kind=kind)
         except EmbCacheError as err:

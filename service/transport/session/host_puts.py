@@ -33,12 +33,18 @@ from embcache.errors import InvalidArgument, NotFound, PermissionDenied
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.engine import CacheEngine
 from embcache.service.host.put_writer import PutHandle
+from embcache.service.host.stash import StashedPut
 from embcache.service.transport.session.registry import PeerCreds
 
 log = logging.getLogger("embcache.session")
 
 MAX_BATCH_ITEMS = 1024  # items of one put_batch (as PutFromDeviceBatch)
 THREAD_CRC_BYTES = 16 << 20  # a commit's CRC32 over more than this runs off the loop
+
+
+def crc_bytes(request: pb.StashCommitRequest) -> int:
+    """The bytes a stash commit computes a CRC32 over when each of its puts has one."""
+    return sum(run.length for item in request.items for run in item.runs)
 
 
 def may_write_segment(peer: PeerCreds | None, daemon_uid: int) -> bool:
@@ -185,6 +191,51 @@ class SessionPuts:
             return pb.PutAbortResponse(aborted=False)
         self._end(found, writer_stopped=True)
         return pb.PutAbortResponse(aborted=True)
+
+    # -- stashes: pages filled ahead of the puts (host/stash.py) ---------------------------
+    def stash_refill(self, request: pb.StashRefillRequest) -> pb.StashRefillResponse:
+        """Hold at least ``nbytes`` of free pages for this session's process, as the stash
+        its client knows by ``stash_id``: their byte runs."""
+        writer = self._stash_writer(request.stash_id)
+        runs = self.engine.stash.refill(self.quota_owner, writer, request.nbytes)
+        return pb.StashRefillResponse(
+            runs=[pb.ByteRun(offset=off, length=n) for off, n in runs],
+            pool=self.host_pool,
+            page_bytes=self.engine.settings.page_bytes,
+        )
+
+    def stash_commit(self, request: pb.StashCommitRequest) -> pb.PutFromDeviceBatchResponse:
+        """Make the puts the client wrote into its stash READY and visible, all or nothing."""
+        writer = self._stash_writer(request.stash_id)
+        items = request.items
+        if len(items) > MAX_BATCH_ITEMS:
+            raise InvalidArgument("too many items", items=len(items), limit=MAX_BATCH_ITEMS)
+        if len({item.header.key for item in items}) != len(items):
+            raise InvalidArgument("a stash_commit takes distinct keys")
+        puts = [
+            StashedPut(
+                item.header.key, item.header.dtype, tuple(item.header.shape),
+                tuple((run.offset, run.length) for run in item.runs),
+                item.header.nbytes if item.header.HasField("nbytes") else None,
+                item.header.checksum if item.header.HasField("checksum") else None,
+            )
+            for item in items
+        ]  # fmt: skip
+        created = self.engine.stash.commit(self.quota_owner, writer, puts)
+        results = [
+            pb.PutResponse(created=c, nbytes=sum(n for _, n in put.byte_runs))
+            for c, put in zip(created, puts, strict=True)
+        ]
+        return pb.PutFromDeviceBatchResponse(results=results)
+
+    def _stash_writer(self, stash_id: int) -> tuple[str, int]:
+        if self._closed:
+            raise NotFound("the session has ended")
+        if not self.writable or self.writer is None:
+            raise PermissionDenied("only a peer with the daemon's uid may fill pages itself")
+        if not stash_id:
+            raise InvalidArgument("stash_id must not be 0")
+        return self.writer, stash_id
 
     def _take(self, rid: int) -> _Reservation:
         found = self._open.pop(rid, None)

@@ -112,6 +112,7 @@ class SessionService:
             device_puts=True,
             host_puts=True,
             writable_puts=puts.writable,
+            stash_puts=puts.writable and puts.writer is not None,
             bytes_out=calls.serves_bytes,
             get_into=True,
             inline_gets=calls.serves_inline_gets,
