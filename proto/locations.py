@@ -4,13 +4,19 @@ The daemon answers a get with these descriptions; each transport renders them in
 encoding (protobuf over gRPC, JSON over REST), and the client reads them back. A pool
 description is a capability: whoever holds a device pool's IPC handle or fd token can map
 that pool, so transports hand them only to callers that passed their auth check.
+
+Each record here is declared once: the REST models derive from its fields (with the
+descriptions in their metadata) and the gRPC replies fill their messages from it by
+field name (``records.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+from embcache.proto.records import doc
 
 
 # -- pools ---------------------------------------------------------------------------------
@@ -22,12 +28,12 @@ class HostShmPool:
     machine or ``/dev/shm`` namespace never maps a different segment of the same name."""
 
     pool_id: str
-    segment_name: str
+    segment_name: str = field(metadata=doc("Map /dev/shm/<segment_name> read-only."))
     size: int
     page_bytes: int
-    boot_id: str
-    st_dev: int
-    st_ino: int
+    boot_id: str = field(metadata=doc("Kernel boot id: a different one means another machine."))
+    st_dev: int = field(metadata=doc("st_dev of the segment file: compare before mapping."))
+    st_ino: int = field(metadata=doc("st_ino of the segment file: compare before mapping."))
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +48,12 @@ class DevicePoolDesc:
     gpu_uuid: str
     size: int
     page_bytes: int
-    ipc_mode: Literal["legacy", "fd", "none"]
+    ipc_mode: Literal["legacy", "fd", "none"] = field(
+        metadata=doc(
+            "legacy: open ipc_handle; fd: fetch the fd from fd_socket with fd_token and map "
+            "alloc_size bytes; none: a test pool nobody else can open."
+        )
+    )
     ipc_handle: bytes | None = None
     fd_token: int | None = None
     alloc_size: int | None = None

@@ -52,10 +52,9 @@ from embcache.service.engine.stats import EngineStats, EntryInfo, engine_stats
 from embcache.service.engine.verifier import Verifier
 from embcache.service.host.host_pool import HostPool, SegmentInfo
 from embcache.service.host.leases import Lease
-from embcache.service.host.put_writer import PutHandle
 from embcache.service.host.read_table import ReadTable
 from embcache.service.host.restart import WarmStart
-from embcache.service.host.store import CopyIn, EvictResults, HostStore, Runs, raise_for_evict
+from embcache.service.host.store import EvictResults, HostStore, raise_for_evict
 
 log = logging.getLogger("embcache.service.engine")
 
@@ -106,6 +105,7 @@ class CacheEngine:
         self.quarantine = QuarantineSide(self._store, self._gate)
         self._shared = SharedCalls(self._store, self._gate)
         self._puts = PutPath(settings, self._store, self._tier, self._gate, self._shared.on_commit)
+        self.begin_put = self._puts.begin  # validate a put and reserve its pages
         self.device = DeviceSide(
             self._store, self._tier, self._gate, shared=self._shared, puts=self._puts
         )
@@ -128,40 +128,7 @@ class CacheEngine:
         """The host pool's shared-memory segment, as clients map it."""
         return self._store.pool.info()
 
-    # -- puts (put_path.py) -------------------------------------------------------------
-    def begin_put(
-        self,
-        key: str,
-        dtype: str,
-        shape: Sequence[int],
-        *,
-        nbytes: int | None = None,
-        checksum: int | None = None,
-        owner: str = "local",
-        copy_in: CopyIn | None = None,
-        pages: Runs | None = None,
-        writer: tuple[str, int] | None = None,
-    ) -> PutHandle:
-        """Validate a put, then reserve pages for it (evicting LRU entries if need be).
-
-        Args:
-            key, dtype, shape: the entry; ``nbytes`` and ``checksum`` (CRC32) are checked.
-            owner: whose in-flight quota it counts against.
-            copy_in, pages: see ``HostStore.reserve_put``.
-            writer: ``(owner, id)``: the session whose process fills the pages itself, and
-                the id its client knows them by (``host/reservations.py``).
-        Returns:
-            The handle that fills, commits or aborts the reservation (for a key that exists
-            with the same metadata, one that only checks the bytes).
-        Raises:
-            InvalidArgument, EntryTooLarge, MetadataConflict, QuotaExceeded, PoolExhausted;
-            PermissionDenied for a ``writer`` whose process the engine does not know.
-        """
-        return self._puts.begin(
-            key, dtype, shape, nbytes=nbytes, checksum=checksum, owner=owner,
-            copy_in=copy_in, pages=pages, writer=writer,
-        )  # fmt: skip
-
+    # -- puts (put_path.py: begin_put is the put path's own begin) ----------------------
     def put(self, key: str, tensor: torch.Tensor, *, owner: str = "local") -> bool:
         """Store a CPU tensor in one call. True if created, False if it already existed."""
         dt = from_torch(tensor.dtype)

@@ -66,7 +66,23 @@ class PutPath:
         pages: Runs | None = None,
         writer: tuple[str, int] | None = None,
     ) -> PutHandle:
-        """``CacheEngine.begin_put`` (its docstring says what each argument means)."""
+        """Validate a put, then reserve pages for it (evicting LRU entries if need be).
+
+        Args:
+            key, dtype, shape: the entry; ``nbytes`` and ``checksum`` (CRC32) are checked.
+            owner: whose in-flight quota it counts against.
+            copy_in, pages: see ``HostStore.reserve_put``.
+            writer: ``(owner, id)``: the owner (a session) whose process fills the pages
+                itself through its own mapping (a reserved put), and the id its client
+                knows the reservation by: the pages are kept out of reuse until that
+                process is done or gone (``host/reservations.py``).
+        Returns:
+            The handle that fills, commits or aborts the reservation (for a key that exists
+            with the same metadata, one that only checks the bytes).
+        Raises:
+            InvalidArgument, EntryTooLarge, MetadataConflict, QuotaExceeded, PoolExhausted;
+            PermissionDenied for a ``writer`` whose process the engine does not know.
+        """
         key = admission.check_key(key, self._settings)
         meta = admission.check_meta(dtype, shape, nbytes, self._settings)
         crc = admission.check_checksum(checksum)

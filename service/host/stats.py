@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from embcache.proto.records import doc
 
 
 @dataclass(frozen=True, slots=True)
 class PoolStats:
-    """One pool's sizes and fragmentation (``tier``: ``host`` or ``device:<index>``)."""
+    """One pool's sizes and fragmentation (``tier``: ``host`` or ``device:<index>``).
+
+    The record's one declaration: the REST model derives from these fields, with the
+    descriptions in their metadata (``proto/records.py``)."""
 
     tier: str
     capacity_bytes: int
@@ -19,7 +24,10 @@ class PoolStats:
     free_pages: int
     largest_free_run_pages: int
     free_runs: int
-    out_of_service: str = ""  # a device pool a device error took out: why (empty: serving)
+    out_of_service: str = field(
+        default="",
+        metadata=doc("Device pools only: why a device error took it out (empty if not)."),
+    )
 
 
 RUN_BUCKETS = ((1, "1"), (2, "2"), (4, "3-4"), (8, "5-8"), (16, "9-16"), (None, ">16"))

@@ -23,6 +23,7 @@ from embcache.proto.constants import MAX_MESSAGE_BYTES, SLOT_ALIGN
 from embcache.proto.dtypes import lookup
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.locations import HostShmPool, PoolDesc
+from embcache.proto.records import fill_message
 from embcache.service.config import Settings
 from embcache.service.device.ipc.cache import CudaIpc, IpcCache
 from embcache.service.device.pool import DevicePool
@@ -70,28 +71,15 @@ def lease_ids_of(reply: pb.GetResponse) -> list[int]:
 
 
 def pool_handle_of(desc: PoolDesc) -> pb.PoolHandle:
-    """A pool description (``render.py``) as the wire's ``PoolHandle``."""
+    """A pool description (``render.py``) as the wire's ``PoolHandle``: its fields by name,
+    the pool id on the handle and the fd fields in ``posix_fd``."""
     if isinstance(desc, HostShmPool):
-        shm = pb.HostShmPool(
-            segment_name=desc.segment_name,
-            size=desc.size,
-            page_bytes=desc.page_bytes,
-            boot_id=desc.boot_id,
-            st_dev=desc.st_dev,
-            st_ino=desc.st_ino,
-        )
-        return pb.PoolHandle(pool_id=desc.pool_id, host_shm=shm)
-    dev = pb.DevicePool(gpu_uuid=desc.gpu_uuid, size=desc.size, page_bytes=desc.page_bytes)
+        return pb.PoolHandle(pool_id=desc.pool_id, host_shm=fill_message(pb.HostShmPool(), desc))
+    dev = fill_message(pb.DevicePool(), desc, skip=("ipc_handle",))
     if desc.ipc_mode == "legacy":
         dev.ipc_handle = desc.ipc_handle or b""
     elif desc.ipc_mode == "fd":
-        dev.posix_fd.CopyFrom(
-            pb.PosixFdHandle(
-                fd_token=desc.fd_token or 0,
-                alloc_size=desc.alloc_size or 0,
-                fd_socket=desc.fd_socket or "",
-            )
-        )
+        fill_message(dev.posix_fd, desc).SetInParent()
     # ipc_mode "none" (a CPU test pool): no handle; nothing outside this process opens it.
     return pb.PoolHandle(pool_id=desc.pool_id, device=dev)
 

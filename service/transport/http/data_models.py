@@ -10,21 +10,18 @@ from __future__ import annotations
 import base64
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from embcache.service.transport import render as d
+from embcache.proto import locations as d
 from embcache.service.transport.http.models import Count, PositiveNumber
+from embcache.service.transport.http.records import ClosedModel, derived, values_of
 
 MAX_BATCH = 10_000
 
 DecimalId = Annotated[str, Field(pattern=r"^[0-9]{1,20}$", description="Decimal string.")]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class PutResponse(_Model):
+class PutResponse(ClosedModel):
     key: str
     created: bool = Field(description="False: an identical entry existed (the put is idempotent).")
     dtype: str
@@ -33,7 +30,7 @@ class PutResponse(_Model):
 
 
 # -- batch get -----------------------------------------------------------------------------
-class GetRequest(_Model):
+class GetRequest(ClosedModel):
     keys: list[str] = Field(min_length=1, max_length=MAX_BATCH)
     ttl_s: PositiveNumber | None = Field(
         default=None,
@@ -47,21 +44,20 @@ class GetRequest(_Model):
     )
 
 
-class ByteRun(_Model):
+class ByteRun(ClosedModel):
     offset: int = Field(description="Byte offset in the pool.")
     length: int
 
 
-class HostLocationModel(_Model):
+@derived(d.HostLocation)
+class HostLocationModel(ClosedModel):
     kind: Literal["host"] = "host"
-    pool_id: str
     runs: list[ByteRun] = Field(description="The entry's bytes, in order, in the host pool.")
 
 
-class DeviceLocationModel(_Model):
+@derived(d.DeviceLocation)
+class DeviceLocationModel(ClosedModel):
     kind: Literal["device"] = "device"
-    pool_id: str
-    gpu_uuid: str
     offset: int | None = Field(
         default=None, description="Byte offset when the entry is one contiguous range; else null."
     )
@@ -73,7 +69,7 @@ class DeviceLocationModel(_Model):
 Location = Annotated[HostLocationModel | DeviceLocationModel, Field(discriminator="kind")]
 
 
-class GetResult(_Model):
+class GetResult(ClosedModel):
     key: str
     found: bool
     dtype: str | None = None
@@ -85,37 +81,22 @@ class GetResult(_Model):
     location: Location | None = None
 
 
-class HostShmPoolModel(_Model):
+@derived(d.HostShmPool)
+class HostShmPoolModel(ClosedModel):
     kind: Literal["host_shm"] = "host_shm"
-    pool_id: str
-    segment_name: str = Field(description="Map /dev/shm/<segment_name> read-only.")
-    size: int
-    page_bytes: int
-    boot_id: str = Field(description="Kernel boot id: a different one means another machine.")
-    st_dev: int = Field(description="st_dev of the segment file: compare before mapping.")
-    st_ino: int = Field(description="st_ino of the segment file: compare before mapping.")
 
 
-class DevicePoolModel(_Model):
+@derived(d.DevicePoolDesc)
+class DevicePoolModel(ClosedModel):
     kind: Literal["device"] = "device"
-    pool_id: str
-    gpu_uuid: str
-    size: int
-    page_bytes: int
-    ipc_mode: Literal["legacy", "fd", "none"] = Field(
-        description="legacy: open ipc_handle; fd: fetch the fd from fd_socket with fd_token "
-        "and map alloc_size bytes; none: a test pool nobody else can open."
-    )
     ipc_handle: str | None = Field(default=None, description="Base64 cudaIpcMemHandle (legacy).")
     fd_token: DecimalId | None = None
-    alloc_size: int | None = None
-    fd_socket: str | None = None
 
 
 Pool = Annotated[HostShmPoolModel | DevicePoolModel, Field(discriminator="kind")]
 
 
-class GetResponse(_Model):
+class GetResponse(ClosedModel):
     results: list[GetResult]
     pools: list[Pool] = Field(description="The pools the locations name, each once.")
     ttl_s: float = Field(description="Lease lifetime granted, in seconds.")
@@ -144,36 +125,18 @@ def render_batch(batch: d.BatchDescription, ttl_s: float) -> GetResponse:
 def _location(loc: d.Location) -> HostLocationModel | DeviceLocationModel:
     if isinstance(loc, d.HostLocation):
         runs = [ByteRun(offset=off, length=n) for off, n in loc.runs]
-        return HostLocationModel(pool_id=loc.pool_id, runs=runs)
+        return HostLocationModel(**values_of(loc, runs=runs))
     if loc.offset is not None:
-        return DeviceLocationModel(pool_id=loc.pool_id, gpu_uuid=loc.gpu_uuid, offset=loc.offset)
-    return DeviceLocationModel(
-        pool_id=loc.pool_id, gpu_uuid=loc.gpu_uuid, page_ids=list(loc.page_ids)
-    )
+        return DeviceLocationModel(**values_of(loc, page_ids=None))
+    return DeviceLocationModel(**values_of(loc, offset=None, page_ids=list(loc.page_ids)))
 
 
 def _pool(pool: d.PoolDesc) -> HostShmPoolModel | DevicePoolModel:
     if isinstance(pool, d.HostShmPool):
-        return HostShmPoolModel(
-            pool_id=pool.pool_id,
-            segment_name=pool.segment_name,
-            size=pool.size,
-            page_bytes=pool.page_bytes,
-            boot_id=pool.boot_id,
-            st_dev=pool.st_dev,
-            st_ino=pool.st_ino,
-        )
-    return DevicePoolModel(
-        pool_id=pool.pool_id,
-        gpu_uuid=pool.gpu_uuid,
-        size=pool.size,
-        page_bytes=pool.page_bytes,
-        ipc_mode=pool.ipc_mode,
-        ipc_handle=base64.b64encode(pool.ipc_handle).decode() if pool.ipc_handle else None,
-        fd_token=None if pool.fd_token is None else str(pool.fd_token),
-        alloc_size=pool.alloc_size,
-        fd_socket=pool.fd_socket,
-    )
+        return HostShmPoolModel(**values_of(pool))
+    handle = base64.b64encode(pool.ipc_handle).decode() if pool.ipc_handle else None
+    token = None if pool.fd_token is None else str(pool.fd_token)
+    return DevicePoolModel(**values_of(pool, ipc_handle=handle, fd_token=token))
 
 
 # -- leases --------------------------------------------------------------------------------
@@ -182,7 +145,7 @@ def _pool(pool: d.PoolDesc) -> HostShmPoolModel | DevicePoolModel:
 LeaseIdIn = Count | Annotated[str, Field(pattern=r"^[0-9]{1,19}$")]
 
 
-class _LeaseIds(_Model):
+class _LeaseIds(ClosedModel):
     lease_ids: list[LeaseIdIn] = Field(
         max_length=MAX_BATCH, description="Lease ids (decimal strings or integers)."
     )
@@ -195,7 +158,7 @@ class ReleaseRequest(_LeaseIds):
     pass
 
 
-class ReleaseResponse(_Model):
+class ReleaseResponse(ClosedModel):
     released: int = Field(description="Leases ended; unknown or expired ids are skipped.")
 
 
@@ -205,5 +168,5 @@ class RenewRequest(_LeaseIds):
     )
 
 
-class RenewResponse(_Model):
+class RenewResponse(ClosedModel):
     renewed: int

@@ -1,23 +1,26 @@
-"""Pydantic models of every REST body (requests, responses and errors)."""
+"""Pydantic models of every REST body (requests, responses and errors).
+
+The responses that mirror an engine record (stats, pools, entries) derive their fields from
+its dataclass (``records.py``) and declare here only what REST writes differently."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BeforeValidator, Field
 
+from embcache.service.engine.stats import EngineStats, EntryInfo, ReadTableCounts, RestartCounts
+from embcache.service.host.stats import PoolStats
 from embcache.service.sizes import parse_size
+from embcache.service.transport.http.poolmap import DownsampledPool, Series
+from embcache.service.transport.http.records import ClosedModel, OpenModel, derived
 
 EntryStateFilter = Literal["ready", "filling", "leased"]
 TierName = Literal["host", "device"]
 EntrySort = Literal["none", "size", "recent", "idle"]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ErrorBody(_Model):
+class ErrorBody(ClosedModel):
     """Every error response: the typed engine error, or a validation/HTTP error in its shape."""
 
     error: str = Field(description="Error type, e.g. NotFound, EntryLeased, ValidationError.")
@@ -26,162 +29,53 @@ class ErrorBody(_Model):
     details: dict[str, Any] = Field(default_factory=dict)
 
 
-class _OpenModel(BaseModel):
-    """Responses that mirror engine snapshots: fields the engine adds later pass through."""
-
-    model_config = ConfigDict(extra="allow")
-
-
-class PoolStatsModel(_OpenModel):
-    tier: str
-    capacity_bytes: int
-    used_bytes: int
-    free_bytes: int
-    page_bytes: int
-    total_pages: int
-    used_pages: int
-    free_pages: int
-    largest_free_run_pages: int
-    free_runs: int
-    out_of_service: str = Field(
-        default="", description="Device pools only: why a device error took it out (empty if not)."
-    )
+@derived(PoolStats)
+class PoolStatsModel(OpenModel):
+    """One pool's sizes and fragmentation (tier: host, or device:<index>)."""
 
 
-class ReadTableModel(_Model):
+@derived(ReadTableCounts)
+class ReadTableModel(ClosedModel):
     """The read table same-node clients copy small entries from without a call."""
 
-    entries: int = Field(default=0, description="READY entries readable from the table.")
-    skipped: int = Field(
-        default=0, description="Entries left out of it (bucket full, too many runs or dims)."
-    )
-    reads: int = Field(default=0, description="Hits clients served from it, as they reported.")
-    device_published: int = Field(
-        default=0,
-        description="Device-resident copies offered in it (clients copy them device to device).",
-    )
-    device_withdrawn: int = Field(
-        default=0, description="Device copies taken out of it (evicted from their pool, ...)."
-    )
-    device_skipped: int = Field(
-        default=0,
-        description="Device copies not offered (too many runs, or more pools than a slot names).",
-    )
 
-
-class RestartModel(_Model):
+@derived(RestartCounts)
+class RestartModel(ClosedModel):
     """A warm restart's figures: all zero after a cold start."""
 
-    adopted_entries: int = Field(
-        default=0, description="READY entries adopted from the old segment."
-    )
-    adopted_bytes: int = Field(default=0, description="Their bytes.")
-    unverified_entries: int = Field(
-        default=0, description="Adopted entries not yet checked against their CRC32 (checked first "
-        "when read, and by a background pass).",
-    )  # fmt: skip
-    dropped_checksum_entries: int = Field(
-        default=0, description="Adopted entries dropped because their bytes failed their CRC32."
-    )
-    dropped_checksum_bytes: int = Field(default=0, description="Their bytes.")
-    dropped_layout_entries: int = Field(
-        default=0, description="Entries of an old segment replaced because its layout differed."
-    )
-    dropped_layout_bytes: int = Field(default=0, description="Their bytes.")
-    dropped_invalid_entries: int = Field(
-        default=0, description="Index records dropped because their page runs were not valid."
-    )
-    dropped_refused_entries: int = Field(
-        default=0, description="Index records dropped because a put would refuse them (key, "
-        "dtype, shape or size), or because they did not decode.",
-    )  # fmt: skip
-    untrusted_index: int = Field(
-        default=0, description="1 when a file at the index's names was refused (another uid "
-        "owns it, others may write it, or it is a symlink): not read, written or replaced; the "
-        "start was cold, and no index is kept while another user's file holds the name.",
-    )  # fmt: skip
-    write_holds: int = Field(
-        default=0, description="Reservations of the old daemon that a client process still "
-        "running may be writing: their pages stay out of reuse until it exits.",
-    )  # fmt: skip
-    layout_replaced: int = Field(default=0, description="1 when an old segment was replaced.")
 
+@derived(
+    EngineStats,
+    host=PoolStatsModel,
+    device=list[PoolStatsModel],
+    bytes_copied=dict[str, float],
+    restart=RestartModel,
+    read_table=ReadTableModel,
+)
+class StatsResponse(OpenModel):
+    """The engine's counts, the daemon's build, and where its gRPC server listens."""
 
-class StatsResponse(_OpenModel):
     version: str = Field(description="The daemon's version.")
     commit: str = Field(description="The git commit it was built from ('unknown' if not known).")
     grpc_port: int | None = Field(default=None, description="The daemon's gRPC TCP port.")
     grpc_socket: str | None = Field(default=None, description="Its gRPC Unix socket, if any.")
-    host: PoolStatsModel
-    device: list[PoolStatsModel]
-    entries_ready: int
-    entries_filling: int
-    reserved_filling_bytes: int
-    hits: int
-    misses: int
     hit_rate: float
-    evictions: int
-    evicted_bytes: int
-    puts_committed: int
-    puts_aborted: int
-    put_bytes: int
-    leases_active: int
-    leases_expired: int
-    lease_owners: int
-    runs_per_entry: dict[str, int]
-    bytes_copied: dict[str, float]
-    device_resident: list[int] = Field(
-        default_factory=list, description="Entries resident on each device pool."
-    )
-    draining: bool
-    put_landing_bytes: int = Field(
-        0, description="Host pool bytes set aside for puts from a device (counted as free)."
-    )
-    metadata_bytes: int = Field(
-        0, description="Estimated memory of the READY entries' metadata (key, shape, tables)."
-    )
-    max_entries: int = Field(0, description="Most entries kept; past it LRU ones are evicted.")
-    leases_quarantined: int = Field(
-        0,
-        description="Leases that ended by force while their owner's process may still read "
-        "the pages through views: their pages stay out of reuse until it exits or drops them.",
-    )
-    quarantined_bytes: int = Field(
-        0,
-        description="Pages those quarantined leases hold, and reserved pages a live client "
-        "may still be writing (held until it is done or exits), in bytes.",
-    )
-    restart: RestartModel = Field(
-        default_factory=lambda: RestartModel(),
-        description="What this daemon adopted at a warm restart (docs/restart.md).",
-    )
-    read_table: ReadTableModel = Field(
-        default_factory=lambda: ReadTableModel(),
-        description="Same-node clients' reads without a call (docs/same_node_reads.md).",
-    )
 
 
-class EntrySummary(_Model):
-    key: str
-    state: str = Field(description="ready or filling (leased entries are ready with leases > 0).")
-    dtype: str
-    shape: list[int]
-    nbytes: int
+@derived(EntryInfo, exclude=("page_runs", "lease_holders"))
+class EntrySummary(ClosedModel):
     num_pages: int
     num_runs: int = Field(description="Page runs the entry occupies (1 = contiguous).")
-    leases: int = Field(description="Live leases on the entry.")
-    idle_s: float = Field(description="Seconds since the entry was last written or read.")
-    residency: list[str] = Field(description="Tiers holding a copy: host, device...")
 
 
-class PageRun(_Model):
+class PageRun(ClosedModel):
     first_page: int
     num_pages: int
     byte_offset: int
     byte_length: int
 
 
-class LeaseHolder(_Model):
+class LeaseHolder(ClosedModel):
     owner: str = Field(description="Who holds the lease: a gRPC session, a REST client...")
     expires_in_s: float
 
@@ -193,7 +87,7 @@ class EntryDetail(EntrySummary):
     )
 
 
-class EntryPage(_Model):
+class EntryPage(ClosedModel):
     total: int = Field(description="Entries matching the filters, over all pages.")
     offset: int
     limit: int
@@ -233,7 +127,7 @@ PositiveNumber = Annotated[float, Field(gt=0), BeforeValidator(_json_number)]
 SIZE_TEXT = r"^[0-9]{1,15}([KkMmGgTt]([Bb]|[Ii][Bb])?|[Bb])?$"
 
 
-class _Evict(_Model):
+class _Evict(ClosedModel):
     device: Count | None = Field(
         default=None,
         ge=0,
@@ -262,7 +156,7 @@ class EvictBytes(_Evict):
 EvictRequest = EvictKeys | EvictBytes
 
 
-class EvictResponse(_Model):
+class EvictResponse(ClosedModel):
     evicted: list[str] = Field(description="Keys evicted (empty for a by-bytes eviction).")
     not_found: list[str]
     leased: list[str] = Field(description="Keys refused because they are leased.")
@@ -270,17 +164,17 @@ class EvictResponse(_Model):
     freed_bytes: int = Field(description=FREED_BYTES)
 
 
-class DeleteResponse(_Model):
+class DeleteResponse(ClosedModel):
     key: str
     evicted: bool
     freed_bytes: int = Field(description=FREED_BYTES)
 
 
-class Liveness(_Model):
+class Liveness(ClosedModel):
     status: Literal["ok"]
 
 
-class Readiness(_Model):
+class Readiness(ClosedModel):
     status: Literal["ready", "not_ready"]
     pool_allocated: bool
     cuda_ready: bool | None = Field(description="None on a machine without CUDA.")
@@ -291,7 +185,8 @@ class Readiness(_Model):
     )
 
 
-class PoolMapTier(_Model):
+@derived(DownsampledPool)
+class PoolMapTier(ClosedModel):
     tier: TierName
     index: int | None = Field(default=None, description="Device pools: which one this map draws.")
     pools: int | None = Field(default=None, description="Device pools: how many the daemon has.")
@@ -299,14 +194,10 @@ class PoolMapTier(_Model):
         default="", description="Device pools: why a device error took it out."
     )
     states: list[str] = Field(description="State names; a digit in 'cells' indexes this list.")
-    num_pages: int
     page_bytes: int
-    pages_per_cell: int
-    cells: str = Field(description="One digit per cell: the state drawn for that group of pages.")
-    counts: dict[str, int] = Field(description="Pages per state over the whole pool.")
 
 
-class PoolMapSummary(_Model):
+class PoolMapSummary(ClosedModel):
     host_used_bytes: int
     host_capacity_bytes: int
     device_used_bytes: int
@@ -322,24 +213,13 @@ class PoolMapSummary(_Model):
     dropped_layout_entries: int = 0
 
 
-class PoolMapHistory(_Model):
+@derived(Series)
+class PoolMapHistory(ClosedModel):
     interval_s: float
     window_s: float
-    t: list[float] = Field(description="Unix time at the end of each interval.")
-    hit_rate: list[float | None] = Field(description="Per interval; null when nothing was read.")
-    bandwidth: dict[str, list[float]] = Field(description="Bytes per second per copy direction.")
-    host_in: list[float] = Field(description="Bytes per second stored by puts.")
-    host_out: list[float] = Field(description="Bytes per second of entries handed out by hits.")
-    ops: list[float] = Field(
-        description="Data operations (puts, gets, reads, releases, ...) per second."
-    )
-    p50_s: list[float | None] = Field(
-        description="Median latency of those operations, seconds (null: none finished)."
-    )
-    p99_s: list[float | None] = Field(description="99th percentile latency, seconds.")
 
 
-class PoolMapResponse(_Model):
+class PoolMapResponse(ClosedModel):
     version: str
     commit: str
     time: float

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from embcache.proto.records import doc
+
 HOST_STATES = ("free", "filling", "ready", "leased")
 DEVICE_STATES = ("free", "resident", "leased")
 # When a cell mixes states, the one drawn is the most frequent; ties go to the state an
@@ -26,12 +28,15 @@ _PRIORITY = {"leased": 3, "filling": 2, "ready": 1, "resident": 1, "free": 0}
 
 @dataclass(frozen=True, slots=True)
 class DownsampledPool:
-    """A pool's page states as the page draws them: cells of ``pages_per_cell`` pages."""
+    """A pool's page states as the page draws them: cells of ``pages_per_cell`` pages
+    (the REST model ``PoolMapTier`` derives from these fields)."""
 
     num_pages: int
     pages_per_cell: int
-    cells: str  # one digit per cell: the index into ``states`` of the state drawn
-    counts: dict[str, int]
+    cells: str = field(  # the index into ``states`` of the state drawn
+        metadata=doc("One digit per cell: the state drawn for that group of pages.")
+    )
+    counts: dict[str, int] = field(metadata=doc("Pages per state over the whole pool."))
 
 
 def downsample(states: np.ndarray, names: Sequence[str], max_cells: int) -> DownsampledPool:
@@ -93,16 +98,21 @@ class Sample:
 
 @dataclass(frozen=True, slots=True)
 class Series:
-    """Rates between neighbouring samples, for the page's charts."""
+    """Rates between neighbouring samples, for the page's charts (the REST model
+    ``PoolMapHistory`` derives from these fields)."""
 
-    t: list[float]  # unix seconds at the end of each interval
-    hit_rate: list[float | None]  # None: no lookups in that interval
-    bandwidth: dict[str, list[float]]  # bytes per second per direction
-    host_in: list[float] = field(default_factory=list)  # bytes per second put
-    host_out: list[float] = field(default_factory=list)  # bytes per second handed out by hits
-    ops: list[float] = field(default_factory=list)  # data operations per second
-    p50_s: list[float | None] = field(default_factory=list)  # None: no operation finished
-    p99_s: list[float | None] = field(default_factory=list)
+    t: list[float] = field(metadata=doc("Unix time at the end of each interval."))
+    hit_rate: list[float | None] = field(metadata=doc("Per interval; null when nothing was read."))
+    bandwidth: dict[str, list[float]] = field(metadata=doc("Bytes per second per copy direction."))
+    host_in: list[float] = field(metadata=doc("Bytes per second stored by puts."))
+    host_out: list[float] = field(metadata=doc("Bytes per second of entries handed out by hits."))
+    ops: list[float] = field(
+        metadata=doc("Data operations (puts, gets, reads, releases, ...) per second.")
+    )
+    p50_s: list[float | None] = field(
+        metadata=doc("Median latency of those operations, seconds (null: none finished).")
+    )
+    p99_s: list[float | None] = field(metadata=doc("99th percentile latency, seconds."))
 
 
 def bucket_quantile(q: float, bounds: Sequence[float], counts: Sequence[int]) -> float | None:
@@ -164,7 +174,7 @@ class History:
         between the samples held."""
         samples = list(self._samples)
         directions = sorted({d for s in samples for d in s.counters.copied})
-        out = Series(t=[], hit_rate=[], bandwidth={d: [] for d in directions})
+        out = Series([], [], {d: [] for d in directions}, [], [], [], [], [])
         for prev_s, cur_s in itertools.pairwise(samples):
             dt = cur_s.t - prev_s.t
             if dt <= 0:

@@ -39,6 +39,7 @@ from embcache.service.transport.http.models import (
     TierName,
 )
 from embcache.service.transport.http.poolmap import DEVICE_STATES, HOST_STATES, History, downsample
+from embcache.service.transport.http.records import values_of
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 422, 503)
@@ -54,18 +55,13 @@ def _engine(request: Request) -> Any:
 
 
 def _summary(info: EntryInfo) -> dict[str, Any]:
-    return {
-        "key": info.key,
-        "state": info.state,
-        "dtype": info.dtype,
-        "shape": list(info.shape),
-        "nbytes": info.nbytes,
-        "num_pages": sum(n for _, n in info.page_runs),
-        "num_runs": len(info.page_runs),
-        "leases": info.leases,
-        "idle_s": round(info.idle_s, 3),
-        "residency": list(info.residency),
-    }
+    """The listing's fields of an entry: its record's, less the runs and lease holders
+    (the detail writes them its own way), with the page counts."""
+    values = values_of(info, idle_s=round(info.idle_s, 3))
+    del values["page_runs"], values["lease_holders"]
+    values["num_pages"] = sum(n for _, n in info.page_runs)
+    values["num_runs"] = len(info.page_runs)
+    return values
 
 
 @router.get("/stats", response_model=StatsResponse, summary="Engine statistics")
@@ -182,11 +178,8 @@ def pool_map(
             pools=len(stats.device),
             out_of_service=stats.device[device].out_of_service,
             states=list(DEVICE_STATES),
-            num_pages=dev.num_pages,
             page_bytes=pool.page_bytes,
-            pages_per_cell=dev.pages_per_cell,
-            cells=dev.cells,
-            counts=dev.counts,
+            **values_of(dev),
         )
     series = history.series()
     return PoolMapResponse(
@@ -212,23 +205,11 @@ def pool_map(
         host=PoolMapTier(
             tier="host",
             states=list(HOST_STATES),
-            num_pages=host.num_pages,
             page_bytes=stats.host.page_bytes,
-            pages_per_cell=host.pages_per_cell,
-            cells=host.cells,
-            counts=host.counts,
+            **values_of(host),
         ),
         device=device_map,
         history=PoolMapHistory(
-            interval_s=history.interval_s,
-            window_s=history.window_s,
-            t=series.t,
-            hit_rate=series.hit_rate,
-            bandwidth=series.bandwidth,
-            host_in=series.host_in,
-            host_out=series.host_out,
-            ops=series.ops,
-            p50_s=series.p50_s,
-            p99_s=series.p99_s,
+            interval_s=history.interval_s, window_s=history.window_s, **values_of(series)
         ),
     )

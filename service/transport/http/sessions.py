@@ -7,33 +7,14 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
+from embcache.service.transport.http.records import derived
 from embcache.service.transport.http.routes import BEARER, ERRORS
 from embcache.service.transport.session.admin import SessionAdmin, SessionView
 
 
+@derived(SessionView)
 class SessionModel(BaseModel):
-    session_id: str = Field(
-        description="The session's id, or anon:<client> / rest:<address> for a client's leases "
-        "taken without a session."
-    )
-    transport: str = Field(
-        description="grpc (a Session stream, or gRPC calls without one), lane (the session "
-        "socket) or rest."
-    )
-    client_name: str = Field(description="What the client's hello said.")
-    pid: int | None = Field(
-        description="The client's pid: the kernel's on the session socket, else its hello's."
-    )
-    uid: int | None = Field(description="The client's uid (the session socket only).")
-    leases: int
-    leased_bytes: int = Field(description="Bytes of the distinct entries its leases hold.")
-    calls_in_flight: int
-    age_s: float
-    anonymous: bool = Field(
-        False,
-        description="A client's leases taken without a session (anon:<client> over gRPC, "
-        "rest:<address> over REST): dropping it ends them; it has no stream to close.",
-    )
+    """One session as operators see it, or a client's leases taken without one."""
 
 
 class SessionList(BaseModel):

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from embcache.errors import NotFound, UnknownSession
+from embcache.proto.records import doc
 from embcache.service.device.ipc.cache import ANON_PREFIX
 from embcache.service.engine import CacheEngine
 from embcache.service.transport.session.registry import (
@@ -75,18 +76,31 @@ class StreamDrop:
 
 @dataclass(frozen=True, slots=True)
 class SessionView:
-    """One session as operators see it (JSON-ready with :meth:`to_dict`)."""
+    """One session as operators see it (JSON-ready with :meth:`to_dict`); the REST model
+    derives from these fields and their descriptions."""
 
-    session_id: str
-    transport: str
-    client_name: str
-    pid: int | None  # the kernel's on the session socket, else the hello's (None: unknown)
-    uid: int | None  # known on the session socket only
+    session_id: str = field(
+        metadata=doc("The session's id, or anon:<client> / rest:<address> for a client's "
+        "leases taken without a session.")
+    )  # fmt: skip
+    transport: str = field(
+        metadata=doc("grpc (a Session stream, or gRPC calls without one), lane (the session "
+        "socket) or rest.")
+    )  # fmt: skip
+    client_name: str = field(metadata=doc("What the client's hello said."))
+    pid: int | None = field(
+        metadata=doc("The client's pid: the kernel's on the session socket, else its hello's.")
+    )
+    uid: int | None = field(metadata=doc("The client's uid (the session socket only)."))
     leases: int
-    leased_bytes: int  # bytes of the distinct entries its leases hold
+    leased_bytes: int = field(metadata=doc("Bytes of the distinct entries its leases hold."))
     calls_in_flight: int
     age_s: float
-    anonymous: bool = False  # a client's leases taken without a session (no stream to end)
+    anonymous: bool = field(
+        default=False,
+        metadata=doc("A client's leases taken without a session (anon:<client> over gRPC, "
+        "rest:<address> over REST): dropping it ends them; it has no stream to close."),
+    )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
