@@ -130,7 +130,7 @@ def cases(client: EmbCacheClient, cuda: bool) -> dict[str, Callable[[], object]]
 
 def _empty(client: EmbCacheClient) -> None:
     """One session call that does nothing: an empty Release on the session."""
-    session = client._open_session()
+    session = client._conn.open_session()
     session.call(client.timeout, release=pb.ReleaseRequest())
 
 

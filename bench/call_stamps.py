@@ -166,7 +166,7 @@ def rounds(log: list[tuple[str, float]], starts: list[float]) -> dict[str, dict[
 
 def cases(client: EmbCacheClient, cuda: bool) -> dict[str, Callable[[], object]]:
     client.put("small", torch.ones(16 * 1024))  # 64 KiB
-    session = client._open_session()
+    session = client._conn.open_session()
 
     def empty() -> None:
         session.call(client.timeout, release=pb.ReleaseRequest())

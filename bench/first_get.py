@@ -53,7 +53,7 @@ while time.perf_counter() - t0 < 1.0:
     early.append(time.perf_counter() - t)
 out["first_second_gets"] = len(early)
 out["first_second_p50_us"] = statistics.median(early) * 1e6
-reg = registered_pool(c._read_table().pool)
+reg = registered_pool(c._tables.read_table().pool)
 reg.wait_registered(600)
 out["registered_after_s"] = time.perf_counter() - t0
 out["registration"] = reg.stats()

@@ -171,9 +171,11 @@ def measure_floor(target: str, base_target: str, iters: int = 500) -> dict[str, 
             sent.put(req)
             next(replies)
 
-        lane = client._open_session()  # the daemon's session lane (lane.py)
+        lane = client._conn.open_session()  # the daemon's session lane (lane.py)
         assert isinstance(lane, UdsSession), "the daemon serves no session lane"
-        stream = Session(client._stub, client._auth, "bench", 10.0)  # a gRPC Session stream
+        stream = Session(
+            client._conn.stub, client._conn.auth, "bench", 10.0
+        )  # a gRPC Session stream
         empty = pb.ReleaseRequest()
 
         def lane_call() -> None:
@@ -358,7 +360,7 @@ def device_gets(
         for i, key in enumerate(keys):
             client.put(key, torch.full((entry,), i % 251, dtype=torch.uint8))
         client.get(keys[:1], device="cuda").release()  # opens the pool once
-        session = client._open_session()
+        session = client._conn.open_session()
         # "rpc": the unary Get RPC that waits for the copy before replying (the path before
         # session calls and ready events), in the same run as the default path. "zc": the
         # same gets with zero_copy=True (views of the pool, no copy into owned memory).
@@ -370,7 +372,7 @@ def device_gets(
             ("cold_rpc", keys[iters + 1 : 2 * iters], False, False),
             ("hit_rpc", [keys[0]] * (iters - 1), False, False),
         ):
-            session.serves_calls = client._caps.ready_events = fast
+            session.serves_calls = client._state.caps.ready_events = fast
             lat = []
             for key in batch:
                 t0 = time.perf_counter()
@@ -379,7 +381,7 @@ def device_gets(
                 lat.append((time.perf_counter() - t0) * 1e6)
                 leased.release(now=True)  # nothing reads them after: end the leases here
             out[f"get_device_{name}_p50_us"], out[f"get_device_{name}_p99_us"] = percentiles(lat)
-        session.serves_calls = client._caps.ready_events = True
+        session.serves_calls = client._state.caps.ready_events = True
         # 16 x 4 MiB resident entries in one run each: the owned copy (a device-to-device
         # gather) against zero-copy views, alternating, same batch.
         hot = keys[1:17]
@@ -398,7 +400,7 @@ def device_gets(
         rates: dict[bool, list[float]] = {True: [], False: []}
         for r in range(2 * rounds):
             fast = r % 2 == 0  # alternate: default path, then the RPC path
-            session.serves_calls = client._caps.ready_events = fast
+            session.serves_calls = client._state.caps.ready_events = fast
             batch = [f"frag-{r}-{i}" for i in range(16)]
             for key in batch:
                 client.put(key, torch.full((entry,), r, dtype=torch.uint8))
@@ -408,7 +410,7 @@ def device_gets(
             rates[fast].append(16 * entry / (time.perf_counter() - t0) / 1e9)
             leased.release()
             client.evict(batch)  # every round meets the same holes (none is filled up)
-        session.serves_calls = client._caps.ready_events = True
+        session.serves_calls = client._state.caps.ready_events = True
         # The same one batch at a time, with every batch stored first, as a decoder fetches
         # what encoders put earlier: above, the client has just pushed the batch's 64 MiB
         # through its own CPU, which leaves the get's Python cache-cold (docs/grpc.md).
@@ -450,12 +452,12 @@ def device_gets(
             t0 = time.perf_counter()
             created = client.put_many(dict(zip(keys, src, strict=True)))  # one call
             many.append(16 * entry / (time.perf_counter() - t0) / 1e9)
-            assert created == [True] * 16 and client._caps.batch_puts
+            assert created == [True] * 16 and client._state.caps.batch_puts
             client.evict(keys)
         out["put_from_device_16x4MiB_gbs"] = statistics.median(one)
         out["put_from_device_16x4MiB_rpc_gbs"] = statistics.median(one_rpc)
         out["put_from_device_batch_16x4MiB_gbs"] = statistics.median(many)
-        out["put_from_device_used"] = float(client._caps.device_puts)
+        out["put_from_device_used"] = float(client._state.caps.device_puts)
     out["copy_engine_64MiB_gbs"] = copy_engine_gbs(16 * entry)
     out["ratio_frag_to_copy_engine"] = (
         out["get_device_16x4MiB_frag_gbs"] / out["copy_engine_64MiB_gbs"]

@@ -67,7 +67,7 @@ def main() -> int:
                     client.put(name, t)
                 with client.get(list(want), device="cuda"):
                     pass
-                tab = process_read_tables().get(client._open_session().read_table)
+                tab = process_read_tables().get(client._conn.open_session().read_table)
                 assert tab is not None, "the daemon offers no read table"
                 give_up = time.monotonic() + 10
                 while not all((f := tab.locate(n)) is not None and f.devices for n in want):

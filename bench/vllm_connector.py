@@ -142,7 +142,7 @@ def registered_wait_s(timeout_s: float = 600) -> float:
     except ImportError:  # a client without GPU reads from the table
         return 0.0
     client = getattr(getattr(get_ec_transfer(), "_loader", None), "_client", None)
-    table = client._read_table() if client is not None else None
+    table = client._tables.read_table() if client is not None else None
     registration = registered_pool(table.pool) if table is not None else None
     if registration is None:
         return 0.0

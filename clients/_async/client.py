@@ -1,55 +1,161 @@
-"""The client's puts and gets: streamed or copied by the daemon from a GPU, and zero-copy
-where the daemon's memory is mapped in this process.
-
-A CUDA tensor is put by the daemon copying it from this GPU when it can open the memory;
-anything else is streamed in CRC-checked chunks. A get on the daemon's node returns
-copy-on-write views of its host pool, or with ``device=`` tensors on the GPU copied out of
-its device pool (views of the pool with ``zero_copy=True``); elsewhere the bytes are
-streamed. Where a path turns out not to work (another machine, no device pool, memory that
-cannot be exported) the client remembers and takes the next one.
+"""The client's public face: it owns a connection (``connection.py``), what the client
+learned of its daemon (``state.py``) and the parts that do the work (puts, gets, the
+stateless calls), and hands each call to its part; the parts never call back up.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar, overload
+from collections.abc import Mapping, Sequence
+from typing import Any, Self, overload
 
 import torch
 
+from embcache.clients._async.connection import SPIN_US, AsyncConnection
+from embcache.clients._async.device_gets import AsyncDeviceGets
+from embcache.clients._async.device_puts import AsyncDevicePuts
+from embcache.clients._async.host_gets import AsyncHostGets
 from embcache.clients._async.host_puts import AsyncHostPuts
 from embcache.clients._async.results import AsyncLeasedTensors
+from embcache.clients._async.state import ClientState
+from embcache.clients._async.stateless_calls import AsyncStatelessCalls
+from embcache.clients._async.table_gets import AsyncTableReads
+from embcache.clients._async.view_holds import ViewHolds
 from embcache.clients._backends.async_io import leased_call
-from embcache.clients.core.errors import RpcFailed
-from embcache.clients.core.replies import check_ended
-from embcache.clients.core.requests import as_keys, device_get_request, get_request
-from embcache.clients.core.session_calls import serves
-from embcache.clients.device import device_replies, exports, into, pools
+from embcache.clients.core.replies import EntryBytes
+from embcache.clients.core.requests import as_keys, get_request
+from embcache.clients.device import into
 from embcache.clients.device import puts as dp
-from embcache.clients.device.host_replies import (
-    INLINE_GET_BYTES,
-    INLINE_REMOTE_BYTES,
-    Pinned,
-    decode_get,
-    leased_ids,
-    pinned,
-)
-from embcache.errors import DeviceUnavailable, LeaseExpired
-from embcache.proto.embcache.v1 import embcache_pb2 as pb
-
-R = TypeVar("R")
+from embcache.clients.device.host_replies import Pinned, pinned
+from embcache.clients.device.read_table import COPY_GETS_UP_TO
 
 
-class AsyncEmbCacheClient(AsyncHostPuts):
+class AsyncEmbCacheClient:
     """A client of one embcache daemon, for asyncio programs (docs/grpc.md).
 
     Made on the event loop that uses it. ``async with AsyncEmbCacheClient(target) as c:``
     closes it at the end; ``get`` is awaited, or used as ``async with c.get(keys) as ts:``.
+    Every call raises ``RpcFailed`` when the daemon could not be reached (after the
+    retries) in time.
     """
 
-    # -- puts ------------------------------------------------------------------------------
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        timeout: float = 30.0,
+        retries: int = 5,
+        root_certificates: bytes | None = None,
+        tls: bool = False,
+        private_key: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        client_name: str | None = None,
+        options: Sequence[tuple[str, Any]] = (),
+        session_lane: bool = True,
+        spin_us: int = SPIN_US,
+        copy_gets_up_to: int = COPY_GETS_UP_TO,
+    ) -> None:
+        """Prepare a client of the daemon at ``target``; nothing is sent until the first call.
+
+        Args:
+            target: ``unix:/path``, a bare absolute path (a Unix socket), or ``host:port``.
+            token: the daemon's bearer token, when it has one (default: the
+                ``EMBCACHE_AUTH_TOKEN`` environment variable, as the CLI reads it; ``""``:
+                none).
+            timeout: the deadline of every call, in seconds.
+            retries: how many times a call is tried again while the daemon is UNAVAILABLE.
+            root_certificates: PEM roots for TLS (implies ``tls``).
+            tls: connect over TLS with the system's roots.
+            private_key, certificate_chain: a client certificate (PEM), for a daemon that
+                verifies one (mTLS; implies ``tls``).
+            client_name: shown by the daemon for this client's session (default:
+                ``<program>:<pid>``, e.g. ``encode.py:12345``).
+            options: extra gRPC channel options, after embcache's own.
+            session_lane: use the daemon's session socket when it has one (False: always
+                a gRPC Session stream).
+            spin_us: the blocking client polls the Unix session socket without sleeping
+                for up to this long before it sleeps (0: never; docs/grpc.md).
+            copy_gets_up_to: on the daemon's node, host entries of at most this many bytes
+                come back as copies this process owns (out of the read table with no call
+                where it has them, docs/same_node_reads.md); larger ones are views of the
+                pool with a lease; 0: always views. Other machines get copies anyway.
+        """
+        self._conn = AsyncConnection(
+            target,
+            token=token,
+            timeout=timeout,
+            retries=retries,
+            root_certificates=root_certificates,
+            tls=tls,
+            private_key=private_key,
+            certificate_chain=certificate_chain,
+            client_name=client_name,
+            options=options,
+            session_lane=session_lane,
+            spin_us=spin_us,
+        )
+        self.target = self._conn.target
+        self._state = ClientState(copy_gets_up_to=max(0, int(copy_gets_up_to)))
+        self._tables = AsyncTableReads(self._conn, self._state)
+        self._calls = AsyncStatelessCalls(self._conn, self._tables)
+        self._host_puts = AsyncHostPuts(self._conn, self._state)
+        self._device_puts = AsyncDevicePuts(self._conn, self._state)
+        holds = ViewHolds(self._conn)
+        self._host_gets = AsyncHostGets(self._conn, self._state, self._tables, holds, self._calls)
+        self._device_gets = AsyncDeviceGets(self._conn, self._state, self._tables, holds)
+
+    @property
+    def timeout(self) -> float:
+        """The deadline of every call, in seconds."""
+        return self._conn.timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        self._conn.timeout = value
+
+    @property
+    def retries(self) -> int:
+        """How many times a call is tried again while the daemon is UNAVAILABLE."""
+        return self._conn.retries
+
+    @retries.setter
+    def retries(self, value: int) -> None:
+        self._conn.retries = value
+
+    @overload
+    async def exists(self, keys: str) -> bool: ...  # type: ignore[overload-overlap]
+    @overload
+    async def exists(self, keys: Sequence[str]) -> list[bool]: ...
+    async def exists(self, keys: str | Sequence[str]) -> bool | list[bool]:
+        """Whether entries are stored (``AsyncStatelessCalls.exists``)."""
+        return await self._calls.exists(keys)
+
+    @overload
+    async def evict(self, keys: str, device: Any = None) -> str: ...  # type: ignore[overload-overlap]
+    @overload
+    async def evict(self, keys: Sequence[str], device: Any = None) -> list[str]: ...
+    async def evict(self, keys: str | Sequence[str], device: Any = None) -> str | list[str]:
+        """Remove entries; leased ones are never forced out (``AsyncStatelessCalls.evict``)."""
+        return await self._calls.evict(keys, device)
+
+    async def prefetch(self, keys: Sequence[str], device: Any = None) -> dict[str, int]:
+        """Warm the daemon's local tiers ahead of gets (``AsyncStatelessCalls.prefetch``)."""
+        return await self._calls.prefetch(keys, device)
+
+    async def stats(self) -> dict[str, Any]:
+        """The daemon's stats document and its open sessions (``AsyncStatelessCalls.stats``)."""
+        return await self._calls.stats()
+
+    async def renew(self, lease_ids: Sequence[int], ttl_s: float | None = None) -> int:
+        """Extend leases (``AsyncStatelessCalls.renew``)."""
+        return await self._calls.renew(lease_ids, ttl_s)
+
+    async def get_bytes(
+        self, key: str, offset: int = 0, length: int | None = None
+    ) -> EntryBytes | None:
+        """An entry's bytes, from any machine (``AsyncStatelessCalls.get_bytes``)."""
+        return await self._calls.get_bytes(key, offset, length)
+
     async def put(self, key: str, tensor: Any, *, checksum: bool = True) -> bool:
         """Store a tensor under ``key``.
 
@@ -71,13 +177,12 @@ class AsyncEmbCacheClient(AsyncHostPuts):
             MetadataConflict: the key exists with another dtype or shape.
             InvalidArgument: a bad key, dtype or shape, or bytes that fail their checksum.
             PoolExhausted: no room even after eviction (also QuotaExceeded, EntryTooLarge).
-            RpcFailed: the daemon could not be reached (after the retries) in time.
         """
-        if self._caps.device_puts and dp.wants_device_put(tensor):
-            created = await self._put_from_device(key, tensor)
+        if self._state.caps.device_puts and dp.wants_device_put(tensor):
+            created = await self._device_puts.put(key, tensor)
             if created is not None:
                 return created
-        return await self._put_host(key, tensor, checksum)
+        return await self._host_puts.put_host(key, tensor, checksum)
 
     async def put_many(
         self, items: Mapping[str, Any] | Sequence[tuple[str, Any]], *, checksum: bool = True
@@ -99,54 +204,19 @@ class AsyncEmbCacheClient(AsyncHostPuts):
         """
         pairs = dp.as_pairs(items)
         out: list[bool | None] = [None] * len(pairs)
+        caps = self._state.caps
         cuda = [(i, k, t) for i, (k, t) in enumerate(pairs) if dp.wants_device_put(t)]
-        if cuda and self._caps.device_puts and self._caps.batch_puts:
-            for batch in dp.batches(cuda) or []:
-                reply = await self._put_batch(batch)
-                if reply is None:
-                    break
-                batch.returned(reply, out)
+        if cuda and caps.device_puts and caps.batch_puts:
+            await self._device_puts.put_batches(cuda, out)
         for i, (k, t) in enumerate(pairs):  # CUDA tensors not batched: one device put each
-            if out[i] is None and self._caps.device_puts and dp.wants_device_put(t):
+            if out[i] is None and caps.device_puts and dp.wants_device_put(t):
                 out[i] = await self.put(k, t, checksum=checksum)
         rest = [i for i, c in enumerate(out) if c is None]
-        stored = await self._put_host_many([pairs[i] for i in rest], checksum)
+        stored = await self._host_puts.put_host_many([pairs[i] for i in rest], checksum)
         for i, created in zip(rest, stored, strict=True):
             out[i] = created
         return [bool(c) for c in out]
 
-    async def _put_batch(self, batch: dp.Batch) -> pb.PutFromDeviceBatchResponse | None:
-        try:
-            return await self._session_call(
-                "put_from_device_batch",
-                batch.request,
-                lambda md, to: self._stub.PutFromDeviceBatch(
-                    batch.request, timeout=to, metadata=md
-                ),
-            )
-        except (DeviceUnavailable, RpcFailed) as exc:
-            if not self._caps.put_failed(exc):
-                raise
-        return None
-
-    async def _put_from_device(self, key: str, tensor: torch.Tensor) -> bool | None:
-        exported = exports.export_cuda(tensor.detach().contiguous())
-        if exported is None:
-            return None
-        request = pb.PutFromDeviceRequest(key=key, tensor=exported.message)
-        try:
-            reply = await self._session_call(
-                "put_from_device",
-                request,
-                lambda md, to: self._stub.PutFromDevice(request, timeout=to, metadata=md),
-            )
-        except DeviceUnavailable as exc:
-            self._caps.put_failed(exc)  # streams bytes from now on
-            return None
-        exported.returned()  # the daemon has copied: its event may be reused
-        return bool(reply.created)
-
-    # -- gets ------------------------------------------------------------------------------
     @leased_call
     async def get(
         self,
@@ -158,25 +228,15 @@ class AsyncEmbCacheClient(AsyncHostPuts):
     ) -> AsyncLeasedTensors:
         """Tensors for ``keys`` (None for a miss), valid for as long as you hold them.
 
-        On the daemon's node the tensors are copies this process owns, read straight out
-        of the daemon's host pool with no call where its read table has them and checked
-        afterwards against the table (docs/same_node_reads.md); entries larger than
-        ``copy_gets_up_to``, and every entry with ``zero_copy=True``, are zero-copy views
-        of the pool instead, each in a private copy-on-write mapping: writing into one
-        (``x.mul_(2)``) changes only this tensor, never the cache (entries in several page
-        runs are gathered copies). Elsewhere the bytes are streamed, small entries in the
-        reply itself.
-        With a CUDA ``device`` and a daemon with a device pool on that GPU, the tensors
-        live on the GPU, copied out of the pool into memory you own (one gather on the
-        device's current stream, which later work waits for); ``zero_copy=True`` gives
-        views of the pool itself for entries in one run: no copy, but read-only by
-        contract (a write would change the cache for every reader).
-        Without such a pool they are copied there and the leases released at once.
-
-        A view's lease ends once its block has ended (``with``, or ``release()``) *and* the
-        last tensor over its bytes is gone; until then the client renews it before its TTL,
-        so a tensor kept after its block keeps its bytes. Copies end their leases at the
-        end of the block (device copies once the copy is complete).
+        On the daemon's node the tensors are copies this process owns, read out of its
+        host pool with no call where its read table has them (docs/same_node_reads.md);
+        entries past ``copy_gets_up_to``, and all with ``zero_copy=True``, are views of the
+        pool in private copy-on-write mappings (a write changes only your tensor).
+        Elsewhere the bytes are streamed. With a CUDA ``device`` and a device pool on that
+        GPU they are copies out of the pool into memory you own (one gather on the current
+        stream), or with ``zero_copy=True`` views of the pool itself, read-only by contract;
+        without such a pool they are copied there. A view's lease ends once its block has
+        ended *and* its last tensor is gone (``AsyncLeasedTensors``); a copy's with the block.
 
         Args:
             keys: one key, or several.
@@ -197,54 +257,10 @@ class AsyncEmbCacheClient(AsyncHostPuts):
         """
         names, _ = as_keys(keys)
         if device is not None and torch.device(device).type == "cuda":
-            if not zero_copy and ttl_s is None:  # no call where the read table has them all
-                copies = await self._table_to_cuda(names, pools.resolve_device(device)[0])
-                if copies is not None:
-                    return AsyncLeasedTensors(copies, [], self.release)
-            leased = await self._get_device(names, device, ttl_s, zero_copy)
+            leased = await self._device_gets.get(names, device, ttl_s, zero_copy)
             if leased is not None:
                 return leased
-        if not zero_copy and ttl_s is None:
-            # No call: read where the daemon wrote (a lifetime asked for is the daemon's to
-            # check, so such a get is a call).
-            copies = await self._table_copies(names)
-            if copies is not None:
-                return await self._placed(AsyncLeasedTensors(copies, [], self.release), device)
-        if self._pool_local is False and not await self._inline_gets():
-            tensors = [await self._fetch_tensor(k) for k in names]
-            return await self._placed(AsyncLeasedTensors(tensors, [], self.release), device)
-        taken_at = time.monotonic()
-        # Copies on request; on another machine up to the most one reply carries.
-        limit = INLINE_REMOTE_BYTES if self._pool_local is False else self._copy_gets_up_to
-        limit = 0 if zero_copy and self._pool_local is not False else limit
-        reply, payload = await self._host_get_call(get_request(names, ttl_s), limit)
-        try:
-            decoded = decode_get(reply, self._maps, payload=payload)
-        except BaseException:
-            await self.release(leased_ids(reply))
-            raise
-        if decoded.lease_ids:
-            self._pool_local = not decoded.remote
-        if decoded.remote:
-            await self.release(decoded.lease_ids)
-            for i in decoded.remote:
-                decoded.tensors[i] = await self._fetch_tensor(names[i])
-            decoded.lease_ids = []
-            decoded.anchors = []
-        views, anchors = self._hold_views(decoded, ttl_s, taken_at)
-        # Copies made before the leases could have ended (the client's estimate runs from
-        # before the call was sent) need no count from the daemon at release.
-        fresh = time.monotonic() < taken_at + self._lease_lifetime(ttl_s)
-        leased = AsyncLeasedTensors(
-            decoded.tensors,
-            decoded.lease_ids,
-            self.release,
-            views,
-            anchors,
-            post=self._release_later if fresh else None,
-        )
-        del decoded, anchors  # the leased tensors hold the views now: nothing else may
-        return await self._placed(leased, device)
+        return await self._host_gets.get(names, device, ttl_s, zero_copy)
 
     async def pin(self, keys: Sequence[str], *, ttl_s: float | None = None) -> list[Pinned | None]:
         """Lease entries and learn each one's dtype and shape, without their bytes.
@@ -263,10 +279,9 @@ class AsyncEmbCacheClient(AsyncHostPuts):
 
         Raises:
             InvalidArgument: a bad key, or a lifetime the daemon refuses.
-            RpcFailed: the daemon could not be reached (after the retries) in time.
         """
         names, _ = as_keys(keys)
-        return pinned(await self._get_call(get_request(names, ttl_s)))
+        return pinned(await self._conn.get_call(get_request(names, ttl_s)))
 
     async def describe(self, keys: Sequence[str]) -> list[Pinned | None]:
         """Each entry's dtype, shape and size, without its bytes and without holding it.
@@ -283,33 +298,16 @@ class AsyncEmbCacheClient(AsyncHostPuts):
 
         Raises:
             InvalidArgument: a bad key.
-            RpcFailed: the daemon could not be reached (after the retries) in time.
         """
-        names, _ = as_keys(keys)
-        table = await self._read_table()
-        if table is not None:
-            found = [table.locate(k) for k in names]
-            if all(f is not None and table.unchanged(f) for f in found):
-                return [
-                    Pinned(k, f.dtype_name, f.shape, f.nbytes, 0)
-                    for k, f in zip(names, found, strict=True)
-                    if f is not None
-                ]
-        pins = pinned(await self._get_call(get_request(names, None)))
-        ids = [p.lease_id for p in pins if p is not None]
-        if ids:
-            await self.release(ids)
-        return [None if p is None else dataclasses.replace(p, lease_id=0) for p in pins]
+        return await self._tables.describe(as_keys(keys)[0])
 
     def describe_listed(self, keys: Sequence[str]) -> list[Pinned | None] | None:
         """What the daemon's read table lists of ``keys`` right now, with no call at all.
 
         Never waits on the daemon nor on another thread's call through this client, so a
-        loop that must not stall (a scheduler) may ask it inline and ask the daemon, in the
-        background, only about what it does not list. A table is read only once this client
-        has a session open (after any call on the daemon's node); until then, and where no
-        table can be read (another machine, a pool this process cannot map), this is None.
-        Nothing is held: a listed entry may be evicted right after.
+        loop that must not stall (a scheduler) may ask it inline. A table is read only once
+        a session is open; until then, and where none can be read, this is None. Nothing is
+        held: a listed entry may be evicted right after.
 
         Args:
             keys: the keys to look up.
@@ -322,92 +320,7 @@ class AsyncEmbCacheClient(AsyncHostPuts):
         Raises:
             InvalidArgument: a bad key.
         """
-        names, _ = as_keys(keys)
-        table = self._table_now()
-        if table is None:
-            return None
-        out: list[Pinned | None] = []
-        for key in names:
-            f = table.locate(key)
-            listed = f is not None and table.unchanged(f)
-            out.append(Pinned(key, f.dtype_name, f.shape, f.nbytes, 0) if listed and f else None)
-        return out
-
-    async def _get_device(
-        self, names: list[str], device: str | torch.device, ttl_s: float | None, zero_copy: bool
-    ) -> AsyncLeasedTensors | None:
-        dev, uuid = pools.resolve_device(device)
-        if uuid in self._no_device:
-            return None
-        request = device_get_request(names, uuid, ttl_s, ready_event=self._caps.ready_events)
-        taken_at = time.monotonic()
-        try:
-            reply = await self._get_call(request)
-        except DeviceUnavailable as exc:
-            self._no_device.add(uuid, exc)
-            return None
-        try:
-            decoded = device_replies.decode_device_get(
-                reply, self._device_pools, owned=not zero_copy
-            )
-        except BaseException as exc:
-            await self.release([r.lease_id for r in reply.results if r.found])
-            if isinstance(exc, device_replies.EventOpenError):  # ask again, without an event
-                self._caps.events_failed(exc)
-                return await self._get_device(names, device, ttl_s, zero_copy)
-            if isinstance(exc, device_replies.PoolOpenError):
-                self._no_device.add(uuid, exc)
-                return None
-            raise
-        copied = decoded.ready  # owned copies: an event after them (None: views, or no GPU)
-        expires = taken_at + self._lease_lifetime(ttl_s)
-
-        async def release(lease_ids: list[int]) -> int:
-            device_replies.wait_copied(copied, dev)  # nothing reads the pool's pages after
-            return await self.release(lease_ids)
-
-        def post(lease_ids: list[int]) -> bool:
-            # Owned copies only: once they are complete, and while the leases surely lived
-            # then, nothing needs the daemon's count: the release rides with the next call.
-            assert copied is not None
-            copied.synchronize()
-            if time.monotonic() >= expires:
-                return False
-            self._release_later(lease_ids)
-            return True
-
-        views, anchors = self._hold_views(decoded, ttl_s, taken_at, dev)
-        return AsyncLeasedTensors(
-            decoded.tensors,
-            decoded.lease_ids,
-            release,
-            views,
-            anchors,
-            post=post if copied is not None else None,
-        )
-
-    async def _placed(
-        self, leased: AsyncLeasedTensors, device: str | torch.device | None
-    ) -> AsyncLeasedTensors:
-        if device is None or torch.device(device).type == "cpu":
-            return leased
-        moved = await self._copied(leased, lambda ts: [_moved(t, device) for t in ts])
-        return AsyncLeasedTensors(moved, [], self.release)
-
-    async def _copied(self, leased: AsyncLeasedTensors, copy: Callable[[list[Any]], R]) -> R:
-        """``copy(tensors)``, then the leases end at once: the views are read no more."""
-        try:
-            result = copy(leased.tensors)
-        except BaseException:
-            with contextlib.suppress(LeaseExpired):  # do not hide the error that is leaving
-                await leased.release(now=True)
-            raise
-        await leased.release(now=True)
-        return result
-
-    async def _fetch_tensor(self, key: str) -> torch.Tensor | None:
-        entry = await self.get_bytes(key)
-        return None if entry is None else entry.tensor()
+        return self._tables.describe_listed(as_keys(keys)[0])
 
     @overload
     async def get_into(
@@ -442,98 +355,42 @@ class AsyncEmbCacheClient(AsyncHostPuts):
         if not isinstance(out, torch.Tensor):
             outs = out
             if outs and all(isinstance(t, torch.Tensor) and t.is_cuda for t in outs):
-                found = await self._table_into_cuda(names, outs)
+                found = await self._tables.into_cuda(names, outs)
                 if found is not None:
                     return found
-            return await self._host_copy(names, lambda ts: into.copy_into(ts, outs))
+            return await self._host_gets.copy(names, lambda ts: into.copy_into(ts, outs))
         into.check_buffer(out, names, offsets)
         if out.device.type == "cuda" and out.numel():
-            results = await self._table_into_cuda(names, out, offsets)
-            if results is not None:
-                return results
-            results = await self._get_into_device(names, out, offsets)
+            results = await self._device_gets.get_into(names, out, offsets)
             if results is not None:
                 return results
         buffer = out
-        return await self._host_copy(
+        return await self._host_gets.copy(
             names, lambda ts: into.copy_into_buffer(names, ts, buffer, offsets)
         )
 
-    async def _host_get_call(
-        self, request: pb.GetRequest, limit: int
-    ) -> tuple[pb.GetResponse, bytearray | None]:
-        """A host Get in the session, and the raw bytes after its result: where the session
-        socket serves it, entries of at most ``limit`` bytes come back as copies (no lease,
-        no mapping), their bytes after the result; 0: none."""
-        if not limit or not await self._inline_gets():
-            return await self._get_call(request), None
-        request.inline_max_bytes = limit
+    async def release(self, lease_ids: Sequence[int]) -> int:
+        """End leases (the leased tensors of ``get`` do it when their block ends).
 
-        def take(reply: pb.GetResponse, payload: bytearray | None) -> Any:
-            return reply, payload
+        Args:
+            lease_ids: the ids of leases this client holds (``leased.lease_ids``).
 
-        async def rpc(md: Any, to: float) -> tuple[pb.GetResponse, None]:  # no copies follow
-            return await self._stub.Get(request, timeout=to, metadata=md), None
+        Returns:
+            How many leases the daemon ended; fewer than given means some had ended
+            already (expired, released, or their session ended).
 
-        got: tuple[pb.GetResponse, bytearray | None] = await self._session_call(
-            "get", request, rpc, take
-        )
-        return got
+        """
+        return await self._conn.release(lease_ids)
 
-    async def _inline_gets(self) -> bool:
-        """Whether this client's session serves host gets with inline copies."""
-        return serves(await self._open_session(), "inline_get")
+    async def close(self) -> None:
+        """Refuse new calls (those that need a session raise ``RpcFailed``, code
+        ``CANCELLED``), then end the session (the daemon releases its leases) and close the
+        channel: at once, or, while tensors of views are still held, once the last of them
+        is gone (the pump does it then), so that they keep their bytes."""
+        await self._conn.close()
 
-    async def _host_copy(self, names: list[str], copy: Callable[[list[Any]], R]) -> R:
-        """``copy(tensors)`` of a host get whose entries are read straight from the shared
-        mapping (no views to make: they are copied at once), then the leases end."""
-        if self._pool_local is False:
-            return await self._copied(await self.get(names), copy)
-        copies = await self._table_copies(names)  # no call where the read table has them all
-        if copies is not None:
-            return copy(copies)
-        # copied into the caller's memory anyway: small entries may come as copies
-        reply, payload = await self._host_get_call(get_request(names, None), INLINE_GET_BYTES)
-        ids = leased_ids(reply)
-        try:
-            decoded = decode_get(reply, self._maps, views=False, payload=payload)
-            if decoded.remote:  # not mappable here: the leased get streams the bytes
-                self._pool_local = False
-                await self.release(ids)
-                return await self._copied(await self.get(names), copy)
-            self._pool_local = True if ids else self._pool_local
-            result = copy(decoded.tensors)
-        except BaseException:
-            await self.release(ids)
-            raise
-        check_ended(await self.release(ids), ids)  # copied while the leases lived, or not
-        return result
+    async def __aenter__(self) -> Self:
+        return self
 
-    async def _get_into_device(
-        self, names: list[str], out: torch.Tensor, offsets: Sequence[int] | None
-    ) -> list[into.IntoResult] | None:
-        exported = exports.export_cuda(out, as_bytes=True)
-        if exported is None:
-            return None
-        if exported.message.gpu_uuid in self._no_device:
-            exported.returned()  # never sent
-            return None
-        request = pb.GetIntoRequest(
-            keys=names, destination=pb.DeviceBuffer(buffer=exported.message), offsets=offsets
-        )
-        try:
-            reply = await self._session_call(
-                "get_into",
-                request,
-                lambda md, to: self._stub.GetInto(request, timeout=to, metadata=md),
-            )
-        except DeviceUnavailable as exc:
-            self._no_device.add(exported.message.gpu_uuid, exc)
-            return None
-        exported.returned()  # the daemon has copied: its event may be reused
-        return into.into_results(reply)
-
-
-def _moved(tensor: torch.Tensor | None, device: str | torch.device) -> torch.Tensor | None:
-    """``tensor`` copied to ``device`` (a miss stays None)."""
-    return None if tensor is None else tensor.to(device)
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -24,7 +24,8 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
-from embcache.clients._async.stateless_calls import AsyncStatelessCalls
+from embcache.clients._async.connection import AsyncConnection
+from embcache.clients._async.state import ClientState
 from embcache.clients.core.errors import from_call_error
 from embcache.clients.core.payload import Payload, payload_of
 from embcache.clients.core.session_calls import SessionLost, serves
@@ -41,32 +42,38 @@ INLINE_PUT_BYTES = CHUNK_BYTES
 BATCH_ITEMS = 1024  # items per put_batch (the daemon's bound)
 
 
-class AsyncHostPuts(AsyncStatelessCalls):
-    """The connection's puts of host tensors (module docstring)."""
+class AsyncHostPuts:
+    """A client's puts of host tensors (module docstring)."""
 
-    async def _put_host(self, key: str, tensor: Any, checksum: bool) -> bool:
+    def __init__(self, conn: AsyncConnection, state: ClientState) -> None:
+        self._conn = conn
+        self._state = state
+
+    async def put_host(self, key: str, tensor: Any, checksum: bool) -> bool:
         """Store a host tensor (or a CUDA one the daemon could not read) by the cheapest
         path the daemon serves; True if created."""
         payload = payload_of(tensor)
-        session = await self._open_session()
+        session = await self._conn.open_session()
         if payload.nbytes <= INLINE_PUT_BYTES and serves(session, "put"):
             inline = InlinePuts([(payload.header(key, checksum=checksum), payload.data)], False)
-            reply = await self._session_call("put", inline, self._streamed(key, payload, checksum))
+            reply = await self._conn.session_call(
+                "put", inline, self._streamed(key, payload, checksum)
+            )
             return bool(reply.created)
-        if self._caps.writable_puts and serves(session, "put_reserve"):
+        if self._state.caps.writable_puts and serves(session, "put_reserve"):
             created = await self._put_reserved(key, payload, checksum)
             if created is not None:
                 return created
-        reply = await self._call(self._streamed(key, payload, checksum), session=True)
+        reply = await self._conn.call(self._streamed(key, payload, checksum), session=True)
         return bool(reply.created)
 
     def _streamed(self, key: str, payload: Payload, checksum: bool) -> Any:
-        """The gRPC Put stream of ``payload``, as a ``fn(metadata, timeout)`` for ``_call``
+        """The gRPC Put stream of ``payload``, as a ``fn(metadata, timeout)`` for ``call``
         in the session (the daemon counts its in-flight bytes against this client)."""
 
         async def send(md: Any, to: float) -> pb.PutResponse:
             messages = payload.messages(key, checksum=checksum)
-            return await self._put(messages, timeout=to, metadata=md)
+            return await self._conn.put_stream(messages, timeout=to, metadata=md)
 
         return send
 
@@ -77,17 +84,17 @@ class AsyncHostPuts(AsyncStatelessCalls):
         attempt = 0
         ended: list[int] = []  # reservations whose session was lost after this process wrote
         while True:
-            session = await self._open_session()
+            session = await self._conn.open_session()
             if not serves(session, "put_reserve"):
                 return None
             await self._done_with(session, ended)
             try:
                 return await self._fill_reserved(session, key, payload, checksum, ended)
             except PermissionDenied:
-                self._caps.writable_puts = False
+                self._state.caps.writable_puts = False
                 return None
             except SessionLost:
-                if attempt >= self.retries:
+                if attempt >= self._conn.retries:
                     raise
                 attempt += 1
 
@@ -101,7 +108,7 @@ class AsyncHostPuts(AsyncStatelessCalls):
             return False  # stored already with this dtype and shape
         pool = process_writable_maps().get(reserved.pool)
         if pool is None:  # another /dev/shm, say: stream from now on
-            self._caps.writable_puts = False
+            self._state.caps.writable_puts = False
             await self._one(session, "put_abort", pb.PutAbortRequest(reservation_id=rid))
             return None
         ended.append(rid)  # until the daemon hears that this process stopped writing
@@ -133,19 +140,19 @@ class AsyncHostPuts(AsyncStatelessCalls):
 
     async def _one(self, session: Any, kind: str, request: Any) -> Any:
         """One call on ``session``: its reply, or its typed error raised."""
-        result = await session.call(self.timeout, **{kind: request})
+        result = await session.call(self._conn.timeout, **{kind: request})
         if result.WhichOneof("outcome") == kind:
             return getattr(result, kind)
         raise from_call_error(result.error)
 
-    async def _put_host_many(self, pairs: Sequence[tuple[str, Any]], checksum: bool) -> list[bool]:
+    async def put_host_many(self, pairs: Sequence[tuple[str, Any]], checksum: bool) -> list[bool]:
         """Store host tensors: the small ones in ``put_batch`` calls when served, the others
-        one by one (:meth:`_put_host`). Per item, in order, True if created."""
+        one by one (:meth:`put_host`). Per item, in order, True if created."""
         if not pairs:
             return []
-        session = await self._open_session()
+        session = await self._conn.open_session()
         if not serves(session, "put_batch"):
-            return [await self._put_host(k, t, checksum) for k, t in pairs]
+            return [await self.put_host(k, t, checksum) for k, t in pairs]
         out: list[bool | None] = [None] * len(pairs)
         batch: list[tuple[int, tuple[pb.PutHeader, memoryview]]] = []
         size = 0
@@ -161,7 +168,7 @@ class AsyncHostPuts(AsyncStatelessCalls):
         if batch:
             await self._put_batch_call(batch, out)
         return [
-            bool(c) if c is not None else await self._put_host(k, t, checksum)
+            bool(c) if c is not None else await self.put_host(k, t, checksum)
             for (k, t), c in zip(pairs, out, strict=True)
         ]
 
@@ -173,6 +180,6 @@ class AsyncHostPuts(AsyncStatelessCalls):
         async def one_by_one(md: Any, to: float) -> pb.PutFromDeviceBatchResponse:
             return pb.PutFromDeviceBatchResponse()  # not served after all: left to put()
 
-        reply = await self._session_call("put_batch", request, one_by_one)
+        reply = await self._conn.session_call("put_batch", request, one_by_one)
         for (i, _), res in zip(batch, reply.results, strict=False):
             out[i] = res.created

@@ -5,11 +5,12 @@ rides the session instead where it runs on a session socket, which sends the byt
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, overload
+from typing import Any
 
 import grpc
 
 from embcache.clients._async.connection import AsyncConnection
+from embcache.clients._async.table_gets import AsyncTableReads
 from embcache.clients._backends.async_io import CallFn
 from embcache.clients.core.replies import (
     BytesCollector,
@@ -24,14 +25,14 @@ from embcache.errors import EmbCacheError
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
 
-class AsyncStatelessCalls(AsyncConnection):
-    """The connection plus its simple calls (the client adds puts and gets); renew names
-    the session, whose leases it extends."""
+class AsyncStatelessCalls:
+    """A client's simple calls; each raises ``RpcFailed`` when the daemon could not be
+    reached (after the retries) in time."""
 
-    @overload
-    async def exists(self, keys: str) -> bool: ...  # type: ignore[overload-overlap]
-    @overload
-    async def exists(self, keys: Sequence[str]) -> list[bool]: ...
+    def __init__(self, conn: AsyncConnection, tables: AsyncTableReads) -> None:
+        self._conn = conn
+        self._tables = tables
+
     async def exists(self, keys: str | Sequence[str]) -> bool | list[bool]:
         """Whether entries are stored (complete and visible).
 
@@ -41,22 +42,16 @@ class AsyncStatelessCalls(AsyncConnection):
         Returns:
             For one key a bool; for several a bool each, in order.
 
-        Raises:
-            RpcFailed: the daemon could not be reached (after the retries) in time.
         """
         names, single = as_keys(keys)
-        table = await self._read_table()  # on the daemon's node: no call for what it lists
+        table = await self._tables.read_table()
         if table is not None and all(table.contains(k) for k in names):
             return True if single else [True] * len(names)
         request = pb.ExistsRequest(keys=names)
-        reply = await self._call(_unary(self._stub.Exists, request))
+        reply = await self._conn.call(_unary(self._conn.stub.Exists, request))
         found = list(reply.exists)
         return found[0] if single else found
 
-    @overload
-    async def evict(self, keys: str, device: Any = None) -> str: ...  # type: ignore[overload-overlap]
-    @overload
-    async def evict(self, keys: Sequence[str], device: Any = None) -> list[str]: ...
     async def evict(self, keys: str | Sequence[str], device: Any = None) -> str | list[str]:
         """Remove entries; leased entries are never forced out.
 
@@ -77,7 +72,7 @@ class AsyncStatelessCalls(AsyncConnection):
         names, single = as_keys(keys)
         request = evict_request(names, pools.uuid_of(device))
         try:
-            reply = await self._call(_unary(self._stub.Evict, request))
+            reply = await self._conn.call(_unary(self._conn.stub.Evict, request))
         except Exception as exc:
             return evict_outcomes(names, single, failure=exc)
         return evict_outcomes(names, single, reply=reply)
@@ -96,7 +91,7 @@ class AsyncStatelessCalls(AsyncConnection):
             DeviceUnavailable: ``device`` has no device pool in the daemon.
         """
         request = prefetch_request(keys, pools.uuid_of(device))
-        reply = await self._call(_unary(self._stub.Prefetch, request))
+        reply = await self._conn.call(_unary(self._conn.stub.Prefetch, request))
         return prefetch_dict(reply)
 
     async def stats(self) -> dict[str, Any]:
@@ -105,10 +100,8 @@ class AsyncStatelessCalls(AsyncConnection):
         Returns:
             The document as nested dicts, with ``grpc_sessions`` added.
 
-        Raises:
-            RpcFailed: the daemon could not be reached (after the retries) in time.
         """
-        reply = await self._call(_unary(self._stub.Stats, pb.StatsRequest()))
+        reply = await self._conn.call(_unary(self._conn.stub.Stats, pb.StatsRequest()))
         return stats_dict(reply)
 
     async def renew(self, lease_ids: Sequence[int], ttl_s: float | None = None) -> int:
@@ -126,8 +119,7 @@ class AsyncStatelessCalls(AsyncConnection):
             InvalidArgument: a lifetime the daemon refuses.
         """
         request = renew_request(lease_ids, ttl_s)
-        # In the session: the daemon renews only the caller's own leases.
-        reply = await self._call(_unary(self._stub.Renew, request), session=True)
+        reply = await self._conn.call(_unary(self._conn.stub.Renew, request), session=True)
         return int(reply.renewed)
 
     async def get_bytes(
@@ -153,7 +145,7 @@ class AsyncStatelessCalls(AsyncConnection):
 
         async def fetch(md: Any, to: float) -> EntryBytes:  # the gRPC stream's way
             collector = BytesCollector(key)
-            async for msg in self._get_bytes(request, timeout=to, metadata=md):
+            async for msg in self._conn.bytes_stream(request, timeout=to, metadata=md):
                 collector.add(msg, length, offset)
             return collector.result()
 
@@ -164,7 +156,7 @@ class AsyncStatelessCalls(AsyncConnection):
             return EntryBytes(key, out.meta.dtype, tuple(out.meta.shape), data)
 
         try:
-            return await self._session_call("get_bytes", request, fetch, take)
+            return await self._conn.session_call("get_bytes", request, fetch, take)
         except EmbCacheError as exc:
             if getattr(exc, "grpc_status", None) == grpc.StatusCode.NOT_FOUND:
                 return None
@@ -172,5 +164,5 @@ class AsyncStatelessCalls(AsyncConnection):
 
 
 def _unary(method: Any, request: Any) -> CallFn[Any]:
-    """The ``fn(metadata, timeout)`` of ``_call`` for one unary RPC."""
+    """The ``fn(metadata, timeout)`` of ``AsyncConnection.call`` for one unary RPC."""
     return lambda md, to: method(request, timeout=to, metadata=md)

@@ -26,7 +26,8 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
-from embcache.clients._sync.stateless_calls import StatelessCalls
+from embcache.clients._sync.connection import Connection
+from embcache.clients._sync.state import ClientState
 from embcache.clients.core.errors import from_call_error
 from embcache.clients.core.payload import Payload, payload_of
 from embcache.clients.core.session_calls import SessionLost, serves
@@ -43,32 +44,36 @@ INLINE_PUT_BYTES = CHUNK_BYTES
 BATCH_ITEMS = 1024  # items per put_batch (the daemon's bound)
 
 
-class HostPuts(StatelessCalls):
-    """The connection's puts of host tensors (module docstring)."""
+class HostPuts:
+    """A client's puts of host tensors (module docstring)."""
 
-    def _put_host(self, key: str, tensor: Any, checksum: bool) -> bool:
+    def __init__(self, conn: Connection, state: ClientState) -> None:
+        self._conn = conn
+        self._state = state
+
+    def put_host(self, key: str, tensor: Any, checksum: bool) -> bool:
         """Store a host tensor (or a CUDA one the daemon could not read) by the cheapest
         path the daemon serves; True if created."""
         payload = payload_of(tensor)
-        session = self._open_session()
+        session = self._conn.open_session()
         if payload.nbytes <= INLINE_PUT_BYTES and serves(session, "put"):
             inline = InlinePuts([(payload.header(key, checksum=checksum), payload.data)], False)
-            reply = self._session_call("put", inline, self._streamed(key, payload, checksum))
+            reply = self._conn.session_call("put", inline, self._streamed(key, payload, checksum))
             return bool(reply.created)
-        if self._caps.writable_puts and serves(session, "put_reserve"):
+        if self._state.caps.writable_puts and serves(session, "put_reserve"):
             created = self._put_reserved(key, payload, checksum)
             if created is not None:
                 return created
-        reply = self._call(self._streamed(key, payload, checksum), session=True)
+        reply = self._conn.call(self._streamed(key, payload, checksum), session=True)
         return bool(reply.created)
 
     def _streamed(self, key: str, payload: Payload, checksum: bool) -> Any:
-        """The gRPC Put stream of ``payload``, as a ``fn(metadata, timeout)`` for ``_call``
+        """The gRPC Put stream of ``payload``, as a ``fn(metadata, timeout)`` for ``call``
         in the session (the daemon counts its in-flight bytes against this client)."""
 
         def send(md: Any, to: float) -> pb.PutResponse:
             messages = payload.messages(key, checksum=checksum)
-            return self._put(messages, timeout=to, metadata=md)
+            return self._conn.put_stream(messages, timeout=to, metadata=md)
 
         return send
 
@@ -79,17 +84,17 @@ class HostPuts(StatelessCalls):
         attempt = 0
         ended: list[int] = []  # reservations whose session was lost after this process wrote
         while True:
-            session = self._open_session()
+            session = self._conn.open_session()
             if not serves(session, "put_reserve"):
                 return None
             self._done_with(session, ended)
             try:
                 return self._fill_reserved(session, key, payload, checksum, ended)
             except PermissionDenied:
-                self._caps.writable_puts = False
+                self._state.caps.writable_puts = False
                 return None
             except SessionLost:
-                if attempt >= self.retries:
+                if attempt >= self._conn.retries:
                     raise
                 attempt += 1
 
@@ -103,7 +108,7 @@ class HostPuts(StatelessCalls):
             return False  # stored already with this dtype and shape
         pool = process_writable_maps().get(reserved.pool)
         if pool is None:  # another /dev/shm, say: stream from now on
-            self._caps.writable_puts = False
+            self._state.caps.writable_puts = False
             self._one(session, "put_abort", pb.PutAbortRequest(reservation_id=rid))
             return None
         ended.append(rid)  # until the daemon hears that this process stopped writing
@@ -135,19 +140,19 @@ class HostPuts(StatelessCalls):
 
     def _one(self, session: Any, kind: str, request: Any) -> Any:
         """One call on ``session``: its reply, or its typed error raised."""
-        result = session.call(self.timeout, **{kind: request})
+        result = session.call(self._conn.timeout, **{kind: request})
         if result.WhichOneof("outcome") == kind:
             return getattr(result, kind)
         raise from_call_error(result.error)
 
-    def _put_host_many(self, pairs: Sequence[tuple[str, Any]], checksum: bool) -> list[bool]:
+    def put_host_many(self, pairs: Sequence[tuple[str, Any]], checksum: bool) -> list[bool]:
         """Store host tensors: the small ones in ``put_batch`` calls when served, the others
-        one by one (:meth:`_put_host`). Per item, in order, True if created."""
+        one by one (:meth:`put_host`). Per item, in order, True if created."""
         if not pairs:
             return []
-        session = self._open_session()
+        session = self._conn.open_session()
         if not serves(session, "put_batch"):
-            return [self._put_host(k, t, checksum) for k, t in pairs]
+            return [self.put_host(k, t, checksum) for k, t in pairs]
         out: list[bool | None] = [None] * len(pairs)
         batch: list[tuple[int, tuple[pb.PutHeader, memoryview]]] = []
         size = 0
@@ -163,7 +168,7 @@ class HostPuts(StatelessCalls):
         if batch:
             self._put_batch_call(batch, out)
         return [
-            bool(c) if c is not None else self._put_host(k, t, checksum)
+            bool(c) if c is not None else self.put_host(k, t, checksum)
             for (k, t), c in zip(pairs, out, strict=True)
         ]
 
@@ -175,6 +180,6 @@ class HostPuts(StatelessCalls):
         def one_by_one(md: Any, to: float) -> pb.PutFromDeviceBatchResponse:
             return pb.PutFromDeviceBatchResponse()  # not served after all: left to put()
 
-        reply = self._session_call("put_batch", request, one_by_one)
+        reply = self._conn.session_call("put_batch", request, one_by_one)
         for (i, _), res in zip(batch, reply.results, strict=False):
             out[i] = res.created

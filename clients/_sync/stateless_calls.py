@@ -7,12 +7,13 @@ rides the session instead where it runs on a session socket, which sends the byt
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, overload
+from typing import Any
 
 import grpc
 
 from embcache.clients._backends.sync_io import CallFn
 from embcache.clients._sync.connection import Connection
+from embcache.clients._sync.table_gets import TableReads
 from embcache.clients.core.replies import (
     BytesCollector,
     EntryBytes,
@@ -26,14 +27,14 @@ from embcache.errors import EmbCacheError
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
 
-class StatelessCalls(Connection):
-    """The connection plus its simple calls (the client adds puts and gets); renew names
-    the session, whose leases it extends."""
+class StatelessCalls:
+    """A client's simple calls; each raises ``RpcFailed`` when the daemon could not be
+    reached (after the retries) in time."""
 
-    @overload
-    def exists(self, keys: str) -> bool: ...  # type: ignore[overload-overlap]
-    @overload
-    def exists(self, keys: Sequence[str]) -> list[bool]: ...
+    def __init__(self, conn: Connection, tables: TableReads) -> None:
+        self._conn = conn
+        self._tables = tables
+
     def exists(self, keys: str | Sequence[str]) -> bool | list[bool]:
         """Whether entries are stored (complete and visible).
 
@@ -43,22 +44,16 @@ class StatelessCalls(Connection):
         Returns:
             For one key a bool; for several a bool each, in order.
 
-        Raises:
-            RpcFailed: the daemon could not be reached (after the retries) in time.
         """
         names, single = as_keys(keys)
-        table = self._read_table()  # on the daemon's node: no call for what it lists
+        table = self._tables.read_table()
         if table is not None and all(table.contains(k) for k in names):
             return True if single else [True] * len(names)
         request = pb.ExistsRequest(keys=names)
-        reply = self._call(_unary(self._stub.Exists, request))
+        reply = self._conn.call(_unary(self._conn.stub.Exists, request))
         found = list(reply.exists)
         return found[0] if single else found
 
-    @overload
-    def evict(self, keys: str, device: Any = None) -> str: ...  # type: ignore[overload-overlap]
-    @overload
-    def evict(self, keys: Sequence[str], device: Any = None) -> list[str]: ...
     def evict(self, keys: str | Sequence[str], device: Any = None) -> str | list[str]:
         """Remove entries; leased entries are never forced out.
 
@@ -79,7 +74,7 @@ class StatelessCalls(Connection):
         names, single = as_keys(keys)
         request = evict_request(names, pools.uuid_of(device))
         try:
-            reply = self._call(_unary(self._stub.Evict, request))
+            reply = self._conn.call(_unary(self._conn.stub.Evict, request))
         except Exception as exc:
             return evict_outcomes(names, single, failure=exc)
         return evict_outcomes(names, single, reply=reply)
@@ -98,7 +93,7 @@ class StatelessCalls(Connection):
             DeviceUnavailable: ``device`` has no device pool in the daemon.
         """
         request = prefetch_request(keys, pools.uuid_of(device))
-        reply = self._call(_unary(self._stub.Prefetch, request))
+        reply = self._conn.call(_unary(self._conn.stub.Prefetch, request))
         return prefetch_dict(reply)
 
     def stats(self) -> dict[str, Any]:
@@ -107,10 +102,8 @@ class StatelessCalls(Connection):
         Returns:
             The document as nested dicts, with ``grpc_sessions`` added.
 
-        Raises:
-            RpcFailed: the daemon could not be reached (after the retries) in time.
         """
-        reply = self._call(_unary(self._stub.Stats, pb.StatsRequest()))
+        reply = self._conn.call(_unary(self._conn.stub.Stats, pb.StatsRequest()))
         return stats_dict(reply)
 
     def renew(self, lease_ids: Sequence[int], ttl_s: float | None = None) -> int:
@@ -128,8 +121,7 @@ class StatelessCalls(Connection):
             InvalidArgument: a lifetime the daemon refuses.
         """
         request = renew_request(lease_ids, ttl_s)
-        # In the session: the daemon renews only the caller's own leases.
-        reply = self._call(_unary(self._stub.Renew, request), session=True)
+        reply = self._conn.call(_unary(self._conn.stub.Renew, request), session=True)
         return int(reply.renewed)
 
     def get_bytes(self, key: str, offset: int = 0, length: int | None = None) -> EntryBytes | None:
@@ -153,7 +145,7 @@ class StatelessCalls(Connection):
 
         def fetch(md: Any, to: float) -> EntryBytes:  # the gRPC stream's way
             collector = BytesCollector(key)
-            for msg in self._get_bytes(request, timeout=to, metadata=md):
+            for msg in self._conn.bytes_stream(request, timeout=to, metadata=md):
                 collector.add(msg, length, offset)
             return collector.result()
 
@@ -164,7 +156,7 @@ class StatelessCalls(Connection):
             return EntryBytes(key, out.meta.dtype, tuple(out.meta.shape), data)
 
         try:
-            return self._session_call("get_bytes", request, fetch, take)
+            return self._conn.session_call("get_bytes", request, fetch, take)
         except EmbCacheError as exc:
             if getattr(exc, "grpc_status", None) == grpc.StatusCode.NOT_FOUND:
                 return None
@@ -172,5 +164,5 @@ class StatelessCalls(Connection):
 
 
 def _unary(method: Any, request: Any) -> CallFn[Any]:
-    """The ``fn(metadata, timeout)`` of ``_call`` for one unary RPC."""
+    """The ``fn(metadata, timeout)`` of ``AsyncConnection.call`` for one unary RPC."""
     return lambda md, to: method(request, timeout=to, metadata=md)

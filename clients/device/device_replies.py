@@ -73,54 +73,85 @@ def decode_device_get(
     after the copies on a GPU. Otherwise contiguous entries are anchored views
     (``anchors``). The page ids of a batch are checked and cut into runs with numpy, and
     each tensor is made with one ``as_strided``, so the Python work per entry stays small."""
-    pools = {p.pool_id: p for p in reply.pools}
-    out = Decoded([], [])
-    gathers: dict[str, _Gather] = {}
-    opened: dict[str, tuple[torch.Tensor, int]] = {}
-    typed: _Typed = {}
-    clones: list[tuple[int, torch.Tensor, int, pb.TensorMeta]] = []  # copied after the wait
-    # A reply of a few entries copies its contiguous ones alone (one copy call each, no ids
-    # to place); more go into the gather, one launch for all.
-    few = len(reply.results) <= CLONE_MAX
+    decode = _DeviceDecode(reply, cache, owned, {p.pool_id: p for p in reply.pools})
     for result in reply.results:
+        decode.add(result)
+    return decode.finish(decode.plan())
+
+
+@dataclass(slots=True)
+class _DeviceDecode:
+    """One reply being decoded: the entries placed so far, and the copies still to run."""
+
+    reply: pb.GetResponse
+    cache: DevicePoolCache
+    owned: bool
+    described: dict[str, pb.PoolHandle]  # the reply's pools, by id
+    out: Decoded = field(default_factory=lambda: Decoded([], []))
+    gathers: dict[str, _Gather] = field(default_factory=dict)  # by pool id
+    opened: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)  # pool, page size
+    typed: _Typed = field(default_factory=dict)
+    # (slot, pool, offset, meta) of contiguous entries copied alone, after the wait
+    clones: list[tuple[int, torch.Tensor, int, pb.TensorMeta]] = field(default_factory=list)
+
+    def add(self, result: pb.GetResult) -> None:
+        """Place one result: a miss, a view, a copy made alone, or a part of a gather."""
+        out = self.out
         if not result.found:
             out.tensors.append(None)
-            continue
+            return
         out.lease_ids.append(result.lease_id)
         out.anchors.append(None)
-        loc = result.device
-        if result.WhichOneof("location") != "device" or loc.pool_id not in pools:
+        pool, page_bytes = self._pool(result)
+        contiguous = result.device.WhichOneof("placement") == "offset"
+        if contiguous and self._contiguous(result, pool, page_bytes):
+            return
+        self._gather(result, page_bytes)
+
+    def _pool(self, result: pb.GetResult) -> tuple[torch.Tensor, int]:
+        """The pool ``result`` lies in, opened once per reply, and its page size."""
+        pool_id = result.device.pool_id
+        described = self.described
+        if result.WhichOneof("location") != "device" or pool_id not in described:
             raise ValueError(f"reply for {result.key!r} names no device pool this client knows")
-        if loc.pool_id not in opened:
-            desc = pools[loc.pool_id]
+        if pool_id not in self.opened:
+            desc = described[pool_id]
             handle = pool_handle(desc)
             try:
-                pool = cache.pool_tensor(handle, desc.device.size)
+                pool = self.cache.pool_tensor(handle, desc.device.size)
             except (OSError, RuntimeError) as exc:
-                raise PoolOpenError(f"cannot open device pool {loc.pool_id}: {exc}") from exc
-            opened[loc.pool_id] = (pool, handle.page_bytes)
-        pool, page_bytes = opened[loc.pool_id]
-        meta = result.meta
-        in_pages = loc.WhichOneof("placement") != "offset"
-        if not in_pages:
-            if loc.offset + meta.nbytes > pool.numel() or loc.offset < 0:
-                raise ValueError(f"reply for {result.key!r} has a location outside the pool")
-            if not meta.nbytes:  # nothing to read: an empty view
-                out.tensors.append(_view(pool, loc.offset, meta, typed))
-                continue
-            if not owned:  # zero-copy: a view with an anchor of its own
-                flat, out.anchors[-1] = anchored_view(pool, loc.offset, meta.nbytes)
-                out.tensors.append(_view(flat, 0, meta, typed))
-                continue
-            if page_bytes <= 0 or loc.offset % page_bytes or few:  # copied alone
-                clones.append((len(out.tensors), pool, loc.offset, meta))
-                out.tensors.append(None)  # filled below
-                continue
-        g = gathers.get(loc.pool_id)
+                raise PoolOpenError(f"cannot open device pool {pool_id}: {exc}") from exc
+            self.opened[pool_id] = (pool, handle.page_bytes)
+        return self.opened[pool_id]
+
+    def _contiguous(self, result: pb.GetResult, pool: torch.Tensor, page_bytes: int) -> bool:
+        """Place a contiguous entry as a view or a copy made alone; False: it joins the
+        gather (owned, on page boundaries, in a reply of more than ``CLONE_MAX``)."""
+        out, meta, offset = self.out, result.meta, result.device.offset
+        if offset + meta.nbytes > pool.numel() or offset < 0:
+            raise ValueError(f"reply for {result.key!r} has a location outside the pool")
+        if not meta.nbytes:  # nothing to read: an empty view
+            out.tensors.append(_view(pool, offset, meta, self.typed))
+        elif not self.owned:  # zero-copy: a view with an anchor of its own
+            flat, out.anchors[-1] = anchored_view(pool, offset, meta.nbytes)
+            out.tensors.append(_view(flat, 0, meta, self.typed))
+        elif page_bytes <= 0 or offset % page_bytes or len(self.reply.results) <= CLONE_MAX:
+            # A reply of a few entries copies its contiguous ones alone (one copy call each,
+            # no ids to place); more go into the gather, one launch for all.
+            self.clones.append((len(out.tensors), pool, offset, meta))
+            out.tensors.append(None)  # filled by finish()
+        else:
+            return False
+        return True
+
+    def _gather(self, result: pb.GetResult, page_bytes: int) -> None:
+        """Add the pages of ``result`` to its pool's gather."""
+        loc, meta = result.device, result.meta
+        g = self.gathers.get(loc.pool_id)
         if g is None:
-            g = gathers[loc.pool_id] = _Gather()
+            g = self.gathers[loc.pool_id] = _Gather()
         before = len(g.pages)
-        if in_pages:
+        if loc.WhichOneof("placement") != "offset":
             g.pages.extend(loc.pages.page_ids)
         else:  # a contiguous entry, owned: its pages join the gather
             first = loc.offset // page_bytes
@@ -128,45 +159,64 @@ def decode_device_get(
         if (len(g.pages) - before) * page_bytes < meta.nbytes:
             raise ValueError(f"reply for {result.key!r} has a location outside the pool")
         g.counts.append(len(g.pages) - before)
-        g.items.append((len(out.tensors), result))
-        out.tensors.append(None)  # filled below
-    planned: list[tuple[_Gather, PageGather]] = []  # ids placed before the wait below
-    try:
-        for pool_id, g in gathers.items():
-            pool, page_bytes = opened[pool_id]
-            sizes = [r.meta.nbytes for _, r in g.items]
-            try:
-                planned.append((g, plan_gather(pool, page_bytes, g.pages, g.counts, sizes)))
-            except ValueError:  # a page outside the pool: name the entry
-                num_pages = pool.numel() // page_bytes if page_bytes > 0 else 0
-                bad = next((r for _, r in g.items if not _pages_inside(r, num_pages)), None)
-                if bad is None:
-                    raise
-                raise ValueError(f"reply for {bad.key!r} has a location outside the pool") from None
-        if reply.HasField("event_handle") and opened:
-            # The copies may still run: this device's current stream waits for them on the
-            # GPU, before the gathers below and whatever the caller queues next.
-            device = next(iter(opened.values()))[0].device
-            try:
-                event = cache.ready_event(reply.event_handle, device)
-            except RuntimeError as exc:
-                raise EventOpenError(f"cannot open the reply's ready event: {exc}") from exc
-            torch.cuda.current_stream(device).wait_event(event)
-    except BaseException:
-        for _, gather in planned:  # nothing will read their ids
-            gather.abandon()
-        raise
-    for g, gather in planned:
-        flat = gather.run()
-        for (i, result), at in zip(g.items, gather.offsets, strict=True):
-            out.tensors[i] = _view(flat, at, result.meta, typed)
-    for i, pool, offset, meta in clones:
-        out.tensors[i] = _view(pool, offset, meta, typed).clone()
-    copied = bool(planned or clones)
-    if copied and owned and (device := next(iter(opened.values()))[0].device).type == "cuda":
-        out.ready = torch.cuda.Event()
-        out.ready.record(torch.cuda.current_stream(device))  # after the copies out of the pool
-    return out
+        g.items.append((len(self.out.tensors), result))
+        self.out.tensors.append(None)  # filled by finish()
+
+    def plan(self) -> list[tuple[_Gather, PageGather]]:
+        """Place the page ids of every gather, then have this device's stream wait for the
+        daemon's copies (the reply's ready event); nothing is left placed on failure."""
+        planned: list[tuple[_Gather, PageGather]] = []  # ids placed before the wait below
+        try:
+            for pool_id, g in self.gathers.items():
+                planned.append((g, self._plan_one(pool_id, g)))
+            self._wait_ready()
+        except BaseException:
+            for _, gather in planned:  # nothing will read their ids
+                gather.abandon()
+            raise
+        return planned
+
+    def _plan_one(self, pool_id: str, g: _Gather) -> PageGather:
+        pool, page_bytes = self.opened[pool_id]
+        sizes = [r.meta.nbytes for _, r in g.items]
+        try:
+            return plan_gather(pool, page_bytes, g.pages, g.counts, sizes)
+        except ValueError:  # a page outside the pool: name the entry
+            num_pages = pool.numel() // page_bytes if page_bytes > 0 else 0
+            bad = next((r for _, r in g.items if not _pages_inside(r, num_pages)), None)
+            if bad is None:
+                raise
+            raise ValueError(f"reply for {bad.key!r} has a location outside the pool") from None
+
+    def _wait_ready(self) -> None:
+        """The copies may still run: this device's current stream waits for them on the
+        GPU, before the gathers and whatever the caller queues next."""
+        if not self.reply.HasField("event_handle") or not self.opened:
+            return
+        device = next(iter(self.opened.values()))[0].device
+        try:
+            event = self.cache.ready_event(self.reply.event_handle, device)
+        except RuntimeError as exc:
+            raise EventOpenError(f"cannot open the reply's ready event: {exc}") from exc
+        torch.cuda.current_stream(device).wait_event(event)
+
+    def finish(self, planned: list[tuple[_Gather, PageGather]]) -> Decoded:
+        """Run the gathers and the copies made alone; owned copies on a GPU get the event
+        that says when they are complete."""
+        out = self.out
+        for g, gather in planned:
+            flat = gather.run()
+            for (i, result), at in zip(g.items, gather.offsets, strict=True):
+                out.tensors[i] = _view(flat, at, result.meta, self.typed)
+        for i, pool, offset, meta in self.clones:
+            out.tensors[i] = _view(pool, offset, meta, self.typed).clone()
+        if not (planned or self.clones) or not self.owned:
+            return out
+        device = next(iter(self.opened.values()))[0].device
+        if device.type == "cuda":
+            out.ready = torch.cuda.Event()
+            out.ready.record(torch.cuda.current_stream(device))  # after the copies
+        return out
 
 
 def _pages_inside(result: pb.GetResult, num_pages: int) -> bool:

@@ -132,7 +132,7 @@ with EmbCacheClient(sys.argv[1]) as client:
     with client.get(list(want), zero_copy=True) as got:  # views of the pool
         for (key, t), g in zip(want.items(), got):
             assert g is not None and g.dtype == t.dtype and torch.equal(g, t), key
-            (mapping,) = [m for m in client._maps._by_pool_id.values() if m]
+            (mapping,) = [m for m in client._state.maps._by_pool_id.values() if m]
             assert mapped_segment(g) == mapping.name, "not zero-copy"
 print("decoded")
 """
@@ -162,7 +162,7 @@ client.put("held", torch.ones(1000))
 leased = client.get(["held"] * 5, zero_copy=True)
 if sys.argv[2] == "anon":  # also hold leases outside any session: they end by TTL
     from embcache.proto.embcache.v1 import embcache_pb2 as pb
-    client._stub.Get(pb.GetRequest(keys=["held"] * 3))
+    client._conn.stub.Get(pb.GetRequest(keys=["held"] * 3))
 print("holding", flush=True)
 time.sleep(60)
 """
@@ -294,13 +294,13 @@ def test_a_client_finds_the_lane_again_after_a_daemon_restart(tmp_path: Path) ->
         with EmbCacheClient(f"unix:{sock}", timeout=10) as client:
             client.put("k", torch.ones(4))
             with client.get("k"):
-                assert isinstance(client._session, UdsSession)
+                assert isinstance(client._conn.session, UdsSession)
             assert first.stop(timeout=30) == 0
             second = DaemonProcess(flags, timeout=60)
             client.put("k", torch.full((4,), 2.0))
             with client.get("k") as (t,):
                 assert torch.equal(t, torch.full((4,), 2.0))
-                assert isinstance(client._session, UdsSession)
+                assert isinstance(client._conn.session, UdsSession)
     finally:
         stop(first.proc, timeout=10, sig=signal.SIGKILL)
         if second is not None:

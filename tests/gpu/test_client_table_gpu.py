@@ -83,7 +83,7 @@ out = {}
 with EmbCacheClient(sys.argv[1]) as c:
     with c.get(names, device="cuda") as first:  # may be calls while registering
         out["first_ok"] = all(torch.equal(t.cpu(), expected(n)) for t, n in zip(first, names))
-    table = c._read_table()
+    table = c._tables.read_table()
     reg = registered_pool(table.pool)
     out["registered"] = reg.wait_registered(120)
     out["stats"] = reg.stats()
@@ -139,7 +139,7 @@ rng = random.Random(5)
 bad = found = 0
 with EmbCacheClient(sys.argv[1]) as c:
     c.exists("k/0")
-    registered_pool(c._read_table().pool).wait_registered(120)
+    registered_pool(c._tables.read_table().pool).wait_registered(120)
     deadline = time.monotonic() + float(sys.argv[2])
     while time.monotonic() < deadline:
         i = rng.randrange(keys)

@@ -96,7 +96,8 @@ with EmbCacheClient(sys.argv[1]) as client:
         assert client.put(key, t) is True, key
     assert client.put_many(batch) == [True] * len(batch)
     assert client.put_many(batch) == [False] * len(batch)  # idempotent
-    assert client._caps.device_puts and client._caps.batch_puts, "PutFromDevice(Batch) was refused"
+    caps = client._state.caps
+    assert caps.device_puts and caps.batch_puts, "PutFromDevice(Batch) was refused"
     d2h = client.stats()["bytes_copied"]["d2h"] - before
 from embcache.clients.device.ipc_events import EVENTS
 print(json.dumps({"device_bytes": device_bytes, "d2h": d2h, "events": EVENTS.created}))
@@ -130,8 +131,9 @@ with EmbCacheClient(sys.argv[1]) as client, EmbCacheClient(sys.argv[1]) as other
     other.stats()  # each client's next call releases the leases of its views that are gone
     out["opens"] = process_device_pools().opens
     out["events"] = len(process_device_pools()._events)
-    assert not client._no_device and not other._no_device, "fell back to the host path"
-    assert client._caps.ready_events and other._caps.ready_events, "ready events were refused"
+    assert not client._state.no_device and not other._state.no_device, "fell back to the host path"
+    events = client._state.caps.ready_events and other._state.caps.ready_events
+    assert events, "ready events were refused"
     # get_into a buffer of our own: packed slots, then explicit offsets
     buf = torch.full((64 * 2**20,), 0xAB, dtype=torch.uint8, device="cuda")
     stats0 = client.stats()["bytes_copied"]
@@ -175,15 +177,15 @@ def fragment_device_pool(target: str) -> None:
         for key in keys:
             client.put(key, filler)
         for i in range(0, len(keys), 64):
-            reply = client._call(
-                lambda md, to, b=keys[i : i + 64]: client._stub.Get(
+            reply = client._conn.call(
+                lambda md, to, b=keys[i : i + 64]: client._conn.stub.Get(
                     pb.GetRequest(keys=b, gpu_uuid=gpu), timeout=to, metadata=md
                 )
             )
             assert all(r.found for r in reply.results)
             ids = [r.lease_id for r in reply.results]
-            client._call(  # by the same owner as the Get: a sessionless call
-                lambda md, to, ids=ids: client._stub.Release(
+            client._conn.call(  # by the same owner as the Get: a sessionless call
+                lambda md, to, ids=ids: client._conn.stub.Release(
                     pb.ReleaseRequest(lease_ids=ids), timeout=to, metadata=md
                 )
             )
@@ -227,7 +229,7 @@ with EmbCacheClient(sys.argv[1]) as client:
             mismatches += sum(int(not torch.equal(a, b)) for a, b in zip(got, on_gpu))
         client.evict(keys)  # the next round reuses these device pages
     events = len(process_device_pools()._events)
-    assert client._caps.ready_events and not client._no_device, "fell back"
+    assert client._state.caps.ready_events and not client._state.no_device, "fell back"
 print(json.dumps({"mismatches": mismatches, "events": events}))
 """
 
@@ -275,7 +277,8 @@ with EmbCacheClient(sys.argv[1]) as client:
         if len(keys) % 16 == 0:
             with client.get(keys[-16:], device="cuda") as got:
                 assert all(x is not None for x in got)
-    assert client._caps.device_puts and not client._no_device, "fell back to the host path"
+    fell_back = not client._state.caps.device_puts or client._state.no_device
+    assert not fell_back, "fell back to the host path"
 print(json.dumps({"keys": keys}))
 """
 

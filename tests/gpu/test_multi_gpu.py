@@ -587,7 +587,7 @@ with EmbCacheClient(sys.argv[1]) as client:
             t = t.to(f"cuda:{gpu}")
             out["device_bytes"] += t.numel() * t.element_size()
         assert client.put(key, t) is True, key
-    out["device_puts"] = client._caps.device_puts
+    out["device_puts"] = client._state.caps.device_puts
     out["d2h"] = client.stats()["bytes_copied"]["d2h"] - before
 print(json.dumps(out))
 """
@@ -624,8 +624,8 @@ with EmbCacheClient(target) as client:
         client.stats()  # its next call releases the leases of the views that are gone
         out["pools"] = [str(p.device) for p in pools]
         out["opens"] = process_device_pools().opens
-        out["no_device"] = sorted(client._no_device)
-        out["ready_events"] = client._caps.ready_events
+        out["no_device"] = sorted(client._state.no_device)
+        out["ready_events"] = client._state.caps.ready_events
         print(json.dumps({"round": out}), flush=True)
 print(json.dumps({"bye": index}), flush=True)
 """
@@ -741,15 +741,15 @@ def fragment_device_pools(target: str) -> None:
         for gpu in range(2):
             uuid = cuda_mem.gpu_uuid(gpu)
             for i in range(0, len(keys), 64):
-                reply = client._call(
-                    lambda md, to, b=keys[i : i + 64], u=uuid: client._stub.Get(
+                reply = client._conn.call(
+                    lambda md, to, b=keys[i : i + 64], u=uuid: client._conn.stub.Get(
                         pb.GetRequest(keys=b, gpu_uuid=u), timeout=to, metadata=md
                     )
                 )
                 assert all(r.found for r in reply.results)
                 ids = [r.lease_id for r in reply.results]
-                client._call(  # by the same owner as the Get: a sessionless call
-                    lambda md, to, ids=ids: client._stub.Release(
+                client._conn.call(  # by the same owner as the Get: a sessionless call
+                    lambda md, to, ids=ids: client._conn.stub.Release(
                         pb.ReleaseRequest(lease_ids=ids), timeout=to, metadata=md
                     )
                 )

@@ -82,7 +82,7 @@ def wait_offered(table, keys, present=True, limit_s=15.0):
 with EmbCacheClient(target) as client:
     for k, t in {**want, **filler}.items():
         assert client.put(k, t) is True, k
-    table = process_read_tables().get(client._open_session().read_table)
+    table = process_read_tables().get(client._conn.open_session().read_table)
     assert table is not None, "no read table offered"
     pools = table.device_pools
     assert len(pools) == 1 and pools[0].WhichOneof("kind") == "device", pools

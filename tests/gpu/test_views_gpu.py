@@ -146,7 +146,7 @@ c = EmbCacheClient(sys.argv[1])
 c.put("five", torch.full((512, 1024), 5.0))
 with c.get(["five"], device="cuda", zero_copy=True) as (v,):
     pass
-c._session._sock.shutdown(socket.SHUT_RDWR)  # the session ends; this process lives on
+c._conn.session._sock.shutdown(socket.SHUT_RDWR)  # the session ends; this process lives on
 print(json.dumps({"event": "cut"}), flush=True)
 sys.stdin.readline()  # another process churns the device pool meanwhile
 torch.cuda.synchronize()

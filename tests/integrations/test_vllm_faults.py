@@ -235,7 +235,7 @@ def test_unmappable_pool_is_a_plain_lookup(
         # Views are asked for: the reply's location is one this process cannot map.
         with c.get([key], zero_copy=True) as got:
             assert torch.equal(got[0], truth["far"])
-        assert c._pool_local is False
+        assert c._state.pool_local is False
         assert c.describe_listed([key]) is None  # a session is open, but no table here
     e = engine(model, extra, truth)
     e.add(kit.request("r1", [("far", 6), ("none", 2)]))

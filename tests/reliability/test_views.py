@@ -147,7 +147,7 @@ for line in sys.stdin:
     if cmd == "read":
         say(event="read", problems=[payload.check(k, v) for k, v in zip(keys, views)])
     elif cmd == "cut":  # the connection drops; this process and its views live on
-        client._session._sock.shutdown(socket.SHUT_RDWR)
+        client._conn.session._sock.shutdown(socket.SHUT_RDWR)
         say(event="cut")
     elif cmd == "get":
         try:

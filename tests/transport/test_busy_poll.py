@@ -121,7 +121,7 @@ def test_server_calls_open_the_window(counting_server, session_calls: bool) -> N
         client.put("k", torch.arange(10))
         time.sleep(busy.window_s * 2 + 0.05)
         before = busy.spins
-        session = client._open_session()
+        session = client._conn.open_session()
         session.serves_calls = session_calls  # False: the unary Get and Release RPCs
         with client.get(["k"]) as (got,):
             assert torch.equal(got, torch.arange(10))

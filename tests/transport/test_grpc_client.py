@@ -43,7 +43,7 @@ def client(server) -> Iterator[EmbCacheClient]:
 def in_pool(client: EmbCacheClient, t: torch.Tensor) -> bool:
     """Whether ``t`` is a view of a host pool this client mapped (its own private mapping
     of the segment's pages)."""
-    names = {m.name for m in client._maps._by_pool_id.values() if m is not None}
+    names = {m.name for m in client._state.maps._by_pool_id.values() if m is not None}
     return mapped_segment(t) in names
 
 
@@ -104,7 +104,7 @@ def test_leases_end_with_the_client(server) -> None:
     engine, thread = server
     c = EmbCacheClient(f"127.0.0.1:{thread.service.ports[0]}")
     c.put("k", torch.ones(4))
-    reply = c._get_call(pb.GetRequest(keys=["k", "k"]))  # leases with no view to wait for
+    reply = c._conn.get_call(pb.GetRequest(keys=["k", "k"]))  # leases with no view to wait for
     assert len(reply.results) == 2 and engine.stats().leases_active == 2
     assert c.stats()["grpc_sessions"] == 1
     c.close()  # no release: the session's end releases them
@@ -119,26 +119,26 @@ def test_session_reopened_when_the_server_forgot_it(client, server) -> None:
     client.put("k", torch.ones(4))
     with client.get("k", zero_copy=True):  # views are calls: a default get reads the table
         pass
-    sid = client._session.session_id
+    sid = client._conn.session.session_id
     thread.service.servicer.sessions.close(sid)  # as after a daemon restart
     with client.get("k", zero_copy=True) as (t,):
-        assert t is not None and client._session.session_id != sid
+        assert t is not None and client._conn.session.session_id != sid
 
 
 def test_remote_clients_stream_bytes(client, server) -> None:
     engine, _ = server
     with tempfile.TemporaryDirectory() as empty:
-        client._maps = PoolMaps(Path(empty))  # as on another machine: the segment is absent
+        client._state.maps = PoolMaps(Path(empty))  # as on another machine: the segment is absent
         src = torch.randn(100, 10)
         client.put("r", src)
         with client.get(["r", "nope"]) as (got, miss):  # no table here: copies in the reply
             assert torch.equal(got, src) and miss is None
             assert engine.stats().leases_active == 0  # bytes copied: nothing to hold
-        assert client._pool_local is None  # copies say nothing of where the pool is
+        assert client._state.pool_local is None  # copies say nothing of where the pool is
         with client.get(["r", "nope"], zero_copy=True) as (got, miss):  # views it cannot map
             assert torch.equal(got, src) and miss is None
             assert engine.stats().leases_active == 0  # bytes streamed: nothing to hold
-        assert client._pool_local is False
+        assert client._state.pool_local is False
         with client.get("r", zero_copy=True) as (again,):  # later calls skip Get
             assert torch.equal(again, src)
 
@@ -263,7 +263,7 @@ def test_a_closed_client_refuses_calls(server, lane: bool) -> None:
     client.close()
     with pytest.raises(RpcFailed) as err:
         client.get("k")
-    assert err.value.code == "CANCELLED" and client._session is None
+    assert err.value.code == "CANCELLED" and client._conn.session is None
 
 
 @pytest.mark.parametrize("lane", [True, False], ids=["lane", "grpc"])
@@ -280,6 +280,6 @@ def test_a_closed_async_client_refuses_calls(server, lane: bool) -> None:
         await client.close()
         with pytest.raises(RpcFailed) as err:
             await client.get("k")
-        assert err.value.code == "CANCELLED" and client._session is None
+        assert err.value.code == "CANCELLED" and client._conn.session is None
 
     thread.call(scenario())

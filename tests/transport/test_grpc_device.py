@@ -281,7 +281,7 @@ def test_client_get_to_device(dev_server: Server, monkeypatch) -> None:
         return base <= t.data_ptr() < base + 16 * PAGE
 
     with EmbCacheClient(f"unix:{service.socket_path}", timeout=10) as client:
-        client._device_pools = pools  # type: ignore[assignment]
+        client._state.device_pools = pools  # type: ignore[assignment]
         with client.get(["big", "f1", "nope"], device="cuda") as (a, b, c):
             assert c is None and torch.equal(a.view(-1), data["big"])
             assert torch.equal(b.view(-1), data["f1"])
@@ -310,13 +310,13 @@ def test_client_falls_back_without_a_device_pool(dev_server: Server, monkeypatch
     device_gets_are_calls(monkeypatch)
     calls: list[str] = []
     with EmbCacheClient(f"unix:{service.socket_path}", timeout=10) as client:
-        placed = client._placed
+        placed = client._host_gets.placed
         monkeypatch.setattr(
-            client, "_placed", lambda ls, d: calls.append(str(d)) or placed(ls, None)
+            client._host_gets, "placed", lambda ls, d: calls.append(str(d)) or placed(ls, None)
         )
         with client.get(["k"], device="cuda") as (t,):
             assert torch.equal(t, blob(1000, 3))
-        assert set(client._no_device) == {"GPU-x"} and calls == ["cuda"]
+        assert set(client._state.no_device) == {"GPU-x"} and calls == ["cuda"]
 
 
 def test_evict_one_gpus_copies(dev_server: Server, stub, monkeypatch) -> None:
@@ -662,7 +662,7 @@ def test_client_put_of_a_device_tensor(dev_server: Server, monkeypatch, session_
     monkeypatch.setattr(grpc_device_puts, "put_from_device", counting)
     kinds = session_calls(monkeypatch)
     with EmbCacheClient(f"unix:{service.socket_path}", timeout=10) as client:
-        client._open_session().serves_device_puts = session_puts
+        client._conn.open_session().serves_device_puts = session_puts
         assert client.put("one", src) is True and client.put("one", src) is False
         with client.get(["one"]) as [got]:  # a copy out of the read table: no call
             assert got is not None and torch.equal(got, src)
@@ -683,7 +683,7 @@ def test_client_put_many_streams_when_the_daemon_cannot_read_the_gpu(
     monkeypatch.setattr(fake, "available", lambda: False)  # a daemon without CUDA
     with EmbCacheClient(f"unix:{service.socket_path}", timeout=10) as client:
         assert client.put_many(tensors) == [True, True]
-        assert not client._caps.device_puts  # later puts stream at once
+        assert not client._state.caps.device_puts  # later puts stream at once
         with pytest.raises(ValueError, match="more than once"):
             client.put_many([("x", tensors["d0"]), ("x", tensors["d1"])])
     assert engine.exists(["d0", "d1", "x"]) == [True, True, False]

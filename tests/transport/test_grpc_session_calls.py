@@ -46,16 +46,16 @@ def test_client_gets_and_releases_on_its_session(server, lane: bool, wait_until)
         client.put("k", src)
         with client.get(["k", "nope"], zero_copy=True) as (got, miss):  # views: leased
             assert miss is None and torch.equal(got, src)
-            assert client._session is not None and client._session.serves_calls
-            assert isinstance(client._session, UdsSession) == lane
+            assert client._conn.session is not None and client._conn.session.serves_calls
+            assert isinstance(client._conn.session, UdsSession) == lane
             assert engine.stats().leases_active == 1
         del got, miss  # the views are gone: the lease ends (the pump releases it)
         assert wait_until(lambda: engine.stats().leases_active == 0)
         # A view never released: closing the client waits for it.
         held = client.get("k", zero_copy=True)
-    assert engine.stats().leases_active == 1 and client._session is not None
+    assert engine.stats().leases_active == 1 and client._conn.session is not None
     del held  # the views are gone: the client releases the lease and ends the session
-    assert wait_until(lambda: engine.stats().leases_active == 0 and client._session is None)
+    assert wait_until(lambda: engine.stats().leases_active == 0 and client._conn.session is None)
     assert ("Session.Get", "OK") in calls and ("Session.Release", "OK") in calls
     assert ("Get", "OK") not in calls and ("Release", "OK") not in calls
 
@@ -69,8 +69,8 @@ def test_errors_come_back_typed_and_the_stream_stays_open(server, lane: bool) ->
             with pytest.raises(InvalidArgument) as err:
                 client.get("k", ttl_s=bad)
             assert err.value.grpc_status == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
-            session = session or client._session
-            assert client._session is session and session is not None and session.alive
+            session = session or client._conn.session
+            assert client._conn.session is session and session is not None and session.alive
         with client.get("k") as (t,):
             assert torch.equal(t, torch.ones(3))
         del t
@@ -90,7 +90,7 @@ def test_concurrent_calls_on_one_session(server, lane: bool, concurrently) -> No
                 key = f"k{(seed + j) % 8}"
                 with client.get([key, "nope"]) as (got, miss):
                     assert miss is None and torch.equal(got, data[key])
-                    sessions.add(id(client._session))
+                    sessions.add(id(client._conn.session))
 
         concurrently(reader, 4)
         assert len(sessions) == 1  # every reader's calls went over the one session
@@ -101,9 +101,9 @@ def test_a_result_nobody_waits_for_has_its_leases_released(server, lane: bool, w
     engine, _ = server
     with EmbCacheClient(target(server), timeout=10, session_lane=lane) as client:
         client.put("k", torch.ones(8))
-        reply = client._get_call(pb.GetRequest(keys=["k", "k"]))
+        reply = client._conn.get_call(pb.GetRequest(keys=["k", "k"]))
         assert engine.stats().leases_active == 2
-        session = client._open_session()
+        session = client._conn.open_session()
         # As if the caller had timed out: a result for a call id nobody waits on.
         session._deliver(pb.SessionResult(call_id=10**9, get=reply))
         assert wait_until(lambda: engine.stats().leases_active == 0)
@@ -115,7 +115,7 @@ def test_daemon_without_session_calls_gets_rpcs(server, lane: bool) -> None:
     calls = thread.service.servicer.metrics.calls
     with EmbCacheClient(target(server), timeout=10, session_lane=lane) as client:
         client.put("k", torch.ones(2))
-        client._open_session().serves_calls = False
+        client._conn.open_session().serves_calls = False
         with client.get("k", zero_copy=True) as (t,):  # a view: a call (a copy reads the table)
             assert torch.equal(t, torch.ones(2))
         del t  # its view is gone: closing the client releases its lease
@@ -132,7 +132,7 @@ def test_async_client_uses_its_session(server, lane: bool) -> None:
             await client.put("a", src)
             views = (client.get(["a", "nope"], zero_copy=True) for _ in range(6))
             results = await asyncio.gather(*views)
-            assert isinstance(client._session, AsyncUdsSession) == lane
+            assert isinstance(client._conn.session, AsyncUdsSession) == lane
             for leased in results:
                 async with leased as (got, miss):
                     assert miss is None and torch.equal(got, src)

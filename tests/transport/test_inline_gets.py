@@ -29,7 +29,7 @@ def unix_target(thread) -> str:  # type: ignore[no-untyped-def]
 
 
 def in_pool(client: EmbCacheClient, t: torch.Tensor) -> bool:
-    names = {m.name for m in client._maps._by_pool_id.values() if m is not None}
+    names = {m.name for m in client._state.maps._by_pool_id.values() if m is not None}
     return mapped_segment(t) in names
 
 
@@ -48,7 +48,7 @@ def test_small_entries_come_as_copies_and_large_ones_as_views(server_factory) ->
             client.put("big", big)
             keys = [*small, "big", "missing"]
             with client.get(keys) as got:
-                assert isinstance(client._session, UdsSession)
+                assert isinstance(client._conn.session, UdsSession)
                 assert got[-1] is None
                 for key, g in zip(small, got, strict=False):
                     t = small[key]
@@ -131,17 +131,17 @@ def test_a_remote_client_gets_small_and_large_entries_in_one_call(
                 client.put(key, t)
             # As on another machine: the pool cannot be mapped. The maps are the process's,
             # shared by every client, so the patch ends with the test.
-            monkeypatch.setattr(client._maps, "get", lambda handle: None)
+            monkeypatch.setattr(client._state.maps, "get", lambda handle: None)
             for _ in range(2):  # the first finds out the pool is not mappable here
                 with client.get([*data, "missing"]) as got:
-                    assert isinstance(client._session, UdsSession)
+                    assert isinstance(client._conn.session, UdsSession)
                     assert got[-1] is None
                     for key, g in zip(data, got, strict=False):
                         assert g is not None and torch.equal(g, data[key]), key
                     # The stream's lease ends just after its last bytes are written: soon,
                     # not necessarily before the client has read them.
                     assert leases_end(engine)
-                assert client._pool_local is False
+                assert client._state.pool_local is False
         assert engine.stats().leases_active == 0
 
 
@@ -187,7 +187,7 @@ def test_a_grpc_session_stream_ignores_the_wish(server_factory) -> None:
         engine.put("k", torch.ones(3))
         target = f"127.0.0.1:{thread.service.ports[0]}"
         with EmbCacheClient(target, timeout=10, session_lane=False) as client:
-            session = client._open_session()
+            session = client._conn.open_session()
             assert isinstance(session, Session) and not session.serves_inline_gets
             request = pb.GetRequest(keys=["k"], inline_max_bytes=1 << 20)
             result = session.call(10, get=request)

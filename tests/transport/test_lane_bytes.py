@@ -46,7 +46,7 @@ def test_a_tcp_client_gets_bytes_on_the_session_socket(server_factory) -> None:
         with EmbCacheClient(tcp_target(thread), timeout=10) as client:
             client.put("k", x)
             got = client.get_bytes("k")
-            assert isinstance(client._session, UdsSession)  # the TCP session socket
+            assert isinstance(client._conn.session, UdsSession)  # the TCP session socket
             assert got is not None and got.dtype == "float32" and got.shape == (MiB,)
             assert torch.equal(got.tensor(), x)
             part = client.get_bytes("k", offset=12, length=40)
@@ -74,7 +74,7 @@ def test_bytes_of_an_entry_in_several_runs(server_factory, wait_until) -> None:
         assert x.numel() * 4 > bytes_out.COPY_BYTES
         with EmbCacheClient(f"unix:{thread.service.socket_path}", timeout=10) as client:
             got = client.get_bytes("scattered")
-            assert isinstance(client._session, UdsSession)  # the Unix session socket
+            assert isinstance(client._conn.session, UdsSession)  # the Unix session socket
             assert got is not None and torch.equal(got.tensor(), x)
             mid = client.get_bytes("scattered", offset=64 * KiB - 8, length=16)
             assert mid is not None and bytes(mid.data) == x.numpy().tobytes()[64 * KiB - 8 :][:16]
@@ -110,7 +110,7 @@ def test_the_asyncio_client_gets_bytes_on_the_tcp_session_socket(server_factory)
             async with AsyncEmbCacheClient(tcp_target(thread), timeout=10) as client:
                 got, miss = await asyncio.gather(client.get_bytes("k"), client.get_bytes("x"))
                 assert got is not None and torch.equal(got.tensor(), x) and miss is None
-                assert type(client._session).__name__ == "AsyncUdsSession"
+                assert type(client._conn.session).__name__ == "AsyncUdsSession"
 
         asyncio.run(main())
         assert engine.stats().leases_active == 0
@@ -124,7 +124,7 @@ def test_the_tcp_session_socket_checks_the_token(server_factory) -> None:
         with EmbCacheClient(tcp_target(thread), token="s3cret", timeout=10) as client:
             got = client.get_bytes("k")
             assert got is not None and torch.equal(got.tensor(), torch.ones(4))
-            assert isinstance(client._session, UdsSession)
+            assert isinstance(client._conn.session, UdsSession)
 
 
 def test_a_reader_that_stops_reading_leaves_nothing_behind(server_factory, wait_until) -> None:
@@ -159,13 +159,13 @@ def test_without_the_tcp_session_socket_a_tcp_client_uses_grpc(server_factory) -
             got = client.get_bytes("k")
             assert got is not None and torch.equal(got.tensor(), torch.arange(10))
             with client.get("k"):
-                assert isinstance(client._session, Session)  # a gRPC Session stream
+                assert isinstance(client._conn.session, Session)  # a gRPC Session stream
 
 
 def test_a_tls_client_never_uses_the_plain_tcp_session_socket() -> None:
     client = EmbCacheClient("127.0.0.1:1", tls=True, timeout=1)
     try:
-        assert client._tcp_lane is False
+        assert client._conn.opener.tcp_lane is False
     finally:
         client.close()
 
@@ -175,7 +175,7 @@ def test_get_bytes_on_a_grpc_session_stream_is_refused(server_factory) -> None:
     with server_factory() as (engine, thread):
         engine.put("k", torch.ones(3))
         with EmbCacheClient(tcp_target(thread), timeout=10, session_lane=False) as client:
-            session = client._open_session()
+            session = client._conn.open_session()
             assert isinstance(session, Session) and not session.serves_bytes_out
             result = session.call(10, get_bytes=pb.GetBytesRequest(key="k"))
             assert result.error.code == "INVALID_ARGUMENT"

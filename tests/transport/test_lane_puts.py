@@ -452,7 +452,7 @@ def test_inline_puts_and_releases_are_answered_without_a_task(
             with pytest.raises(MetadataConflict):
                 client.put("a", torch.randn(8))
             assert client.put_many({"b": torch.ones(4), "c": torch.zeros(3)}) == [True, True]
-            session = client._open_session()
+            session = client._conn.open_session()
             result = session.call(10, release=pb.ReleaseRequest(lease_ids=[12345]))
             assert result.release.released == 0
             # A get call still runs as a task (the miss keeps it off the read table).

@@ -151,7 +151,7 @@ def test_a_daemon_without_a_table_answers_every_get(server_factory) -> None:
         assert engine.read_table is None
         with EmbCacheClient(unix_target(thread), timeout=10, copy_gets_up_to=256 * KiB) as c:
             c.put("a", torch.ones(8))
-            assert c._open_session().read_table is None
+            assert c._conn.open_session().read_table is None
             with c.get("a") as (g,):
                 assert g is not None and torch.equal(g, torch.ones(8))
             wait_for(lambda: gets(thread) == 1)
@@ -215,7 +215,7 @@ def test_touches_are_counted_only_for_cached_keys_and_bounded(server_factory) ->
         c = EmbCacheClient(unix_target(thread), timeout=10)
         with c:
             c.put("a", torch.ones(8))
-            session = c._open_session()
+            session = c._conn.open_session()
             session.post(now=True, touch=pb.TouchRequest(keys=["a", "nope", "nope"]))
             wait_for(lambda: engine.stats().read_table["reads"] == 1)
             assert engine.stats().hits == 1

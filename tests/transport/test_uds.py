@@ -221,7 +221,7 @@ def test_the_lane_checks_the_token(token_server) -> None:
         client.put("k", torch.ones(3))
         with client.get("k") as (t,):
             assert torch.equal(t, torch.ones(3))
-            assert isinstance(client._session, UdsSession)
+            assert isinstance(client._conn.session, UdsSession)
     with (
         EmbCacheClient(target, token="wrong", timeout=10, retries=0) as client,
         pytest.raises(Unauthenticated),
@@ -237,7 +237,7 @@ def test_a_daemon_without_a_lane_is_reached_over_grpc(server_factory) -> None:
             client.put("k", torch.ones(2))
             with client.get("k") as (t,):
                 assert torch.equal(t, torch.ones(2))
-            assert isinstance(client._session, Session)
+            assert isinstance(client._conn.session, Session)
 
 
 def test_each_new_session_looks_for_the_lane_again(server, monkeypatch, wait_until) -> None:
@@ -256,10 +256,10 @@ def test_each_new_session_looks_for_the_lane_again(server, monkeypatch, wait_unt
     monkeypatch.setattr(UdsSession, "__init__", flaky)
     with EmbCacheClient(f"unix:{thread.service.socket_path}", timeout=10) as client:
         with client.get("k"):
-            assert isinstance(client._session, Session)
-        client._drop_session()  # as when the daemon restarts: the stream ends
+            assert isinstance(client._conn.session, Session)
+        client._conn.drop_session()  # as when the daemon restarts: the stream ends
         with client.get("k"):
-            assert isinstance(client._session, UdsSession)
+            assert isinstance(client._conn.session, UdsSession)
     assert wait_until(lambda: engine.stats().leases_active == 0)
 
 
@@ -420,7 +420,7 @@ def test_stopping_the_server_ends_lane_sessions(server_factory) -> None:
         try:  # closed even when an assertion fails: else its socket outlives the test
             held = client.get("k", zero_copy=True)  # a view: leased
             assert engine.stats().leases_active == 1
-            session = client._session
+            session = client._conn.session
             assert isinstance(session, UdsSession)
             path = lane_of((engine, thread))
             thread.stop()
@@ -497,13 +497,13 @@ def test_the_client_spins_or_sleeps_for_its_results(server, spin_us: int) -> Non
         for _ in range(20):
             with client.get(["k", "nope"]) as (t, miss):
                 assert torch.equal(t, torch.arange(5)) and miss is None
-        session = client._session
+        session = client._conn.session
         assert isinstance(session, UdsSession) and session._spin_s == spin_us / 1e6
         [view] = thread.service.servicer.admin.views()  # an operator drops the session:
         thread.service.servicer.admin.drop(view.session_id)  # the daemon closes its socket
         with client.get(["k", "nope"]) as (t, miss):  # a new session
             assert torch.equal(t, torch.arange(5)) and miss is None
-        assert client._session is not session
+        assert client._conn.session is not session
 
 
 @pytest.mark.parametrize("spin_us", [0, 300])

@@ -296,7 +296,7 @@ class FaultRun:
                     return
 
         out = Outcome(None)
-        future = self.client._put.future(messages(), timeout=60)
+        future = self.client._conn.put_stream.future(messages(), timeout=60)
         try:
             sent.wait(30)
             if dm.wait_for(lambda: self.stats()["entries_filling"] == 1, 5) is None:
@@ -358,7 +358,7 @@ class FaultRun:
             code = None
             t0 = time.monotonic()
             try:
-                stream = self.client._stub.GetBytes(
+                stream = self.client._conn.stub.GetBytes(
                     pb.GetBytesRequest(key=key, chunk_bytes=64 * KiB), timeout=0.3
                 )
                 for _msg in stream:
@@ -384,7 +384,7 @@ class FaultRun:
             code = None
             for timeout in (0.005, 0.002, 0.001, 0.0005):  # until one expires
                 try:
-                    self.client._stub.Get(request, timeout=timeout)
+                    self.client._conn.stub.Get(request, timeout=timeout)
                 except grpc.RpcError as err:
                     code = err.code()
                     break

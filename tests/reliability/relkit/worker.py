@@ -258,7 +258,9 @@ def run_slow_put(cfg: dict[str, Any], client: EmbCacheClient, c: Counter[str]) -
                     time.sleep(0.1)
 
     try:
-        client._call(lambda md, to: client._put(messages(), timeout=to, metadata=md))
+        client._conn.call(
+            lambda md, to: client._conn.put_stream(messages(), timeout=to, metadata=md)
+        )
         c["put_committed"] += 1
     except EmbCacheError as exc:
         c[f"error:{error_name(exc)}"] += 1
