@@ -98,7 +98,7 @@ class AsyncEmbCacheClient:
         self._state = ClientState(copy_gets_up_to=max(0, int(copy_gets_up_to)))
         self._tables = AsyncTableReads(self._conn, self._state)
         self._calls = AsyncStatelessCalls(self._conn, self._tables)
-        self._host_puts = AsyncHostPuts(self._conn, self._state)
+        self._host_puts = AsyncHostPuts(self._conn, self._state, self._tables)
         self._device_puts = AsyncDevicePuts(self._conn, self._state)
         holds = ViewHolds(self._conn)
         self._host_gets = AsyncHostGets(self._conn, self._state, self._tables, holds, self._calls)
@@ -387,6 +387,7 @@ class AsyncEmbCacheClient:
         ``CANCELLED``), then end the session (the daemon releases its leases) and close the
         channel: at once, or, while tensors of views are still held, once the last of them
         is gone (the pump does it then), so that they keep their bytes."""
+        await self._host_puts.close()
         await self._conn.close()
 
     async def __aenter__(self) -> Self:

@@ -102,7 +102,7 @@ class UdsSession:
         self.serves_calls = False
         self.serves_device_puts = False
         self.serves_host_puts = False  # put / put_batch with the bytes inline
-        self.serves_writable_puts = False  # put_reserve / commit / abort (same uid)
+        self.serves_writable_puts = False  # this peer may write the segment (same uid)
         self.serves_stash_puts = False  # stash_refill / stash_commit (same uid)
         self.serves_bytes_out = False  # get_bytes, its bytes raw after the result
         self.serves_get_into = False  # get_into as a session call

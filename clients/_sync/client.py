@@ -100,7 +100,7 @@ class EmbCacheClient:
         self._state = ClientState(copy_gets_up_to=max(0, int(copy_gets_up_to)))
         self._tables = TableReads(self._conn, self._state)
         self._calls = StatelessCalls(self._conn, self._tables)
-        self._host_puts = HostPuts(self._conn, self._state)
+        self._host_puts = HostPuts(self._conn, self._state, self._tables)
         self._device_puts = DevicePuts(self._conn, self._state)
         holds = ViewHolds(self._conn)
         self._host_gets = HostGets(self._conn, self._state, self._tables, holds, self._calls)
@@ -387,6 +387,7 @@ class EmbCacheClient:
         ``CANCELLED``), then end the session (the daemon releases its leases) and close the
         channel: at once, or, while tensors of views are still held, once the last of them
         is gone (the pump does it then), so that they keep their bytes."""
+        self._host_puts.close()
         self._conn.close()
 
     def __enter__(self) -> Self:

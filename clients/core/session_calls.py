@@ -49,9 +49,7 @@ def serves(session: CallCarrier, kind: str) -> bool:
         return session.serves_device_puts
     if kind in ("put", "put_batch"):
         return getattr(session, "serves_host_puts", False)
-    if kind in ("put_reserve", "put_commit", "put_abort"):
-        return getattr(session, "serves_writable_puts", False)
-    if kind in ("stash_refill", "stash_commit"):
+    if kind in ("stash_refill", "stash_commit", "put_abort"):
         return getattr(session, "serves_stash_puts", False)
     if kind == "get_bytes":
         return getattr(session, "serves_bytes_out", False)

@@ -1,13 +1,14 @@
-"""A writable mapping of the daemon's host pool, for puts that fill reserved pages here.
+"""A writable mapping of the daemon's host pool, for puts written into stashes here.
 
-A same-node put of a large host tensor is one copy: the daemon reserves FILLING pages for the
-session (``put_reserve``), this process copies the tensor's bytes straight into them, and the
-commit makes the entry visible (docs/grpc.md, "Session socket"). The daemon serves those
-calls only to a peer with its own uid, which could open the segment for writing anyway; this
-module opens ``/dev/shm/<name>`` read-write itself, after the same identity checks as the
-read-only mapping (``shm.py``: boot id, device and inode), so it never writes a segment that
-merely shares the name. Nothing but :meth:`WritablePool.write_runs` writes through it, and
-only into runs the daemon reserved for this client; the mapping is never handed out.
+A same-node put is one copy: the daemon holds a stash of free pages for this process
+(``stash_refill``), this process copies the tensor's bytes straight into some of them, and
+the commit makes the entry visible (docs/same_node_reads.md, "Writes with no reservation per
+put"). The daemon serves those calls only to a peer with its own uid, which could open the
+segment for writing anyway; this module opens ``/dev/shm/<name>`` read-write itself, after
+the same identity checks as the read-only mapping (``shm.py``: boot id, device and inode),
+so it never writes a segment that merely shares the name. Nothing but
+:meth:`WritablePool.write_runs` writes through it, and only into pages of this process's
+stashes; the mapping is never handed out.
 """
 
 from __future__ import annotations

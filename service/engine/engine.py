@@ -139,11 +139,6 @@ class CacheEngine:
             handle.write(tensor.detach().cpu().contiguous())
             return handle.commit()
 
-    def writer_done(self, owner: str, token: int) -> bool:
-        """The process of ``owner`` (a session) is done with the pages it knows by ``token``
-        (an ended reservation, or its stash): they go back now. False if it holds none."""
-        return self._puts.writer_done(owner, token)
-
     # -- gets and leases -----------------------------------------------------------------
     def get(
         self, keys: Sequence[str], owner: str, *, ttl_s: float | None = None

@@ -22,14 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from embcache.errors import PermissionDenied
 from embcache.service.config import Settings
 from embcache.service.device.tier import DeviceTier
 from embcache.service.engine.gate import Gate
 from embcache.service.host import admission
 from embcache.service.host.entries import Entry
 from embcache.service.host.put_writer import FillTarget, PutHandle
-from embcache.service.host.quarantine import ProcessRef
 from embcache.service.host.store import CopyIn, HostStore, Runs
 from embcache.service.host.verify import entry_crc
 
@@ -64,7 +62,6 @@ class PutPath:
         owner: str = "local",
         copy_in: CopyIn | None = None,
         pages: Runs | None = None,
-        writer: tuple[str, int] | None = None,
     ) -> PutHandle:
         """Validate a put, then reserve pages for it (evicting LRU entries if need be).
 
@@ -72,16 +69,11 @@ class PutPath:
             key, dtype, shape: the entry; ``nbytes`` and ``checksum`` (CRC32) are checked.
             owner: whose in-flight quota it counts against.
             copy_in, pages: see ``HostStore.reserve_put``.
-            writer: ``(owner, id)``: the owner (a session) whose process fills the pages
-                itself through its own mapping (a reserved put), and the id its client
-                knows the reservation by: the pages are kept out of reuse until that
-                process is done or gone (``host/reservations.py``).
         Returns:
             The handle that fills, commits or aborts the reservation (for a key that exists
             with the same metadata, one that only checks the bytes).
         Raises:
-            InvalidArgument, EntryTooLarge, MetadataConflict, QuotaExceeded, PoolExhausted;
-            PermissionDenied for a ``writer`` whose process the engine does not know.
+            InvalidArgument, EntryTooLarge, MetadataConflict, QuotaExceeded, PoolExhausted.
         """
         key = admission.check_key(key, self._settings)
         meta = admission.check_meta(dtype, shape, nbytes, self._settings)
@@ -89,12 +81,9 @@ class PutPath:
         quota = self._settings.inflight_limit
         with self._gate:
             self._gate.check_open()
-            filler = None
-            if writer is not None:
-                filler = (writer_process(self._store, writer[0]), writer[1])
             found = self._store.reserve_put(
                 key, meta, crc, owner,
-                quota=quota, now=self._gate.clock(), copy_in=copy_in, pages=pages, writer=filler,
+                quota=quota, now=self._gate.clock(), copy_in=copy_in, pages=pages,
             )  # fmt: skip
         if isinstance(found, Entry):
             return PutHandle(None, found, (), crc)
@@ -103,7 +92,7 @@ class PutPath:
         target = FillTarget(
             self._store.pool.array,
             lambda: self._commit(put_id, entry),
-            lambda stopped: self._abort(put_id, stopped),
+            lambda: self._abort(put_id),
             lambda: gate.closed,
         )
         written = meta.nbytes if copy_in is not None or pages is not None else 0
@@ -125,15 +114,9 @@ class PutPath:
     def _crc(self, entry: Entry) -> int:
         return entry_crc(self._store.pool, entry)
 
-    def _abort(self, put_id: int, writer_stopped: bool) -> None:
+    def _abort(self, put_id: int) -> None:
         with self._gate:
-            self._store.abort_put(put_id, writer_stopped=writer_stopped)
-
-    def writer_done(self, owner: str, token: int) -> bool:
-        """``CacheEngine.writer_done``."""
-        with self._gate:
-            process = self._store.processes.get(owner)
-            return process is not None and self._store.writer_done(process, token)
+            self._store.abort_put(put_id)
 
     # -- the prealloc, for puts from a device (device_puts.py) ----------------------------
     def take_prealloc(self, key: str, nbytes: int, copy_in: CopyIn) -> Runs | None:
@@ -155,16 +138,3 @@ class PutPath:
         with self._gate:
             if not self._gate.closed:
                 self._store.top_up_prealloc()
-
-
-def writer_process(store: HostStore, owner: str) -> ProcessRef:
-    """The process of session ``owner``, which fills pages itself; PermissionDenied when
-    the daemon knows none (it could not keep those pages from reuse while it writes)."""
-    process = store.processes.get(owner)
-    if process is None:
-        raise PermissionDenied(
-            "the daemon cannot see this process (no pid for it here), so it may not fill "
-            "pages itself: put the bytes inline or streamed",
-            owner=owner,
-        )
-    return process

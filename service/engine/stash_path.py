@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from embcache.errors import ChecksumMismatch
+from embcache.errors import ChecksumMismatch, PermissionDenied
 from embcache.service.config import Settings
 from embcache.service.device.tier import DeviceTier
 from embcache.service.engine.gate import Gate
 from embcache.service.engine.hooks import SharedCalls
-from embcache.service.engine.put_path import writer_process
 from embcache.service.host import admission
+from embcache.service.host.quarantine import ProcessRef
 from embcache.service.host.stash import Stashed, StashedPut, pages_of
 from embcache.service.host.store import HostStore
 from embcache.service.host.verify import byte_runs_crc
@@ -59,6 +59,8 @@ class StashPath:
         with self._gate:
             self._gate.check_open()
             process = writer_process(self._store, writer[0])
+            if not process.alive():  # its stash would wait for the reaper: none
+                raise PermissionDenied("the process has exited", owner=writer[0])
             quota = self._settings.inflight_limit
             runs = self._store.refill_stash(owner, process, writer[1], npages, quota=quota)
         pool = self._store.pool
@@ -89,7 +91,7 @@ class StashPath:
                         "the stashed bytes do not match their checksum",
                         key=key, expected=want, actual=crc,
                     )  # fmt: skip
-            checked.append(Stashed(key, meta, runs, crc, refused))
+            checked.append(Stashed(key, meta, runs, crc, refused, want))
         with self._gate:
             self._gate.check_open()
             process = writer_process(self._store, writer[0])
@@ -99,3 +101,23 @@ class StashPath:
                 self._tier.prepare(entry)
                 self._shared.on_commit(entry.key, owner)
         return [created for _, created in done]
+
+    def give_back(self, owner: str, token: int) -> bool:
+        """The process of session ``owner`` is done with the stash it knows by ``token``:
+        what is left of it goes back now. False when that process holds none by that id."""
+        with self._gate:
+            process = self._store.processes.get(owner)
+            return process is not None and self._store.writer_done(process, token)
+
+
+def writer_process(store: HostStore, owner: str) -> ProcessRef:
+    """The process of session ``owner``, which fills pages itself; PermissionDenied when
+    the daemon knows none (it could not keep those pages from reuse while it writes)."""
+    process = store.processes.get(owner)
+    if process is None:
+        raise PermissionDenied(
+            "the daemon cannot see this process (no pid for it here), so it may not fill "
+            "pages itself: put the bytes inline or streamed",
+            owner=owner,
+        )
+    return process

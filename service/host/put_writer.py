@@ -3,13 +3,10 @@
 A handle owns its FILLING reservation, so chunk copies run without the engine lock; the
 handle's own lock only orders a copy against a concurrent abort (a dropped client, a
 closing engine), so an aborted reservation is never written after its pages are freed.
-A reservation that a client fills itself, through its own mapping, is another matter: the
-daemon cannot stop that copy, so an abort that does not come from that client (after its
-copy) keeps the pages out of reuse while it runs (``host/reservations.py``).
+(Pages a client fills itself, through its own mapping, are a stash: ``host/stash.py``.)
 
 Where a put declares a CRC32, it is computed over the pages, after each piece of them is
-written (in cache), or over all of them once a copy by someone else is done: what is
-checked is what will be served, not the bytes as they arrived.
+written (in cache): what is checked is what will be served, not the bytes as they arrived.
 """
 
 from __future__ import annotations
@@ -36,7 +33,7 @@ class FillTarget:
 
     pool: np.ndarray  # the host pool (uint8)
     commit: Callable[[], bool]
-    abort: Callable[[bool], None]  # the argument: whoever fills the pages has stopped
+    abort: Callable[[], None]
     closed: Callable[[], bool]
 
 
@@ -77,9 +74,6 @@ class PutHandle:
         self._run_off = 0  # offset inside that run
         self.written = written  # all of it when begin_put's copy_in queued the copy
         self.done = False
-        # A client filling the pages itself said it stopped writing (its commit or abort);
-        # until then an abort keeps its pages out of reuse (reservations.py).
-        self._writer_stopped = False
 
     @property
     def key(self) -> str:
@@ -186,23 +180,6 @@ class PutHandle:
             for off, length in self._byte_runs:
                 self._crc = crc32(pool[off : off + length].data, self._crc)
 
-    def filled_in_place(self, checksum: int | None) -> None:
-        """Every byte was written into :attr:`byte_runs` by someone else (a client with the
-        daemon's uid, through its writable mapping of the segment: a reserved put of the
-        session socket). Marks them written and, with ``checksum`` (CRC32), computes the
-        pages' CRC32 for :meth:`verify` and :meth:`commit` to check. The writer said it is
-        done: an abort from here on gives the pages back at once."""
-        with self._lock:
-            self._writer_stopped = True
-            if self.done:
-                raise LeaseExpired("put is no longer in progress", key=self.key)
-            if self._target is None:
-                raise InvalidArgument("the entry exists already: nothing to fill")
-            self._checksum = checksum
-            self._crc = 0
-            self.written = self.nbytes
-            self._checksum_pool()
-
     def verify(self) -> None:
         """Raise what :meth:`commit` would (too few bytes: InvalidArgument; a bad CRC32:
         ChecksumMismatch) without committing, so a batch checks every entry before it
@@ -247,12 +224,9 @@ class PutHandle:
             return False
         return self._target.commit()
 
-    def abort(self, *, writer_stopped: bool = False) -> None:
-        """Drop the reservation; nothing becomes visible. Idempotent. ``writer_stopped``:
-        the client that fills the pages itself asked for it, after its copy (its pages go
-        back at once; otherwise they wait for that client to exit)."""
+    def abort(self) -> None:
+        """Drop the reservation; nothing becomes visible. Idempotent."""
         with self._lock:
-            self._writer_stopped |= writer_stopped
             if self.done:
                 return
             self.done = True
@@ -260,7 +234,7 @@ class PutHandle:
 
     def _discard(self) -> None:
         if self._target is not None:
-            self._target.abort(self._writer_stopped)
+            self._target.abort()
 
     def __enter__(self) -> PutHandle:
         return self

@@ -1,14 +1,14 @@
-"""FILLING reservations, the in-flight quota they count against, and their writers.
+"""FILLING reservations, writer holds, and the in-flight quota both count against.
 
 A put's pages are reserved before its bytes arrive; until it commits or aborts the entry is
-FILLING and lives here, never in the key map, so no reader can see it. A reservation that
-a client fills through its own mapping has a writer (``write_holds.py`` says why that
-matters): when the reservation ends while that process may still be writing, its pages are
-held here until it is done or gone, and keep counting against the owner's quota.
+FILLING and lives here, never in the key map, so no reader can see it. Pages a client
+process writes itself, through its own mapping (its stashes, ``stash.py``), are writer
+holds (``write_holds.py`` says why they matter): held here until that process is done with
+them or gone, counting against the owner's quota meanwhile.
 
 A part of :class:`~embcache.service.host.store.HostStore`, which owns it and calls it, over
-the store's tables (``tables.py``): a writer is recorded in the warm-restart index before it
-is told the runs, and deleted from it before its pages can be reused. No lock.
+the store's tables (``tables.py``): a hold is recorded in the warm-restart index before its
+process is told the runs, and deleted from it before its pages can be reused. No lock.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ class Reservations:
     def __init__(self, tables: Tables) -> None:
         self._t = tables
         self._filling: dict[int, tuple[Entry, str]] = {}  # put id -> (entry, owner)
-        self._writers: dict[int, tuple[ProcessRef, int]] = {}  # put id -> (writer, its id)
         self.written = WriteHolds()  # pages a client may still write (read-only outside)
         self._put_ids = itertools.count(1)
         self.inflight: Counter[str] = Counter()  # owner -> bytes (read-only outside)
@@ -71,38 +70,6 @@ class Reservations:
         entry, owner = found
         self._uncount(owner, entry.nbytes)
         return found
-
-    def open_writer(self, put_id: int, process: ProcessRef, token: int, entry: Entry) -> None:
-        """``process`` fills reservation ``put_id`` itself and knows it by ``token``:
-        recorded before it is told the runs (the index too, so that a daemon killed
-        meanwhile does not reuse them)."""
-        self._writers[put_id] = (process, token)
-        if self._t.index is not None:
-            self._t.index.write(put_id, process, entry.runs)
-
-    def close_writer(self, put_id: int, entry: Entry, owner: str, *, stopped: bool) -> bool:
-        """Reservation ``put_id`` ended (closed already). True when its pages are now held
-        for a writer that may still write them (``stopped`` False and its process runs):
-        they count against ``owner``'s quota until it is done or gone. False when it had no
-        writer or its writer is done: the store gives the pages back or keeps them."""
-        found = self._writers.pop(put_id, None)
-        if found is None:
-            return False
-        process, token = found
-        if stopped or not process.alive():
-            if self._t.index is not None:
-                self._t.index.unwrite(put_id)
-            return False
-        self.written.add(Written(put_id, process, entry.runs, owner, entry.nbytes, token))
-        log.info(
-            "put of %r ended while pid %d may still write its pages: %d bytes held until it "
-            "is done or exits",
-            entry.key[:64], process.pid, entry.nbytes,
-        )  # fmt: skip
-        self.inflight[owner] += entry.nbytes
-        self._t.counters["puts_write_held"] += 1
-        self._t.counters["write_held_bytes"] += entry.nbytes
-        return True
 
     def hold(self, written: Written) -> None:
         """Hold pages for a process that writes them itself (a stash, ``stash.py``):
@@ -158,6 +125,5 @@ class Reservations:
         """The store is closing: forget every reservation and writer (the index, let go
         first, keeps the writers' records for the next daemon)."""
         self._filling.clear()
-        self._writers.clear()
         self.written.clear()
         self.inflight.clear()

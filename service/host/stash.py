@@ -61,6 +61,7 @@ class Stashed:
     runs: tuple[Run, ...]  # the entry's pages, in order (``pages_of``)
     crc: int | None  # CRC32 of the bytes, for the warm-restart index (None: not computed)
     refused: EmbCacheError | None = None  # e.g. a checksum that does not match the pages
+    checksum: int | None = None  # the CRC32 the client declared (checked: ``crc``)
 
 
 def pages_of(
@@ -205,7 +206,7 @@ class Stashes:
                 continue
             meta = put.meta
             entry = Entry(put.key, meta.dtype, meta.shape, meta.nbytes, put.runs,
-                          EntryState.FILLING, put.crc, 0, now)  # fmt: skip
+                          EntryState.FILLING, put.checksum, crc32=put.crc)  # fmt: skip
             self._t.add_ready(entry, now)
             out.append((entry, True))
         self._t.counters["stash_puts"] += len(puts)

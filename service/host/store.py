@@ -44,8 +44,6 @@ from embcache.service.host.stash import Stashed, Stashes
 from embcache.service.host.store_views import HostCounts, host_counts, page_states
 from embcache.service.host.tables import CopyIn, Runs, Tables
 
-Writer = tuple[ProcessRef, int]  # a client process that fills a reservation, and its id
-
 
 class HostStore:
     """Pages, entries, reservations and leases of the host pool (module docstring).
@@ -255,7 +253,6 @@ class HostStore:
         now: float,
         copy_in: CopyIn | None = None,
         pages: Runs | None = None,
-        writer: Writer | None = None,
     ) -> Entry | tuple[Entry, int, Runs]:
         """Reserve pages for a new entry (evicting LRU entries if need be) and record it as
         FILLING, invisible to readers: ``(entry, put id, byte runs)``; or the READY entry
@@ -268,9 +265,6 @@ class HostStore:
                 call the engine (its lock is held).
             pages: runs from the prealloc (:meth:`take_prealloc`) being copied into already;
                 the entry adopts them.
-            writer: the client process that fills the pages itself through its own mapping,
-                and the id it knows the reservation by: the pages stay out of reuse until it
-                is done or gone (``reservations.py``).
         Raises:
             QuotaExceeded, PoolExhausted (no room, or ``max_entries`` reached, even after
             evicting every unleased entry), MetadataConflict; nothing reserved.
@@ -313,10 +307,7 @@ class HostStore:
                 raise
         state = EntryState.FILLING
         entry = Entry(key, meta.dtype, meta.shape, meta.nbytes, tuple(runs), state, crc, 0, now)
-        put_id = self._puts.open(entry, owner)
-        if writer is not None:
-            self._puts.open_writer(put_id, writer[0], writer[1], entry)
-        return entry, put_id, byte_runs
+        return entry, self._puts.open(entry, owner), byte_runs
 
     def commit_put(self, put_id: int, now: float) -> tuple[Entry, str] | None:
         """Make a filled reservation READY: its entry and owner, or None when a put of the
@@ -325,7 +316,6 @@ class HostStore:
         if found is None:
             raise Draining("engine closed before the put committed")
         entry, owner = found
-        self._puts.close_writer(put_id, entry, owner, stopped=True)  # its writer is done
         existing = self._t.entries.get(entry.key)
         if existing is not None:
             self._t.alloc.free(entry.runs)
@@ -334,15 +324,12 @@ class HostStore:
         self._t.add_ready(entry, now)
         return entry, owner
 
-    def abort_put(self, put_id: int, *, writer_stopped: bool = True) -> None:
-        """End a reservation, nothing of it visible. Its pages go back, unless its client
-        may still write them (``writer_stopped`` False, its process alive): held till then."""
+    def abort_put(self, put_id: int) -> None:
+        """End a reservation, nothing of it visible: its pages go back."""
         found = self._puts.close(put_id)
         if found is None:
             return  # already dropped by drop_all()
-        entry, owner = found
-        if not self._puts.close_writer(put_id, entry, owner, stopped=writer_stopped):
-            self._t.discard(entry)
+        self._t.discard(found[0])
         self._t.counters["puts_aborted"] += 1
 
     def refill_stash(

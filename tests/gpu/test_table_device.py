@@ -46,6 +46,7 @@ CLIENT = """
 import json, random, sys, threading, time
 import torch
 from embcache.clients import EmbCacheClient
+from embcache.errors import EntryLeased
 from embcache.clients.device.read_table import process_read_tables
 from embcache.clients.device.table_device import (
     copy_from_device_pool, placement_on, process_table_pools, read_into,
@@ -90,6 +91,7 @@ with EmbCacheClient(target) as client:
 
     with client.get(list(want), device="cuda", zero_copy=True) as got:  # a call: resident
         assert all(torch.equal(x, on_gpu[k]) for k, x in zip(want, got))
+    del got  # the views' leases end once the block has ended and the views are gone
     found = wait_offered(table, list(want))
     for f in found:
         p = placement_on(f, pools, torch.device("cuda", 0))
@@ -120,8 +122,16 @@ with EmbCacheClient(target) as client:
     assert rt_stats["device_published"] >= len(want), rt_stats
     out["reads"] = reads
 
-    # a device eviction withdraws the runs before the call returns
-    assert client.evict("k0", device="cuda") == "evicted"
+    # a device eviction withdraws the runs before the call returns (the views' release is
+    # posted, so it may reach the daemon just after the first try)
+    for _ in range(100):
+        try:
+            assert client.evict("k0", device="cuda") == "evicted"
+            break
+        except EntryLeased:
+            time.sleep(0.05)
+    else:
+        raise AssertionError("k0 stayed leased after its views were gone")
     loc = table.locate("k0")
     assert loc is not None and not loc.devices, loc
     assert read_into(table, "k0", poisoned(want["k0"].numel())) is None

@@ -223,13 +223,14 @@ def test_unmappable_pool_is_a_plain_lookup(
     daemon's /dev/shm): the lookup never maps it, so it neither raises nor misses."""
     import embcache.clients.device.read_table as read_table
     import embcache.clients.device.shm as shm
+    import embcache.clients.device.shm_write as shm_write
 
     truth = {"far": embeds(6, 4), "none": embeds(2, 5)}
     extra = extra_for(own_daemon)
-    save(model, extra, {"far": truth["far"]})
-    # Another node: neither the pool nor its read table is mapped here.
-    for module in (shm, read_table):
+    # Another node: neither the pool nor its read table is mapped here, by the saver either.
+    for module in (shm, read_table, shm_write):
         monkeypatch.setattr(module, "boot_id", lambda: "another-node")
+    save(model, extra, {"far": truth["far"]})
     with EmbCacheClient(own_daemon.target) as c:  # the client indeed cannot map it
         key = f"vllm/{extra['namespace']}/far"
         # Views are asked for: the reply's location is one this process cannot map.

@@ -5,16 +5,10 @@ through a writable mapping, and what each leaves behind when it fails."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import socket
 import struct
-import subprocess
-import sys
-import textwrap
 import zlib
 
-import numpy as np
 import pytest
 import torch
 
@@ -110,10 +104,20 @@ def test_the_daemon_says_what_it_serves(server_factory) -> None:
             raw.close()
 
 
-# -- inline puts -------------------------------------------------------------------------------
+def inline_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every peer counts as another user's: no stash, so puts go inline (or streamed)."""
+    from embcache.service.transport.session import service as sessions
+
+    monkeypatch.setattr(sessions, "may_write_segment", lambda peer, uid: False)
+
+
+# -- inline and stashed puts -------------------------------------------------------------------
+@pytest.mark.parametrize("path", ["stash", "inline"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("numel", [0, 1, 3000, 64 * KiB // 4])
-def test_inline_put_round_trips(server_factory, dtype, numel) -> None:
+def test_put_round_trips(server_factory, monkeypatch, path, dtype, numel) -> None:
+    if path == "inline":
+        inline_only(monkeypatch)
     with server_factory() as server, EmbCacheClient(target(server)) as client:
         engine = server[0]
         tensor = (torch.arange(numel, dtype=torch.float32) * 0.37 - 5).to(dtype)
@@ -121,12 +125,28 @@ def test_inline_put_round_trips(server_factory, dtype, numel) -> None:
         assert client.put("k", tensor) is False  # idempotent
         with client.get("k") as (got,):
             assert got is not None and got.dtype == dtype and torch.equal(got, tensor)
-        assert "Session.Put" in calls_of(server)
+        stashed = path == "stash" and numel > 0  # an empty entry has no pages: inline
+        assert ("Session.StashCommit" if stashed else "Session.Put") in calls_of(server)
         assert ("grpc", "Put", "OK") not in server[1].service.servicer.metrics.by_transport
         assert engine.stats().entries_filling == 0
 
 
-def test_put_many_goes_in_batches_and_checks_every_byte(server_factory) -> None:
+def test_put_many_commits_once_into_the_stash(server_factory) -> None:
+    with server_factory(host_pool_bytes=4 * MiB) as server, EmbCacheClient(target(server)) as c:
+        items = {f"k{i}": torch.full((16 * KiB,), i, dtype=torch.uint8) for i in range(40)}
+        assert c.put_many(items) == [True] * 40
+        assert calls_of(server).count("Session.StashCommit") == 1  # all 40 at once
+        before = len(calls_of(server))
+        assert c.put_many(items) == [False] * 40  # listed in the read table: no call
+        assert len(calls_of(server)) == before
+        for key, tensor in items.items():
+            with c.get(key) as (got,):
+                assert got is not None and torch.equal(got, tensor)
+        assert "Session.Put" not in calls_of(server) and "Session.PutBatch" not in calls_of(server)
+
+
+def test_put_many_goes_in_batches_and_checks_every_byte(server_factory, monkeypatch) -> None:
+    inline_only(monkeypatch)
     with server_factory(host_pool_bytes=4 * MiB) as server, EmbCacheClient(target(server)) as c:
         items = {f"k{i}": torch.full((16 * KiB,), i, dtype=torch.uint8) for i in range(40)}
         assert c.put_many(items) == [True] * 40
@@ -134,8 +154,9 @@ def test_put_many_goes_in_batches_and_checks_every_byte(server_factory) -> None:
         for key, tensor in items.items():
             with c.get(key) as (got,):
                 assert got is not None and torch.equal(got, tensor)
-        batches = calls_of(server).count("Session.PutBatch")
-        assert 2 <= batches <= 4  # 640 KiB a round, packed up to 1 MiB a call
+        # 640 KiB packed into one call of up to 1 MiB; the second round was listed in the
+        # read table already: no call.
+        assert calls_of(server).count("Session.PutBatch") == 1
         assert "Session.Put" not in calls_of(server)
 
 
@@ -174,7 +195,10 @@ def test_bad_inline_puts_leave_nothing(server_factory) -> None:
             raw.close()
 
 
-def test_metadata_conflict_and_quota_apply(server_factory) -> None:
+@pytest.mark.parametrize("path", ["stash", "inline"])
+def test_metadata_conflict_and_quota_apply(server_factory, monkeypatch, path) -> None:
+    if path == "inline":
+        inline_only(monkeypatch)
     quota = 128 * KiB
     server_of = server_factory(max_inflight_bytes_per_client=quota)
     with server_of as server, EmbCacheClient(target(server)) as client:
@@ -193,7 +217,7 @@ def no_fill_left_but(engine, entries: int) -> bool:  # type: ignore[no-untyped-d
 
 
 # -- reserved pages ----------------------------------------------------------------------------
-def test_large_put_fills_reserved_pages(server_factory) -> None:
+def test_large_put_is_written_into_a_stash(server_factory) -> None:
     with server_factory(host_pool_bytes=8 * MiB) as server, EmbCacheClient(target(server)) as c:
         tensor = torch.randn(3 * MiB // 4)  # 3 MiB: above the inline bound
         assert c.put("big", tensor) is True
@@ -201,101 +225,9 @@ def test_large_put_fills_reserved_pages(server_factory) -> None:
         with c.get("big") as (got,):
             assert got is not None and torch.equal(got, tensor)
         lane = calls_of(server)
-        assert "Session.PutReserve" in lane and "Session.PutCommit" in lane
+        assert "Session.StashCommit" in lane and "Session.Put" not in lane
         assert ("grpc", "Put", "OK") not in server[1].service.servicer.metrics.by_transport
         assert server[0].stats().entries_filling == 0
-
-
-def test_reserve_commit_abort_and_bad_crc_on_the_wire(server_factory, wait_until) -> None:
-    with server_factory(host_pool_bytes=4 * MiB) as server:
-        engine = server[0]
-        raw = Raw(server)
-        try:
-            data = np.random.default_rng(1).integers(0, 256, 2 * MiB, dtype=np.uint8).tobytes()
-            reserve = pb.PutReserveRequest(header=header("r", data))
-            reserved = raw.call(put_reserve=reserve).put_reserve
-            assert reserved.reservation_id and reserved.nbytes == len(data)
-            assert engine.stats().entries_filling == 1
-            assert engine.exists(["r"]) == [False]  # FILLING: invisible
-            write(reserved, data)
-            commit = pb.PutCommitRequest(reservation_id=reserved.reservation_id)
-            commit.checksum = zlib.crc32(data) ^ 1
-            refused = raw.call(put_commit=commit)
-            assert refused.error.error_type == "ChecksumMismatch"
-            assert no_fill_left(engine) and engine.exists(["r"]) == [False]
-            again = raw.call(put_commit=commit)  # the reservation is gone
-            assert again.error.error_type == "NotFound"
-            # Abort frees the pages; a good commit makes it READY with the bytes.
-            second = raw.call(put_reserve=reserve).put_reserve
-            abort = pb.PutAbortRequest(reservation_id=second.reservation_id)
-            assert raw.call(put_abort=abort).put_abort.aborted
-            assert not raw.call(put_abort=abort).put_abort.aborted
-            assert no_fill_left(engine)
-            third = raw.call(put_reserve=reserve).put_reserve
-            write(third, data)
-            commit = pb.PutCommitRequest(reservation_id=third.reservation_id)
-            commit.checksum = zlib.crc32(data)
-            assert raw.call(put_commit=commit).put_commit.created
-            lease = engine.get(["r"], "test")[0]
-            assert lease is not None
-            assert engine.tensor(lease).numpy().tobytes() == data
-            engine.release([lease.lease_id], "test")
-            # The key is stored now: a reservation for it writes nothing.
-            assert raw.call(put_reserve=reserve).put_reserve.reservation_id == 0
-            # Session end frees an open reservation.
-            open_one = pb.PutReserveRequest(header=header("s", data[: 300 * KiB]))
-            assert raw.call(put_reserve=open_one).put_reserve.reservation_id
-            assert engine.stats().entries_filling == 1
-        finally:
-            raw.close()
-        assert wait_until(lambda: engine.stats().entries_filling == 0)
-        assert engine.stats().entries_ready == 1
-
-
-def write(reserved: pb.PutReserveResponse, data: bytes) -> None:
-    """Fill the reserved runs through a writable mapping, as the client does."""
-    from embcache.clients.device.shm_write import WritableMaps
-
-    pool = WritableMaps().get(reserved.pool)
-    assert pool is not None
-    pool.write_runs(reserved.runs, memoryview(data))
-
-
-def test_an_idle_reservation_is_aborted(server_factory, wait_until) -> None:
-    with server_factory(put_idle_timeout_s=0.3) as server:
-        raw = Raw(server)
-        try:
-            data = bytes(200 * KiB)
-            rid = raw.call(put_reserve=pb.PutReserveRequest(header=header("i", data)))
-            assert server[0].stats().entries_filling == 1
-            assert wait_until(lambda: server[0].stats().entries_filling == 0)
-            # This process may still be copying into those pages: they stay out of reuse
-            # until it says it is done with them (its abort of the id) or exits.
-            stats = server[0].stats()
-            assert stats.reserved_filling_bytes == 0
-            assert stats.host.free_pages < stats.host.total_pages
-            reservation_id = rid.put_reserve.reservation_id
-            commit = pb.PutCommitRequest(reservation_id=reservation_id)
-            assert raw.call(put_commit=commit).error.error_type == "NotFound"
-            abort = pb.PutAbortRequest(reservation_id=reservation_id)
-            assert raw.call(put_abort=abort).put_abort.aborted is False
-            assert no_fill_left(server[0])
-        finally:
-            raw.close()
-
-
-def test_another_sessions_reservation_cannot_be_committed(server_factory) -> None:
-    with server_factory() as server:
-        one, two = Raw(server), Raw(server)
-        try:
-            data = bytes(100 * KiB)
-            rid = one.call(put_reserve=pb.PutReserveRequest(header=header("o", data)))
-            commit = pb.PutCommitRequest(reservation_id=rid.put_reserve.reservation_id)
-            assert two.call(put_commit=commit).error.error_type == "NotFound"
-            assert one.call(put_commit=commit).put_commit.created
-        finally:
-            one.close()
-            two.close()
 
 
 def test_a_peer_without_write_access_is_refused_and_streams(server_factory, monkeypatch) -> None:
@@ -306,67 +238,21 @@ def test_a_peer_without_write_access_is_refused_and_streams(server_factory, monk
     with server_factory(host_pool_bytes=8 * MiB) as server:
         raw = Raw(server)
         try:
-            assert raw.opened.host_puts and not raw.opened.writable_puts
-            data = bytes(2 * MiB)
-            refused = raw.call(put_reserve=pb.PutReserveRequest(header=header("x", data)))
+            assert raw.opened.host_puts and not raw.opened.stash_puts
+            request = pb.StashRefillRequest(nbytes=2 * MiB, stash_id=1)
+            refused = raw.call(stash_refill=request)
             assert refused.error.error_type == "PermissionDenied"
             assert no_fill_left(server[0])
         finally:
             raw.close()
-        before = calls_of(server).count("Session.PutReserve")
+        before = calls_of(server).count("Session.StashCommit")
         with EmbCacheClient(target(server)) as client:
             tensor = torch.randn(MiB)  # 4 MiB: streamed over gRPC instead
             assert client.put("x", tensor) is True
             with client.get("x") as (got,):
                 assert got is not None and torch.equal(got, tensor)
-        assert calls_of(server).count("Session.PutReserve") == before
+        assert calls_of(server).count("Session.StashCommit") == before
         assert ("grpc", "Put", "OK") in server[1].service.servicer.metrics.by_transport
-
-
-def test_a_client_killed_between_reserve_and_commit_leaves_nothing(
-    server_factory, wait_until
-) -> None:
-    with server_factory(host_pool_bytes=4 * MiB) as server:
-        path = uds_path(target(server))
-        child = textwrap.dedent(
-            f"""
-            import socket, struct, sys, time, zlib
-            from embcache.proto.embcache.v1 import embcache_pb2 as pb
-            H = struct.Struct("<I")
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.connect({path!r})
-            def send(m):
-                b = m.SerializeToString(); s.sendall(H.pack(len(b)) + b)
-            send(pb.SessionRequest(hello=pb.SessionHello(client_name="doomed")))
-            head = pb.PutHeader(key="doomed", dtype="uint8", shape=[{2 * MiB}])
-            req = pb.PutReserveRequest(header=head)
-            send(pb.SessionRequest(call=pb.SessionCall(call_id=1, put_reserve=req)))
-            got = 0
-            while got < 2:  # opened, then the reservation
-                n = H.unpack(s.recv(4, socket.MSG_WAITALL))[0]
-                s.recv(n, socket.MSG_WAITALL)
-                got += 1
-            print("reserved", flush=True)
-            time.sleep(60)
-            """
-        )
-        proc = subprocess.Popen(
-            [sys.executable, "-c", child], stdout=subprocess.PIPE, text=True, cwd=os.getcwd()
-        )
-        try:
-            assert proc.stdout is not None
-            assert proc.stdout.readline().strip() == "reserved"
-            assert server[0].stats().entries_filling == 1
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-            if proc.stdout is not None:
-                proc.stdout.close()
-        assert wait_until(lambda: no_fill_left(server[0]))
-        assert server[0].exists(["doomed"]) == [False]
 
 
 # -- fallbacks and the asyncio client ----------------------------------------------------------
@@ -387,12 +273,15 @@ def test_a_daemon_without_host_puts_gets_streams(server_factory, monkeypatch) ->
     real = session_calls.serves
 
     def older(session, kind: str) -> bool:  # type: ignore[no-untyped-def]
-        return False if kind.startswith("put") else real(session, kind)
+        return False if kind.startswith(("put", "stash")) else real(session, kind)
 
     monkeypatch.setattr(host_puts, "serves", older)
     from embcache.clients._sync import host_puts as sync_host_puts
 
     monkeypatch.setattr(sync_host_puts, "serves", older)
+    from embcache.clients._sync import stash_puts
+
+    monkeypatch.setattr(stash_puts, "serves", older)
     with server_factory(host_pool_bytes=4 * MiB) as server, EmbCacheClient(target(server)) as c:
         assert c.put_many({"a": torch.ones(10), "b": torch.ones(300_000)}) == [True, True]
         with c.get(["a", "b"]) as (a, b):
@@ -402,7 +291,7 @@ def test_a_daemon_without_host_puts_gets_streams(server_factory, monkeypatch) ->
         assert not [m for m in calls_of(server) if m.startswith("Session.Put")]
 
 
-def test_asyncio_client_puts_inline_and_reserved(server_factory) -> None:
+def test_asyncio_client_puts_into_its_stash(server_factory) -> None:
     with server_factory(host_pool_bytes=8 * MiB) as server:
 
         async def main() -> None:
@@ -424,7 +313,8 @@ def test_asyncio_client_puts_inline_and_reserved(server_factory) -> None:
 
         asyncio.run(main())
         lane = calls_of(server)
-        assert {"Session.Put", "Session.PutBatch", "Session.PutReserve"} <= set(lane)
+        assert {"Session.StashRefill", "Session.StashCommit"} <= set(lane)
+        assert "Session.Put" not in lane and "Session.PutBatch" not in lane
 
 
 def test_inline_puts_and_releases_are_answered_without_a_task(
@@ -433,6 +323,7 @@ def test_inline_puts_and_releases_are_answered_without_a_task(
     """On the session socket a put with its bytes inline, a release and a failing put are
     answered inside the read of their frame (no task), with the same results and errors,
     and a refused put leaves nothing behind."""
+    inline_only(monkeypatch)
     from embcache.service.transport.session import calls
 
     tasked: list[str] = []

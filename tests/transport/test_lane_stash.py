@@ -218,7 +218,7 @@ def test_a_stash_is_only_for_a_peer_that_may_write_the_segment(server_factory) -
         engine = server[0]
         pool = pb.PoolHandle()
         for writable, writer in [(False, "s"), (True, None)]:  # another uid; no peer known
-            puts = SessionPuts(engine, pool, "q", writable=writable, idle_s=0, writer=writer)
+            puts = SessionPuts(engine, pool, "q", writable=writable, writer=writer)
             with pytest.raises(PermissionDenied):
                 puts.stash_refill(pb.StashRefillRequest(nbytes=PAGE, stash_id=1))
             with pytest.raises(PermissionDenied):

@@ -52,8 +52,6 @@ NAMES = {  # a call's name in the metrics, as its RPC's
     "put_from_device_batch": "PutFromDeviceBatch",
     "put": "Put",
     "put_batch": "PutBatch",
-    "put_reserve": "PutReserve",
-    "put_commit": "PutCommit",
     "put_abort": "PutAbort",
     "get_bytes": "GetBytes",
     "get_into": "GetInto",
@@ -181,16 +179,6 @@ async def get_into(site: CallSite, call: pb.SessionCall, result: pb.SessionResul
     result.get_into.CopyFrom(await handler(call.get_into, site.owner))
 
 
-async def put_reserve(site: CallSite, call: pb.SessionCall, result: pb.SessionResult) -> None:
-    puts = served(site.host_puts, "put_reserve")
-    result.put_reserve.CopyFrom(puts.reserve(call.put_reserve))
-
-
-async def put_commit(site: CallSite, call: pb.SessionCall, result: pb.SessionResult) -> None:
-    puts = served(site.host_puts, "put_commit")
-    result.put_commit.CopyFrom(await puts.commit(call.put_commit))
-
-
 async def put_abort(site: CallSite, call: pb.SessionCall, result: pb.SessionResult) -> None:
     result.put_abort.CopyFrom(served(site.host_puts, "put_abort").abort(call.put_abort))
 
@@ -225,8 +213,6 @@ TASK_CALLS: dict[str, AsyncFill] = {
     "put_from_device": put_from_device,
     "put_from_device_batch": put_from_device_batch,
     "get_into": get_into,
-    "put_reserve": put_reserve,
-    "put_commit": put_commit,
     "put_abort": put_abort,
     "stash_commit": stash_commit_task,  # where at_once() says no
 }

@@ -1,33 +1,28 @@
-"""Puts of host bytes carried by a session: inline, or into pages the client fills itself.
+"""Puts of host bytes carried by a session: inline, or written by the client into its stash.
 
 A gRPC ``Put`` is a client stream, and on a same-node client that streaming call costs far
 more than the bytes (docs/facts.md, "Where a call's time goes"). On a session the same puts
-are one call each:
+are one call each, or less:
 
 - ``put`` / ``put_batch``: header and bytes inline (small entries, at most 1 MiB of data per
   call: one message). Validation, quotas, the CRC32 check, idempotence and the error table
   are the gRPC Put's (``engine.begin_put``, then one write and the commit). A batch is all
   or nothing: every item is reserved, written and checked before any is committed.
-- ``put_reserve`` -> the client writes -> ``put_commit`` (or ``put_abort``): large entries
-  with one copy. The daemon reserves FILLING pages for the session and answers their byte
-  runs; the client copies its tensor straight into them through a writable mapping of the
-  host pool's segment, and the commit (checking a CRC32 when one is given) makes the entry
-  READY. Only a peer with the daemon's uid is served these (:func:`may_write_segment`): such
-  a process could open the segment for writing anyway, so the daemon grants nothing it could
-  not take; the daemon never hands a writable descriptor to anyone. A reservation ends on
-  its commit or abort, when its session ends (a crashed client or an operator's drop
-  included), and after ``put_idle_timeout_s`` without its commit. Its pages go back at once
-  only when the client said it is done writing them (its commit or its abort) or its process
-  has exited; otherwise the client may still be copying, and they stay out of reuse until
-  its process exits (``host/reservations.py``), counted against its in-flight quota.
+- ``stash_refill`` -> the client writes -> ``stash_commit``: the daemon holds free pages for
+  the client's process (a stash, refilled in batches); the client copies each put straight
+  into pages of it through a writable mapping of the host pool's segment, and the commit
+  (checking a CRC32 when one is given) makes the entries READY, all or nothing
+  (``engine/stash_path.py``, ``host/stash.py``). Only a peer with the daemon's uid is served
+  these (:func:`may_write_segment`): such a process could open the segment for writing
+  anyway, so the daemon grants nothing it could not take, and never hands a writable
+  descriptor to anyone. ``put_abort`` with a stash's id gives back what is left of it; a
+  stash outlives its session (the process may still be copying) and goes back when the
+  process says so or exits.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import secrets
-from dataclasses import dataclass
 
 from embcache.errors import InvalidArgument, NotFound, PermissionDenied
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
@@ -38,7 +33,7 @@ from embcache.service.transport.session.registry import PeerCreds
 
 log = logging.getLogger("embcache.session")
 
-MAX_BATCH_ITEMS = 1024  # items of one put_batch (as PutFromDeviceBatch)
+MAX_BATCH_ITEMS = 1024  # items of one put_batch or stash_commit (as PutFromDeviceBatch)
 THREAD_CRC_BYTES = 16 << 20  # a commit's CRC32 over more than this runs off the loop
 
 
@@ -54,19 +49,12 @@ def may_write_segment(peer: PeerCreds | None, daemon_uid: int) -> bool:
     return peer is not None and peer.uid == daemon_uid
 
 
-@dataclass(slots=True)
-class _Reservation:
-    handle: PutHandle
-    timer: asyncio.TimerHandle | None
-
-
 class SessionPuts:
-    """The host puts of one session, and its open reservations (module docstring).
+    """The host puts of one session (module docstring).
 
-    ``quota_owner``: whose in-flight quota the reserved bytes count against; ``writable``:
-    whether this session's peer may fill reserved pages itself; ``idle_s``: how long a
-    reservation waits for its commit; ``writer``: the owner (the session) whose process the
-    engine knows (``engine.quarantine.bind``), the one that fills reserved pages."""
+    ``quota_owner``: whose in-flight quota puts and stashes count against; ``writable``:
+    whether this session's peer may fill pages itself; ``writer``: the owner (the session)
+    whose process the engine knows (``engine.quarantine.bind``), the one that fills them."""
 
     def __init__(
         self,
@@ -75,22 +63,14 @@ class SessionPuts:
         quota_owner: str,
         *,
         writable: bool,
-        idle_s: float,
         writer: str | None = None,
     ) -> None:
         self.engine = engine
         self.host_pool = host_pool
         self.quota_owner = quota_owner
         self.writable = writable
-        self.idle_s = idle_s
         self.writer = writer
-        self._open: dict[int, _Reservation] = {}
         self._closed = False
-
-    @property
-    def reservations(self) -> int:
-        """Reservations open now (their pages FILLING)."""
-        return len(self._open)
 
     # -- inline ----------------------------------------------------------------------------
     def put(self, request: pb.SessionPut) -> pb.PutResponse:
@@ -128,7 +108,7 @@ class SessionPuts:
         ]
         return pb.PutFromDeviceBatchResponse(results=results)
 
-    def _begin(self, head: pb.PutHeader, writer: tuple[str, int] | None = None) -> PutHandle:
+    def _begin(self, head: pb.PutHeader) -> PutHandle:
         if self._closed:
             raise NotFound("the session has ended")
         return self.engine.begin_put(
@@ -138,59 +118,7 @@ class SessionPuts:
             nbytes=head.nbytes if head.HasField("nbytes") else None,
             checksum=head.checksum if head.HasField("checksum") else None,
             owner=self.quota_owner,
-            writer=writer,
         )
-
-    # -- reserved pages ----------------------------------------------------------------------
-    def reserve(self, request: pb.PutReserveRequest) -> pb.PutReserveResponse:
-        """Reserve FILLING pages for the session's client to fill; id 0: the entry exists
-        with the same metadata (nothing to write)."""
-        if not self.writable:
-            raise PermissionDenied("only a peer with the daemon's uid may fill pages itself")
-        head = pb.PutHeader()
-        head.CopyFrom(request.header)
-        head.ClearField("checksum")  # checked at the commit, over the pages
-        rid = secrets.randbits(63) or 1
-        while rid in self._open:
-            rid = secrets.randbits(63) or 1
-        handle = self._begin(head, writer=None if self.writer is None else (self.writer, rid))
-        if handle.exists_already:
-            return pb.PutReserveResponse(reservation_id=0, nbytes=handle.nbytes)
-        timer = None
-        if self.idle_s > 0:
-            timer = asyncio.get_running_loop().call_later(self.idle_s, self._expire, rid)
-        self._open[rid] = _Reservation(handle, timer)
-        runs = [pb.ByteRun(offset=off, length=n) for off, n in handle.byte_runs]
-        return pb.PutReserveResponse(
-            reservation_id=rid, runs=runs, pool=self.host_pool, nbytes=handle.nbytes
-        )
-
-    async def commit(self, request: pb.PutCommitRequest) -> pb.PutResponse:
-        """Make a filled reservation READY (its CRC32 checked over the pages when given);
-        a bad checksum or any other failure frees its pages."""
-        found = self._take(request.reservation_id)
-        handle = found.handle
-        checksum = request.checksum if request.HasField("checksum") else None
-        with handle:  # any way out but the commit aborts: pages freed, nothing visible
-            if checksum is not None and handle.nbytes > THREAD_CRC_BYTES:
-                await asyncio.to_thread(handle.filled_in_place, checksum)
-            else:
-                handle.filled_in_place(checksum)
-            created = handle.commit()
-        return pb.PutResponse(created=created, nbytes=handle.nbytes)
-
-    def abort(self, request: pb.PutAbortRequest) -> pb.PutAbortResponse:
-        """Give a reservation's pages back (the client asks after its copy stopped: they
-        are free at once); false when it had ended already. The pages of one that ended
-        without the client (its session dropped, its idle timeout) and are held for it go
-        back now too, when this session's process is the one that holds them."""
-        found = self._open.pop(request.reservation_id, None)
-        if found is None:
-            if self.writer is not None and request.reservation_id:
-                self.engine.writer_done(self.writer, request.reservation_id)
-            return pb.PutAbortResponse(aborted=False)
-        self._end(found, writer_stopped=True)
-        return pb.PutAbortResponse(aborted=True)
 
     # -- stashes: pages filled ahead of the puts (host/stash.py) ---------------------------
     def stash_refill(self, request: pb.StashRefillRequest) -> pb.StashRefillResponse:
@@ -237,34 +165,15 @@ class SessionPuts:
             raise InvalidArgument("stash_id must not be 0")
         return self.writer, stash_id
 
-    def _take(self, rid: int) -> _Reservation:
-        found = self._open.pop(rid, None)
-        if found is None:
-            raise NotFound(
-                "no such put reservation (committed, aborted, timed out, or not this session's)",
-                reservation_id=rid,
-            )
-        if found.timer is not None:
-            found.timer.cancel()
-        return found
-
-    def _expire(self, rid: int) -> None:
-        found = self._open.pop(rid, None)
-        if found is not None:
-            key = found.handle.key
-            log.info("put reservation of %r idle for %.1f s: aborted", key, self.idle_s)
-            self._end(found)
-
-    @staticmethod
-    def _end(found: _Reservation, *, writer_stopped: bool = False) -> None:
-        if found.timer is not None:
-            found.timer.cancel()
-        found.handle.abort(writer_stopped=writer_stopped)
+    def abort(self, request: pb.PutAbortRequest) -> pb.PutAbortResponse:
+        """Give back what is left of the stash this session's process knows by the id (its
+        client closes, or stops using it): free at once. False when it holds none by it."""
+        given = False
+        if self.writer is not None and request.reservation_id:
+            given = self.engine.stash.give_back(self.writer, request.reservation_id)
+        return pb.PutAbortResponse(aborted=given)
 
     def close(self) -> None:
-        """The session ended: abort every reservation and refuse new puts. The pages of each
-        go back once the client's process is gone (it may be copying still)."""
+        """The session ended: refuse new puts. Its process's stashes stay held until it
+        gives them back or exits (it may be copying into them still)."""
         self._closed = True
-        open_now, self._open = self._open, {}
-        for found in open_now.values():
-            self._end(found)

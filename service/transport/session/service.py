@@ -91,7 +91,6 @@ class SessionService:
             self._host_pool,
             record.quota_owner,
             writable=transport == "lane" and may_write_segment(peer, os.geteuid()),
-            idle_s=settings.put_idle_timeout_s,
             writer=session_id if peer is not None else None,
         )
         calls = SessionCalls(

@@ -105,7 +105,7 @@ def test_a_stashed_put_is_visible_with_its_bytes_and_the_rest_stays_held(
     assert engine.read_table is not None and len(engine.read_table) == 1  # published
     # The rest of the stash is still held; the client's word gives it back.
     assert engine.stats().host.free_bytes == free - 64 * 1024
-    assert engine.writer_done("s1", 11)
+    assert engine.stash.give_back("s1", 11)
     assert engine.stats().host.free_bytes == free - 3 * PAGE
     with pytest.raises(NotFound):
         engine.stash.commit("s1", ("s1", 11), [stashed("j", carve(stash, 10), 10)])
@@ -167,7 +167,7 @@ def test_a_stash_counts_against_the_clients_quota(engine: CacheEngine) -> None:
     engine.stash.refill("s1", ("s1", 1), MiB // 2)
     with pytest.raises(QuotaExceeded):
         engine.stash.refill("s1", ("s1", 2), MiB // 2 + PAGE)
-    assert engine.writer_done("s1", 1)
+    assert engine.stash.give_back("s1", 1)
     engine.stash.refill("s1", ("s1", 2), MiB)
 
 
@@ -192,3 +192,23 @@ def test_a_stash_of_a_process_that_exited_is_reclaimed(settings: Settings) -> No
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_warm_restart_adopts_stashed_entries_and_keeps_the_rest_held(
+    settings: Settings,
+) -> None:
+    warm = settings.model_copy(update={"warm_restart": True})
+    data = payload(3 * PAGE + 5, 4)
+    engine = CacheEngine(warm)
+    try:
+        assert engine.quarantine.bind("s1", os.getpid())
+        stash = engine.stash.refill("s1", ("s1", 2), 8 * PAGE)
+        runs = carve(stash, len(data))
+        write(engine, runs, data)
+        assert engine.stash.commit("s1", ("s1", 2), [stashed("w", runs, len(data))]) == [True]
+    finally:
+        engine.close(keep_segment=True)  # as a SIGKILL would leave it: the stash not given back
+    with CacheEngine(warm) as engine:
+        assert engine.adopted.write_holds == 1  # the 4 pages left, held for this process
+        assert engine.stats().quarantined_bytes == 4 * PAGE
+        assert read(engine, "w") == data  # adopted, its CRC32 checked

@@ -1,10 +1,9 @@
-"""Pages a client fills itself: an end of the reservation without the client's word keeps
-them out of reuse while its process runs; its word, or its exit, gives them back; a warm
-start keeps those of live processes out of the allocator; the index records round-trip."""
+"""Pages a client fills itself (its stashes): held out of reuse while its process runs,
+sessions or not; its word, a commit, or its exit gives them back; a warm start keeps those
+of live processes out of the allocator; the index records round-trip."""
 
 from __future__ import annotations
 
-import gc
 import os
 import subprocess
 import sys
@@ -14,12 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from embcache.errors import PermissionDenied, QuotaExceeded
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
 from embcache.service.host import index_records as rec
 from embcache.service.host.host_pool import SHM_DIR
 from embcache.service.host.pool_index import PoolIndex, replay
 from embcache.service.host.quarantine import ProcessRef
+from embcache.service.host.stash import StashedPut
 
 MiB = 1 << 20
 HEADER = rec.Header(rec.LAYOUT_VERSION, 4096, 256, 7, 3)
@@ -37,49 +38,51 @@ def free_bytes(engine: CacheEngine) -> int:
     return engine.stats().host.free_bytes
 
 
-def reserve(engine: CacheEngine, key: str, token: int = 7, owner: str = "s1"):  # type: ignore[no-untyped-def]
-    return engine.begin_put(key, "uint8", (MiB,), owner="quota", writer=(owner, token))
+def stash(engine: CacheEngine, token: int = 7, owner: str = "s1") -> list[tuple[int, int]]:
+    """A stash of 1 MiB held for ``owner``'s process, known by ``token``."""
+    return engine.stash.refill("quota", (owner, token), MiB)
 
 
-def test_an_end_without_the_writers_word_holds_the_pages_until_it_says_so(
-    settings: Settings,
-) -> None:
+def test_a_stash_is_held_until_its_writer_says_it_is_done(settings: Settings) -> None:
     with CacheEngine(settings) as engine:
         assert engine.quarantine.bind("s1", os.getpid())
         total = free_bytes(engine)
-        handle = reserve(engine, "a")
-        handle.abort()  # a forced end: this process may still be copying
+        stash(engine)
         stats = engine.stats()
         assert stats.entries_filling == 0 and stats.host.free_bytes == total - MiB
         assert stats.quarantined_bytes == MiB
-        assert not engine.writer_done("s1", 8)  # not its id
-        assert not engine.writer_done("s2", 7)  # no such process
-        assert engine.writer_done("s1", 7)  # its word: the copy stopped
+        assert not engine.stash.give_back("s1", 8)  # not its id
+        assert not engine.stash.give_back("s2", 7)  # no such process
+        assert engine.stash.give_back("s1", 7)  # its word: it stopped writing
         assert free_bytes(engine) == total and engine.stats().quarantined_bytes == 0
 
 
-def test_the_writers_own_abort_or_commit_frees_at_once(settings: Settings) -> None:
+def test_a_commit_moves_its_pages_to_the_entry_at_once(settings: Settings) -> None:
     with CacheEngine(settings) as engine:
         assert engine.quarantine.bind("s1", os.getpid())
         total = free_bytes(engine)
-        reserve(engine, "a").abort(writer_stopped=True)
-        assert free_bytes(engine) == total
-        handle = reserve(engine, "b")
-        handle.filled_in_place(None)
-        assert handle.commit()
-        assert free_bytes(engine) == total - MiB and engine.stats().quarantined_bytes == 0
+        runs = stash(engine)
+        half = [(off, n) for off, n in runs][:1]
+        take = min(half[0][1], MiB // 2)
+        put = StashedPut("b", "uint8", (take,), ((half[0][0], take),))
+        assert engine.stash.commit("quota", ("s1", 7), [put]) == [True]
+        assert engine.stats().quarantined_bytes == MiB - take  # the rest: still held
+        assert engine.stash.give_back("s1", 7)
+        assert free_bytes(engine) == total - take and engine.stats().quarantined_bytes == 0
 
 
 def test_held_pages_count_against_the_writers_quota(settings: Settings) -> None:
     settings = settings.model_copy(update={"max_inflight_bytes_per_client": 2 * MiB})
     with CacheEngine(settings) as engine:
         assert engine.quarantine.bind("s1", os.getpid())
-        reserve(engine, "a", token=1).abort()
-        reserve(engine, "b", token=2).abort()
-        with pytest.raises(Exception, match="unfinished puts"):
-            reserve(engine, "c", token=3)
-        assert engine.writer_done("s1", 1)
-        reserve(engine, "c", token=3).abort(writer_stopped=True)
+        stash(engine, token=1)
+        stash(engine, token=2)
+        with pytest.raises(QuotaExceeded, match="unfinished puts"):
+            stash(engine, token=3)
+        with pytest.raises(QuotaExceeded):  # a put's reservation counts against it too
+            engine.begin_put("c", "uint8", (MiB,), owner="quota")
+        assert engine.stash.give_back("s1", 1)
+        stash(engine, token=3)
 
 
 def test_a_writer_that_exited_holds_nothing_and_the_reaper_frees_the_rest(
@@ -92,7 +95,7 @@ def test_a_writer_that_exited_holds_nothing_and_the_reaper_frees_the_rest(
         with CacheEngine(settings) as engine:
             total = free_bytes(engine)
             assert engine.quarantine.bind("child", child.pid)
-            reserve(engine, "a", owner="child").abort()
+            stash(engine, owner="child")
             assert free_bytes(engine) == total - MiB  # held: the child runs
             assert engine.quarantine.reap() == 0
             assert child.stdin is not None
@@ -100,7 +103,8 @@ def test_a_writer_that_exited_holds_nothing_and_the_reaper_frees_the_rest(
             child.wait(10)
             assert engine.quarantine.reap() == 1
             assert free_bytes(engine) == total
-            reserve(engine, "b", owner="child").abort()  # a writer gone: freed at once
+            with pytest.raises(PermissionDenied):  # a writer gone gets no stash
+                stash(engine, owner="child")
             assert free_bytes(engine) == total
     finally:
         if child.poll() is None:
@@ -113,11 +117,8 @@ def test_a_warm_start_keeps_a_live_writers_pages_out_of_the_allocator(
 ) -> None:
     engine = CacheEngine(settings)
     assert engine.quarantine.bind("s1", os.getpid())
-    handle = reserve(engine, "a")
-    runs = handle.byte_runs
-    del handle  # never ended, as under a SIGKILL (its view of the pool goes)
-    gc.collect()
-    engine.close(keep_segment=True)
+    runs = tuple(stash(engine))
+    engine.close(keep_segment=True)  # as under a SIGKILL: nothing given back
     with CacheEngine(settings) as engine:
         assert engine.adopted.write_holds == 1
         assert engine.stats().quarantined_bytes == MiB
@@ -157,10 +158,8 @@ def test_write_records_round_trip_and_a_whole_unusable_record_is_skipped(tmp_pat
 
 
 def test_a_writer_whose_process_is_unknown_is_refused_before_any_page(settings: Settings) -> None:
-    from embcache.errors import PermissionDenied
-
     with CacheEngine(settings) as engine:
         total = free_bytes(engine)
         with pytest.raises(PermissionDenied):
-            reserve(engine, "a", owner="nobody-bound")
-        assert free_bytes(engine) == total and engine.stats().entries_filling == 0
+            stash(engine, owner="nobody-bound")
+        assert free_bytes(engine) == total and engine.stats().quarantined_bytes == 0
