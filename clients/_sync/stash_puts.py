@@ -71,9 +71,13 @@ class StashPuts:
                     header.checksum = crc
                 puts.append(pb.StashedPut(header=header, runs=runs))
             return self._commit(session, carved, puts)
-        except (SessionLost, NotFound, PermissionDenied):
-            # The session went (its stashes stay this process's: given back at close), the
-            # daemon restarted (they are gone), or it no longer knows this process.
+        except SessionLost:
+            # The session went: the stashes are this process's, not the session's, so the
+            # next session of this client commits into them (a daemon that restarted
+            # meanwhile answers NotFound then).
+            return None
+        except (NotFound, PermissionDenied):
+            # The daemon restarted (the stashes are gone) or no longer knows this process.
             self.stashes.clear()
             return None
 

@@ -224,3 +224,22 @@ def test_a_stash_is_only_for_a_peer_that_may_write_the_segment(server_factory) -
             with pytest.raises(PermissionDenied):
                 puts.stash_commit(pb.StashCommitRequest(stash_id=1))
         assert engine.stats().host.free_pages == engine.stats().host.total_pages
+
+
+def test_a_clients_stash_outlives_its_session_and_goes_back_at_close(server_factory) -> None:
+    import torch
+
+    with server_factory(host_pool_bytes=8 * MiB) as server:
+        engine = server[0]
+        with EmbCacheClient(target(server)) as c:
+            assert c.put("a", torch.full((3 * PAGE,), 1, dtype=torch.uint8)) is True
+            held = engine.stats().quarantined_bytes
+            assert held > 0  # what is left of the stash, held for this process
+            c._conn.session.close()  # the session goes (as a dropped connection would)
+            assert c.put("b", torch.full((2 * PAGE,), 2, dtype=torch.uint8)) is True
+            # committed into the same stash from a new session: no second refill
+            assert calls_of(server).count("Session.StashRefill") == 1
+            assert engine.stats().quarantined_bytes == held - 2 * PAGE
+            with c.get(["a", "b"]) as (a, b):
+                assert a is not None and int(a[0]) == 1 and int(b[-1]) == 2
+        assert engine.stats().quarantined_bytes == 0  # given back at close
