@@ -149,17 +149,16 @@ class Stashes:
         """
         index = self._t.index
         with index.batch() if index is not None else contextlib.nullcontext():
-            taken = self._take(process, token, [p.runs for p in puts])
+            self._take(process, token, [p.runs for p in puts])
             try:
                 return self._commit_taken(puts, now)
             except BaseException:
-                for runs in taken:
-                    self._t.alloc.free(list(runs))
+                for put in puts:  # taken out of the stash: the writer is done with them
+                    if put.runs:
+                        self._t.alloc.free(list(put.runs))
                 raise
 
-    def _take(
-        self, process: ProcessRef, token: int, wanted: Sequence[tuple[Run, ...]]
-    ) -> Sequence[tuple[Run, ...]]:
+    def _take(self, process: ProcessRef, token: int, wanted: Sequence[tuple[Run, ...]]) -> None:
         """Take each put's pages out of the stash, all or nothing: every page must be in it,
         once. What is left stays held (a new index record replaces the old)."""
         stash = self._puts.written.find(process, token)
@@ -179,7 +178,6 @@ class Stashes:
                 npages += n
         left = tuple(_as_runs(free))
         self._puts.rehold(stash, left, stash.nbytes - npages * self._t.pool.page_bytes)
-        return wanted
 
     def _commit_taken(self, puts: Sequence[Stashed], now: float) -> list[tuple[Entry, bool]]:
         existing: list[Entry | None] = []
