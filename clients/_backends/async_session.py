@@ -38,7 +38,6 @@ class AsyncCalls(abc.ABC):
         self.serves_calls = False
         self.serves_device_puts = False
         self.serves_host_puts = False  # put / put_batch with the bytes inline
-        self.serves_writable_puts = False  # this peer may write the segment (same uid)
         self.serves_stash_puts = False  # stash_refill / stash_commit (same uid)
         self.serves_bytes_out = False  # get_bytes, its bytes raw after the result (sockets)
         self.serves_get_into = False  # get_into as a session call
@@ -71,7 +70,6 @@ class AsyncCalls(abc.ABC):
         self.serves_calls = opened.calls
         self.serves_device_puts = opened.device_puts
         self.serves_host_puts = opened.host_puts
-        self.serves_writable_puts = opened.writable_puts
         self.serves_stash_puts = opened.stash_puts
         self.serves_bytes_out = opened.bytes_out
         self.serves_get_into = opened.get_into

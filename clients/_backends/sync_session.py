@@ -45,7 +45,6 @@ class Session:
         self.serves_calls = False  # the daemon runs SessionCall (it said so when opening)
         self.serves_device_puts = False  # ... including the device puts
         self.serves_host_puts = False  # ... and put / put_batch with the bytes inline
-        self.serves_writable_puts = False  # never on a gRPC stream (no peer uid)
         self.serves_stash_puts = False  # likewise
         self.serves_bytes_out = False  # never on a gRPC stream (its frames are messages)
         self.serves_get_into = False  # ... get_into in the session (opened.get_into)
@@ -90,7 +89,6 @@ class Session:
                     self.serves_calls = msg.opened.calls
                     self.serves_device_puts = msg.opened.device_puts
                     self.serves_host_puts = msg.opened.host_puts
-                    self.serves_writable_puts = msg.opened.writable_puts
                     self.serves_stash_puts = msg.opened.stash_puts
                     self.serves_get_into = msg.opened.get_into
                     if msg.opened.HasField("read_table"):

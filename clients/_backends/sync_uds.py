@@ -102,7 +102,6 @@ class UdsSession:
         self.serves_calls = False
         self.serves_device_puts = False
         self.serves_host_puts = False  # put / put_batch with the bytes inline
-        self.serves_writable_puts = False  # this peer may write the segment (same uid)
         self.serves_stash_puts = False  # stash_refill / stash_commit (same uid)
         self.serves_bytes_out = False  # get_bytes, its bytes raw after the result
         self.serves_get_into = False  # get_into as a session call
@@ -130,7 +129,6 @@ class UdsSession:
         self.serves_calls = first.opened.calls
         self.serves_device_puts = first.opened.device_puts
         self.serves_host_puts = first.opened.host_puts
-        self.serves_writable_puts = first.opened.writable_puts
         self.serves_stash_puts = first.opened.stash_puts
         self.serves_bytes_out = first.opened.bytes_out
         self.serves_get_into = first.opened.get_into

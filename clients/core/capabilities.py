@@ -26,7 +26,7 @@ class Capabilities:
     device_puts: bool = True  # PutFromDevice; off once the daemon cannot read this GPU
     batch_puts: bool = True  # PutFromDeviceBatch; off once the daemon says it lacks it
     ready_events: bool = True  # device Gets ask for a ready event; off once one failed here
-    writable_puts: bool = True  # large host puts fill reserved pages; off once mapping failed
+    writable_puts: bool = True  # host puts go into stashes; off once mapping failed
 
     def put_failed(self, exc: Exception) -> bool:
         """After a failed device put: True when the tensors should be put another way (and

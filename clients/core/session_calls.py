@@ -37,7 +37,6 @@ class CallCarrier(Protocol):
     serves_calls: bool
     serves_device_puts: bool
     serves_host_puts: bool
-    serves_writable_puts: bool
     serves_stash_puts: bool
 
 
