@@ -174,7 +174,7 @@ class AsyncConnection:
         ``tend``: first release the leases whose views are gone (not from the session's
         opening or a release itself, which that would re-enter)."""
         if tend and self.views.pending():
-            await self._release_gone()  # so that an evict, say, finds them released
+            await self.release_gone()  # so that an evict, say, finds them released
         reopened = False
         attempt = 0
         while True:
@@ -289,7 +289,7 @@ class AsyncConnection:
             return
         await self._pump.stop()  # no round runs from here on
         self._closed = True
-        await self._release_gone()
+        await self.release_gone()
         if self.views.unsent and not len(self.views):
             await self._send_unsent()
         if len(self.views):
@@ -311,7 +311,7 @@ class AsyncConnection:
     async def _tend_views(self) -> float | None:
         """One round of the pump: release the leases whose views are gone, renew the others
         before their TTL; returns the seconds until the next round (None: nothing held)."""
-        released = await self._release_gone()
+        released = await self.release_gone()
         if self.views.unsent:
             await self._send_unsent()
         if self._closed and not len(self.views):  # close() waited for the last view
@@ -330,7 +330,7 @@ class AsyncConnection:
             later = LINGER_S
         return later
 
-    async def _release_gone(self) -> int:
+    async def release_gone(self) -> int:
         """Release the leases whose block ended and whose views are gone (after the device
         work of device views: what was queued on them before they went); how many."""
         ready = self.views.take_releasable()

@@ -21,6 +21,7 @@ from embcache.clients._async.table_gets import AsyncTableReads
 from embcache.clients._async.view_holds import ViewHolds
 from embcache.clients.core.requests import device_get_request
 from embcache.clients.device import device_replies, exports, into, pools
+from embcache.errors import PoolExhausted
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
 
@@ -59,7 +60,15 @@ class AsyncDeviceGets:
         request = device_get_request(names, uuid, ttl_s, ready_event=caps.ready_events)
         taken_at = time.monotonic()
         fallback = when_unavailable(lambda exc: no_device.add(uuid, exc))
-        reply = await device_call(self._conn, "get", request, self._conn.stub.Get, fallback)
+        try:
+            reply = await device_call(self._conn, "get", request, self._conn.stub.Get, fallback)
+        except PoolExhausted:
+            # The pool may be full of this client's own views that are gone but whose
+            # leases wait for the pump (it waits for their device work first): end them
+            # now and ask once more.
+            if not self._conn.views.pending() or not await self._conn.release_gone():
+                raise
+            reply = await device_call(self._conn, "get", request, self._conn.stub.Get, fallback)
         if reply is None:
             return None
         try:

@@ -174,7 +174,7 @@ class Connection:
         ``tend``: first release the leases whose views are gone (not from the session's
         opening or a release itself, which that would re-enter)."""
         if tend and self.views.pending():
-            self._release_gone()  # so that an evict, say, finds them released
+            self.release_gone()  # so that an evict, say, finds them released
         reopened = False
         attempt = 0
         while True:
@@ -287,7 +287,7 @@ class Connection:
             return
         self._pump.stop()  # no round runs from here on
         self._closed = True
-        self._release_gone()
+        self.release_gone()
         if self.views.unsent and not len(self.views):
             self._send_unsent()
         if len(self.views):
@@ -309,7 +309,7 @@ class Connection:
     def _tend_views(self) -> float | None:
         """One round of the pump: release the leases whose views are gone, renew the others
         before their TTL; returns the seconds until the next round (None: nothing held)."""
-        released = self._release_gone()
+        released = self.release_gone()
         if self.views.unsent:
             self._send_unsent()
         if self._closed and not len(self.views):  # close() waited for the last view
@@ -328,7 +328,7 @@ class Connection:
             later = LINGER_S
         return later
 
-    def _release_gone(self) -> int:
+    def release_gone(self) -> int:
         """Release the leases whose block ended and whose views are gone (after the device
         work of device views: what was queued on them before they went); how many."""
         ready = self.views.take_releasable()

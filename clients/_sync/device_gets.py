@@ -23,6 +23,7 @@ from embcache.clients._sync.table_gets import TableReads
 from embcache.clients._sync.view_holds import ViewHolds
 from embcache.clients.core.requests import device_get_request
 from embcache.clients.device import device_replies, exports, into, pools
+from embcache.errors import PoolExhausted
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
 
@@ -61,7 +62,15 @@ class DeviceGets:
         request = device_get_request(names, uuid, ttl_s, ready_event=caps.ready_events)
         taken_at = time.monotonic()
         fallback = when_unavailable(lambda exc: no_device.add(uuid, exc))
-        reply = device_call(self._conn, "get", request, self._conn.stub.Get, fallback)
+        try:
+            reply = device_call(self._conn, "get", request, self._conn.stub.Get, fallback)
+        except PoolExhausted:
+            # The pool may be full of this client's own views that are gone but whose
+            # leases wait for the pump (it waits for their device work first): end them
+            # now and ask once more.
+            if not self._conn.views.pending() or not self._conn.release_gone():
+                raise
+            reply = device_call(self._conn, "get", request, self._conn.stub.Get, fallback)
         if reply is None:
             return None
         try:
