@@ -38,6 +38,7 @@ class AsyncStashPuts:
         self._conn = conn
         self._state = state  # caps.writable_puts: False once the pool could not be mapped
         self._pool: pb.PoolHandle | None = None
+        self._retired: list[int] = []  # stashes to give back with the next refill
 
     async def put(
         self, session: Any, items: Sequence[tuple[str, Payload]], checksum: bool
@@ -55,20 +56,10 @@ class AsyncStashPuts:
             carved = await self._carve(session, [payload.nbytes for _, payload in items])
             if carved is None or self._pool is None:
                 return None
-            pool = process_writable_maps().get(self._pool)
-            if pool is None:  # another /dev/shm, say: never again on this client
-                self._state.caps.writable_puts = False
-                await self.give_back(session)
-                return None
-            puts = []
-            for (key, payload), place in zip(items, carved, strict=True):
-                runs = [pb.ByteRun(offset=off, length=n) for off, n in place.runs]
-                crc = pool.write_runs(runs, payload.data, checksum=checksum)
-                header = payload.header(key, checksum=False)
-                if crc is not None:
-                    header.checksum = crc
-                puts.append(pb.StashedPut(header=header, runs=runs))
-            return await self._commit(session, carved, puts)
+            try:
+                return await self._write_and_commit(session, items, carved, checksum)
+            finally:
+                self.stashes.settled(carved)
         except SessionLost:
             # The session went: the stashes are this process's, not the session's, so the
             # next session of this client commits into them (a daemon that restarted
@@ -78,6 +69,31 @@ class AsyncStashPuts:
             # The daemon restarted (the stashes are gone) or no longer knows this process.
             self.stashes.clear()
             return None
+
+    async def _write_and_commit(
+        self,
+        session: Any,
+        items: Sequence[tuple[str, Payload]],
+        carved: list[Carved],
+        checksum: bool,
+    ) -> list[bool] | None:
+        """Write each item into its carved pages, then commit them."""
+        assert self._pool is not None
+        pool = process_writable_maps().get(self._pool)
+        if pool is None:  # another /dev/shm, say: never again on this client
+            self._state.caps.writable_puts = False
+            self.stashes.settled(carved)
+            await self.give_back(session)
+            return None
+        puts = []
+        for (key, payload), place in zip(items, carved, strict=True):
+            runs = [pb.ByteRun(offset=off, length=n) for off, n in place.runs]
+            crc = pool.write_runs(runs, payload.data, checksum=checksum)
+            header = payload.header(key, checksum=False)
+            if crc is not None:
+                header.checksum = crc
+            puts.append(pb.StashedPut(header=header, runs=runs))
+        return await self._commit(session, carved, puts)
 
     async def _carve(self, session: Any, sizes: list[int]) -> list[Carved] | None:
         """A place for each size, all in one stash (so that one commit takes them all),
@@ -93,25 +109,33 @@ class AsyncStashPuts:
         if stash_id is None:
             return None
         carved = [self.stashes.carve(nbytes, stash_id) for nbytes in sizes]
-        if any(place is None for place in carved):
-            return None  # another thread took pages meanwhile: the other paths
-        return [place for place in carved if place is not None]
+        done = [place for place in carved if place is not None]
+        if len(done) < len(carved):  # another thread took pages meanwhile: the other paths
+            self.stashes.settled(done)
+            return None
+        return done
 
     async def _refill(self, session: Any, need: int) -> bool:
         """A new stash of at least ``need`` bytes (more, up to a share of the pool, so
-        that later puts need no refill); False when even ``need`` is refused."""
+        that later puts need no refill); False when even ``need`` is refused. The stashes
+        too small for ``need`` go back in the same call, so their leftovers are not held
+        idle."""
         size = max(need, MIN_REFILL_BYTES)
         if self._pool is not None:
             size = max(need, min(REFILL_BYTES, self._pool.host_shm.size // POOL_SHARE))
-        for want in dict.fromkeys((size, need)):  # the generous size first, then the least
+        # ``need`` may evict entries; the spare pages come only from pages free now.
+        for extra in (size - need, 0):
+            self._retired.extend(self.stashes.retire(need))
             sid = Stashes.new_id()
-            request = pb.StashRefillRequest(nbytes=max(want, 1), stash_id=sid)
+            request = pb.StashRefillRequest(
+                nbytes=max(need, 1), extra_bytes=extra, stash_id=sid, give_back=self._retired
+            )
             try:
                 reply = await self._one(session, "stash_refill", request)
             except (QuotaExceeded, PoolExhausted):
-                for old in self.stashes.drop_empty():
-                    await self._give_back_one(session, old)
+                self._retired.clear()  # given back before the refill was refused
                 continue
+            self._retired.clear()
             self._pool = reply.pool
             runs = [(run.offset, run.length) for run in reply.runs]
             self.stashes.add(sid, runs, reply.page_bytes, reply.pool.pool_id)
@@ -137,14 +161,15 @@ class AsyncStashPuts:
     async def close(self) -> None:
         """The client closes: give its stashes back on its session, if one is open."""
         session = self._conn.session
-        if session is not None and session.alive and self.stashes.ids():
+        if session is not None and session.alive and (self.stashes.ids() or self._retired):
             await self.give_back(session)
 
     async def give_back(self, session: Any) -> None:
         """Give every stash back (this client closes, or stops using them): the daemon
         frees what is left of each at once. Best effort: the daemon frees them anyway once
         this process has exited."""
-        for sid in self.stashes.clear():
+        retired, self._retired = [*self._retired, *self.stashes.clear()], []
+        for sid in retired:
             await self._give_back_one(session, sid)
 
     async def _give_back_one(self, session: Any, sid: int) -> None:

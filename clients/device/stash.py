@@ -35,6 +35,7 @@ class Stashes:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free: dict[int, list[tuple[int, int]]] = {}  # stash id -> free whole-page runs
+        self._busy: dict[int, int] = {}  # stash id -> its carves not yet committed or failed
         self.page_bytes = 0  # the pool's page size (0: no stash yet)
         self.pool_id = ""  # the pool they are pages of
 
@@ -50,6 +51,7 @@ class Stashes:
         with self._lock:
             if pool_id != self.pool_id:  # another pool (a restarted daemon): start over
                 self._free.clear()
+                self._busy.clear()
                 self.pool_id = pool_id
             self.page_bytes = page_bytes
             self._free[stash_id] = sorted(runs)
@@ -83,27 +85,44 @@ class Stashes:
             need = -(-nbytes // self.page_bytes) * self.page_bytes
             if sum(n for _, n in free) < need:
                 return None
+            self._busy[stash_id] = self._busy.get(stash_id, 0) + 1
             return Carved(stash_id, tuple(_take(free, need, nbytes)))
+
+    def settled(self, carved: list[Carved]) -> None:
+        """These carves were committed, or failed: their stashes may be given back."""
+        with self._lock:
+            for place in carved:
+                left = self._busy.get(place.stash_id, 0) - 1
+                if left > 0:
+                    self._busy[place.stash_id] = left
+                else:
+                    self._busy.pop(place.stash_id, None)
+
+    def retire(self, below: int) -> list[int]:
+        """Forget the stashes with fewer than ``below`` bytes free and no carve in flight;
+        their ids, to give back (what is left of them would only sit idle: a put's pages
+        come from one stash)."""
+        with self._lock:
+            out = [
+                sid
+                for sid, free in self._free.items()
+                if sid not in self._busy and sum(n for _, n in free) < below
+            ]
+            for sid in out:
+                del self._free[sid]
+            return out
 
     def ids(self) -> list[int]:
         """Every stash id held now."""
         with self._lock:
             return list(self._free)
 
-    def drop_empty(self) -> list[int]:
-        """Forget the stashes with nothing free left; their ids (give them back: the
-        daemon's copy of each may still hold pages past a last partial page)."""
-        with self._lock:
-            empty = [sid for sid, free in self._free.items() if not free]
-            for sid in empty:
-                del self._free[sid]
-            return empty
-
     def clear(self) -> list[int]:
         """Forget every stash (the connection closes, or its daemon went); their ids."""
         with self._lock:
             ids = list(self._free)
             self._free.clear()
+            self._busy.clear()
             return ids
 
 

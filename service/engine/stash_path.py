@@ -45,9 +45,12 @@ class StashPath:
         self._gate = gate
         self._shared = shared  # told of each new entry, outside the gate
 
-    def refill(self, owner: str, writer: tuple[str, int], nbytes: int) -> list[tuple[int, int]]:
-        """Free pages, at least ``nbytes``, held for the process of session ``writer[0]`` as
-        a stash its client knows by ``writer[1]``: their byte runs in the pool.
+    def refill(
+        self, owner: str, writer: tuple[str, int], nbytes: int, extra_bytes: int = 0
+    ) -> list[tuple[int, int]]:
+        """Free pages, at least ``nbytes`` and up to ``extra_bytes`` more where that many
+        are free without evicting, held for the process of session ``writer[0]`` as a
+        stash its client knows by ``writer[1]``: their byte runs in the pool.
 
         Args:
             owner: whose in-flight put quota the pages count against until committed.
@@ -56,15 +59,18 @@ class StashPath:
             for the session; Draining.
         """
         npages = self._store.pages_for(max(nbytes, 1))
+        extra = extra_bytes // self._store.pool.page_bytes
         with self._gate:
             self._gate.check_open()
             process = writer_process(self._store, writer[0])
             if not process.alive():  # its stash would wait for the reaper: none
                 raise PermissionDenied("the process has exited", owner=writer[0])
             quota = self._settings.inflight_limit
-            runs = self._store.refill_stash(owner, process, writer[1], npages, quota=quota)
+            runs = self._store.refill_stash(
+                owner, process, writer[1], npages, quota=quota, extra=extra
+            )
         pool = self._store.pool
-        return pool.byte_runs(runs, npages * pool.page_bytes)
+        return pool.byte_runs(runs, sum(n for _, n in runs) * pool.page_bytes)
 
     def commit(self, owner: str, writer: tuple[str, int], puts: Sequence[StashedPut]) -> list[bool]:
         """Make puts written into the stash ``writer[1]`` READY and visible, all or nothing;

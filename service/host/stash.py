@@ -108,16 +108,19 @@ class Stashes:
         self._puts = puts
 
     def refill(
-        self, owner: str, process: ProcessRef, token: int, npages: int, quota: int
+        self, owner: str, process: ProcessRef, token: int, npages: int, quota: int, extra: int = 0
     ) -> list[Run]:
-        """``npages`` free pages (evicting LRU entries as a put does) held for ``process``,
-        which knows them by ``token``; recorded in the index before anyone is told of them.
+        """``npages`` free pages (evicting LRU entries as a put does), and up to ``extra``
+        more of the pages free now (never evicting for them: a stash's spare pages must not
+        cost the pool entries), held for ``process``, which knows them by ``token``;
+        recorded in the index before anyone is told of them.
 
         Raises:
             QuotaExceeded: ``owner`` would have more than ``quota`` bytes in unfinished puts
                 and stashes. PoolExhausted: no room. Nothing taken either way.
         """
-        nbytes = npages * self._t.pool.page_bytes
+        page_bytes = self._t.pool.page_bytes
+        nbytes = npages * page_bytes
         left = self._puts.quota_left(owner, quota)
         if nbytes > left:
             raise QuotaExceeded(
@@ -130,6 +133,14 @@ class Stashes:
                 "no room for a stash: the pool is full of leased or filling entries",
                 nbytes=nbytes, free_pages=self._t.alloc.num_free_pages,
             )  # fmt: skip
+        spare = min(extra, (left - nbytes) // page_bytes)
+        if self._t.alloc.num_free_pages < spare and self._t.prealloc.pages:
+            self._t.alloc.free(self._t.prealloc.drain())  # free capacity on loan
+        spare = min(spare, self._t.alloc.num_free_pages)
+        if spare > 0 and (more := self._t.alloc.allocate(spare)) is not None:
+            runs = [*runs, *more]
+            npages += spare
+            nbytes += spare * page_bytes
         self._puts.hold(Written(self._puts.next_id(), process, tuple(runs), owner, nbytes, token))
         self._t.counters["stash_refills"] += 1
         self._t.counters["stash_pages"] += npages

@@ -333,10 +333,18 @@ class HostStore:
         self._t.counters["puts_aborted"] += 1
 
     def refill_stash(
-        self, owner: str, process: ProcessRef, token: int, npages: int, *, quota: int
+        self,
+        owner: str,
+        process: ProcessRef,
+        token: int,
+        npages: int,
+        *,
+        quota: int,
+        extra: int = 0,
     ) -> list[Run]:
-        """Pages held for ``process``, a stash it knows by ``token`` (``Stashes.refill``)."""
-        return self._stash.refill(owner, process, token, npages, quota)
+        """Pages held for ``process``, a stash it knows by ``token``: ``npages``, and up to
+        ``extra`` more of those free now (``Stashes.refill``)."""
+        return self._stash.refill(owner, process, token, npages, quota, extra)
 
     def commit_stashed(
         self, process: ProcessRef, token: int, puts: Sequence[Stashed], now: float

@@ -243,3 +243,23 @@ def test_a_clients_stash_outlives_its_session_and_goes_back_at_close(server_fact
             with c.get(["a", "b"]) as (a, b):
                 assert a is not None and int(a[0]) == 1 and int(b[-1]) == 2
         assert engine.stats().quarantined_bytes == 0  # given back at close
+
+
+def test_a_client_filling_the_pool_loses_no_entry_to_its_stash(server_factory) -> None:
+    import torch
+
+    # 64 KiB pages; the stash's spare pages (a share of the pool beyond a put's need) come
+    # only from free pages, so filling the pool to its last pages evicts nothing.
+    with server_factory(host_pool_bytes=16 * MiB) as server:
+        engine = server[0]
+        pages = free_pages(server)
+        # 3 pages each: a stash's last pages too few for the next put go back with the
+        # next refill instead of sitting idle
+        keys = [f"k{i}" for i in range(pages // 3)]
+        with EmbCacheClient(target(server)) as c:
+            for i, key in enumerate(keys):
+                assert c.put(key, torch.full((3 * PAGE,), i % 251, dtype=torch.uint8)) is True
+            assert calls_of(server).count("Session.StashRefill") > 1
+            assert c.exists(keys) == [True] * len(keys)
+            assert engine.stats().evictions == 0
+        assert free_pages(server) == pages % 3  # the stash's leftovers went back at close

@@ -122,10 +122,14 @@ class SessionPuts:
 
     # -- stashes: pages filled ahead of the puts (host/stash.py) ---------------------------
     def stash_refill(self, request: pb.StashRefillRequest) -> pb.StashRefillResponse:
-        """Hold at least ``nbytes`` of free pages for this session's process, as the stash
-        its client knows by ``stash_id``: their byte runs."""
+        """Hold at least ``nbytes`` of free pages for this session's process, and up to
+        ``extra_bytes`` more of those free now, as the stash its client knows by
+        ``stash_id``: their byte runs."""
         writer = self._stash_writer(request.stash_id)
-        runs = self.engine.stash.refill(self.quota_owner, writer, request.nbytes)
+        stash = self.engine.stash
+        for token in request.give_back:
+            stash.give_back(writer[0], token)
+        runs = stash.refill(self.quota_owner, writer, request.nbytes, request.extra_bytes)
         return pb.StashRefillResponse(
             runs=[pb.ByteRun(offset=off, length=n) for off, n in runs],
             pool=self.host_pool,

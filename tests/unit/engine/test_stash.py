@@ -171,6 +171,26 @@ def test_a_stash_counts_against_the_clients_quota(engine: CacheEngine) -> None:
     engine.stash.refill("s1", ("s1", 2), MiB)
 
 
+def test_spare_pages_come_only_from_free_pages_and_within_the_quota(engine: CacheEngine) -> None:
+    # 4 MiB pool, 1 MiB quota: fill it with entries but 3 pages
+    pages = engine.stats().host.free_bytes // PAGE
+    for i in range(pages - 3):
+        engine.put(f"e{i}", torch.full((PAGE,), i % 251, dtype=torch.uint8))
+    stash = engine.stash.refill("s1", ("s1", 1), PAGE, extra_bytes=64 * PAGE)
+    assert sum(n for _, n in stash) == 3 * PAGE  # what it needs, and the 2 pages free
+    assert engine.exists([f"e{i}" for i in range(pages - 3)]) == [True] * (pages - 3)
+    assert engine.stash.give_back("s1", 1)
+    # what it needs may evict, as a put does; the spare pages never do
+    stash = engine.stash.refill("s1", ("s1", 2), 5 * PAGE, extra_bytes=64 * PAGE)
+    assert sum(n for _, n in stash) == 5 * PAGE
+    assert engine.exists(["e0", "e1", "e2"]) == [False, False, True]
+    assert engine.stash.give_back("s1", 2)
+    # the spare pages stay within the quota (1 MiB in unfinished puts and stashes)
+    engine.evict([f"e{i}" for i in range(pages - 3)])
+    stash = engine.stash.refill("s1", ("s1", 3), PAGE, extra_bytes=4 * MiB)
+    assert sum(n for _, n in stash) == MiB
+
+
 def test_a_session_without_a_known_process_gets_no_stash(engine: CacheEngine) -> None:
     with pytest.raises(PermissionDenied):
         engine.stash.refill("s2", ("s2", 1), PAGE)
