@@ -26,6 +26,7 @@ reservations; no lock (the engine's gate is held around every call).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -111,9 +112,10 @@ class Stashes:
         self, owner: str, process: ProcessRef, token: int, npages: int, quota: int, extra: int = 0
     ) -> list[Run]:
         """``npages`` free pages (evicting LRU entries as a put does), and up to ``extra``
-        more of the pages free now (never evicting for them: a stash's spare pages must not
-        cost the pool entries), held for ``process``, which knows them by ``token``;
-        recorded in the index before anyone is told of them.
+        more, held for ``process``, which knows them by ``token``; recorded in the index
+        before anyone is told of them. The spare pages evict nothing unless ``npages``
+        had to: a pool with room left keeps every entry while clients fill it, and a full
+        one, where every put evicts anyway, hands out a whole refill at a time.
 
         Raises:
             QuotaExceeded: ``owner`` would have more than ``quota`` bytes in unfinished puts
@@ -127,6 +129,7 @@ class Stashes:
                 "too many bytes in unfinished puts and stashes",
                 owner=owner, inflight=quota - left, nbytes=nbytes, limit=quota,
             )  # fmt: skip
+        full = self._t.alloc.num_free_pages + self._t.prealloc.pages < npages
         runs = self._t.reserve(npages)
         if runs is None:
             raise PoolExhausted(
@@ -136,8 +139,9 @@ class Stashes:
         spare = min(extra, (left - nbytes) // page_bytes)
         if self._t.alloc.num_free_pages < spare and self._t.prealloc.pages:
             self._t.alloc.free(self._t.prealloc.drain())  # free capacity on loan
-        spare = min(spare, self._t.alloc.num_free_pages)
-        if spare > 0 and (more := self._t.alloc.allocate(spare)) is not None:
+        if not full:
+            spare = min(spare, self._t.alloc.num_free_pages)
+        if spare > 0 and (more := self._t.take_pages(spare)) is not None:
             runs = [*runs, *more]
             npages += spare
             nbytes += spare * page_bytes
@@ -175,20 +179,17 @@ class Stashes:
         stash = self._puts.written.find(process, token)
         if stash is None:
             raise NotFound("no such stash (given back, or its process has exited)", stash_id=token)
-        free = {page for first, n in stash.runs for page in range(first, first + n)}
+        free = _merged(stash.runs)
         npages = 0
         for runs in wanted:
             for first, n in runs:
-                pages = range(first, first + n)
-                if not free.issuperset(pages):
+                if not _cut(free, first, n):
                     raise InvalidArgument(
                         "pages not in this stash (or named twice)",
                         stash_id=token, first_page=first, pages=n,
                     )  # fmt: skip
-                free.difference_update(pages)
                 npages += n
-        left = tuple(_as_runs(free))
-        self._puts.rehold(stash, left, stash.nbytes - npages * self._t.pool.page_bytes)
+        self._puts.rehold(stash, tuple(free), stash.nbytes - npages * self._t.pool.page_bytes)
 
     def _commit_taken(self, puts: Sequence[Stashed], now: float) -> list[tuple[Entry, bool]]:
         existing: list[Entry | None] = []
@@ -222,12 +223,31 @@ class Stashes:
         return out
 
 
-def _as_runs(pages: set[int]) -> list[Run]:
-    """Sorted page ids as runs of consecutive pages."""
-    runs: list[Run] = []
-    for page in sorted(pages):
-        if runs and runs[-1][0] + runs[-1][1] == page:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((page, 1))
-    return runs
+def _merged(runs: Sequence[Run]) -> list[Run]:
+    """``runs`` sorted, with runs that touch made one."""
+    out: list[Run] = []
+    for first, n in sorted(runs):
+        if out and out[-1][0] + out[-1][1] == first:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        elif n:
+            out.append((first, n))
+    return out
+
+
+def _cut(held: list[Run], first: int, n: int) -> bool:
+    """Take pages ``[first, first + n)`` out of ``held`` (sorted runs, none touching
+    another), in place; False, nothing changed, unless every one of them is in it.
+    Linear in the runs held, not in their pages."""
+    i = bisect.bisect_right(held, first, key=lambda run: run[0]) - 1
+    if n <= 0 or i < 0:
+        return False
+    start, count = held[i]
+    if first + n > start + count:
+        return False
+    pieces = []
+    if first > start:
+        pieces.append((start, first - start))
+    if start + count > first + n:
+        pieces.append((first + n, start + count - first - n))
+    held[i : i + 1] = pieces
+    return True
