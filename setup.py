@@ -2,8 +2,8 @@
 
 All metadata lives in pyproject.toml. This file only swaps in a ``build_py`` that runs
 grpcio-tools (a build requirement) first, so a wheel, an sdist build and ``pip install -e .``
-all get ``embcache_pb2.py`` and ``embcache_pb2.pyi`` (the gRPC stub is derived from them at
-import, ``proto/embcache/v1/services.py``).
+all get a ``_pb2.py`` and a ``_pb2.pyi`` per .proto file (the gRPC stub is derived from them
+at import, ``proto/embcache/v1/services.py``).
 """
 
 from __future__ import annotations

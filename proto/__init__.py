@@ -1,4 +1,4 @@
-"""The wire contract (``proto/embcache/v1/embcache.proto``) and its generated Python stubs.
+"""The wire contract (``proto/embcache/v1/*.proto``) and its generated Python stubs.
 
 The stubs are generated at build/install time by ``setup.py``. A source checkout that runs
 without an install (or after the .proto changed) gets them generated on first import by

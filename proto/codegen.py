@@ -21,8 +21,19 @@ import tempfile
 from pathlib import Path
 
 PROTO_ROOT = Path(__file__).resolve().parent
-PROTO_FILES = ("embcache/v1/embcache.proto",)
+# The service first; it imports the others publicly, so its module offers every message.
+PROTO_FILES = (
+    "embcache/v1/embcache.proto",
+    "embcache/v1/puts.proto",
+    "embcache/v1/gets.proto",
+    "embcache/v1/admin.proto",
+    "embcache/v1/session.proto",
+)
 _DIGEST_PREFIX = "# embcache-proto-digest: "
+# protoc names a module by its .proto path ("embcache.v1.puts_pb2"); in this package the
+# modules live under embcache.proto, so the imports between them are rewritten to that.
+_PROTOC_PACKAGE = "embcache.v1"
+_PACKAGE = "embcache.proto.embcache.v1"
 
 
 def source_digest(root: Path = PROTO_ROOT) -> str:
@@ -102,12 +113,24 @@ def _run_protoc(root: Path) -> list[Path]:
             raise RuntimeError(f"protoc failed on {', '.join(PROTO_FILES)}")
         for target in generated_paths(root):
             rel = target.relative_to(root)
-            text = (Path(tmp) / rel).read_text(encoding="utf-8")
+            text = _in_package((Path(tmp) / rel).read_text(encoding="utf-8"))
             staged = target.with_name(f".{target.name}.{os.getpid()}.tmp")
             staged.write_text(header + text, encoding="utf-8")
             os.replace(staged, target)
             written.append(target)
     return written
+
+
+def _in_package(text: str) -> str:
+    """``text`` with its imports of the other generated modules made absolute in this
+    package (``from embcache.v1 import puts_pb2`` and ``from embcache.v1.puts_pb2 import *``
+    name a top-level ``embcache.v1`` that does not exist)."""
+    lines = text.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        for head in (f"from {_PROTOC_PACKAGE} import ", f"from {_PROTOC_PACKAGE}."):
+            if line.startswith(head):
+                lines[i] = line.replace(_PROTOC_PACKAGE, _PACKAGE, 1)
+    return "".join(lines)
 
 
 if __name__ == "__main__":

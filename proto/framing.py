@@ -29,7 +29,7 @@ from embcache.proto.embcache.v1 import embcache_pb2 as pb
 # PutRequest.chunk and GetBytesResponse.chunk: field 2, wire type 2 (length-delimited)
 CHUNK_TAG = (2 << 3) | 2
 FRAME_HEADER = struct.Struct("<I")  # session socket: the length of the message that follows
-# Field numbers of the messages an inline put's frame nests (embcache.proto).
+# Field numbers of the messages an inline put's frame nests (session.proto, puts.proto).
 _REQUEST_CALL, _CALL_ID, _CALL_PUT, _CALL_PUT_BATCH = 3, 1, 6, 7
 _PUT_HEADER, _PUT_DATA, _BATCH_ITEMS = 1, 2, 1
 

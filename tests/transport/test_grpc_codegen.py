@@ -20,18 +20,42 @@ PROTO = codegen.PROTO_ROOT / codegen.PROTO_FILES[0]
 
 
 def test_stubs_regenerate_when_missing_or_stale(tmp_path: Path) -> None:
+    for name in codegen.PROTO_FILES:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(codegen.PROTO_ROOT / name, tmp_path / name)
     target = tmp_path / codegen.PROTO_FILES[0]
-    target.parent.mkdir(parents=True)
-    shutil.copy(PROTO, target)
     assert codegen.is_stale(tmp_path)
     written = codegen.generate(tmp_path)
     # The messages only: the gRPC stub is derived from their descriptor (services.py).
-    assert {p.name for p in written} == {"embcache_pb2.py", "embcache_pb2.pyi"}
+    stems = [Path(name).stem for name in codegen.PROTO_FILES]
+    assert {p.name for p in written} == {f"{s}_pb2{ext}" for s in stems for ext in (".py", ".pyi")}
     assert not (target.parent / "embcache_pb2_grpc.py").exists()
+    # the modules import each other inside this package, never a top-level embcache.v1
+    for path in written:
+        for line in path.read_text().splitlines():
+            assert not line.startswith("from embcache.v1"), (path.name, line)
     assert not codegen.is_stale(tmp_path) and codegen.generate(tmp_path) == []
-    target.write_text(target.read_text() + "\n// changed\n")
+    part = tmp_path / codegen.PROTO_FILES[-1]
+    part.write_text(part.read_text() + "\n// changed\n")  # any part makes every stub stale
     assert codegen.is_stale(tmp_path)
-    assert len(codegen.generate(tmp_path)) == 2 and not codegen.is_stale(tmp_path)
+    assert len(codegen.generate(tmp_path)) == len(written) and not codegen.is_stale(tmp_path)
+
+
+def test_the_service_module_offers_every_message_of_the_contract() -> None:
+    from embcache.proto.embcache.v1 import embcache_pb2 as pb
+
+    files = [pb.DESCRIPTOR, *pb.DESCRIPTOR.public_dependencies]
+    assert len(files) == len(codegen.PROTO_FILES)
+    for file in files:
+        assert file.package == "embcache.v1"
+        for name, message in file.message_types_by_name.items():
+            assert getattr(pb, name).DESCRIPTOR is message
+            assert message.full_name == f"embcache.v1.{name}"
+    service = pb.DESCRIPTOR.services_by_name["EmbeddingCache"]
+    for method in service.methods:
+        assert getattr(pb, method.input_type.name).DESCRIPTOR is method.input_type
+        assert getattr(pb, method.output_type.name).DESCRIPTOR is method.output_type
+    assert pb.EvictOutcome.Value("EVICTED") == pb.EVICTED
 
 
 def test_installed_stubs_are_current() -> None:
@@ -94,9 +118,9 @@ def _grpc_tools_module(tmp_path: Path):
         timeout=60,
     )
     path = tmp_path / "embcache" / "v1" / "embcache_pb2_grpc.py"
+    # it imports each message from the module of the file that declares it
     text = path.read_text().replace(
-        "from embcache.v1 import embcache_pb2 as",
-        "from embcache.proto.embcache.v1 import embcache_pb2 as",
+        "from embcache.v1 import ", "from embcache.proto.embcache.v1 import "
     )
     path.write_text(text)
     spec = importlib.util.spec_from_file_location("_generated_pb2_grpc", path)
@@ -148,7 +172,7 @@ INDEPENDENT_CLIENT = textwrap.dedent(
     """
     import sys, threading, zlib
     import grpc
-    import embcache_pb2 as pb, embcache_pb2_grpc as rpc
+    from embcache.v1 import embcache_pb2 as pb, embcache_pb2_grpc as rpc
 
     target = sys.argv[1]
     data = bytes(range(256)) * 5000  # 1.28 MB: two chunks
@@ -205,26 +229,33 @@ def server(shm_name: str) -> Iterator[GrpcServerThread]:
 
 
 def test_independently_generated_client_interoperates(server, tmp_path: Path) -> None:
-    # Only the .proto goes to the other side: generate, import and call from a fresh process.
-    shutil.copy(PROTO, tmp_path / "embcache.proto")
+    # Only the .proto files go to the other side, in their embcache/v1 layout: generate,
+    # import and call from a fresh process (whose own embcache.v1 package comes first).
+    protos, gen = tmp_path / "protos", tmp_path / "gen"
+    for name in codegen.PROTO_FILES:
+        (protos / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(codegen.PROTO_ROOT / name, protos / name)
+    gen.mkdir()
     subprocess.run(
         [
             sys.executable,
             "-m",
             "grpc_tools.protoc",
-            f"-I{tmp_path}",
-            f"--python_out={tmp_path}",
-            f"--grpc_python_out={tmp_path}",
-            str(tmp_path / "embcache.proto"),
+            f"-I{protos}",
+            f"--python_out={gen}",
+            f"--grpc_python_out={gen}",
+            *(str(protos / name) for name in codegen.PROTO_FILES),
         ],
         check=True,
         timeout=60,
     )
-    (tmp_path / "client.py").write_text(INDEPENDENT_CLIENT)
+    (gen / "embcache" / "__init__.py").touch()
+    (gen / "embcache" / "v1" / "__init__.py").touch()
+    (gen / "client.py").write_text(INDEPENDENT_CLIENT)
     for target in (f"unix:{server.service.socket_path}", f"127.0.0.1:{server.service.ports[0]}"):
         done = subprocess.run(
-            [sys.executable, str(tmp_path / "client.py"), target],
-            cwd=tmp_path,
+            [sys.executable, str(gen / "client.py"), target],
+            cwd=gen,
             capture_output=True,
             text=True,
             timeout=60,
