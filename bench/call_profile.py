@@ -154,7 +154,7 @@ def main() -> None:
         proc = subprocess.Popen(flags, stdout=subprocess.PIPE, text=True)
         try:
             ready = json.loads(read_line(proc, '"event": "ready"', 180))
-            assert ready["session_lane"]
+            assert ready["session_socket"]
             copies = 256 << 10 if "copies" in name else 0  # get as copies after the result
             target = f"unix:{tmp / 'd.sock'}"
             with EmbCacheClient(target, timeout=30, copy_gets_up_to=copies) as client:

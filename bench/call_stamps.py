@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment, print_environment, save_json
 
 from embcache.clients import EmbCacheClient
-from embcache.clients._backends import sync_uds
+from embcache.clients._backends import sync_socket_session
 from embcache.clients.device import exports
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.daemon_process import read_line, serve_command, stop
@@ -48,7 +48,7 @@ from embcache.service.engine.device_puts import PendingPut
 from embcache.service.transport import device_get
 from embcache.service.transport.handlers import device, device_puts
 from embcache.service.transport.session import calls, host_puts, inline_gets
-from embcache.service.transport.uds import connection
+from embcache.service.transport.session_socket import connection
 
 out, argv = sys.argv[1], sys.argv[2:]
 stamps = []
@@ -126,8 +126,8 @@ def client_stamps(log: list[tuple[str, float]]) -> Callable[[], None]:
         undo.append(lambda: setattr(owner, attr, real))
 
     around(exports, "export_cuda", "client: exports", "client: exported")
-    around(sync_uds.UdsSession, "_send_frame", "client: sends", None)
-    around(sync_uds.UdsSession, "call_with_payload", None, "client: result arrived")
+    around(sync_socket_session.SocketSession, "_send_frame", "client: sends", None)
+    around(sync_socket_session.SocketSession, "call_with_payload", None, "client: result arrived")
 
     def restore() -> None:
         for u in undo:

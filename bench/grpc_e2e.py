@@ -6,7 +6,7 @@ Starts ``embcache serve`` and a baseline server (a trivial client-streaming serv
 parses and discards the same PutRequest chunks) as subprocesses, measures both from this
 process over a Unix socket and TCP loopback, and reports MiB/s and the ratio to the
 baseline measured in the same run. Also: zero-copy ``get`` latency (shared memory) and
-``get_bytes`` throughput, and the round trip of a session call on the daemon's session lane and
+``get_bytes`` throughput, and the round trip of a session call on the daemon's session socket and
 on a gRPC Session stream. With CUDA, two more daemons with a 1 GiB device pool (session calls
 on the lane, then on the gRPC Session stream): get-to-device
 latency for 1 x 4 MiB (cold and resident hit), GB/s for 16 x 4 MiB cold with fragmented device
@@ -42,7 +42,7 @@ from _common import CpuMeter, git_commit, latencies_us
 
 from embcache.clients import EmbCacheClient
 from embcache.clients._backends.sync_session import Session
-from embcache.clients._backends.sync_uds import UdsSession
+from embcache.clients._backends.sync_socket_session import SocketSession
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.config import parse_cpu_list
 from embcache.service.daemon_process import DaemonProcess, read_line, stop
@@ -171,8 +171,8 @@ def measure_floor(target: str, base_target: str, iters: int = 500) -> dict[str, 
             sent.put(req)
             next(replies)
 
-        lane = client._conn.open_session()  # the daemon's session lane (lane.py)
-        assert isinstance(lane, UdsSession), "the daemon serves no session lane"
+        lane = client._conn.open_session()  # the daemon's session socket (lane.py)
+        assert isinstance(lane, SocketSession), "the daemon serves no session socket"
         stream = Session(
             client._conn.stub, client._conn.auth, "bench", 10.0
         )  # a gRPC Session stream
@@ -350,12 +350,12 @@ def device_gets(
     target: str, iters: int, rounds: int, daemon_pid: int, lane: bool
 ) -> dict[str, Any]:
     """get-to-device over gRPC (the client's tensors are on the GPU when timed); session
-    calls over the daemon's session lane, or (``lane=False``) over the gRPC Session stream."""
+    calls over the daemon's session socket, or (``lane=False``) over the gRPC Session stream."""
     from embcache.kernels import cuda_mem
 
     entry = 4 * MiB
     out: dict[str, Any] = {}
-    with EmbCacheClient(target, session_lane=lane) as client:
+    with EmbCacheClient(target, session_socket=lane) as client:
         keys = [f"cold-{i}" for i in range(3 * iters)]
         for i, key in enumerate(keys):
             client.put(key, torch.full((entry,), i % 251, dtype=torch.uint8))
@@ -570,7 +570,7 @@ def main() -> None:
         f"(the floors); embcache Exists (unary) p50 {gets['exists_p50_us']:.0f} us"
     )
     print(
-        f"session call round trip (empty Release) p50: session lane "
+        f"session call round trip (empty Release) p50: session socket "
         f"{gets['session_lane_call_p50_us']:.0f} us, gRPC Session stream "
         f"{gets['session_stream_call_p50_us']:.0f} us"
     )
@@ -580,7 +580,7 @@ def main() -> None:
     if isinstance(gpu, str) or isinstance(stream, str):
         print(f"get-to-device: {gpu}")
     else:
-        print(f"get-to-device ({gpu['gpu']}); lane: Get on the session lane with a ready event")
+        print(f"get-to-device ({gpu['gpu']}); lane: Get on the session socket with a ready event")
         print("(the default); rpc: the Get RPC, reply once copied; stream: Get on the gRPC Session")
         print("stream with a ready event (no lane); all in the same run")
         head = f"{'1x4MiB cold p50/p99 us':>24}{'hit p50/p99 us':>17}{'16x4MiB frag GB/s':>19}"

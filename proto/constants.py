@@ -12,7 +12,9 @@ SESSION_KEY = "x-embcache-session"  # the session a call's leases belong to
 ERROR_TYPE_KEY = "embcache-error"  # trailing metadata: the error's type name
 
 # The session socket: Session calls over a plain Unix socket beside the gRPC one.
-UDS_SUFFIX = ".lane"  # it listens at the gRPC socket's path plus this
+SESSION_SOCKET_SUFFIX = ".lane"  # it listens at the gRPC socket's path plus this
+# Its `transport` in metrics labels and session listings (fixed names: docs/grpc.md).
+SESSION_SOCKET_LABEL = "lane"
 
 SLOT_ALIGN = 16  # GetInto packs entries at offsets that are multiples of this
 # A host get's entries sent as copies after its result, at most this many bytes per reply

@@ -145,8 +145,11 @@ class Daemon:
                 await asyncio.sleep(0.01)
             if grpc_service.socket_path:
                 os.chmod(grpc_service.socket_path, int(s.socket_mode, 8))
-            if grpc_service.uds is not None and grpc_service.uds.path is not None:
-                os.chmod(grpc_service.uds.path, int(s.socket_mode, 8))
+            if (
+                grpc_service.session_socket is not None
+                and grpc_service.session_socket.path is not None
+            ):
+                os.chmod(grpc_service.session_socket.path, int(s.socket_mode, 8))
             self._announce(grpc_service, http_sock.getsockname()[1], engine)
             _sd_notify("READY=1")
             engine.start_verifier()  # adopted entries: checked from now on, and when read
@@ -192,13 +195,18 @@ class Daemon:
         ports = list(getattr(grpc_service, "ports", []) or [])
         pipe = mps.control_pipe()
         segment, pools = engine.host_segment(), engine.device.pools
-        lanes = getattr(grpc_service, "uds", None)
+        sock = getattr(grpc_service, "session_socket", None)
+        sock_path = str(sock.path) if sock is not None and sock.path else None
+        sock_port = grpc_service.servicer.session_socket_tcp_port or None
         ready = {
             "event": "ready",
             "grpc_port": ports[0] if ports else None,
             "grpc_socket": str(grpc_service.socket_path) if grpc_service.socket_path else None,
-            "session_lane": str(lanes.path) if lanes is not None and lanes.path else None,
-            "tcp_lane_port": grpc_service.servicer.tcp_lane_port or None,
+            "session_socket": sock_path,
+            "session_socket_tcp_port": sock_port,
+            # the same two under their former names, for tools written against them
+            "session_lane": sock_path,
+            "tcp_lane_port": sock_port,
             "http_port": http_port,
             "shm_name": segment.name,
             "cuda": segment.registered,
@@ -234,10 +242,10 @@ def listening_lines(settings: Settings, ready: dict[str, Any]) -> list[str]:
         lines.append(f"gRPC listening on {_host_port(s.grpc_host, ready['grpc_port'])}{tls}")
     if ready.get("grpc_socket"):
         lines.append(f"gRPC listening on unix:{ready['grpc_socket']}")
-    if ready.get("session_lane"):
-        lines.append(f"session socket listening on unix:{ready['session_lane']}")
-    if ready.get("tcp_lane_port"):
-        where = _host_port(s.grpc_host, ready["tcp_lane_port"])
+    if ready.get("session_socket"):
+        lines.append(f"session socket listening on unix:{ready['session_socket']}")
+    if ready.get("session_socket_tcp_port"):
+        where = _host_port(s.grpc_host, ready["session_socket_tcp_port"])
         lines.append(f"session socket listening on TCP {where}")
     if ready.get("ipc_socket"):
         lines.append(f"device-pool fd socket listening on unix:{ready['ipc_socket']}")

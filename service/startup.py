@@ -16,7 +16,7 @@ import socket
 import ssl
 from pathlib import Path
 
-from embcache.proto.constants import UDS_SUFFIX
+from embcache.proto.constants import SESSION_SOCKET_SUFFIX
 from embcache.service.config import Settings
 from embcache.service.sizes import format_size
 from embcache.service.transport.sockets import prepare_socket_path
@@ -62,9 +62,9 @@ def unix_sockets(settings: Settings) -> list[tuple[str, Path]]:
     out = []
     if settings.grpc_socket is not None:
         out.append(("grpc_socket", settings.grpc_socket))
-        if settings.uds_sessions:  # the session socket beside it
+        if settings.session_socket:  # the session socket beside it
             out.append(("grpc_socket", settings.grpc_socket.with_name(
-                settings.grpc_socket.name + UDS_SUFFIX)))  # fmt: skip
+                settings.grpc_socket.name + SESSION_SOCKET_SUFFIX)))  # fmt: skip
     if settings.ipc_socket is not None:  # the fd socket, when set explicitly
         out.append(("ipc_socket", settings.ipc_socket))
     return out

@@ -51,7 +51,8 @@ class AsyncEmbCacheClient:
         certificate_chain: bytes | None = None,
         client_name: str | None = None,
         options: Sequence[tuple[str, Any]] = (),
-        session_lane: bool = True,
+        session_socket: bool = True,
+        session_lane: bool | None = None,
         spin_us: int = SPIN_US,
         copy_gets_up_to: int = COPY_GETS_UP_TO,
     ) -> None:
@@ -71,8 +72,8 @@ class AsyncEmbCacheClient:
             client_name: shown by the daemon for this client's session (default:
                 ``<program>:<pid>``, e.g. ``encode.py:12345``).
             options: extra gRPC channel options, after embcache's own.
-            session_lane: use the daemon's session socket when it has one (False: always
-                a gRPC Session stream).
+            session_socket: use the daemon's session socket when it has one (False: always
+                a gRPC Session stream); ``session_lane`` is its former name.
             spin_us: the blocking client polls the Unix session socket without sleeping
                 for up to this long before it sleeps (0: never; docs/grpc.md).
             copy_gets_up_to: on the daemon's node, host entries of at most this many bytes
@@ -91,7 +92,7 @@ class AsyncEmbCacheClient:
             certificate_chain=certificate_chain,
             client_name=client_name,
             options=options,
-            session_lane=session_lane,
+            session_socket=session_socket if session_lane is None else session_lane,
             spin_us=spin_us,
         )
         self.target = self._conn.target

@@ -25,7 +25,7 @@ import grpc
 from embcache.clients._async.session_opener import TCP_CONNECT_S, AsyncSessionOpener
 from embcache.clients._backends.async_io import CallFn, Lock, Pump, connect, run_blocking, sleep
 from embcache.clients._backends.async_session import AsyncSession
-from embcache.clients._backends.async_uds import AsyncUdsSession
+from embcache.clients._backends.async_socket_session import AsyncSocketSession
 from embcache.clients.core.channel import auth_metadata
 from embcache.clients.core.errors import RpcFailed, from_call_error, translate
 from embcache.clients.core.identity import default_client_name, default_token
@@ -63,7 +63,7 @@ class AsyncConnection:
         certificate_chain: bytes | None,
         client_name: str | None,
         options: Sequence[tuple[str, Any]],
-        session_lane: bool,
+        session_socket: bool,
         spin_us: int,
     ) -> None:
         """Prepare the connection (the client's constructor documents the arguments);
@@ -88,11 +88,11 @@ class AsyncConnection:
             target,
             token,
             default_client_name(client_name)[:256],
-            session_lane=session_lane,
+            session_socket=session_socket,
             secure=tls or root_certificates is not None or private_key is not None,
             spin_s=max(spin_us, 0) / 1e6,
         )
-        self.session: AsyncSession | AsyncUdsSession | None = None  # changed under the lock
+        self.session: AsyncSession | AsyncSocketSession | None = None  # changed under the lock
         self._session_lock = Lock()
         self._closed = False
         self.views = ViewLeases()  # leases held until their block ends and views are gone
@@ -106,14 +106,14 @@ class AsyncConnection:
         assert session.session_id is not None
         return session.session_id
 
-    async def open_session(self) -> AsyncSession | AsyncUdsSession:
+    async def open_session(self) -> AsyncSession | AsyncSocketSession:
         """The live session, opened (with the retries of a call) if there is none."""
         async with self._session_lock:
             if self._closed:
                 raise RpcFailed("client is closed", "CANCELLED")
             return await self._live_session(retry=True)
 
-    async def _live_session(self, *, retry: bool) -> AsyncSession | AsyncUdsSession:
+    async def _live_session(self, *, retry: bool) -> AsyncSession | AsyncSocketSession:
         """Lock held: the session, or a new one if it ended (``retry``: with the retries of
         a call, else one short try); the releases that waited for a session go out first
         on a new one."""
@@ -129,10 +129,10 @@ class AsyncConnection:
             await self._post_unsent(self.session)
         return self.session
 
-    async def _open_new(self, metadata: Any, timeout: float) -> AsyncSession | AsyncUdsSession:
+    async def _open_new(self, metadata: Any, timeout: float) -> AsyncSession | AsyncSocketSession:
         return await self.opener.open(metadata, timeout, self.timeout)
 
-    async def _post_unsent(self, session: AsyncSession | AsyncUdsSession) -> None:
+    async def _post_unsent(self, session: AsyncSession | AsyncSocketSession) -> None:
         """Send on ``session`` the releases that found no live session (``core/views.py``):
         the daemon ends the holds it kept for this process's views (its quarantine) when
         they come from a session of the same process, and no one else's."""

@@ -3,7 +3,7 @@
 A session's calls and results are those of the blocking client's (``sync_session``): the
 daemon names the session when it opens, each call has an id, and the result of a call whose
 caller gave up has its leases released. Here a task reads the results and futures wait for
-them; ``async_uds`` carries the same over the session socket.
+them; ``async_socket_session`` carries the same over the session socket.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from embcache.proto.framing import call_message
 
 
 class AsyncCalls(abc.ABC):
-    """An asyncio session of either transport (a gRPC Session stream here, the session socket in
-    ``async_uds.py``): the task that reads results, the call ids and the futures that wait for
-    them, the deadline, and the leases of results nobody waits for. A subclass reads and
-    sends messages, ends its transport and names the errors of that transport."""
+    """An asyncio session of either transport (a gRPC Session stream here, the session
+    socket in ``async_socket_session.py``): the task that reads results, the call ids and the
+    futures that wait for them, the deadline, and the leases of results nobody waits for. A
+    subclass reads and sends messages, ends its transport and names the errors of that
+    transport."""
 
     transport_errors: tuple[type[BaseException], ...] = ()
     what = "the session"

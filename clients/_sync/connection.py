@@ -26,7 +26,7 @@ import grpc
 
 from embcache.clients._backends.sync_io import CallFn, Lock, Pump, connect, run_blocking, sleep
 from embcache.clients._backends.sync_session import Session
-from embcache.clients._backends.sync_uds import UdsSession
+from embcache.clients._backends.sync_socket_session import SocketSession
 from embcache.clients._sync.session_opener import TCP_CONNECT_S, SessionOpener
 from embcache.clients.core.channel import auth_metadata
 from embcache.clients.core.errors import RpcFailed, from_call_error, translate
@@ -65,7 +65,7 @@ class Connection:
         certificate_chain: bytes | None,
         client_name: str | None,
         options: Sequence[tuple[str, Any]],
-        session_lane: bool,
+        session_socket: bool,
         spin_us: int,
     ) -> None:
         """Prepare the connection (the client's constructor documents the arguments);
@@ -90,11 +90,11 @@ class Connection:
             target,
             token,
             default_client_name(client_name)[:256],
-            session_lane=session_lane,
+            session_socket=session_socket,
             secure=tls or root_certificates is not None or private_key is not None,
             spin_s=max(spin_us, 0) / 1e6,
         )
-        self.session: Session | UdsSession | None = None  # changed under the lock
+        self.session: Session | SocketSession | None = None  # changed under the lock
         self._session_lock = Lock()
         self._closed = False
         self.views = ViewLeases()  # leases held until their block ends and views are gone
@@ -108,14 +108,14 @@ class Connection:
         assert session.session_id is not None
         return session.session_id
 
-    def open_session(self) -> Session | UdsSession:
+    def open_session(self) -> Session | SocketSession:
         """The live session, opened (with the retries of a call) if there is none."""
         with self._session_lock:
             if self._closed:
                 raise RpcFailed("client is closed", "CANCELLED")
             return self._live_session(retry=True)
 
-    def _live_session(self, *, retry: bool) -> Session | UdsSession:
+    def _live_session(self, *, retry: bool) -> Session | SocketSession:
         """Lock held: the session, or a new one if it ended (``retry``: with the retries of
         a call, else one short try); the releases that waited for a session go out first
         on a new one."""
@@ -131,10 +131,10 @@ class Connection:
             self._post_unsent(self.session)
         return self.session
 
-    def _open_new(self, metadata: Any, timeout: float) -> Session | UdsSession:
+    def _open_new(self, metadata: Any, timeout: float) -> Session | SocketSession:
         return self.opener.open(metadata, timeout, self.timeout)
 
-    def _post_unsent(self, session: Session | UdsSession) -> None:
+    def _post_unsent(self, session: Session | SocketSession) -> None:
         """Send on ``session`` the releases that found no live session (``core/views.py``):
         the daemon ends the holds it kept for this process's views (its quarantine) when
         they come from a session of the same process, and no one else's."""

@@ -16,8 +16,8 @@ from typing import Any
 import grpc
 
 from embcache.clients._backends.sync_session import Session
-from embcache.clients._backends.sync_uds import Address, UdsSession
-from embcache.clients.core.targets import tcp_address, uds_path
+from embcache.clients._backends.sync_socket_session import Address, SocketSession
+from embcache.clients.core.targets import session_socket_path, tcp_address
 from embcache.errors import QuotaExceeded
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
@@ -36,7 +36,7 @@ class SessionOpener:
         token: str | None,
         client_name: str,
         *,
-        session_lane: bool,
+        session_socket: bool,
         secure: bool,
         spin_s: float,
     ) -> None:
@@ -44,27 +44,29 @@ class SessionOpener:
         self._target = target
         self._token = token
         self._client_name = client_name
-        self._uds = uds_path(target) if session_lane else None
+        self._socket_path = session_socket_path(target) if session_socket else None
         self._spin_s = spin_s
         # The session socket on TCP speaks no TLS: a client that asked for TLS never uses it.
         # Turned off once the socket proved unreachable or the daemon has no Lanes RPC.
-        self.tcp_lane = session_lane and not secure and tcp_address(target, 0) is not None
+        self.socket_over_tcp = session_socket and not secure and tcp_address(target, 0) is not None
 
-    def open(self, metadata: Any, timeout: float, call_timeout: float) -> Session | UdsSession:
+    def open(self, metadata: Any, timeout: float, call_timeout: float) -> Session | SocketSession:
         """A session on the daemon's session socket if it has one, else a gRPC Session
         stream; ``timeout`` bounds the opening, ``call_timeout`` is the client's deadline."""
-        uds = self._open_uds(metadata, timeout, call_timeout)
-        return uds or Session.open(self._stub, metadata, self._client_name, timeout)
+        opened = self._open_socket(metadata, timeout, call_timeout)
+        return opened or Session.open(self._stub, metadata, self._client_name, timeout)
 
-    def _open_uds(self, metadata: Any, timeout: float, call_timeout: float) -> UdsSession | None:
+    def _open_socket(
+        self, metadata: Any, timeout: float, call_timeout: float
+    ) -> SocketSession | None:
         """A session on the daemon's session socket; None if it has none (this session uses
         gRPC; the next one looks for the socket again, e.g. after the daemon restarted)."""
-        address = self._uds or self._tcp_lane_address(metadata, timeout)
+        address = self._socket_path or self._socket_tcp_address(metadata, timeout)
         if address is None:
             return None
         tcp = isinstance(address, tuple)
         try:
-            return UdsSession.open(
+            return SocketSession.open(
                 address,
                 self._token,
                 self._client_name,
@@ -73,22 +75,22 @@ class SessionOpener:
             )
         except (OSError, TimeoutError) as err:
             if tcp:  # unreachable (a firewall, another network): gRPC from now on
-                self.tcp_lane = False
+                self.socket_over_tcp = False
             log.debug("no session socket at %s (%s): this session uses gRPC", address, err)
             return None
         except QuotaExceeded as err:  # the socket is at its connection cap: gRPC this time
             log.info("session socket at %s is full (%s): this session uses gRPC", address, err)
             return None
 
-    def _tcp_lane_address(self, metadata: Any, timeout: float) -> Address | None:
+    def _socket_tcp_address(self, metadata: Any, timeout: float) -> Address | None:
         """Where the daemon's session socket listens on TCP (the Lanes RPC), if it does."""
-        if not self.tcp_lane:
+        if not self.socket_over_tcp:
             return None
         try:
             reply = self._stub.Lanes(pb.LanesRequest(), timeout=timeout, metadata=metadata)
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise  # retried by the caller's loop (UNAVAILABLE) or translated
-            self.tcp_lane = False  # an older daemon
+            self.socket_over_tcp = False  # an older daemon
             return None
         return tcp_address(self._target, reply.tcp_port) if reply.tcp_port else None

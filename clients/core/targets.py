@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from embcache.proto.constants import UDS_SUFFIX
+from embcache.proto.constants import SESSION_SOCKET_SUFFIX
 
 
 def normalize_target(target: str) -> str:
@@ -12,7 +12,7 @@ def normalize_target(target: str) -> str:
     return target
 
 
-def uds_path(target: str) -> str | None:
+def session_socket_path(target: str) -> str | None:
     """The session socket of a daemon reached at ``target``: its Unix socket path plus
     ``.lane``; None for a TCP or abstract-socket target."""
     if not target.startswith("unix:") or target.startswith("unix-abstract:"):
@@ -20,7 +20,7 @@ def uds_path(target: str) -> str | None:
     path = target[len("unix:") :]
     if path.startswith("//"):  # unix:///abs/path
         path = path[2:]
-    return path + UDS_SUFFIX if path else None
+    return path + SESSION_SOCKET_SUFFIX if path else None
 
 
 def tcp_address(target: str, port: int) -> tuple[str, int] | None:

@@ -13,7 +13,10 @@ from typing import Any
 
 # Old setting names -> new ones; the old still work for one release (CHANGELOG).
 DEPRECATED_NAMES = {
-    "session_lane": "uds_sessions",
+    "session_lane": "session_socket",
+    "uds_sessions": "session_socket",
+    "tcp_lane": "session_socket_tcp",
+    "tcp_lane_port": "session_socket_tcp_port",
     "device_put_landing_bytes": "device_put_prealloc_bytes",
 }
 log = logging.getLogger("embcache.config")

@@ -25,21 +25,21 @@ class ListenerSettings(BaseModel):
     grpc_socket: Path | None = Field(
         None, description="gRPC Unix socket path (none: no Unix socket listener)."
     )
-    uds_sessions: bool = Field(
+    session_socket: bool = Field(
         True,
         description="With a gRPC Unix socket PATH, also serve Session calls on the session "
         "socket PATH.lane (length-prefixed messages without HTTP/2: a same-node round trip "
         "costs a fraction of gRPC's; docs/grpc.md). Same permissions and token as the gRPC "
         "socket.",
     )
-    tcp_lane: bool = Field(
+    session_socket_tcp: bool = Field(
         True,
         description="Also serve the session socket's framing on TCP, at grpc_host and "
-        "tcp_lane_port, for clients that reach gRPC over TCP; get_bytes sends its bytes raw "
-        "there (docs/grpc.md, 'The session socket on TCP'). Off with TLS, which it does not "
-        "speak; with an auth_token the hello must carry it.",
+        "session_socket_tcp_port, for clients that reach gRPC over TCP; get_bytes sends its "
+        "bytes raw there (docs/grpc.md, 'The session socket on TCP'). Off with TLS, which it "
+        "does not speak; with an auth_token the hello must carry it.",
     )
-    tcp_lane_port: int = Field(
+    session_socket_tcp_port: int = Field(
         0, ge=0, le=65535,
         description="TCP port of the session socket on TCP (0 = pick a free one; clients "
         "learn it from the Lanes RPC).",

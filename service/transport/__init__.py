@@ -2,6 +2,6 @@
 
 Below them, shared by all three: the status table (``status.py``), rendering of engine
 results (``render.py``), the one device-get flow (``device_get.py``), the call handlers
-(``handlers/``) and sessions (``session/``). ``grpc/``, ``uds/`` and ``http/`` never import
-each other (``pyproject.toml``, import-linter).
+(``handlers/``) and sessions (``session/``). ``grpc/``, ``session_socket/`` and ``http/``
+never import each other (``pyproject.toml``, import-linter).
 """

@@ -27,9 +27,12 @@ from embcache.service.engine import CacheEngine
 from embcache.service.transport.accounting import RpcMetrics
 from embcache.service.transport.grpc.server import GrpcService, start_grpc
 from embcache.service.transport.grpc.servicer import EmbeddingCacheServicer
+from embcache.service.transport.session_socket.admission import Admission
+from embcache.service.transport.session_socket.server import (
+    SessionSocketServer,
+    session_socket_path,
+)
 from embcache.service.transport.sockets import prepare_socket_path, unlink_socket
-from embcache.service.transport.uds.admission import Admission
-from embcache.service.transport.uds.server import UdsServer, uds_path
 
 log = logging.getLogger("embcache.transport")
 
@@ -37,10 +40,10 @@ log = logging.getLogger("embcache.transport")
 @dataclass
 class DataPlane:
     """A running gRPC server and its session socket (None with neither a gRPC Unix socket and
-    ``uds_sessions`` nor ``tcp_lane``)."""
+    ``session_socket`` nor ``session_socket_tcp``)."""
 
     grpc: GrpcService
-    uds: UdsServer | None = None  # the session socket
+    session_socket: SessionSocketServer | None = None
 
     @property
     def servicer(self) -> EmbeddingCacheServicer:
@@ -66,10 +69,10 @@ class DataPlane:
         """Stop accepting and give in-flight calls ``grace`` seconds on both; then the
         session socket's sessions end and the sockets go."""
         await self.grpc.stop_calls(grace)
-        if self.uds is not None:  # its calls had the same grace; their sessions end here
-            await self.uds.stop()
-            if self.uds.path is not None:
-                unlink_socket(self.uds.path)
+        if self.session_socket is not None:  # its calls had the same grace; their sessions end here
+            await self.session_socket.stop()
+            if self.session_socket.path is not None:
+                unlink_socket(self.session_socket.path)
         await self.grpc.close()
 
 
@@ -79,29 +82,39 @@ async def start_data_plane(
     """Start the session socket (first: a client that finds the gRPC socket finds it too)
     and the gRPC server for ``engine`` on the running loop; they share one servicer."""
     servicer = EmbeddingCacheServicer(engine, settings, metrics)
-    unix = settings.grpc_socket is not None and settings.uds_sessions
-    tcp = settings.tcp_lane and settings.tls_cert is None  # it does not speak TLS
-    uds = None
+    unix = settings.grpc_socket is not None and settings.session_socket
+    tcp = settings.session_socket_tcp and settings.tls_cert is None  # it does not speak TLS
+    sock = None
     if unix or tcp:
-        path = uds_path(Path(settings.grpc_socket)) if settings.grpc_socket and unix else None
+        path = (
+            session_socket_path(Path(settings.grpc_socket))
+            if settings.grpc_socket and unix
+            else None
+        )
         limits = Admission.of(settings, metrics)
-        uds = UdsServer(servicer.session_service, path, settings.auth_token, limits)
+        sock = SessionSocketServer(servicer.session_service, path, settings.auth_token, limits)
     try:
-        if uds is not None and uds.path is not None:
-            prepare_socket_path(uds.path)
-            await uds.start()
-        if uds is not None and tcp:
-            servicer.tcp_lane_port = await uds.start_tcp(settings.grpc_host, settings.tcp_lane_port)
-            log.debug("session socket on TCP at %s:%d", settings.grpc_host, servicer.tcp_lane_port)
+        if sock is not None and sock.path is not None:
+            prepare_socket_path(sock.path)
+            await sock.start()
+        if sock is not None and tcp:
+            servicer.session_socket_tcp_port = await sock.start_tcp(
+                settings.grpc_host, settings.session_socket_tcp_port
+            )
+            log.debug(
+                "session socket on TCP at %s:%d",
+                settings.grpc_host,
+                servicer.session_socket_tcp_port,
+            )
         grpc_service = await start_grpc(engine, settings, metrics, servicer)
     except BaseException:
-        if uds is not None:
-            await uds.stop()
-            if uds.path is not None:
-                unlink_socket(uds.path)
+        if sock is not None:
+            await sock.stop()
+            if sock.path is not None:
+                unlink_socket(sock.path)
         servicer.close()
         raise
-    return DataPlane(grpc_service, uds)
+    return DataPlane(grpc_service, sock)
 
 
 _shared: asyncio.AbstractEventLoop | None = None

@@ -189,7 +189,7 @@ def test_ports_match_the_settings(container: dict[str, Any], daemon_settings: Se
     assert ports == {
         "grpc": daemon_settings.grpc_port,
         "http": daemon_settings.http_port,
-        "lane": daemon_settings.tcp_lane_port,
+        "lane": daemon_settings.session_socket_tcp_port,
     }
     defaults = Settings()
     assert (daemon_settings.grpc_port, daemon_settings.http_port) == (

@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from embcache.clients import EmbCacheClient
-from embcache.clients._backends.sync_uds import UdsSession
+from embcache.clients._backends.sync_socket_session import SocketSession
 from embcache.errors import Unauthenticated
 from embcache.service.daemon_process import DaemonProcess, stop
 
@@ -156,7 +156,7 @@ def test_encoder_and_decoder_processes(daemon: Daemon) -> None:
 HOLDER = """
 import sys, time, torch
 from embcache.clients import EmbCacheClient
-client = EmbCacheClient(sys.argv[1], session_lane=sys.argv[2] != "stream")
+client = EmbCacheClient(sys.argv[1], session_socket=sys.argv[2] != "stream")
 client.put("held", torch.ones(1000))
 # Views, each with a lease: a session on the lane, or a gRPC stream ("stream").
 leased = client.get(["held"] * 5, zero_copy=True)
@@ -283,7 +283,7 @@ def test_device_rpcs_refused_cleanly_without_cuda(start_daemon) -> None:
         assert stub.Exists(pb.ExistsRequest(keys=["k"])).exists == [False]
 
 
-def test_a_client_finds_the_lane_again_after_a_daemon_restart(tmp_path: Path) -> None:
+def test_a_client_finds_the_session_socket_again_after_a_daemon_restart(tmp_path: Path) -> None:
     """A decoder outlives a daemon restart (a rolling update): its next session is on the new
     daemon's lane again, not on gRPC for good."""
     sock = str(tmp_path / "r.sock")
@@ -294,13 +294,13 @@ def test_a_client_finds_the_lane_again_after_a_daemon_restart(tmp_path: Path) ->
         with EmbCacheClient(f"unix:{sock}", timeout=10) as client:
             client.put("k", torch.ones(4))
             with client.get("k"):
-                assert isinstance(client._conn.session, UdsSession)
+                assert isinstance(client._conn.session, SocketSession)
             assert first.stop(timeout=30) == 0
             second = DaemonProcess(flags, timeout=60)
             client.put("k", torch.full((4,), 2.0))
             with client.get("k") as (t,):
                 assert torch.equal(t, torch.full((4,), 2.0))
-                assert isinstance(client._conn.session, UdsSession)
+                assert isinstance(client._conn.session, SocketSession)
     finally:
         stop(first.proc, timeout=10, sig=signal.SIGKILL)
         if second is not None:

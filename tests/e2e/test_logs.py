@@ -58,7 +58,7 @@ def test_one_format_and_one_ready_event(fmt: str) -> None:
     # One line per listener, the HTTP one with its URL and the paths an operator opens.
     http = f"http://127.0.0.1:{ready['http_port']}"
     assert f"gRPC listening on 127.0.0.1:{ready['grpc_port']}" in text
-    assert f"session socket listening on TCP 127.0.0.1:{ready['tcp_lane_port']}" in text
+    assert f"session socket listening on TCP 127.0.0.1:{ready['session_socket_tcp_port']}" in text
     assert f"HTTP listening on {http}/" in text
     for path in ("/docs", "/metrics"):
         assert f"{http}{path}" in text
@@ -73,7 +73,7 @@ def test_unix_socket_listeners_are_announced() -> None:
 
     with tempfile.TemporaryDirectory(prefix="ecl-") as folder:
         sock = f"{folder}/d.sock"
-        _, stderr = run_daemon("--grpc-socket", sock, "--tcp-lane", "off")
+        _, stderr = run_daemon("--grpc-socket", sock, "--session-socket-tcp", "off")
         text = "\n".join(stderr)
     assert f"gRPC listening on unix:{sock}" in text
     assert f"session socket listening on unix:{sock}.lane" in text

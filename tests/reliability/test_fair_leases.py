@@ -133,12 +133,12 @@ def _cli(d: dm.Daemon, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
 
 
-@pytest.mark.parametrize("over", ["lane", "tcp-lane", "grpc-stream"])
+@pytest.mark.parametrize("over", ["lane", "session-socket-tcp", "grpc-stream"])
 def test_sessions_are_listed_and_an_operator_drops_one(daemon: dm.Daemon, over: str) -> None:
     target = daemon.unix if over == "lane" else daemon.tcp
     name, stream = f"decoder-{over}", over == "grpc-stream"
     with EmbCacheClient(
-        target, timeout=30, client_name=name, retries=0, session_lane=not stream
+        target, timeout=30, client_name=name, retries=0, session_socket=not stream
     ) as client:
         client.put("ops/a", torch.ones(1024))
         client.put("ops/b", torch.ones(2048))

@@ -47,11 +47,13 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dm.Daemon]:
 def lane(d: dm.Daemon, over: str) -> socket.socket:
     """A raw connection to the session socket (nothing sent)."""
     if over == "tcp":
-        sock = socket.create_connection(("127.0.0.1", int(d.ready["tcp_lane_port"])), timeout=10)
+        sock = socket.create_connection(
+            ("127.0.0.1", int(d.ready["session_socket_tcp_port"])), timeout=10
+        )
     else:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(10)
-        sock.connect(str(d.ready["session_lane"]))
+        sock.connect(str(d.ready["session_socket"]))
     return sock
 
 

@@ -23,7 +23,7 @@ from relkit import figures
 from relkit import malformed_grpc as mg
 
 from embcache.clients import EmbCacheClient
-from embcache.clients._backends.sync_uds import UdsSession
+from embcache.clients._backends.sync_socket_session import SocketSession
 from embcache.errors import Unauthenticated
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.config import Settings
@@ -97,28 +97,29 @@ def test_listens_only_on_loopback_and_unix(which: str, request: pytest.FixtureRe
     inet, unix = listeners(d.pid)
     FIG[f"{which}_inet_listeners"] = [f"{ip}:{port}" for ip, port in inet]
     FIG[f"{which}_unix_listeners"] = unix
-    ports = {d.ready["grpc_port"], d.ready["http_port"], d.ready["tcp_lane_port"]}
+    ports = {d.ready["grpc_port"], d.ready["http_port"], d.ready["session_socket_tcp_port"]}
     assert {port for _, port in inet} == ports, inet  # the session socket's TCP port too
     assert all(loopback(ip) for ip, _ in inet), inet
-    # The gRPC socket and its session lane, with the same permissions, and nothing else.
+    # The gRPC socket and its session socket, with the same permissions, and nothing else.
     lane = f"{d.socket_path}.lane"
     assert sorted(unix) == [str(d.socket_path), lane], unix
-    assert d.ready["session_lane"] == lane
+    assert d.ready["session_socket"] == d.ready["session_lane"] == lane  # and its former name
+    assert d.ready["tcp_lane_port"] == d.ready["session_socket_tcp_port"]
     assert Path(lane).stat().st_mode & 0o777 == d.socket_path.stat().st_mode & 0o777 == 0o660
 
 
-def test_token_enforced_on_the_session_lane(guarded: dm.Daemon) -> None:
+def test_token_enforced_on_the_session_socket(guarded: dm.Daemon) -> None:
     """The lane's hello needs the token, on its Unix socket and on TCP; without it no
     session opens."""
     lanes = {
-        "session lane": f"{guarded.socket_path}.lane",
-        "session socket on TCP": ("127.0.0.1", guarded.ready["tcp_lane_port"]),
+        "session socket": f"{guarded.socket_path}.lane",
+        "session socket on TCP": ("127.0.0.1", guarded.ready["session_socket_tcp_port"]),
     }
     for name, address in lanes.items():
         for token in (None, "wrong"):
             with pytest.raises(Unauthenticated):
-                UdsSession(address, token, "audit", 5.0)
-        session = UdsSession(address, TOKEN, "audit", 5.0)
+                SocketSession(address, token, "audit", 5.0)
+        session = SocketSession(address, TOKEN, "audit", 5.0)
         try:
             assert session.call(5.0, release=pb.ReleaseRequest()).release.released == 0
         finally:

@@ -255,7 +255,7 @@ def test_async_client(server) -> None:
 def test_a_closed_client_refuses_calls(server, lane: bool) -> None:
     """After close() a get raises instead of opening a new session the daemon would keep."""
     _, thread = server
-    client = EmbCacheClient(f"unix:{thread.service.socket_path}", session_lane=lane)
+    client = EmbCacheClient(f"unix:{thread.service.socket_path}", session_socket=lane)
     client.put("k", torch.ones(2))
     with client.get("k") as (t,):
         assert t is not None
@@ -272,7 +272,7 @@ def test_a_closed_async_client_refuses_calls(server, lane: bool) -> None:
     _, thread = server
 
     async def scenario() -> None:
-        client = AsyncEmbCacheClient(f"unix:{thread.service.socket_path}", session_lane=lane)
+        client = AsyncEmbCacheClient(f"unix:{thread.service.socket_path}", session_socket=lane)
         await client.put("k", torch.ones(2))
         async with client.get("k") as (t,):
             assert t is not None

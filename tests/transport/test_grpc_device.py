@@ -26,9 +26,9 @@ import torch
 
 from embcache.clients import AsyncEmbCacheClient, EmbCacheClient
 from embcache.clients._backends.async_session import AsyncSession
-from embcache.clients._backends.async_uds import AsyncUdsSession
+from embcache.clients._backends.async_socket_session import AsyncSocketSession
 from embcache.clients._backends.sync_session import Session
-from embcache.clients._backends.sync_uds import UdsSession
+from embcache.clients._backends.sync_socket_session import SocketSession
 from embcache.clients.device import device_replies as dr
 from embcache.clients.device import exports, into, table_reads
 from embcache.clients.device import pools as client_device
@@ -640,10 +640,10 @@ def session_calls(monkeypatch) -> list[str]:  # type: ignore[no-untyped-def]
 
         monkeypatch.setattr(cls, "call", acall)
 
-    counted(Session)  # either transport: the gRPC Session stream or the session lane
-    counted(UdsSession)
+    counted(Session)  # either transport: the gRPC Session stream or the session socket
+    counted(SocketSession)
     acounted(AsyncSession)
-    acounted(AsyncUdsSession)
+    acounted(AsyncSocketSession)
     return kinds
 
 
@@ -742,8 +742,8 @@ def test_get_into_packs_and_copies(dev_server: Server, stub) -> None:
 def test_get_into_as_a_session_call(dev_server: Server) -> None:
     """GetInto in the session (the session socket's call, as the client sends it): the same
     copies, offsets and errors as the RPC, and the session's leases end with the call."""
-    from embcache.clients._backends.sync_uds import UdsSession
-    from embcache.clients.core.targets import uds_path
+    from embcache.clients._backends.sync_socket_session import SocketSession
+    from embcache.clients.core.targets import session_socket_path
 
     engine, service, fake = dev_server
     data = {"a": blob(1000, 1), "c": blob(77, 3)}
@@ -752,9 +752,9 @@ def test_get_into_as_a_session_call(dev_server: Server) -> None:
     buf = torch.zeros(MiB, dtype=torch.uint8)
     dest = pb.CudaIpcTensor(gpu_uuid=FAKE_GPU, ipc_handle=fake.register(buf), offset=0,
                             alloc_size=MiB, dtype="uint8", shape=[MiB])  # fmt: skip
-    lane = uds_path(f"unix:{service.socket_path}")
+    lane = session_socket_path(f"unix:{service.socket_path}")
     assert lane is not None
-    session = UdsSession(lane, None, "into", 10)
+    session = SocketSession(lane, None, "into", 10)
     try:
         assert session.serves_get_into
         request = pb.GetIntoRequest(
@@ -802,7 +802,7 @@ def test_get_into_runs_on_the_loop_once_nothing_can_block(dev_server: Server, mo
     fired yet is polled there, and the copies start only once it has fired. A new event
     (not open yet) sends the call back to a thread. Either way the bytes land at their
     slots and no lease outlives the call."""
-    from embcache.clients.core.targets import uds_path
+    from embcache.clients.core.targets import session_socket_path
 
     engine, service, fake = dev_server
     data = {"a": blob(1000, 1), "b": blob(2 * PAGE + 3, 2)}
@@ -815,9 +815,9 @@ def test_get_into_runs_on_the_loop_once_nothing_can_block(dev_server: Server, mo
                             alloc_size=MiB, dtype="uint8", shape=[MiB - 64],
                             event_handle=event)  # fmt: skip
     paths = into_paths(monkeypatch, service)
-    lane = uds_path(f"unix:{service.socket_path}")
+    lane = session_socket_path(f"unix:{service.socket_path}")
     assert lane is not None
-    session = UdsSession(lane, None, "into-loop", 10)
+    session = SocketSession(lane, None, "into-loop", 10)
     try:
 
         def call(offsets: list[int]) -> pb.SessionResult:

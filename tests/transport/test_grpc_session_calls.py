@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from embcache.clients import AsyncEmbCacheClient, EmbCacheClient
-from embcache.clients._backends.async_uds import AsyncUdsSession
-from embcache.clients._backends.sync_uds import UdsSession
+from embcache.clients._backends.async_socket_session import AsyncSocketSession
+from embcache.clients._backends.sync_socket_session import SocketSession
 from embcache.errors import InvalidArgument
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.embcache.v1 import services as pb_grpc
@@ -41,13 +41,13 @@ def target(server: tuple[CacheEngine, GrpcServerThread]) -> str:
 def test_client_gets_and_releases_on_its_session(server, lane: bool, wait_until) -> None:
     engine, thread = server
     calls = thread.service.servicer.metrics.calls
-    with EmbCacheClient(target(server), timeout=10, session_lane=lane) as client:
+    with EmbCacheClient(target(server), timeout=10, session_socket=lane) as client:
         src = torch.randn(300, 7)
         client.put("k", src)
         with client.get(["k", "nope"], zero_copy=True) as (got, miss):  # views: leased
             assert miss is None and torch.equal(got, src)
             assert client._conn.session is not None and client._conn.session.serves_calls
-            assert isinstance(client._conn.session, UdsSession) == lane
+            assert isinstance(client._conn.session, SocketSession) == lane
             assert engine.stats().leases_active == 1
         del got, miss  # the views are gone: the lease ends (the pump releases it)
         assert wait_until(lambda: engine.stats().leases_active == 0)
@@ -62,7 +62,7 @@ def test_client_gets_and_releases_on_its_session(server, lane: bool, wait_until)
 
 def test_errors_come_back_typed_and_the_stream_stays_open(server, lane: bool) -> None:
     engine, _ = server
-    with EmbCacheClient(target(server), timeout=10, session_lane=lane) as client:
+    with EmbCacheClient(target(server), timeout=10, session_socket=lane) as client:
         client.put("k", torch.ones(3))
         session = None
         for bad in (1e12, float("inf")):  # lease lifetimes the daemon refuses
@@ -81,7 +81,7 @@ def test_concurrent_calls_on_one_session(server, lane: bool, concurrently) -> No
     engine, _ = server
     data = {f"k{i}": torch.full((100 + i,), float(i)) for i in range(8)}
     sessions: set[int] = set()
-    with EmbCacheClient(target(server), timeout=10, session_lane=lane) as client:
+    with EmbCacheClient(target(server), timeout=10, session_socket=lane) as client:
         for k, t in data.items():
             client.put(k, t)
 
@@ -99,7 +99,7 @@ def test_concurrent_calls_on_one_session(server, lane: bool, concurrently) -> No
 
 def test_a_result_nobody_waits_for_has_its_leases_released(server, lane: bool, wait_until) -> None:
     engine, _ = server
-    with EmbCacheClient(target(server), timeout=10, session_lane=lane) as client:
+    with EmbCacheClient(target(server), timeout=10, session_socket=lane) as client:
         client.put("k", torch.ones(8))
         reply = client._conn.get_call(pb.GetRequest(keys=["k", "k"]))
         assert engine.stats().leases_active == 2
@@ -113,7 +113,7 @@ def test_daemon_without_session_calls_gets_rpcs(server, lane: bool) -> None:
     """A daemon that does not announce ``calls`` (an older one) is asked with RPCs."""
     _, thread = server
     calls = thread.service.servicer.metrics.calls
-    with EmbCacheClient(target(server), timeout=10, session_lane=lane) as client:
+    with EmbCacheClient(target(server), timeout=10, session_socket=lane) as client:
         client.put("k", torch.ones(2))
         client._conn.open_session().serves_calls = False
         with client.get("k", zero_copy=True) as (t,):  # a view: a call (a copy reads the table)
@@ -127,12 +127,12 @@ def test_async_client_uses_its_session(server, lane: bool) -> None:
     calls = thread.service.servicer.metrics.calls
 
     async def main() -> None:
-        async with AsyncEmbCacheClient(target(server), timeout=10, session_lane=lane) as client:
+        async with AsyncEmbCacheClient(target(server), timeout=10, session_socket=lane) as client:
             src = torch.arange(50.0)
             await client.put("a", src)
             views = (client.get(["a", "nope"], zero_copy=True) for _ in range(6))
             results = await asyncio.gather(*views)
-            assert isinstance(client._conn.session, AsyncUdsSession) == lane
+            assert isinstance(client._conn.session, AsyncSocketSession) == lane
             for leased in results:
                 async with leased as (got, miss):
                     assert miss is None and torch.equal(got, src)

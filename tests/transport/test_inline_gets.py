@@ -14,7 +14,7 @@ import torch
 
 from embcache.clients import AsyncEmbCacheClient, EmbCacheClient
 from embcache.clients._backends.sync_session import Session
-from embcache.clients._backends.sync_uds import UdsSession
+from embcache.clients._backends.sync_socket_session import SocketSession
 from embcache.clients.device.host_replies import decode_get
 from embcache.clients.device.shm import PoolMaps, mapped_segment
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
@@ -48,7 +48,7 @@ def test_small_entries_come_as_copies_and_large_ones_as_views(server_factory) ->
             client.put("big", big)
             keys = [*small, "big", "missing"]
             with client.get(keys) as got:
-                assert isinstance(client._conn.session, UdsSession)
+                assert isinstance(client._conn.session, SocketSession)
                 assert got[-1] is None
                 for key, g in zip(small, got, strict=False):
                     t = small[key]
@@ -134,7 +134,7 @@ def test_a_remote_client_gets_small_and_large_entries_in_one_call(
             monkeypatch.setattr(client._state.maps, "get", lambda handle: None)
             for _ in range(2):  # the first finds out the pool is not mappable here
                 with client.get([*data, "missing"]) as got:
-                    assert isinstance(client._conn.session, UdsSession)
+                    assert isinstance(client._conn.session, SocketSession)
                     assert got[-1] is None
                     for key, g in zip(data, got, strict=False):
                         assert g is not None and torch.equal(g, data[key]), key
@@ -186,6 +186,7 @@ def test_a_grpc_session_stream_ignores_the_wish(server_factory) -> None:
     with server_factory() as (engine, thread):
         engine.put("k", torch.ones(3))
         target = f"127.0.0.1:{thread.service.ports[0]}"
+        # session_lane: the former name of session_socket, still taken
         with EmbCacheClient(target, timeout=10, session_lane=False) as client:
             session = client._conn.open_session()
             assert isinstance(session, Session) and not session.serves_inline_gets
@@ -215,7 +216,7 @@ def test_a_reader_that_never_reads_its_copies_holds_no_lease(server_factory, wai
     with server_factory(host_pool_bytes=16 * MiB) as (engine, thread):
         for i in range(4):
             engine.put(f"k{i}", torch.zeros(256 * KiB, dtype=torch.uint8))
-        port = int(thread.service.servicer.tcp_lane_port)
+        port = int(thread.service.servicer.session_socket_tcp_port)
         sock = socket.create_connection(("127.0.0.1", port), timeout=10)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         hello = pb.SessionRequest(hello=pb.SessionHello(client_name="hostile", pid=1))

@@ -77,7 +77,9 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         self.host_pool = pool_handle_of(LocationRenderer(engine, settings).host_pool())
         self.device = DevicePlane(engine, settings, ipc)
         self.busy = BusyPoll(settings.busy_poll_us / 1e6)  # started with the server
-        self.tcp_lane_port = 0  # the session socket's TCP port, once it listens (serving.py)
+        self.session_socket_tcp_port = (
+            0  # the session socket's TCP port, once it listens (serving.py)
+        )
         handlers = DaemonHandlers(
             get=self._get,
             release=self._release,
@@ -98,7 +100,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
     async def Lanes(
         self, request: pb.LanesRequest, context: grpc.aio.ServicerContext
     ) -> pb.LanesResponse:
-        return pb.LanesResponse(tcp_port=self.tcp_lane_port)
+        return pb.LanesResponse(tcp_port=self.session_socket_tcp_port)
 
     @rpc("Session")
     async def Session(

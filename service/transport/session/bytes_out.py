@@ -7,7 +7,7 @@ bytes follow as they are, so a remote reader pays a socket's cost, not gRPC's.
 The bytes go to the transport as views of the pool, not copies, under a lease that lasts
 until the transport has let go of them. asyncio sends what the socket takes at once and keeps
 the rest (Python 3.11 copies it; 3.12 keeps the views themselves), so the lease ends only once
-the connection's write buffer is empty or the connection is gone (``uds/connection.py``,
+the connection's write buffer is empty or the connection is gone (``session_socket/connection.py``,
 ``_send_bytes``); ranges up to ``COPY_BYTES`` are copied instead and their lease ends before
 anything is sent. A reader that leaves the bytes unread past ``drain_deadline`` has its
 connection closed (which drops the views) before the lease would expire: no page is reused

@@ -1,7 +1,7 @@
 """An open session, whichever transport carries it: its calls, its hello, and its end.
 
 A session is opened by a gRPC ``Session`` stream or by a connection to the session socket
-(``uds/``). Either way its calls run through the same :class:`SessionCalls`, its leases
+(``session_socket/``). Either way its calls run through the same :class:`SessionCalls`, its leases
 belong to its id, and when the stream or connection ends, so does the session: its running
 calls are cancelled and everything it owned is dropped.
 """

@@ -1,5 +1,5 @@
 """The session service: opens the sessions that gRPC ``Session`` streams and the session
-socket (``uds/server.py``) carry, so that a session's calls, leases and end are the same
+socket (``session_socket/server.py``) carry, so that a session's calls, leases and end are the same
 whichever transport carries it, and ends them.
 
 It owns what belongs to sessions: their touch budgets per client (``touches.py``) and the
@@ -15,6 +15,7 @@ import os
 from collections.abc import Sequence
 
 from embcache import build_info
+from embcache.proto.constants import SESSION_SOCKET_LABEL
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
@@ -90,7 +91,7 @@ class SessionService:
             engine,
             self._host_pool,
             record.quota_owner,
-            writable=transport == "lane" and may_write_segment(peer, os.geteuid()),
+            writable=transport == SESSION_SOCKET_LABEL and may_write_segment(peer, os.geteuid()),
             writer=session_id if peer is not None else None,
         )
         calls = SessionCalls(

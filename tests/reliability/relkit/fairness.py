@@ -80,7 +80,7 @@ class RawLane:
 
 
 def lane_path(daemon_ready: dict[str, object]) -> Path:
-    return Path(str(daemon_ready["session_lane"]))
+    return Path(str(daemon_ready["session_socket"]))
 
 
 def put_messages(

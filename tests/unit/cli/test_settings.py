@@ -24,15 +24,23 @@ def test_serve_help_lists_every_setting_with_its_text() -> None:
 def test_renamed_settings_keep_their_old_names_for_one_release(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``session_lane`` is ``uds_sessions`` now and ``device_put_landing_bytes`` is
+    """The session socket's settings were ``uds_sessions`` (before that ``session_lane``),
+    ``tcp_lane`` and ``tcp_lane_port``, and ``device_put_landing_bytes`` is
     ``device_put_prealloc_bytes``; the old names still work as arguments, env vars and
     (hidden) flags."""
-    s = Settings(session_lane=False, device_put_landing_bytes="1MiB")  # type: ignore[call-arg]
-    assert s.uds_sessions is False and s.device_put_prealloc_bytes == 1 << 20
+    s = Settings(  # type: ignore[call-arg]
+        session_socket=False, tcp_lane=False, tcp_lane_port=7999, device_put_landing_bytes="1MiB"
+    )
+    assert s.session_socket is False and s.device_put_prealloc_bytes == 1 << 20
+    assert s.session_socket_tcp is False and s.session_socket_tcp_port == 7999
+    assert Settings(uds_sessions=False).session_socket is False  # type: ignore[call-arg]
     monkeypatch.setenv("EMBCACHE_SESSION_LANE", "false")
-    assert Settings().uds_sessions is False
-    assert Settings(uds_sessions=True).uds_sessions is True  # the new name wins
+    assert Settings().session_socket is False
+    assert Settings(session_socket=True).session_socket is True  # the new name wins
     monkeypatch.delenv("EMBCACHE_SESSION_LANE")
+    monkeypatch.setenv("EMBCACHE_TCP_LANE_PORT", "7998")
+    assert Settings().session_socket_tcp_port == 7998
+    monkeypatch.delenv("EMBCACHE_TCP_LANE_PORT")
     seen: list[Settings] = []
 
     probe = typer.Typer()
@@ -42,11 +50,15 @@ def test_renamed_settings_keep_their_old_names_for_one_release(
     def show(settings: Settings) -> None:
         seen.append(settings)
 
-    result = CliRunner().invoke(probe, ["--session-lane", "false", "--page-bytes", "4KiB"])
+    argv = ["--uds-sessions", "false", "--tcp-lane", "false", "--page-bytes", "4KiB"]
+    result = CliRunner().invoke(probe, argv)
     assert result.exit_code == 0, result.output
-    assert seen[0].uds_sessions is False and seen[0].page_bytes == 4096
+    assert seen[0].session_socket is False and seen[0].page_bytes == 4096
+    assert seen[0].session_socket_tcp is False
     help_text = CliRunner().invoke(probe, ["--help"], env={"COLUMNS": "250"}).output
-    assert "--uds-sessions" in help_text and "--session-lane" not in help_text  # hidden
+    assert "--session-socket " in help_text and "--session-socket-tcp-port" in help_text
+    for old in ("--session-lane", "--uds-sessions", "--tcp-lane"):
+        assert old not in help_text  # hidden
 
 
 def _serve_help(columns: int) -> str:

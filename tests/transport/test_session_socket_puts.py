@@ -14,7 +14,7 @@ import torch
 
 from embcache.clients import AsyncEmbCacheClient, EmbCacheClient
 from embcache.clients._async import host_puts
-from embcache.clients.core.targets import uds_path
+from embcache.clients.core.targets import session_socket_path
 from embcache.errors import InvalidArgument, MetadataConflict, QuotaExceeded
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.transport.session.host_puts import may_write_segment
@@ -47,7 +47,7 @@ class Raw:
     """A session on the session socket spoken by hand (frames of SessionRequest)."""
 
     def __init__(self, server) -> None:  # type: ignore[no-untyped-def]
-        path = uds_path(target(server))
+        path = session_socket_path(target(server))
         assert path is not None
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(10)
@@ -258,7 +258,7 @@ def test_a_peer_without_write_access_is_refused_and_streams(server_factory, monk
 # -- fallbacks and the asyncio client ----------------------------------------------------------
 def test_without_the_session_socket_puts_stream_over_grpc(server_factory) -> None:
     with server_factory() as server:
-        with EmbCacheClient(target(server), session_lane=False) as client:
+        with EmbCacheClient(target(server), session_socket=False) as client:
             tensor = torch.arange(5000, dtype=torch.int32)
             assert client.put("g", tensor) is True  # inline on the gRPC Session stream
             assert client.put_many({"h": tensor, "i": tensor}) == [True, True]

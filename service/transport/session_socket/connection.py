@@ -18,7 +18,7 @@ from typing import Protocol
 from google.protobuf.message import DecodeError
 
 from embcache.errors import EmbCacheError, QuotaExceeded, Unauthenticated
-from embcache.proto.constants import MAX_MESSAGE_BYTES
+from embcache.proto.constants import MAX_MESSAGE_BYTES, SESSION_SOCKET_LABEL
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.framing import FRAME_HEADER as HEADER
 from embcache.proto.framing import frame
@@ -28,17 +28,17 @@ from embcache.service.transport.session.open import OpenSession
 from embcache.service.transport.session.registry import PeerCreds, peer_address
 from embcache.service.transport.session.service import SessionService
 from embcache.service.transport.session.waiters import Gate
+from embcache.service.transport.session_socket import admission
+from embcache.service.transport.session_socket.admission import Admission
 from embcache.service.transport.sockets import keepalive, peer_credentials
 from embcache.service.transport.status import status_for
-from embcache.service.transport.uds import admission
-from embcache.service.transport.uds.admission import Admission
 
-log = logging.getLogger("embcache.uds")
+log = logging.getLogger("embcache.session_socket")
 SMALL_WRITE = 256 << 10  # a result and raw bytes up to this size go out in one write
 
 
 class Listener(Protocol):
-    """What a connection needs of the listener that accepted it (``server.UdsServer``)."""
+    """What a connection needs of the listener that accepted it (``server.SessionSocketServer``)."""
 
     service: SessionService
     limits: Admission
@@ -195,7 +195,11 @@ class SessionConnection(asyncio.Protocol):
                 self._stop_hello_timer()
                 self.server.opened(self)
                 self.session = self.server.service.open_session(
-                    self._send, "lane", self.peer, self._send_bytes, client=self._client()
+                    self._send,
+                    SESSION_SOCKET_LABEL,
+                    self.peer,
+                    self._send_bytes,
+                    client=self._client(),
                 )
                 self.session.calls.on_room = self._on_room
                 self.session.calls.send_now = self._send_now
@@ -327,7 +331,7 @@ class SessionConnection(asyncio.Protocol):
         """A connection refused or dropped, in the metrics as a failed Session call."""
         metrics = self.server.service.metrics
         if metrics is not None:
-            metrics.observe_rpc("lane", "Session", code, 0.0)
+            metrics.observe_rpc(SESSION_SOCKET_LABEL, "Session", code, 0.0)
 
     def close(self) -> None:
         """Close after what is buffered is sent; that ends the session."""
@@ -349,5 +353,5 @@ class SessionConnection(asyncio.Protocol):
 
     def _peer(self) -> str:
         if self.tcp and self.transport is not None:
-            return f"lane-tcp:{self.transport.get_extra_info('peername')}"
-        return f"lane:{self.server.path}"
+            return f"{SESSION_SOCKET_LABEL}-tcp:{self.transport.get_extra_info('peername')}"
+        return f"{SESSION_SOCKET_LABEL}:{self.server.path}"

@@ -37,7 +37,7 @@ PAYLOAD_STALL_S = 60.0  # a payload that makes no progress this long: the connec
 Address = str | tuple[str, int]  # a Unix socket's path, or a TCP (host, port)
 
 
-def connect_lane(address: Address, timeout: float) -> socket.socket:
+def connect_socket(address: Address, timeout: float) -> socket.socket:
     """A connected blocking socket to a session socket at ``address``."""
     if isinstance(address, tuple):
         sock = socket.create_connection(address, timeout=timeout)
@@ -75,7 +75,7 @@ class _Waiter:
         self.result: pb.SessionResult | None = None
 
 
-class UdsSession:
+class SocketSession:
     """One session on the session socket; the interface of :class:`~.sync_session.Session`."""
 
     def __init__(
@@ -83,7 +83,7 @@ class UdsSession:
     ) -> None:
         """Connect, say hello (with the token) and wait up to ``timeout`` for the session;
         later results are polled for ``spin_s`` without sleeping before the reader sleeps."""
-        sock = connect_lane(address, timeout)
+        sock = connect_socket(address, timeout)
         self._sock = sock
         self._spin_s = spin_s
         self._poll = select.poll()
@@ -140,7 +140,7 @@ class UdsSession:
     @classmethod
     def open(
         cls, address: Address, token: str | None, name: str, timeout: float, spin_s: float = 0.0
-    ) -> UdsSession:
+    ) -> SocketSession:
         """A new session (the constructor; named as the asyncio twin's, which must await)."""
         return cls(address, token, name, timeout, spin_s)
 

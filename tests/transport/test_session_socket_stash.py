@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from embcache.clients import EmbCacheClient
-from embcache.clients.core.targets import uds_path
+from embcache.clients.core.targets import session_socket_path
 from embcache.errors import PermissionDenied
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.transport.session.host_puts import SessionPuts
 
-from .test_lane_puts import Raw, calls_of, target
+from .test_session_socket_puts import Raw, calls_of, target
 
 KiB, MiB = 1 << 10, 1 << 20
 PAGE = 64 * KiB  # temp_server's pages
@@ -169,7 +169,7 @@ def test_a_bad_checksum_publishes_nothing_and_its_pages_go_back(server_factory) 
 def test_a_writer_killed_mid_put_leaves_its_pages_reclaimed(server_factory, wait_until) -> None:
     with server_factory(host_pool_bytes=4 * MiB) as server:
         total = free_pages(server)
-        path = uds_path(target(server))
+        path = session_socket_path(target(server))
         child = textwrap.dedent(
             f"""
             import mmap, os, socket, struct, time

@@ -22,9 +22,9 @@ Reading stops while the client does not read its results (the transport's writes
 and while the session has ``max_session_calls`` calls in flight; the messages already
 received wait in the buffer and are handled once a call ends.
 
-The same framing also listens on TCP (``start_tcp``; setting ``tcp_lane``) for clients that
-reach gRPC over TCP: no peer credentials there (no quarantine tie, no writable puts), TCP
-keepalive finds a peer that vanished, and the token is checked the same way. On either, a
+The same framing also listens on TCP (``start_tcp``; setting ``session_socket_tcp``) for
+clients that reach gRPC over TCP: no peer credentials there (no quarantine tie, no writable
+puts), TCP keepalive finds a peer that vanished, and the token is checked the same way. On either, a
 get_bytes result is followed by the entry's bytes raw (``session/bytes_out.py``).
 """
 
@@ -34,19 +34,19 @@ import asyncio
 import hmac
 from pathlib import Path
 
-from embcache.proto.constants import UDS_SUFFIX
+from embcache.proto.constants import SESSION_SOCKET_SUFFIX
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.transport.session.service import SessionService
-from embcache.service.transport.uds.admission import Admission
-from embcache.service.transport.uds.connection import SessionConnection
+from embcache.service.transport.session_socket.admission import Admission
+from embcache.service.transport.session_socket.connection import SessionConnection
 
 
-def uds_path(grpc_socket: Path) -> Path:
+def session_socket_path(grpc_socket: Path) -> Path:
     """Where the session socket listens for a gRPC Unix socket at ``grpc_socket``."""
-    return grpc_socket.with_name(grpc_socket.name + UDS_SUFFIX)
+    return grpc_socket.with_name(grpc_socket.name + SESSION_SOCKET_SUFFIX)
 
 
-class UdsServer:
+class SessionSocketServer:
     """The session socket's listener and its open connections."""
 
     def __init__(

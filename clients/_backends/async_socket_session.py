@@ -4,8 +4,8 @@ port for a client that reached gRPC over TCP).
 The messages of a gRPC Session stream, each after its 4-byte length
 (``embcache.proto.framing``); a task reads the results (``async_session.AsyncCalls``).
 Closing the connection ends the session: the daemon releases its leases. A posted release
-rides in front of the next call, in one write (``sync_uds``). The reading task also reads the
-raw bytes after a get_bytes result, for ``call_with_payload``.
+rides in front of the next call, in one write (``sync_socket_session``). The reading task
+also reads the raw bytes after a get_bytes result, for ``call_with_payload``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from embcache.clients._backends.async_session import AsyncCalls
-from embcache.clients._backends.sync_uds import Address, payload_size
+from embcache.clients._backends.sync_socket_session import Address, payload_size
 from embcache.clients.core.errors import RpcFailed, from_call_error
 from embcache.clients.core.session_calls import SessionLost
 from embcache.proto.constants import MAX_MESSAGE_BYTES
@@ -29,8 +29,8 @@ from embcache.proto.framing import call_frame, frame
 _LIMIT = 1 << 20  # the stream reader's buffer: large payloads are read in big pieces
 
 
-class AsyncUdsSession(AsyncCalls):
-    """The asyncio twin of :class:`UdsSession`: a task reads the results."""
+class AsyncSocketSession(AsyncCalls):
+    """The asyncio twin of :class:`SocketSession`: a task reads the results."""
 
     transport_errors = (OSError, DecodeError)
     what = "the session socket"
@@ -44,7 +44,7 @@ class AsyncUdsSession(AsyncCalls):
     @classmethod
     async def open(
         cls, address: Address, token: str | None, name: str, timeout: float, spin_s: float = 0.0
-    ) -> AsyncUdsSession:
+    ) -> AsyncSocketSession:
         """Connect and open a session (``spin_s`` is the blocking twin's; a task reads here)."""
         if isinstance(address, tuple):
             connecting = asyncio.open_connection(*address, limit=_LIMIT)
@@ -83,8 +83,8 @@ class AsyncUdsSession(AsyncCalls):
             return None
 
     async def post(self, now: bool = False, **request: Any) -> None:
-        """Queue a release (call id 0: no result) for the next call's write (``sync_uds``);
-        ``now``: write it (and any queued) at once."""
+        """Queue a release (call id 0: no result) for the next call's write
+        (``sync_socket_session``); ``now``: write it (and any queued) at once."""
         if not self.alive:
             raise SessionLost(f"{self.what} has ended")
         data = frame(pb.SessionRequest(call=pb.SessionCall(call_id=0, **request)))

@@ -13,7 +13,7 @@ import torch
 
 from embcache.clients import AsyncEmbCacheClient, EmbCacheClient
 from embcache.clients._backends.sync_session import Session
-from embcache.clients._backends.sync_uds import UdsSession
+from embcache.clients._backends.sync_socket_session import SocketSession
 from embcache.clients.core.targets import tcp_address
 from embcache.errors import InvalidArgument, Unauthenticated
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
@@ -28,7 +28,7 @@ def tcp_target(thread) -> str:  # type: ignore[no-untyped-def]
 
 
 def lane_port(thread) -> int:  # type: ignore[no-untyped-def]
-    return int(thread.service.servicer.tcp_lane_port)
+    return int(thread.service.servicer.session_socket_tcp_port)
 
 
 def test_targets_name_their_tcp_host() -> None:
@@ -46,7 +46,7 @@ def test_a_tcp_client_gets_bytes_on_the_session_socket(server_factory) -> None:
         with EmbCacheClient(tcp_target(thread), timeout=10) as client:
             client.put("k", x)
             got = client.get_bytes("k")
-            assert isinstance(client._conn.session, UdsSession)  # the TCP session socket
+            assert isinstance(client._conn.session, SocketSession)  # the TCP session socket
             assert got is not None and got.dtype == "float32" and got.shape == (MiB,)
             assert torch.equal(got.tensor(), x)
             part = client.get_bytes("k", offset=12, length=40)
@@ -74,7 +74,7 @@ def test_bytes_of_an_entry_in_several_runs(server_factory, wait_until) -> None:
         assert x.numel() * 4 > bytes_out.COPY_BYTES
         with EmbCacheClient(f"unix:{thread.service.socket_path}", timeout=10) as client:
             got = client.get_bytes("scattered")
-            assert isinstance(client._conn.session, UdsSession)  # the Unix session socket
+            assert isinstance(client._conn.session, SocketSession)  # the Unix session socket
             assert got is not None and torch.equal(got.tensor(), x)
             mid = client.get_bytes("scattered", offset=64 * KiB - 8, length=16)
             assert mid is not None and bytes(mid.data) == x.numpy().tobytes()[64 * KiB - 8 :][:16]
@@ -110,7 +110,7 @@ def test_the_asyncio_client_gets_bytes_on_the_tcp_session_socket(server_factory)
             async with AsyncEmbCacheClient(tcp_target(thread), timeout=10) as client:
                 got, miss = await asyncio.gather(client.get_bytes("k"), client.get_bytes("x"))
                 assert got is not None and torch.equal(got.tensor(), x) and miss is None
-                assert type(client._conn.session).__name__ == "AsyncUdsSession"
+                assert type(client._conn.session).__name__ == "AsyncSocketSession"
 
         asyncio.run(main())
         assert engine.stats().leases_active == 0
@@ -120,11 +120,11 @@ def test_the_tcp_session_socket_checks_the_token(server_factory) -> None:
     with server_factory(auth_token="s3cret") as (engine, thread):
         engine.put("k", torch.ones(4))
         with pytest.raises(Unauthenticated):
-            UdsSession(("127.0.0.1", lane_port(thread)), "wrong", "t", 10)
+            SocketSession(("127.0.0.1", lane_port(thread)), "wrong", "t", 10)
         with EmbCacheClient(tcp_target(thread), token="s3cret", timeout=10) as client:
             got = client.get_bytes("k")
             assert got is not None and torch.equal(got.tensor(), torch.ones(4))
-            assert isinstance(client._conn.session, UdsSession)
+            assert isinstance(client._conn.session, SocketSession)
 
 
 def test_a_reader_that_stops_reading_leaves_nothing_behind(server_factory, wait_until) -> None:
@@ -152,7 +152,7 @@ def test_a_reader_that_stops_reading_leaves_nothing_behind(server_factory, wait_
 
 
 def test_without_the_tcp_session_socket_a_tcp_client_uses_grpc(server_factory) -> None:
-    with server_factory(tcp_lane=False) as (engine, thread):
+    with server_factory(session_socket_tcp=False) as (engine, thread):
         assert lane_port(thread) == 0
         engine.put("k", torch.arange(10))
         with EmbCacheClient(tcp_target(thread), timeout=10) as client:
@@ -165,7 +165,7 @@ def test_without_the_tcp_session_socket_a_tcp_client_uses_grpc(server_factory) -
 def test_a_tls_client_never_uses_the_plain_tcp_session_socket() -> None:
     client = EmbCacheClient("127.0.0.1:1", tls=True, timeout=1)
     try:
-        assert client._conn.opener.tcp_lane is False
+        assert client._conn.opener.socket_over_tcp is False
     finally:
         client.close()
 
@@ -174,7 +174,7 @@ def test_get_bytes_on_a_grpc_session_stream_is_refused(server_factory) -> None:
     """The stream's frames are protobuf messages: no raw bytes can follow a result there."""
     with server_factory() as (engine, thread):
         engine.put("k", torch.ones(3))
-        with EmbCacheClient(tcp_target(thread), timeout=10, session_lane=False) as client:
+        with EmbCacheClient(tcp_target(thread), timeout=10, session_socket=False) as client:
             session = client._conn.open_session()
             assert isinstance(session, Session) and not session.serves_bytes_out
             result = session.call(10, get_bytes=pb.GetBytesRequest(key="k"))

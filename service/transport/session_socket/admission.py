@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from embcache.service.config import Settings
 from embcache.service.transport.accounting import RpcMetrics
 
-log = logging.getLogger("embcache.uds")
+log = logging.getLogger("embcache.session_socket")
 
 # Reasons a connection is refused before its session opens (the metric's label).
 CONNECTIONS = "connections"

@@ -1,7 +1,8 @@
-"""The session socket (service/transport/uds/server.py, clients/_backends/*_uds.py): Session
-calls over a plain Unix socket next to the gRPC one. The calls themselves are tested on both
-transports in test_grpc_session_calls.py; here: the raw wire, bad input, auth, the end of a
-session, the client's deadline and fallback."""
+"""The session socket (service/transport/session_socket/server.py,
+clients/_backends/*_socket_session.py): Session calls over a plain Unix socket next to the
+gRPC one. The calls themselves are tested on both transports in test_grpc_session_calls.py;
+here: the raw wire, bad input, auth, the end of a session, the client's deadline and
+fallback."""
 
 from __future__ import annotations
 
@@ -22,11 +23,11 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from embcache.clients import EmbCacheClient, RpcFailed
-from embcache.clients._backends.async_uds import AsyncUdsSession
+from embcache.clients._backends.async_socket_session import AsyncSocketSession
 from embcache.clients._backends.sync_session import Session
-from embcache.clients._backends.sync_uds import UdsSession
+from embcache.clients._backends.sync_socket_session import SocketSession
 from embcache.clients.core.session_calls import SessionLost
-from embcache.clients.core.targets import uds_path
+from embcache.clients.core.targets import session_socket_path
 from embcache.errors import Unauthenticated
 from embcache.proto.constants import MAX_MESSAGE_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
@@ -43,7 +44,7 @@ def server(counting_server):  # type: ignore[no-untyped-def]
 
 
 def lane_of(server: tuple[CacheEngine, GrpcServerThread]) -> str:
-    path = uds_path(f"unix:{server[1].service.socket_path}")
+    path = session_socket_path(f"unix:{server[1].service.socket_path}")
     assert path is not None
     return path
 
@@ -169,7 +170,7 @@ def test_a_client_that_does_not_read_is_held_back(server, wait_until) -> None:
                 sent += 1
     assert sent < 100, sent
     assert wait_until(lambda: len(thread.service.servicer.sessions) == 0)
-    assert wait_until(lambda: thread.service.uds.connections == 0)
+    assert wait_until(lambda: thread.service.session_socket.connections == 0)
     assert engine.stats().leases_active == 0
     with EmbCacheClient(f"unix:{thread.service.socket_path}", timeout=10) as client:
         assert client.exists(["nope"]) == [False]
@@ -193,7 +194,7 @@ def test_junk_after_the_hello_leaves_nothing_behind(server, junk: list[bytes], w
                 break
     assert wait_until(lambda: engine.stats().leases_active == 0)
     assert wait_until(lambda: len(thread.service.servicer.sessions) == 0)
-    assert wait_until(lambda: thread.service.uds.connections == 0)
+    assert wait_until(lambda: thread.service.session_socket.connections == 0)
     stats = engine.stats()
     assert stats.entries_filling == 0 and stats.reserved_filling_bytes == 0
     assert stats.lease_owners == 0
@@ -206,7 +207,7 @@ def token_server(server_factory) -> Iterator[tuple[CacheEngine, GrpcServerThread
         yield pair
 
 
-def test_the_lane_checks_the_token(token_server) -> None:
+def test_the_session_socket_checks_the_token(token_server) -> None:
     _, thread = token_server
     with connect(token_server, hello=False) as sock:
         send(sock, pb.SessionRequest(hello=pb.SessionHello(client_name="x", auth_token="wrong")))
@@ -216,12 +217,12 @@ def test_the_lane_checks_the_token(token_server) -> None:
     assert len(thread.service.servicer.sessions) == 0
     target = f"unix:{thread.service.socket_path}"
     with pytest.raises(Unauthenticated):
-        UdsSession(lane_of(token_server), None, "x", 5.0)
+        SocketSession(lane_of(token_server), None, "x", 5.0)
     with EmbCacheClient(target, token="s3cret", timeout=10) as client:
         client.put("k", torch.ones(3))
         with client.get("k") as (t,):
             assert torch.equal(t, torch.ones(3))
-            assert isinstance(client._conn.session, UdsSession)
+            assert isinstance(client._conn.session, SocketSession)
     with (
         EmbCacheClient(target, token="wrong", timeout=10, retries=0) as client,
         pytest.raises(Unauthenticated),
@@ -230,9 +231,10 @@ def test_the_lane_checks_the_token(token_server) -> None:
 
 
 # -- the client -------------------------------------------------------------------------------
-def test_a_daemon_without_a_lane_is_reached_over_grpc(server_factory) -> None:
-    with server_factory(uds_sessions=False) as (_, thread):
-        assert thread.service.uds is None or thread.service.uds.path is None  # TCP only
+def test_a_daemon_without_a_session_socket_is_reached_over_grpc(server_factory) -> None:
+    with server_factory(session_socket=False) as (_, thread):
+        sock = thread.service.session_socket
+        assert sock is None or sock.path is None  # TCP only
         with EmbCacheClient(f"unix:{thread.service.socket_path}", timeout=10) as client:
             client.put("k", torch.ones(2))
             with client.get("k") as (t,):
@@ -240,12 +242,14 @@ def test_a_daemon_without_a_lane_is_reached_over_grpc(server_factory) -> None:
             assert isinstance(client._conn.session, Session)
 
 
-def test_each_new_session_looks_for_the_lane_again(server, monkeypatch, wait_until) -> None:
+def test_each_new_session_looks_for_the_session_socket_again(
+    server, monkeypatch, wait_until
+) -> None:
     """A lane that could not be opened (the daemon was restarting) is tried again with the
     next session, so a client does not stay on gRPC for good."""
     engine, thread = server
     engine.put("k", torch.ones(2))
-    real = UdsSession.__init__
+    real = SocketSession.__init__
     failures = [ConnectionRefusedError("the daemon is restarting")]
 
     def flaky(self, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -253,21 +257,21 @@ def test_each_new_session_looks_for_the_lane_again(server, monkeypatch, wait_unt
             raise failures.pop()
         real(self, *args, **kwargs)
 
-    monkeypatch.setattr(UdsSession, "__init__", flaky)
+    monkeypatch.setattr(SocketSession, "__init__", flaky)
     with EmbCacheClient(f"unix:{thread.service.socket_path}", timeout=10) as client:
         with client.get("k"):
             assert isinstance(client._conn.session, Session)
         client._conn.drop_session()  # as when the daemon restarts: the stream ends
         with client.get("k"):
-            assert isinstance(client._conn.session, UdsSession)
+            assert isinstance(client._conn.session, SocketSession)
     assert wait_until(lambda: engine.stats().leases_active == 0)
 
 
-def test_the_lane_path_of_targets() -> None:
-    assert uds_path("unix:/run/embcache/g.sock") == "/run/embcache/g.sock.lane"
-    assert uds_path("unix:///run/g.sock") == "/run/g.sock.lane"
-    assert uds_path("127.0.0.1:7470") is None
-    assert uds_path("unix-abstract:embcache") is None
+def test_the_session_socket_path_of_targets() -> None:
+    assert session_socket_path("unix:/run/embcache/g.sock") == "/run/embcache/g.sock.lane"
+    assert session_socket_path("unix:///run/g.sock") == "/run/g.sock.lane"
+    assert session_socket_path("127.0.0.1:7470") is None
+    assert session_socket_path("unix-abstract:embcache") is None
 
 
 class FakeLane:
@@ -320,7 +324,7 @@ def test_deadline_then_a_late_result_is_released(wait_until) -> None:
     with tempfile.TemporaryDirectory(prefix="ecl-") as d:
         fake = FakeLane(d)
         try:
-            session = UdsSession(fake.path, None, "t", 5.0)
+            session = SocketSession(fake.path, None, "t", 5.0)
             assert session.session_id == "session:fake" and session.serves_calls
             t0 = time.monotonic()
             with pytest.raises(RpcFailed) as err:
@@ -354,17 +358,17 @@ def test_deadline_then_a_late_result_is_released(wait_until) -> None:
 def test_a_result_read_by_another_caller_wakes_its_own_at_once(monkeypatch) -> None:
     """Caller A reads the socket when B's result arrives: B returns at once, not when the
     next message (A's, a second later) comes in, however slowly A hands the result over."""
-    real = UdsSession._dispatch
+    real = SocketSession._dispatch
 
     def slow(self, msg):  # type: ignore[no-untyped-def]
         time.sleep(0.1)  # as if A's thread were descheduled here
         real(self, msg)
 
-    monkeypatch.setattr(UdsSession, "_dispatch", slow)
+    monkeypatch.setattr(SocketSession, "_dispatch", slow)
     with tempfile.TemporaryDirectory(prefix="ecl-") as d:
         fake = FakeLane(d)
         try:
-            session = UdsSession(fake.path, None, "t", 5.0)
+            session = SocketSession(fake.path, None, "t", 5.0)
             done: dict[str, float] = {}
 
             def call(name: str) -> None:
@@ -390,13 +394,13 @@ def test_a_result_read_by_another_caller_wakes_its_own_at_once(monkeypatch) -> N
             fake.close()
 
 
-def test_concurrent_callers_share_one_lane(server, wait_until, concurrently) -> None:
+def test_concurrent_callers_share_one_session_socket(server, wait_until, concurrently) -> None:
     """Several threads with calls in flight: each gets its own result, whoever reads it."""
     engine, thread = server
     data = {f"k{i}": torch.full((64,), float(i)) for i in range(8)}
     for key, value in data.items():
         engine.put(key, value)
-    session = UdsSession(lane_of(server), None, "t", 5.0)
+    session = SocketSession(lane_of(server), None, "t", 5.0)
 
     def caller(seed: int) -> None:
         for j in range(50):
@@ -413,7 +417,7 @@ def test_concurrent_callers_share_one_lane(server, wait_until, concurrently) -> 
     assert wait_until(lambda: len(thread.service.servicer.sessions) == 0)
 
 
-def test_stopping_the_server_ends_lane_sessions(server_factory) -> None:
+def test_stopping_the_server_ends_session_socket_sessions(server_factory) -> None:
     with server_factory() as (engine, thread):
         engine.put("k", torch.ones(4))
         client = EmbCacheClient(f"unix:{thread.service.socket_path}", timeout=5, retries=0)
@@ -421,7 +425,7 @@ def test_stopping_the_server_ends_lane_sessions(server_factory) -> None:
             held = client.get("k", zero_copy=True)  # a view: leased
             assert engine.stats().leases_active == 1
             session = client._conn.session
-            assert isinstance(session, UdsSession)
+            assert isinstance(session, SocketSession)
             path = lane_of((engine, thread))
             thread.stop()
             assert engine.stats().leases_active == 0
@@ -433,12 +437,12 @@ def test_stopping_the_server_ends_lane_sessions(server_factory) -> None:
             client.close()
 
 
-def test_async_lane_deadline_late_result_and_close(wait_until) -> None:
+def test_async_session_socket_deadline_late_result_and_close(wait_until) -> None:
     """The asyncio client's lane: a call past its deadline, its late result's lease released,
     a lane that closes failing the next call with SessionLost."""
 
     async def main(fake: FakeLane) -> None:
-        session = await AsyncUdsSession.open(fake.path, None, "t", 5.0)
+        session = await AsyncSocketSession.open(fake.path, None, "t", 5.0)
         assert session.session_id == "session:fake" and session.alive
         with pytest.raises(RpcFailed) as err:
             await session.call(0.2, get=pb.GetRequest(keys=["k"]))
@@ -470,11 +474,11 @@ def test_async_lane_deadline_late_result_and_close(wait_until) -> None:
             fake.close()
 
 
-def test_async_lane_checks_the_token(token_server, wait_until) -> None:
+def test_async_session_socket_checks_the_token(token_server, wait_until) -> None:
     async def main() -> None:
         with pytest.raises(Unauthenticated):
-            await AsyncUdsSession.open(lane_of(token_server), "wrong", "t", 5.0)
-        session = await AsyncUdsSession.open(lane_of(token_server), "s3cret", "t", 5.0)
+            await AsyncSocketSession.open(lane_of(token_server), "wrong", "t", 5.0)
+        session = await AsyncSocketSession.open(lane_of(token_server), "s3cret", "t", 5.0)
         result = await session.call(5.0, release=pb.ReleaseRequest())
         assert result.release.released == 0
         await session.close()
@@ -498,7 +502,7 @@ def test_the_client_spins_or_sleeps_for_its_results(server, spin_us: int) -> Non
             with client.get(["k", "nope"]) as (t, miss):
                 assert torch.equal(t, torch.arange(5)) and miss is None
         session = client._conn.session
-        assert isinstance(session, UdsSession) and session._spin_s == spin_us / 1e6
+        assert isinstance(session, SocketSession) and session._spin_s == spin_us / 1e6
         [view] = thread.service.servicer.admin.views()  # an operator drops the session:
         thread.service.servicer.admin.drop(view.session_id)  # the daemon closes its socket
         with client.get(["k", "nope"]) as (t, miss):  # a new session
@@ -515,7 +519,7 @@ def test_a_call_expected_to_take_long_spins_longer(server, monkeypatch, spin_us:
 
     engine, _ = server
     engine.put("k", torch.arange(5))
-    session = UdsSession(lane_of(server), None, "spin", 10, spin_s=spin_us / 1e6)
+    session = SocketSession(lane_of(server), None, "spin", 10, spin_s=spin_us / 1e6)
     spins: list[float] = []
     spin_recv = session._spin_recv
 
