@@ -263,3 +263,24 @@ def test_a_client_filling_the_pool_loses_no_entry_to_its_stash(server_factory) -
             assert c.exists(keys) == [True] * len(keys)
             assert engine.stats().evictions == 0
         assert free_pages(server) == pages % 3  # the stash's leftovers went back at close
+
+
+def test_a_refill_gives_back_the_stashes_it_names_from_a_bounded_list(server_factory) -> None:
+    with server_factory(host_pool_bytes=4 * MiB) as server:
+        raw = Raw(server)
+        try:
+            free0 = free_pages(server)
+            first = raw.call(stash_refill=pb.StashRefillRequest(nbytes=2 * PAGE, stash_id=5))
+            assert first.WhichOneof("outcome") == "stash_refill"
+            assert free_pages(server) == free0 - 2
+            # too long a list: refused before anything is given back or taken
+            many = pb.StashRefillRequest(nbytes=PAGE, stash_id=6, give_back=range(1, 2000))
+            refused = raw.call(stash_refill=many)
+            assert refused.error.code == "INVALID_ARGUMENT", refused
+            assert free_pages(server) == free0 - 2
+            # ids it does not hold are ignored; stash 5 goes back in the same call
+            swap = pb.StashRefillRequest(nbytes=PAGE, stash_id=6, give_back=[5, 77, 5])
+            assert raw.call(stash_refill=swap).WhichOneof("outcome") == "stash_refill"
+            assert free_pages(server) == free0 - 1
+        finally:
+            raw.close()

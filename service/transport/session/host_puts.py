@@ -126,6 +126,10 @@ class SessionPuts:
         ``extra_bytes`` more of those free now, as the stash its client knows by
         ``stash_id``: their byte runs."""
         writer = self._stash_writer(request.stash_id)
+        if len(request.give_back) > MAX_BATCH_ITEMS:
+            raise InvalidArgument(
+                "too many stashes given back", given=len(request.give_back), limit=MAX_BATCH_ITEMS
+            )
         stash = self.engine.stash
         for token in request.give_back:
             stash.give_back(writer[0], token)
