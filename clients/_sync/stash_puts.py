@@ -141,6 +141,8 @@ class StashPuts:
             self._pool = reply.pool
             runs = [(run.offset, run.length) for run in reply.runs]
             self.stashes.add(sid, runs, reply.page_bytes, reply.pool.pool_id)
+            if (mapping := process_writable_maps().get(reply.pool)) is not None:
+                mapping.prefault(runs)  # the next puts write these pages
             return True
         return False
 

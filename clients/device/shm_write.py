@@ -17,12 +17,14 @@ import logging
 import mmap
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from embcache.clients.device.prefault import Done, Prefaulter
 from embcache.clients.device.shm import SHM_DIR, open_segment
 from embcache.proto.checksum import crc32
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
@@ -47,6 +49,20 @@ class WritablePool:
     page_bytes: int
     written: bytearray  # per pool page: 1 once this mapping wrote it (faulted in)
     populate: list[bool]  # [False] once the kernel refused MADV_POPULATE_WRITE
+    prefaulter: Prefaulter  # faults a new stash's pages in, off the caller's thread
+
+    def prefault(self, runs: Sequence[tuple[int, int]]) -> None:
+        """Have the pages of ``runs`` (byte offsets and lengths) that this mapping has not
+        written yet faulted in by the background thread (``prefault.py``); returns at once.
+        """
+        page = self.page_bytes
+        todo = [
+            (off, n)
+            for off, n in runs
+            if n > 0 and self.written.find(0, off // page, (off + n - 1) // page + 1) >= 0
+        ]
+        if todo:
+            self.prefaulter.submit(todo)
 
     def write_runs(self, runs: Any, data: memoryview, *, checksum: bool = False) -> int | None:
         """Copy ``data`` into ``runs`` (``ByteRun``s, in order) of the segment: they must
@@ -129,7 +145,19 @@ class WritableMaps:
             os.close(fd)  # the mapping keeps the memory
         page = max(int(desc.page_bytes), mmap.PAGESIZE)
         written = bytearray(-(-desc.size // page))
-        return WritablePool(desc.size, np.frombuffer(mm, dtype=np.uint8), mm, page, written, [True])
+        array = np.frombuffer(mm, dtype=np.uint8)
+        prefaulter = Prefaulter(array.ctypes.data, desc.size, array, _marker(written, page))
+        return WritablePool(desc.size, array, mm, page, written, [True], prefaulter)
+
+
+def _marker(written: bytearray, page: int) -> Done:
+    """Marks the pool pages of a run faulted in (``WritablePool.written``)."""
+
+    def done(offset: int, length: int) -> None:
+        first, last = offset // page, (offset + length - 1) // page + 1
+        written[first:last] = b"\x01" * (last - first)
+
+    return done
 
 
 _process_maps = WritableMaps()
