@@ -9,7 +9,10 @@ released while the kernel works, and the caller goes on at once. A put that reac
 not faulted in yet faults them itself (``shm_write.py``); nothing waits for this thread.
 
 The thread belongs to the process that started it: after a fork, the child starts its own
-on its first request. Where the kernel or libc refuse the advice, the thread stops asking.
+on its first request. It ends once it has had nothing to do for ``IDLE_S``, so it never keeps
+a mapping alive that the client let go of (a daemon that restarted has a new segment, and
+the old one's memory goes once no process maps it); the next request starts another. Where
+the kernel or libc refuse the advice, the thread stops asking.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from collections.abc import Callable, Sequence
 log = logging.getLogger(__name__)
 MADV_POPULATE_WRITE = 23  # linux/mman.h
 CHUNK_BYTES = 4 << 20  # one system call's worth: a long run is done in pieces, in order
+IDLE_S = 1.0  # the thread ends after this long without a request
 Done = Callable[[int, int], None]  # (offset, length): faulted in
 
 
@@ -55,6 +59,7 @@ class Prefaulter:
         self._jobs: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._pid = 0  # the process whose thread serves the queue
+        self._thread: threading.Thread | None = None
 
     @property
     def enabled(self) -> bool:
@@ -68,15 +73,40 @@ class Prefaulter:
             if self._pid != os.getpid():  # first use, or a forked child: a thread of ours
                 self._jobs = queue.SimpleQueue()
                 self._pid = os.getpid()
-                threading.Thread(target=self._serve, args=(self._jobs,), daemon=True,
-                                 name="embcache-prefault").start()  # fmt: skip
+                self._thread = threading.Thread(target=self._serve, args=(self._jobs,),
+                                                daemon=True, name="embcache-prefault")  # fmt: skip
+                self._thread.start()
             for offset, length in runs:
                 if offset >= 0 and length > 0 and offset + length <= self._size:
                     self._jobs.put((offset, length))
 
+    @property
+    def running(self) -> bool:
+        """A thread of this process serves the requests now."""
+        return self._pid == os.getpid()
+
+    def join(self, timeout: float) -> bool:
+        """Wait until the thread has ended (idle for ``IDLE_S``); True if it has."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        return thread is None or not thread.is_alive()
+
+    def _next(self, jobs: queue.SimpleQueue[tuple[int, int] | None]) -> tuple[int, int] | None:
+        """The next request; None once none came for ``IDLE_S`` (the thread then ends, and
+        the next ``submit`` starts another)."""
+        while True:
+            try:
+                return jobs.get(timeout=IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if jobs.empty():
+                        self._pid = 0
+                        return None
+
     def _serve(self, jobs: queue.SimpleQueue[tuple[int, int] | None]) -> None:
         keep = self._keep  # the mapping stays while this thread may touch it
-        while (job := jobs.get()) is not None and self._madvise is not None:
+        while (job := self._next(jobs)) is not None and self._madvise is not None:
             offset, length = job
             for at in range(offset, offset + length, CHUNK_BYTES):
                 n = min(CHUNK_BYTES, offset + length - at)

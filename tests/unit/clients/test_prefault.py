@@ -84,3 +84,37 @@ def test_a_pool_prefaults_only_pages_it_has_not_written(mapping: np.ndarray) -> 
     assert asked[-1] == [(page, 2 * page)]
     pool.prefault([(0, page)])
     assert len(asked) == 2  # nothing left to do: no request
+
+
+def test_the_thread_ends_when_idle_and_lets_the_mapping_go(
+    mapping: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gc
+    import weakref
+
+    from embcache.clients.device import prefault
+
+    monkeypatch.setattr(prefault, "IDLE_S", 0.05)
+    done = threading.Event()
+
+    class Kept:  # stands for the mapping: nothing may hold it once the thread is idle
+        pass
+
+    kept = Kept()
+    faulter = Prefaulter(mapping.ctypes.data, mapping.nbytes, kept, lambda o, n: done.set())
+    if not faulter.enabled:
+        pytest.skip("no madvise in libc")
+    faulter.submit([(0, MiB)])
+    if not done.wait(10) and not faulter.enabled:
+        pytest.skip("the kernel refuses MADV_POPULATE_WRITE (before Linux 5.14)")
+    assert faulter.join(10) and not faulter.running
+    # a later request starts another thread
+    done.clear()
+    faulter.submit([(MiB, MiB)])
+    assert done.wait(10)
+    # once idle, dropping the owner (the pool) drops the mapping too
+    assert faulter.join(10)
+    ref = weakref.ref(kept)
+    del faulter, kept
+    gc.collect()
+    assert ref() is None
