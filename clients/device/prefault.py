@@ -56,7 +56,7 @@ class Prefaulter:
         self._keep = keep
         self._done = done
         self._madvise = _libc_madvise()
-        self._jobs: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._pid = 0  # the process whose thread serves the queue
         self._thread: threading.Thread | None = None
@@ -80,11 +80,6 @@ class Prefaulter:
                 if offset >= 0 and length > 0 and offset + length <= self._size:
                     self._jobs.put((offset, length))
 
-    @property
-    def running(self) -> bool:
-        """A thread of this process serves the requests now."""
-        return self._pid == os.getpid()
-
     def join(self, timeout: float) -> bool:
         """Wait until the thread has ended (idle for ``IDLE_S``); True if it has."""
         thread = self._thread
@@ -92,7 +87,7 @@ class Prefaulter:
             thread.join(timeout)
         return thread is None or not thread.is_alive()
 
-    def _next(self, jobs: queue.SimpleQueue[tuple[int, int] | None]) -> tuple[int, int] | None:
+    def _next(self, jobs: queue.SimpleQueue[tuple[int, int]]) -> tuple[int, int] | None:
         """The next request; None once none came for ``IDLE_S`` (the thread then ends, and
         the next ``submit`` starts another)."""
         while True:
@@ -104,8 +99,8 @@ class Prefaulter:
                         self._pid = 0
                         return None
 
-    def _serve(self, jobs: queue.SimpleQueue[tuple[int, int] | None]) -> None:
-        keep = self._keep  # the mapping stays while this thread may touch it
+    def _serve(self, jobs: queue.SimpleQueue[tuple[int, int]]) -> None:
+        # Runs as a bound method: ``self._keep`` holds the mapping while the thread lives.
         while (job := self._next(jobs)) is not None and self._madvise is not None:
             offset, length = job
             for at in range(offset, offset + length, CHUNK_BYTES):
@@ -116,4 +111,3 @@ class Prefaulter:
                     self._madvise = None  # an older kernel: plain page faults from now on
                     return
             self._done(offset, length)
-        del keep

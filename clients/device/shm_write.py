@@ -55,11 +55,8 @@ class WritablePool:
         """Have the pages of ``runs`` (byte offsets and lengths) that this mapping has not
         written yet faulted in by the background thread (``prefault.py``); returns at once.
         """
-        page = self.page_bytes
         todo = [
-            (off, n)
-            for off, n in runs
-            if n > 0 and self.written.find(0, off // page, (off + n - 1) // page + 1) >= 0
+            (off, n) for off, n in runs if n > 0 and self.written.find(0, *self._span(off, n)) >= 0
         ]
         if todo:
             self.prefaulter.submit(todo)
@@ -87,11 +84,15 @@ class WritablePool:
             pos += n
         return crc if checksum else None
 
+    def _span(self, offset: int, length: int) -> tuple[int, int]:
+        """The pool pages ``[first, last)`` that bytes ``[offset, offset + length)`` touch."""
+        return _page_span(offset, length, self.page_bytes)
+
     def _populate(self, offset: int, length: int) -> None:
         """Fault the pages of a run in before they are first written (a hint)."""
         if not length:
             return
-        first, last = offset // self.page_bytes, (offset + length - 1) // self.page_bytes + 1
+        first, last = self._span(offset, length)
         if self.written.find(0, first, last) < 0:
             return  # every page of it is mapped here already
         self.written[first:last] = b"\x01" * (last - first)
@@ -154,10 +155,14 @@ def _marker(written: bytearray, page: int) -> Done:
     """Marks the pool pages of a run faulted in (``WritablePool.written``)."""
 
     def done(offset: int, length: int) -> None:
-        first, last = offset // page, (offset + length - 1) // page + 1
+        first, last = _page_span(offset, length, page)
         written[first:last] = b"\x01" * (last - first)
 
     return done
+
+
+def _page_span(offset: int, length: int, page: int) -> tuple[int, int]:
+    return offset // page, (offset + length - 1) // page + 1
 
 
 _process_maps = WritableMaps()
