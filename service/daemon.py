@@ -118,6 +118,7 @@ class Daemon:
             http_sock = self._http_sock
             http_sock.listen(512)
             app = create_app(engine, s, metrics, grpc_service.servicer.admin)
+            app.state.settle = grpc_service.servicer.posted.settle  # one loop: both planes
             app.state.endpoints = {  # in /v1/stats: the CLI finds the gRPC plane from it
                 "grpc_port": grpc_service.ports[0] if grpc_service.ports else None,
                 "grpc_socket": str(grpc_service.socket_path) if grpc_service.socket_path else None,

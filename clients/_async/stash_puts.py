@@ -20,6 +20,7 @@ from embcache.clients._async.connection import AsyncConnection
 from embcache.clients._async.state import ClientState
 from embcache.clients.core.errors import from_call_error
 from embcache.clients.core.payload import Payload
+from embcache.clients.core.posted_puts import postable
 from embcache.clients.core.session_calls import SessionLost, serves
 from embcache.clients.device.shm_write import process_writable_maps
 from embcache.clients.device.stash import REFILL_BYTES, Carved, Stashes
@@ -28,6 +29,7 @@ from embcache.proto.embcache.v1 import embcache_pb2 as pb
 
 MIN_REFILL_BYTES = 1 << 20  # the first refill, before the pool's size is known
 POOL_SHARE = 64  # a refill takes at most this fraction of the pool beyond what a put needs
+MAX_UNSEEN = 4096  # keys posted before a put commits with a call again
 
 
 class AsyncStashPuts:
@@ -39,12 +41,22 @@ class AsyncStashPuts:
         self._state = state  # caps.writable_puts: False once the pool could not be mapped
         self._pool: pb.PoolHandle | None = None
         self._retired: list[int] = []  # stashes to give back with the next refill
+        # Keys whose commits were posted since this client's last answered call: the read
+        # table may not list them yet, so a put of one commits with a call, whose answer
+        # (after the posted commits, on the same connection) says whether it was created.
+        self._unseen: set[str] = set()
 
     async def put(
-        self, session: Any, items: Sequence[tuple[str, Payload]], checksum: bool
+        self,
+        session: Any,
+        items: Sequence[tuple[str, Payload]],
+        checksum: bool,
+        *,
+        post: bool = False,
     ) -> list[bool] | None:
         """Store ``items`` (distinct keys) in one commit: per item, True if created. None,
-        nothing published, when this path cannot serve them (module docstring).
+        nothing published, when this path cannot serve them (module docstring). ``post``:
+        the read table lists none of the keys, so the commit may be posted (``postable``).
 
         Raises:
             The commit's typed error (InvalidArgument, MetadataConflict, ChecksumMismatch,
@@ -52,12 +64,14 @@ class AsyncStashPuts:
         """
         if not self._state.caps.writable_puts or not items or not serves(session, "stash_commit"):
             return None
+        # Decided before a refill's call clears ``_unseen``: the table was read before it.
+        post = post and not any(key in self._unseen for key, _ in items)
         try:
             carved = await self._carve(session, [payload.nbytes for _, payload in items])
             if carved is None or self._pool is None:
                 return None
             try:
-                return await self._write_and_commit(session, items, carved, checksum)
+                return await self._write_and_commit(session, items, carved, checksum, post)
             finally:
                 self.stashes.settled(carved)
         except SessionLost:
@@ -76,8 +90,10 @@ class AsyncStashPuts:
         items: Sequence[tuple[str, Payload]],
         carved: list[Carved],
         checksum: bool,
+        post: bool,
     ) -> list[bool] | None:
-        """Write each item into its carved pages, then commit them."""
+        """Write each item into its carved pages, then commit them: posted where the
+        daemon takes that and ``postable`` says so, else in a call."""
         assert self._pool is not None
         pool = process_writable_maps().get(self._pool)
         if pool is None:  # another /dev/shm, say: never again on this client
@@ -93,7 +109,20 @@ class AsyncStashPuts:
             if crc is not None:
                 header.checksum = crc
             puts.append(pb.StashedPut(header=header, runs=runs))
+        if post and self._may_post(session, items, carved):
+            request = pb.StashCommitRequest(stash_id=carved[0].stash_id, items=puts)
+            await session.post(now=True, stash_commit=request)
+            self._unseen.update(key for key, _ in items)
+            return [True] * len(puts)
         return await self._commit(session, carved, puts)
+
+    def _may_post(
+        self, session: Any, items: Sequence[tuple[str, Payload]], carved: list[Carved]
+    ) -> bool:
+        bounds = getattr(session, "posted_commits", None)
+        if bounds is None or len(self._unseen) >= MAX_UNSEEN:
+            return False  # past the bound: a call, whose answer clears ``_unseen``
+        return postable(items, carved, bounds)
 
     async def _carve(self, session: Any, sizes: list[int]) -> list[Carved] | None:
         """A place for each size, all in one stash (so that one commit takes them all),
@@ -181,6 +210,7 @@ class AsyncStashPuts:
     async def _one(self, session: Any, kind: str, request: Any) -> Any:
         """One call on ``session``: its reply, or its typed error raised."""
         result = await session.call(self._conn.timeout, **{kind: request})
+        self._unseen.clear()  # answered after every commit this client posted before
         if result.WhichOneof("outcome") == kind:
             return getattr(result, kind)
         raise from_call_error(result.error)

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 
 from embcache.clients.core.errors import RpcFailed
-from embcache.clients.core.session_calls import SessionLost, unclaimed_release
+from embcache.clients.core.session_calls import SessionLost, note_posted_failure, unclaimed_release
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.embcache.v1 import services as pb_grpc
 from embcache.proto.framing import call_message
@@ -40,6 +40,7 @@ class AsyncCalls(abc.ABC):
         self.serves_device_puts = False
         self.serves_host_puts = False  # put / put_batch with the bytes inline
         self.serves_stash_puts = False  # stash_refill / stash_commit (same uid)
+        self.posted_commits: pb.PostedCommits | None = None  # stash commits may be posted
         self.serves_bytes_out = False  # get_bytes, its bytes raw after the result (sockets)
         self.serves_get_into = False  # get_into as a session call
         self.serves_inline_gets = False  # host gets with small entries copied after the result
@@ -76,6 +77,7 @@ class AsyncCalls(abc.ABC):
         self.serves_get_into = opened.get_into
         self.serves_inline_gets = opened.inline_gets
         self.read_table = opened.read_table if opened.HasField("read_table") else None
+        self.posted_commits = opened.posted_commits if opened.HasField("posted_commits") else None
         self.lease_ttl_s = opened.lease_ttl_s
         self._reader = asyncio.get_running_loop().create_task(self._drain())
 
@@ -101,6 +103,7 @@ class AsyncCalls(abc.ABC):
             fut.set_result(result)
             return
         self._payloads.pop(result.call_id, None)  # nobody waits for it
+        note_posted_failure(result)
         if (release := unclaimed_release(result)) is not None:  # its caller gave up
             with contextlib.suppress(*self.transport_errors):  # gone: so are the leases
                 await self._send(release)

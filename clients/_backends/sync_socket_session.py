@@ -26,7 +26,12 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from embcache.clients.core.errors import RpcFailed, from_call_error
-from embcache.clients.core.session_calls import SessionLost, expected_work_s, unclaimed_release
+from embcache.clients.core.session_calls import (
+    SessionLost,
+    expected_work_s,
+    note_posted_failure,
+    unclaimed_release,
+)
 from embcache.proto.constants import MAX_MESSAGE_BYTES
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.proto.framing import FRAME_HEADER as HEADER
@@ -107,6 +112,7 @@ class SocketSession:
         self.serves_get_into = False  # get_into as a session call
         self.serves_inline_gets = False  # host gets with small entries copied after the result
         self.read_table: pb.ReadTableInfo | None = None  # where same-node gets may copy from
+        self.posted_commits: pb.PostedCommits | None = None  # stash commits may be posted
         self.lease_ttl_s = 0.0  # the daemon's default lease lifetime (0: not said)
         try:
             hello = pb.SessionHello(client_name=name, pid=os.getpid(), auth_token=token or "")
@@ -135,6 +141,8 @@ class SocketSession:
         self.serves_inline_gets = first.opened.inline_gets
         if first.opened.HasField("read_table"):
             self.read_table = first.opened.read_table
+        if first.opened.HasField("posted_commits"):
+            self.posted_commits = first.opened.posted_commits
         self.lease_ttl_s = first.opened.lease_ttl_s
 
     @classmethod
@@ -244,6 +252,7 @@ class SocketSession:
                 self._cond.notify_all()
                 return
         self._payloads.pop(result.call_id, None)  # nobody waits for it
+        note_posted_failure(result)
         if (release := unclaimed_release(result)) is not None:  # its caller gave up
             with contextlib.suppress(OSError):  # if the socket is gone, so are the leases
                 self._send(release)

@@ -58,10 +58,12 @@ class HostPuts:
         path the daemon serves; True if created."""
         payload = payload_of(tensor)
         session = self._conn.open_session()
-        if self._listed([(key, payload)]) == [True]:
+        listed = self._listed([(key, payload)])
+        if listed == [True]:
             return False  # stored already, with this dtype and shape
         if payload.nbytes:
-            stashed = self._stash.put(session, [(key, payload)], checksum)
+            post = listed == [None]
+            stashed = self._stash.put(session, [(key, payload)], checksum, post=post)
             if stashed is not None:
                 return stashed[0]
         if payload.nbytes <= INLINE_PUT_BYTES and serves(session, "put"):
@@ -121,11 +123,12 @@ class HostPuts:
         if len({key for key, _ in items}) != len(items) or not all(p.nbytes for _, p in items):
             return None
         listed = self._listed(items)
-        new = [i for i, known in enumerate(listed) if not known]
+        new = [i for i, known in enumerate(listed) if known is not True]
         out = [False] * len(items)
         for at in range(0, len(new), BATCH_ITEMS):
             some = new[at : at + BATCH_ITEMS]
-            done = self._stash.put(session, [items[i] for i in some], checksum)
+            post = all(listed[i] is None for i in some)
+            done = self._stash.put(session, [items[i] for i in some], checksum, post=post)
             if done is None:  # not served (from here on): the rest the other ways
                 if not at:
                     return None
@@ -135,20 +138,21 @@ class HostPuts:
                 out[i] = created
         return out
 
-    def _listed(self, items: Sequence[tuple[str, Payload]]) -> list[bool]:
-        """Per item, whether the read table lists its key with the same dtype and shape:
-        stored already, so nothing is written and no call made (another dtype or shape is
-        the daemon's to refuse). All False where no table can be read."""
-        table = self._tables.table_now()
+    def _listed(self, items: Sequence[tuple[str, Payload]]) -> list[bool | None]:
+        """Per item, what the read table says of its key: True, listed with the same dtype
+        and shape (stored already: nothing is written and no call made); False, listed
+        otherwise (the daemon's to refuse, in a call); None, not listed (a commit may be
+        posted). All False where no table can be read."""
+        table = self._tables.table_now(lookups=True)
         if table is None:
             return [False] * len(items)
-        out = []
+        out: list[bool | None] = []
         for key, payload in items:
             found = table.locate(key)
             out.append(
-                found is not None
-                and found.dtype_name == payload.dtype
-                and found.shape == payload.shape
+                None
+                if found is None
+                else found.dtype_name == payload.dtype and found.shape == payload.shape
             )
         return out
 

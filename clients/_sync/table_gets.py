@@ -44,12 +44,13 @@ class TableReads:
             return None
         return self._state.tables.get(session.read_table, self._state.maps)
 
-    def table_now(self) -> ReadTable | None:
+    def table_now(self, lookups: bool = False) -> ReadTable | None:
         """The read table of the session already open, with no call and no wait on the
         session's lock (another thread may be in a call on this client); None where there is
-        none right now (no session yet, one that ended, another machine, no table)."""
+        none right now (no session yet, one that ended, another machine, no table), or
+        where gets do not copy from it (``copy_gets_up_to`` 0) unless only for ``lookups``."""
         session = self._conn.session
-        if self._state.pool_local is False or not self._state.copy_gets_up_to:
+        if self._state.pool_local is False or not (lookups or self._state.copy_gets_up_to):
             return None
         if session is None or not session.alive:
             return None

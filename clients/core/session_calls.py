@@ -7,6 +7,7 @@ after its caller gave up (deadline) hands out leases nobody holds: they are rele
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -14,6 +15,8 @@ from typing import Any, Protocol
 from embcache.clients.core.errors import RpcFailed
 from embcache.proto.dtypes import lookup
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
+
+log = logging.getLogger("embcache.client")
 
 # How long the daemon's copies for a call should take, for the blocking client's spin: the
 # bytes of the client's tensors at a conservative 10 GB/s (the copies run at 20-55), at most
@@ -68,6 +71,14 @@ def unclaimed_release(result: pb.SessionResult) -> pb.SessionRequest | None:
     if not ids:
         return None
     return pb.SessionRequest(call=pb.SessionCall(release=pb.ReleaseRequest(lease_ids=ids)))
+
+
+def note_posted_failure(result: pb.SessionResult) -> None:
+    """Log a posted stash commit's failure (a result with call id 0: its put had already
+    returned; the daemon applied none of the commit's entries)."""
+    if result.call_id == 0 and result.WhichOneof("outcome") == "error":
+        error = result.error
+        log.warning("a posted put was refused by the daemon: %s: %s", error.code, error.message)
 
 
 def expected_work_s(request: Mapping[str, Any]) -> float:

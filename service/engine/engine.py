@@ -259,6 +259,12 @@ class CacheEngine:
             out = [isinstance(k, str) and found(k) is not None for k in keys]
         return self._shared.exists(keys, out)
 
+    def held(self, keys: Sequence[object]) -> bool:
+        """Whether this daemon holds every one of ``keys`` now (no shared tier asked)."""
+        with self._gate:
+            found = self._store.lookup
+            return all(isinstance(k, str) and found(k) is not None for k in keys)
+
     def evict(self, keys: Sequence[str]) -> EvictResults:
         """Evict each key unless it is leased (never forced); with the host bytes freed."""
         with self._gate:

@@ -4,10 +4,12 @@ who is at the other end of a connection (``SO_PEERCRED``); TCP keepalive on one.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import socket
 import stat
 import struct
+import termios
 from pathlib import Path
 
 log = logging.getLogger("embcache.transport")
@@ -75,3 +77,15 @@ def keepalive(sock: socket.socket) -> None:
                 sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
     except OSError as err:
         log.debug("session socket: no TCP keepalive: %s", err)
+
+
+def unread_bytes(sock: socket.socket | None) -> int:
+    """Bytes queued in the kernel for ``sock`` that nobody has read yet (0 where the kernel
+    cannot say: a closed socket)."""
+    if sock is None:
+        return 0
+    try:
+        raw = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except (OSError, ValueError):
+        return 0
+    return int(struct.unpack("i", raw)[0])

@@ -75,6 +75,7 @@ def exported(live_daemon: dict[str, Any]) -> Iterator[dict[str, Any]]:
     with EmbCacheClient(target, token=live_daemon["token"], timeout=30) as client:
         emb = torch.arange(64, dtype=torch.float32).reshape(4, 16)
         assert client.put("deploy/emb-0", emb) is True
+        assert client.exists(["deploy/emb-0"]) == [True]  # its posted commit is applied
         # Read out of the read table with no call: the daemon counts the hit from the touch
         # the client posts on its session (the lane).
         with client.get("deploy/emb-0") as (hit,):

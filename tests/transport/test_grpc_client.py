@@ -94,6 +94,7 @@ def test_fragmented_entry_is_gathered(client, server) -> None:
     client.evict([f"p{i}" for i in range(0, 16, 2)])  # free every other page
     big = torch.arange(4 * 64 * KiB // 4, dtype=torch.int32)
     client.put("big", big)
+    assert client.exists(["big"]) == [True]  # its posted commit is applied
     assert len(engine.entry_info("big").page_runs) == 4
     with client.get("big") as (got,):
         assert torch.equal(got, big)

@@ -608,7 +608,15 @@ def test_client_put_many(dev_server: Server, monkeypatch, use_async: bool) -> No
     # (the second time it was listed in the read table already: no call), and the stash was
     # given back at close.
     device = ["put_from_device_batch", "put_from_device_batch"]
-    assert kinds == [*device, "stash_refill", "stash_commit", *device, "put_abort"]
+    # The host tensor's first commit was posted (no call); the second put commits with a
+    # call unless the read table listed it by then.
+    assert [k for k in kinds if k != "stash_commit"] == [
+        *device,
+        "stash_refill",
+        *device,
+        "put_abort",
+    ]
+    assert kinds.count("stash_commit") <= 1
     # one event per batch, waited on once per call; both given back and reused next time
     assert len(fake.events) == 4 and len(fake.made_events) == 2
     assert len(fake.event_opens) == 2  # the daemon opened each once (one session)

@@ -98,6 +98,7 @@ def test_by_default_a_same_node_get_copies_from_the_read_table(server_factory, w
     read from the client's posted touch."""
     with server_factory() as (engine, thread), EmbCacheClient(unix_target(thread)) as client:
         client.put("k", torch.ones(100))
+        assert wait_until(lambda: engine.stats().read_table["entries"] == 1)  # commit posted
         with client.get("k") as (t,):
             assert torch.equal(t, torch.ones(100))
             assert not in_pool(client, t) and engine.stats().leases_active == 0

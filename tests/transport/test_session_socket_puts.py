@@ -115,7 +115,7 @@ def inline_only(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("path", ["stash", "inline"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("numel", [0, 1, 3000, 64 * KiB // 4])
-def test_put_round_trips(server_factory, monkeypatch, path, dtype, numel) -> None:
+def test_put_round_trips(server_factory, monkeypatch, wait_until, path, dtype, numel) -> None:
     if path == "inline":
         inline_only(monkeypatch)
     with server_factory() as server, EmbCacheClient(target(server)) as client:
@@ -126,7 +126,8 @@ def test_put_round_trips(server_factory, monkeypatch, path, dtype, numel) -> Non
         with client.get("k") as (got,):
             assert got is not None and got.dtype == dtype and torch.equal(got, tensor)
         stashed = path == "stash" and numel > 0  # an empty entry has no pages: inline
-        assert ("Session.StashCommit" if stashed else "Session.Put") in calls_of(server)
+        kind = "Session.StashCommit" if stashed else "Session.Put"
+        assert wait_until(lambda: kind in calls_of(server))  # a posted commit's, once applied
         assert ("grpc", "Put", "OK") not in server[1].service.servicer.metrics.by_transport
         assert engine.stats().entries_filling == 0
 
@@ -135,6 +136,7 @@ def test_put_many_commits_once_into_the_stash(server_factory) -> None:
     with server_factory(host_pool_bytes=4 * MiB) as server, EmbCacheClient(target(server)) as c:
         items = {f"k{i}": torch.full((16 * KiB,), i, dtype=torch.uint8) for i in range(40)}
         assert c.put_many(items) == [True] * 40
+        assert c.exists(list(items)) == [True] * 40  # the posted commit is applied
         assert calls_of(server).count("Session.StashCommit") == 1  # all 40 at once
         before = len(calls_of(server))
         assert c.put_many(items) == [False] * 40  # listed in the read table: no call

@@ -233,10 +233,12 @@ def test_a_clients_stash_outlives_its_session_and_goes_back_at_close(server_fact
         engine = server[0]
         with EmbCacheClient(target(server)) as c:
             assert c.put("a", torch.full((3 * PAGE,), 1, dtype=torch.uint8)) is True
+            assert c.exists(["a"]) == [True]  # its posted commit is applied
             held = engine.stats().quarantined_bytes
             assert held > 0  # what is left of the stash, held for this process
             c._conn.session.close()  # the session goes (as a dropped connection would)
             assert c.put("b", torch.full((2 * PAGE,), 2, dtype=torch.uint8)) is True
+            assert c.exists(["b"]) == [True]  # its posted commit is applied
             # committed into the same stash from a new session: no second refill
             assert calls_of(server).count("Session.StashRefill") == 1
             assert engine.stats().quarantined_bytes == held - 2 * PAGE

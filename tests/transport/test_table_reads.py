@@ -49,6 +49,8 @@ def test_a_hit_is_a_copy_read_without_a_call_and_counted(server_factory) -> None
         x = torch.randn(128, 256, dtype=torch.float16)  # 64 KiB
         with EmbCacheClient(unix_target(thread), timeout=10, copy_gets_up_to=256 * KiB) as c:
             c.put("a", x)
+            assert c.exists(["a"]) == [True]  # the posted commit is applied (and listed)
+            wait_for(lambda: engine.stats().read_table["entries"] == 1)
             before = gets(thread)
             for _ in range(3):
                 with c.get("a") as (g,):
@@ -86,10 +88,12 @@ def test_a_touched_entry_is_kept_over_an_untouched_one(server_factory) -> None:
         with c:
             for key in "abcd":
                 c.put(key, torch.full((16 * KiB,), float(ord(key))))  # a page each
+            assert c.exists(list("abcd")) == [True] * 4  # the posted commits are applied
             with c.get("a") as (g,):  # the oldest, now the most recent
                 assert g is not None
             wait_for(lambda: engine.stats().read_table["reads"] == 1)
             c.put("e", torch.ones(16 * KiB))  # evicts the least recently used: b
+            assert c.exists(["e"]) == [True]  # its posted commit is applied
             keys = {e.key for e in engine.host_store.snapshot("ready")}
             assert "a" in keys and "b" not in keys
 
@@ -199,6 +203,8 @@ def test_the_async_client_reads_the_table_too(server_factory) -> None:
                 unix_target(thread), timeout=10, copy_gets_up_to=256 * KiB
             ) as c:
                 await c.put("a", torch.arange(100))
+                assert await c.exists(["a"]) == [True]  # the posted commit is applied
+                wait_for(lambda: engine.stats().read_table["entries"] == 1)
                 before = gets(thread)
                 async with c.get("a") as (g,):
                     assert g is not None and torch.equal(g, torch.arange(100))

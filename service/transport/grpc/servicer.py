@@ -95,6 +95,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         self.session_service = SessionService(
             engine, settings, metrics, self.sessions, self.host_pool, handlers
         )
+        self.posted = self.session_service.posted  # reads wait for commits posted before them
 
     @rpc("Lanes")
     async def Lanes(
@@ -173,6 +174,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         if request.gpu_uuid:
             self.engine.device.index_for(request.gpu_uuid)  # no such pool: fail first
         owner = self.sessions.owner_for(context)
+        await self.posted.settle(request.keys)  # commits posted before this read first
         reply = await self._get(request, owner)
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
@@ -229,6 +231,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         self, request: pb.GetIntoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetIntoResponse:
         owner = self.sessions.owner_for(context)
+        await self.posted.settle(request.keys)
         return await self.device.get_into(request, owner)
 
     @rpc("GetBytes")
@@ -241,6 +244,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
                 "chunk_bytes must be in (0, 1 MiB]", chunk_bytes=chunk_bytes, limit=CHUNK_BYTES
             )
         owner = self.sessions.owner_for(context)
+        await self.posted.settle([request.key])
         lease = self.engine.get([request.key], owner)[0]
         if lease is None:
             raise NotFound("no such entry", key=request.key)
@@ -285,6 +289,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         self, request: pb.ExistsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ExistsResponse:
         keys = [admission.check_key(k, self.settings) for k in request.keys]
+        await self.posted.settle(keys)
         return pb.ExistsResponse(exists=self.engine.exists(keys))
 
     @rpc("Evict")
@@ -292,6 +297,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         self, request: pb.EvictRequest, context: grpc.aio.ServicerContext
     ) -> pb.EvictResponse:
         keys = list(request.keys)
+        await self.posted.settle(keys)
         if request.gpu_uuid:  # that GPU's copies only (DeviceUnavailable if it has no pool)
             index = self.engine.device.index_for(request.gpu_uuid)
             outcomes = self.engine.device.evict(keys, index)
@@ -314,6 +320,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
     async def Stats(
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatsResponse:
+        await self.posted.settle(None)
         document = {**_jsonable(self.engine.stats().to_dict()), **build_info.as_dict()}
         stats = struct_pb2.Struct()
         stats.update(document)
@@ -330,6 +337,7 @@ class EmbeddingCacheServicer(pb_grpc.EmbeddingCacheServicer):
         if request.gpu_uuid:
             device = self.engine.device.index_for(request.gpu_uuid)
         keys = list(request.keys)
+        await self.posted.settle(keys)
         result = await asyncio.to_thread(self.engine.prefetch, keys, device=device)
         return pb.PrefetchResponse(**result)
 

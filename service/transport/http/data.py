@@ -62,7 +62,7 @@ from embcache.service.transport.http.put_params import (
     parse_shape,
 )
 from embcache.service.transport.http.ranges import RangeNotSatisfiable, parse_range
-from embcache.service.transport.http.routes import BEARER
+from embcache.service.transport.http.routes import BEARER, POSTED
 from embcache.service.transport.idle import idle_limited
 from embcache.service.transport.render import LocationRenderer
 from embcache.service.transport.session.registry import REST_PREFIX, tcp_client
@@ -73,7 +73,9 @@ log = logging.getLogger(__name__)
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 422, 429, 503, 507)
 }
-router = APIRouter(prefix="/v1", responses=ERRORS, dependencies=[BEARER], route_class=JsonBodyRoute)
+router = APIRouter(
+    prefix="/v1", responses=ERRORS, dependencies=[BEARER, POSTED], route_class=JsonBodyRoute
+)
 
 
 def rest_owner(request: Request) -> str:

@@ -85,6 +85,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0  # bytes of the head being waited for
+        self._in_message = False  # a request's head was parsed, its body is still coming
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -115,7 +116,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         self._watch_head()
 
+    def on_message_complete(self) -> None:
+        self._in_message = False
+        super().on_message_complete()
+
     def on_headers_complete(self) -> None:
+        self._in_message = True
         self._target_names_host()
         limit = self.max_concurrency
         if limit is not None and (len(self.connections) > limit or len(self.tasks) >= limit):
@@ -152,7 +158,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._watch_head()
 
     def _awaiting_head(self) -> bool:
-        """Whether the connection is between requests (or before its first)."""
+        """Whether the connection is between requests (or before its first). A body that
+        is still arriving after its response was sent (a put refused before its bytes were
+        read) is not the next request's head."""
+        if self._in_message:
+            return False
         return self.cycle is None or (self.cycle.response_complete and not self.pipeline)
 
     def _watch_head(self) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request, Security
+from fastapi import APIRouter, Depends, Query, Request, Security
 from fastapi.security import HTTPBearer
 
 from embcache import build_info
@@ -47,7 +47,21 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 # The token itself is checked by the middleware (before routing); this dependency only
 # declares the scheme in OpenAPI so /docs offers an "Authorize" button.
 BEARER = Security(HTTPBearer(auto_error=False, description="Needed when the daemon has a token."))
-router = APIRouter(prefix="/v1", responses=ERRORS, dependencies=[BEARER], route_class=JsonBodyRoute)
+
+
+async def posted_applied(request: Request) -> None:
+    """Wait (bounded) until the stash commits that same-node clients posted before this
+    request are applied, as the data plane's reads do (``session/posted.py``): an entry
+    whose put returned is never missing here."""
+    settle = getattr(request.app.state, "settle", None)
+    if settle is not None:
+        await settle(None)
+
+
+POSTED = Depends(posted_applied)
+router = APIRouter(
+    prefix="/v1", responses=ERRORS, dependencies=[BEARER, POSTED], route_class=JsonBodyRoute
+)
 
 
 def _engine(request: Request) -> Any:

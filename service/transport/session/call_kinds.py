@@ -44,6 +44,7 @@ Send = Callable[[pb.SessionResponse], Awaitable[None]]
 # Hits served from the read table, counted for the session's client: how many keys were
 # cached, or None for a touch dropped over the client's budget (``touches.py``).
 Touch = Callable[[list[str]], int | None]
+Settle = Callable[[Sequence[str] | None], Awaitable[None]]
 
 NAMES = {  # a call's name in the metrics, as its RPC's
     "get": "Get",
@@ -87,7 +88,8 @@ class SessionIO:
     """How one session's calls reach the daemon (``daemon``, and the session's own
     ``read_bytes``, ``inline_get`` and ``touch``: None where not served) and go back to
     their caller: ``send`` writes a result; ``send_bytes``, where the transport can, a
-    result with raw bytes after it (``bytes_out.py``)."""
+    result with raw bytes after it (``bytes_out.py``); ``settle(keys)`` returns once the
+    commits posted before a read of ``keys`` are applied (``posted.py``)."""
 
     daemon: DaemonHandlers
     send: Send
@@ -95,6 +97,7 @@ class SessionIO:
     read_bytes: ReadBytes | None = None
     inline_get: InlineGet | None = None
     touch: Touch | None = None
+    settle: Settle | None = None
 
 
 class CallSite(Protocol):
@@ -114,6 +117,18 @@ def served(handler: _H | None, kind: str) -> _H:
     if handler is None:
         raise InvalidArgument(f"{kind} is not served on this session", kind=kind)
     return handler
+
+
+def read_keys(call: pb.SessionCall) -> list[str] | None:
+    """The keys a read call looks up (None: not a read)."""
+    kind = call.WhichOneof("request")
+    if kind == "get":
+        return list(call.get.keys)
+    if kind == "get_into":
+        return list(call.get_into.keys)
+    if kind == "get_bytes":
+        return [call.get_bytes.key]
+    return None
 
 
 def touch_keys(request: pb.TouchRequest) -> list[str]:

@@ -46,9 +46,11 @@ from embcache.service.transport.session.call_kinds import (
     TASK_CALLS,
     SessionIO,
     at_once,
+    read_keys,
+    served,
     touch_keys,
 )
-from embcache.service.transport.session.host_puts import SessionPuts
+from embcache.service.transport.session.host_puts import THREAD_CRC_BYTES, SessionPuts, crc_bytes
 from embcache.service.transport.status import status_for
 
 log = logging.getLogger("embcache.grpc")
@@ -85,6 +87,7 @@ class SessionCalls:
         self._metrics = metrics
         self._tasks: set[asyncio.Task[None]] = set()
         self.host_puts = host_puts  # the session's host puts and reservations, if served
+        self.on_posted: Callable[[], None] | None = None  # told of each posted commit
 
     @property
     def serves_bytes(self) -> bool:
@@ -109,6 +112,9 @@ class SessionCalls:
             return
         if call.call_id == 0 and kind == "touch":
             self._posted_touch(call.touch)
+            return
+        if call.call_id == 0 and kind == "stash_commit":
+            self._posted_commit(call.stash_commit)
             return
         if at_once(kind, call) and self.send_now is not None and self._answer_now(call, kind):
             return
@@ -193,6 +199,9 @@ class SessionCalls:
     async def _run(self, call: pb.SessionCall) -> None:
         start = time.perf_counter()
         kind = call.WhichOneof("request")
+        keys = read_keys(call)
+        if keys is not None and self.io.settle is not None:
+            await self.io.settle(keys)  # a commit posted before this read is applied first
         if kind == "get_bytes":
             await self._get_bytes(call, start)
             return
@@ -325,6 +334,27 @@ class SessionCalls:
             self.io.touch(touch_keys(request))  # over the budget: dropped and counted there
 
         self._posted("touch", touch)
+
+    def _posted_commit(self, request: pb.StashCommitRequest) -> None:
+        """A stash commit posted (call id 0; ``posted.py``): applied now, answered only
+        if it fails, by a result with call id 0 that its client logs."""
+        if self.on_posted is not None:
+            self.on_posted()
+
+        def commit() -> None:
+            if (nbytes := crc_bytes(request)) > THREAD_CRC_BYTES:
+                raise InvalidArgument("a posted stash_commit covers too many bytes",
+                                      nbytes=nbytes, limit=THREAD_CRC_BYTES)  # fmt: skip
+            served(self.host_puts, "stash_commit").stash_commit(request)
+
+        start = time.perf_counter()
+        response = pb.SessionResponse()
+        code = self._outcome("stash_commit (posted)", commit, response.result)
+        if self._metrics is not None:
+            elapsed = time.perf_counter() - start
+            self._metrics.observe_rpc(self._transport, "Session.StashCommit", code, elapsed)
+        if code != "OK" and self.send_now is not None:
+            self.send_now(lambda: response)  # not sent where the client does not read now
 
     def _posted(self, kind: str, run: Callable[[], object]) -> None:
         """Run a posted call (no result): its failure is logged only, nobody waits for it."""

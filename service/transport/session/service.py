@@ -19,6 +19,7 @@ from embcache.proto.constants import SESSION_SOCKET_LABEL
 from embcache.proto.embcache.v1 import embcache_pb2 as pb
 from embcache.service.config import Settings
 from embcache.service.engine import CacheEngine
+from embcache.service.host.admission import MAX_NDIM
 from embcache.service.host.read_table import ReadTable
 from embcache.service.transport.accounting import RpcMetrics
 from embcache.service.transport.session.bytes_out import read_bytes
@@ -29,9 +30,14 @@ from embcache.service.transport.session.call_kinds import (
     SessionIO,
 )
 from embcache.service.transport.session.calls import SessionCalls
-from embcache.service.transport.session.host_puts import SessionPuts, may_write_segment
+from embcache.service.transport.session.host_puts import (
+    THREAD_CRC_BYTES,
+    SessionPuts,
+    may_write_segment,
+)
 from embcache.service.transport.session.inline_gets import inline_get
 from embcache.service.transport.session.open import OpenSession
+from embcache.service.transport.session.posted import PostedCommits
 from embcache.service.transport.session.registry import PeerCreds, SessionRegistry
 from embcache.service.transport.session.touches import ClientTouches, SessionTouches
 
@@ -55,6 +61,7 @@ class SessionService:
         self._host_pool = host_pool
         self._handlers = handlers
         self._touches = ClientTouches(self._new_touches)  # one touch budget per client
+        self.posted = PostedCommits(engine.held)  # reads wait for the commits posted before
 
     def open_session(
         self,
@@ -86,6 +93,7 @@ class SessionService:
             touch=(
                 self._touches.open(session_id, toucher) if engine.read_table is not None else None
             ),
+            settle=self.posted.settle,
         )
         puts = SessionPuts(
             engine,
@@ -104,6 +112,7 @@ class SessionService:
             host_puts=puts,
         )
         record.in_flight = lambda: calls.in_flight
+        stash_puts = puts.writable and puts.writer is not None
         opened = pb.SessionOpened(
             session_id=session_id,
             lease_ttl_s=settings.lease_ttl_s,
@@ -112,13 +121,24 @@ class SessionService:
             device_puts=True,
             host_puts=True,
             writable_puts=puts.writable,
-            stash_puts=puts.writable and puts.writer is not None,
+            stash_puts=stash_puts,
             bytes_out=calls.serves_bytes,
             get_into=True,
             inline_gets=calls.serves_inline_gets,
             read_table=read_table_info(engine.read_table, self._host_pool, h.offered_pools()),
+            posted_commits=self._posted_bounds() if stash_puts else None,
         )
         return OpenSession(calls, opened, self._end_session, record)
+
+    def _posted_bounds(self) -> pb.PostedCommits:
+        """What a posted commit must keep to (``posted.py``): a commit answered at once."""
+        settings = self._settings
+        return pb.PostedCommits(
+            max_key_bytes=settings.max_key_bytes,
+            max_entry_bytes=min(settings.max_entry_bytes, settings.host_pool_bytes),
+            max_commit_bytes=THREAD_CRC_BYTES,
+            max_ndim=MAX_NDIM,
+        )
 
     def _new_touches(self) -> SessionTouches:
         """A new client's touch handler: its budget and window (``touches.py``)."""

@@ -30,7 +30,7 @@ from embcache.service.transport.session.service import SessionService
 from embcache.service.transport.session.waiters import Gate
 from embcache.service.transport.session_socket import admission
 from embcache.service.transport.session_socket.admission import Admission
-from embcache.service.transport.sockets import keepalive, peer_credentials
+from embcache.service.transport.sockets import keepalive, peer_credentials, unread_bytes
 from embcache.service.transport.status import status_for
 
 log = logging.getLogger("embcache.session_socket")
@@ -68,6 +68,8 @@ class SessionConnection(asyncio.Protocol):
         self._writable = Gate()  # shut while the client does not read (writes back up)
         self._sending: set[BytesReply] = set()  # replies whose views may still be buffered
         self._at_bound = False  # reading stopped: the session has max_session_calls running
+        self.received = 0  # bytes read from the client so far
+        self._posting = False  # its client has posted a commit (``session/posted.py``)
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -98,6 +100,7 @@ class SessionConnection(asyncio.Protocol):
         self._hello_timer = loop.call_later(limits.hello_timeout_s, self._hello_overdue)
 
     def data_received(self, data: bytes) -> None:
+        self.received += len(data)
         self._buf += data
         self._handle_buffered()
 
@@ -179,6 +182,7 @@ class SessionConnection(asyncio.Protocol):
         self.server.forget(self)
         self._stop_hello_timer()
         self._writable.open()  # waiting writers find the connection closed
+        self.server.service.posted.discard(self)
         if self.session is not None:
             self.session.end()  # cancels its calls, releases its leases
 
@@ -203,6 +207,7 @@ class SessionConnection(asyncio.Protocol):
                 )
                 self.session.calls.on_room = self._on_room
                 self.session.calls.send_now = self._send_now
+                self.session.calls.on_posted = self._posted
                 if self.session.record is not None:  # an operator's drop (from any thread)
                     loop = asyncio.get_running_loop()
                     self.session.record.end = functools.partial(
@@ -216,6 +221,25 @@ class SessionConnection(asyncio.Protocol):
             self._drop("empty message")
         else:
             self.session.handle(msg, self._peer())
+
+    # -- posted commits (``session/posted.py``) --------------------------------------------
+    def _posted(self) -> None:
+        if not self._posting:
+            self._posting = True
+            self.server.service.posted.add(self)
+
+    def written(self) -> int:
+        """Bytes the client has written so far: read, or queued in the kernel."""
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        return self.received + unread_bytes(sock)
+
+    def handled_through(self, mark: int) -> bool:
+        """Whether every whole message within the first ``mark`` bytes is handled."""
+        if self.transport is None or self.transport.is_closing():
+            return True
+        buf = self._buf
+        whole = len(buf) >= HEADER.size and len(buf) >= HEADER.size + HEADER.unpack_from(buf)[0]
+        return self.received >= mark and not whole
 
     def _send_now(self, produce: Callable[[], pb.SessionResponse]) -> bool:
         """Write ``produce()`` now if the client reads its results (the gate is open); False,
