@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import os
 import socket
 import threading
 import time
@@ -223,3 +224,32 @@ def test_unread_bytes_counts_what_the_kernel_queued() -> None:
         a.close()
         b.close()
     assert unread_bytes(None) == 0
+
+
+def _put_and_die(address: str, n: int) -> None:
+    """Another process: put ``n`` keys, then exit at once, closing nothing."""
+    client = EmbCacheClient(address, timeout=10)
+    for i in range(n):
+        assert client.put(f"d{i}", pattern(i)) is True
+    os._exit(0)
+
+
+def test_puts_that_returned_outlive_a_writer_that_exits_at_once(server_factory) -> None:
+    """The writer's process is gone before the daemon may have read its posted commits:
+    every put that returned is stored all the same, and its stash goes back."""
+    with server_factory(host_pool_bytes=32 * MiB) as server:
+        engine = server[0]
+        ctx = mp.get_context("spawn")
+        proc = ctx.Process(target=_put_and_die, args=(target(server), 20))
+        proc.start()
+        proc.join(30)
+        assert proc.exitcode == 0
+        with EmbCacheClient(target(server), timeout=10) as reader:
+            assert reader.exists([f"d{i}" for i in range(20)]) == [True] * 20
+            for i in (0, 19):
+                with reader.get(f"d{i}") as (got,):
+                    assert got is not None and torch.equal(got, pattern(i))
+        assert engine.stats().quarantined_bytes > 0  # the rest of its stash, held
+        engine.quarantine.reap()  # the daemon's reaper, once a second
+        assert engine.stats().quarantined_bytes == 0
+        assert engine.stats().entries_ready == 20
