@@ -50,7 +50,9 @@ class AsyncTableReads:
         session = self._conn.session
         if self._state.pool_local is False or not (lookups or self._state.copy_gets_up_to):
             return None
-        if session is None or not session.alive:
+        # A put's lookups come right after it opened (and so checked) the session: no
+        # second look at the socket.
+        if session is None or not (lookups or session.alive):
             return None
         return self._state.tables.get(session.read_table, self._state.maps)
 
