@@ -70,6 +70,17 @@ def slow_writers(monkeypatch: pytest.MonkeyPatch, pause_s: float = 0.004) -> Non
     monkeypatch.setattr(SessionConnection, "data_received", data_received)
 
 
+def test_a_daemon_with_warm_restart_offers_no_posted_commits(server_factory) -> None:
+    """Warm restart promises that a put that returned survives a SIGKILL: its commits stay
+    calls, answered after the restart index has the entry."""
+    with server_factory(host_pool_bytes=8 * MiB) as server:
+        raw = Raw(server)
+        try:
+            assert raw.opened.stash_puts and not raw.opened.HasField("posted_commits")
+        finally:
+            raw.close()
+
+
 @pytest.mark.parametrize("reader", ["session socket", "grpc"])
 def test_a_put_is_visible_to_another_process_as_soon_as_it_returns(
     server_factory, monkeypatch, reader: str
@@ -78,7 +89,7 @@ def test_a_put_is_visible_to_another_process_as_soon_as_it_returns(
     (a miss in the read table, so a call) must never miss and never read other bytes, even
     while the daemon has not read the writer's socket yet."""
     slow_writers(monkeypatch, 0.01)
-    with server_factory(host_pool_bytes=32 * MiB) as server:
+    with server_factory(warm_restart=False, host_pool_bytes=32 * MiB) as server:
         ctx = mp.get_context("spawn")
         ours, theirs = ctx.Pipe()
         proc = ctx.Process(target=_writer, args=(target(server), theirs, ROUNDS))
@@ -101,7 +112,7 @@ def test_a_put_is_visible_to_another_process_as_soon_as_it_returns(
 
 
 def test_a_posted_put_makes_no_call_and_stays_idempotent(server_factory, monkeypatch) -> None:
-    with server_factory(host_pool_bytes=8 * MiB) as server:
+    with server_factory(warm_restart=False, host_pool_bytes=8 * MiB) as server:
         kinds = session_kinds(monkeypatch)
         with EmbCacheClient(target(server), timeout=10) as client:
             assert client.put("a", pattern(1)) is True
@@ -122,7 +133,7 @@ def test_a_posted_put_makes_no_call_and_stays_idempotent(server_factory, monkeyp
 def test_puts_outside_the_bounds_commit_with_a_call(server_factory, monkeypatch) -> None:
     """A put the daemon could refuse for the request itself is never posted: its error
     comes back from the commit's call."""
-    with server_factory(host_pool_bytes=8 * MiB, max_key_bytes=16) as server:
+    with server_factory(warm_restart=False, host_pool_bytes=8 * MiB, max_key_bytes=16) as server:
         kinds = session_kinds(monkeypatch)
         with EmbCacheClient(target(server), timeout=10) as client:
             with pytest.raises(Exception, match="too long"):
@@ -135,7 +146,7 @@ def test_puts_outside_the_bounds_commit_with_a_call(server_factory, monkeypatch)
 def test_a_posted_commit_that_fails_is_answered_and_logged(server_factory, caplog) -> None:
     """A posted commit naming pages its stash does not hold is refused: nothing is stored,
     and the client is told with a result of call id 0."""
-    with server_factory(host_pool_bytes=8 * MiB) as server:
+    with server_factory(warm_restart=False, host_pool_bytes=8 * MiB) as server:
         raw = Raw(server)
         try:
             assert raw.opened.HasField("posted_commits")
@@ -166,7 +177,7 @@ def test_a_read_waits_for_a_commit_still_in_the_socket(server_factory) -> None:
     """The daemon has not read the writer's socket yet (its reading paused, as a busy loop
     would leave it): a read of the key from another session waits until the commit in
     the kernel's queue is handled, then finds it; a true miss is answered."""
-    with server_factory(host_pool_bytes=8 * MiB) as server:
+    with server_factory(warm_restart=False, host_pool_bytes=8 * MiB) as server:
         thread = server[1]
         posted = thread.service.servicer.posted
         with EmbCacheClient(target(server), timeout=10) as writer:
@@ -237,7 +248,7 @@ def _put_and_die(address: str, n: int) -> None:
 def test_puts_that_returned_outlive_a_writer_that_exits_at_once(server_factory) -> None:
     """The writer's process is gone before the daemon may have read its posted commits:
     every put that returned is stored all the same, and its stash goes back."""
-    with server_factory(host_pool_bytes=32 * MiB) as server:
+    with server_factory(warm_restart=False, host_pool_bytes=32 * MiB) as server:
         engine = server[0]
         ctx = mp.get_context("spawn")
         proc = ctx.Process(target=_put_and_die, args=(target(server), 20))

@@ -126,7 +126,11 @@ class SessionService:
             get_into=True,
             inline_gets=calls.serves_inline_gets,
             read_table=read_table_info(engine.read_table, self._host_pool, h.offered_pools()),
-            posted_commits=self._posted_bounds() if stash_puts else None,
+            # A posted commit is applied after its put returned, so a SIGKILL can lose it: not
+            # offered where warm restart promises that every returned put survives one.
+            posted_commits=self._posted_bounds()
+            if stash_puts and not settings.warm_restart
+            else None,
         )
         return OpenSession(calls, opened, self._end_session, record)
 
