@@ -347,22 +347,20 @@ class SessionCalls:
                                       nbytes=nbytes, limit=THREAD_CRC_BYTES)  # fmt: skip
             served(self.host_puts, "stash_commit").stash_commit(request)
 
-        start = time.perf_counter()
-        response = pb.SessionResponse()
-        code = self._outcome("stash_commit (posted)", commit, response.result)
-        if self._metrics is not None:
-            elapsed = time.perf_counter() - start
-            self._metrics.observe_rpc(self._transport, "Session.StashCommit", code, elapsed)
-        if code != "OK" and self.send_now is not None:
-            self.send_now(lambda: response)  # not sent where the client does not read now
+        self._posted("stash_commit", commit, answer_failure=True)
 
-    def _posted(self, kind: str, run: Callable[[], object]) -> None:
-        """Run a posted call (no result): its failure is logged only, nobody waits for it."""
+    def _posted(self, kind: str, run: Callable[[], object], answer_failure: bool = False) -> None:
+        """Run a posted call (no result): its failure is logged; with ``answer_failure``
+        also answered, by a result with call id 0, where the client reads now."""
         start = time.perf_counter()
-        code = self._outcome(f"{kind} (posted)", run, None)
+        response = pb.SessionResponse() if answer_failure else None
+        result = response.result if response is not None else None
+        code = self._outcome(f"{kind} (posted)", run, result)
         if self._metrics is not None:
             elapsed = time.perf_counter() - start
             self._metrics.observe_rpc(self._transport, f"Session.{NAMES[kind]}", code, elapsed)
+        if response is not None and code != "OK" and self.send_now is not None:
+            self.send_now(lambda: response)
 
     def _give_back(self, result: pb.SessionResult) -> None:
         """Release the leases a result would have handed out."""
