@@ -215,6 +215,9 @@ def test_a_held_back_writer_bounds_the_wait(monkeypatch) -> None:
     commits.add(Stuck())
     asyncio.run(commits.settle(["k"]))
     assert commits.waits == 1 and commits.overdue == 1
+    started = time.monotonic()
+    asyncio.run(commits.settle(["k"]))  # stalled still: not waited for again
+    assert commits.waits == 1 and time.monotonic() - started < 0.05
     held = posted_mod.PostedCommits(lambda keys: True, wait_s=0.05)
     held.add(Stuck())
     asyncio.run(held.settle(["k"]))  # every key held: no wait at all

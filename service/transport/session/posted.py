@@ -11,7 +11,8 @@ the read is answered. Reads of keys that are all held wait for nothing, and so d
 read while no connection has posted a commit. The stats wait as a read of every key does.
 
 The wait is bounded (``wait_s``): a writer whose connection is held back (its results go
-unread, or it has its bound of calls in flight) is not waited for past it.
+unread, or it has its bound of calls in flight) is not waited for past it, and not waited
+for again until it has caught up, so a stalled writer delays one read, not every read.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class PostedCommits:
         self._held = held  # whether the daemon holds every one of these keys
         self._wait_s = wait_s
         self._conns: dict[PostingConnection, None] = {}
+        # Connections a read waited for to the bound: not waited for again until they have
+        # handled all they were sent, so a writer that stalls delays one read, not each.
+        self._stalled: set[PostingConnection] = set()
         self.waits = 0  # reads that waited (one loop turn or more)
         self.overdue = 0  # reads answered at the bound with a commit still unhandled
 
@@ -55,6 +59,7 @@ class PostedCommits:
 
     def discard(self, conn: PostingConnection) -> None:
         self._conns.pop(conn, None)
+        self._stalled.discard(conn)
 
     async def settle(self, keys: Sequence[str] | None) -> None:
         """Return once the commits posted before now are applied, or at once when the
@@ -63,6 +68,8 @@ class PostedCommits:
             return
         marks = [(conn, conn.written()) for conn in self._conns]
         pending = [(conn, mark) for conn, mark in marks if not conn.handled_through(mark)]
+        self._stalled.intersection_update(conn for conn, _ in pending)  # caught up: waited for
+        pending = [(conn, mark) for conn, mark in pending if conn not in self._stalled]
         if not pending:
             return
         self.waits += 1
@@ -72,6 +79,7 @@ class PostedCommits:
         while pending:
             if loop.time() >= deadline:
                 self.overdue += 1
+                self._stalled.update(conn for conn, _ in pending)
                 log.info("a read waited %.1f s for posted commits; answered without them",
                          self._wait_s)  # fmt: skip
                 return
